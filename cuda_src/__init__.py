@@ -1,0 +1,1 @@
+"""CUDA C++ kernel sources, compiled at run time by NVRTC."""

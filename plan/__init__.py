@@ -1,0 +1,1 @@
+"""Host planners: NumPy only."""

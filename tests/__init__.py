@@ -1,0 +1,1 @@
+"""Float64 NumPy references and the test suite."""
