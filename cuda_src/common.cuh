@@ -1,0 +1,120 @@
+// Basics shared by every kernel: fixed-width ints, 16-byte vectors, dtype conversions,
+// warp and block reductions. NVRTC-clean: only the CUDA runtime's fp16/bf16/fp8 headers.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+#define RTC_DEVICE __device__ __forceinline__
+
+// ---------------------------------------------------------------------------------------------
+// dtype conversions (compute is fp32)
+
+RTC_DEVICE float to_float(float x) { return x; }
+RTC_DEVICE float to_float(half x) { return __half2float(x); }
+RTC_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+RTC_DEVICE float to_float(__nv_fp8_e4m3 x) { return float(x); }
+RTC_DEVICE float to_float(__nv_fp8_e5m2 x) { return float(x); }
+
+template <typename T>
+RTC_DEVICE T from_float(float x);
+template <>
+RTC_DEVICE float from_float<float>(float x) { return x; }
+template <>
+RTC_DEVICE half from_float<half>(float x) { return __float2half_rn(x); }
+template <>
+RTC_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+RTC_DEVICE __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) { return __nv_fp8_e4m3(x); }
+template <>
+RTC_DEVICE __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) { return __nv_fp8_e5m2(x); }
+
+// Two fp8 values (packed in 16 bits, low byte first) to two halves in one instruction.
+RTC_DEVICE __half2 fp8x2_to_half2(uint16_t bits, __nv_fp8_interpretation_t kind) {
+  __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(bits, kind);
+  return *reinterpret_cast<__half2*>(&raw);
+}
+
+// ---------------------------------------------------------------------------------------------
+// N elements of T as one aligned register bundle (16 bytes when sizeof(T) * N == 16).
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+  RTC_DEVICE T& operator[](int i) { return v[i]; }
+  RTC_DEVICE const T& operator[](int i) const { return v[i]; }
+
+  RTC_DEVICE void load(const T* ptr) { *this = *reinterpret_cast<const Vec*>(ptr); }
+  RTC_DEVICE void store(T* ptr) const { *reinterpret_cast<Vec*>(ptr) = *this; }
+
+  // Loads that skip L1 allocation: for data read exactly once (streaming ops).
+  RTC_DEVICE void load_stream(const T* ptr) {
+    if constexpr (sizeof(Vec) == 16) {
+      uint32_t* r = reinterpret_cast<uint32_t*>(v);
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "l"(ptr));
+    } else {
+      load(ptr);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Reductions
+
+RTC_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+RTC_DEVICE float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Sum over a block of THREADS threads; every thread gets the total. `scratch` holds 32 floats
+// and may be reused after the call returns.
+template <int THREADS>
+RTC_DEVICE float block_sum(float x, float* scratch) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block of whole warps");
+  constexpr int WARPS = THREADS / 32;
+  x = warp_sum(x);
+  if constexpr (WARPS == 1) return x;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < WARPS ? scratch[lane] : 0.f;
+  x = warp_sum(x);
+  __syncthreads();
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Math
+
+RTC_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+RTC_DEVICE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float LOG2E = 1.4426950408889634f;

@@ -1,0 +1,93 @@
+"""DLPack in and out without importing a framework the caller did not use.
+
+Inputs become CuPy views (zero-copy); fp8 tensors become uint8 views with their name kept by
+`dtype_name`. Outputs are allocated by the caller's framework (its allocator, its device), so
+torch in gives torch out and CuPy in gives CuPy out.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .dtypes import FP8_DTYPES, normalize, numpy_dtype
+
+
+def framework(x) -> str:
+    """ "torch", "jax", "cupy", "numpy" or "dlpack" (anything else exporting __dlpack__)."""
+    module = type(x).__module__.partition(".")[0]
+    if module in ("torch", "jax", "jaxlib", "cupy", "numpy"):
+        return "jax" if module == "jaxlib" else module
+    return "dlpack"
+
+
+def dtype_name(x) -> str:
+    """Canonical dtype name of an array of any framework ("bfloat16", "float8_e4m3fn", ...)."""
+    return normalize(x.dtype)
+
+
+def _describe(x) -> str:
+    shape = tuple(getattr(x, "shape", ()))
+    return f"{type(x).__module__}.{type(x).__qualname__} of shape {shape}"
+
+
+def as_cupy(x, name: str):
+    """Zero-copy CuPy view of a CUDA array from any framework; host arrays raise TypeError."""
+    import cupy
+
+    fw = framework(x)
+    if fw == "cupy":
+        return x
+    if fw == "numpy":
+        raise TypeError(
+            f"{name}: expected a CUDA array (CuPy, PyTorch or JAX), got a host numpy.ndarray "
+            f"of shape {x.shape}; move it to the GPU first"
+        )
+    if fw == "torch":
+        if x.device.type != "cuda":
+            raise TypeError(f"{name}: expected a CUDA tensor, got a torch.Tensor on {x.device}")
+        if dtype_name(x) in FP8_DTYPES:
+            x = x.view(sys.modules["torch"].uint8)
+    elif fw == "jax":
+        devices = {d.platform for d in x.devices()}
+        if devices != {"gpu"}:
+            raise TypeError(f"{name}: expected a JAX array on a GPU, got one on {devices}")
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"{name}: expected a CUDA array with __dlpack__, got {_describe(x)}")
+    try:
+        return cupy.from_dlpack(x)
+    except (TypeError, ValueError, BufferError, RuntimeError) as e:
+        raise TypeError(f"{name}: cannot take {_describe(x)} as a CUDA array: {e}") from e
+
+
+def device_of(x) -> int:
+    """CUDA device ordinal of an array of any framework (without conversion)."""
+    fw = framework(x)
+    if fw == "torch":
+        return x.device.index if x.device.type == "cuda" else -1
+    if fw == "cupy":
+        return x.device.id
+    if fw == "jax":
+        return next(iter(x.devices())).id
+    return -1
+
+
+def empty(like, shape: tuple[int, ...], dtype: str):
+    """A new array on `like`'s device, allocated by `like`'s framework (torch or CuPy)."""
+    if framework(like) == "torch":
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.empty(shape, dtype=numpy_dtype(dtype))
+
+
+def current_stream(like):
+    """The stream to launch on: the producer framework's current stream, as a CuPy stream."""
+    import cupy
+
+    if framework(like) == "torch":
+        torch = sys.modules["torch"]
+        ptr = torch.cuda.current_stream(like.device).cuda_stream
+        return cupy.cuda.ExternalStream(ptr, like.device.index)
+    return cupy.cuda.get_current_stream()

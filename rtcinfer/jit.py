@@ -1,0 +1,288 @@
+"""Spec -> expanded source -> NVRTC -> CUBIN (disk cache) -> loaded kernel.
+
+A spec is a frozen dataclass holding a kernel family's compile-time choices. It names its
+source file (`source`, in `cuda_src/`) and renders the generated prelude (`prelude()`: constexpr
+values and type aliases). Everything else is a kernel argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from . import __version__
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_MAGIC = b"RTCI1\n"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; carries the compiler log and the dumped source path."""
+
+    def __init__(self, spec, log: str, source_path: Path):
+        super().__init__(f"NVRTC failed to compile {spec!r}\nsource: {source_path}\n{log}")
+        self.log = log
+        self.source_path = source_path
+
+
+class CacheMissError(RuntimeError):
+    """RTCINFER_NO_COMPILE=1 is set and the kernel is not in the disk cache."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    spec: object
+    arch: str
+    cubin: bytes
+    path: Path
+    meta: dict  # spec, arch, nvrtc, compile_seconds, resources (per-kernel ptxas report)
+    cache_hit: bool
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RTCINFER_CACHE_DIR", "~/.cache/rtcinfer")).expanduser()
+
+
+@functools.cache
+def header_dir() -> str:
+    """Directory holding cuda_fp16.h / cuda_bf16.h / cuda_fp8.h (the CUDA runtime wheel)."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+    except Exception:  # noqa: BLE001 - any failure falls through to CUDA_HOME
+        found = None
+    if found is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        if home and (Path(home) / "include" / "cuda_fp16.h").exists():
+            found = str(Path(home) / "include")
+    if found is None:
+        raise RuntimeError(
+            "CUDA headers not found: install rtcinfer[cuda13] (or [cuda12]) or set CUDA_HOME"
+        )
+    return found
+
+
+@functools.cache
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+@functools.cache
+def _toolchain_fingerprint() -> str:
+    """NVRTC version + the runtime headers kernels include (size and mtime)."""
+    parts = [nvrtc_version(), __version__]
+    for name in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"):
+        st = (Path(header_dir()) / name).stat()
+        parts.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
+    return "|".join(parts)
+
+
+def expand_source(spec) -> str:
+    """common.cuh, then the spec's generated prelude, then its .cu file, own includes inlined."""
+    seen: set[str] = set()
+    root = resources.files("rtcinfer.cuda_src")
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return "\n".join([expand("common.cuh"), spec.prelude(), expand(spec.source)])
+
+
+def compile_options(arch: str) -> list[str]:
+    opts = [
+        f"--gpu-architecture={arch}",
+        "-std=c++17",
+        "-default-device",
+        "-lineinfo",
+        "-Xptxas=-v",
+        f"-I{header_dir()}",
+    ]
+    return opts + shlex.split(os.environ.get("RTCINFER_NVRTC_FLAGS", ""))
+
+
+def spec_name(spec) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", repr(spec))[:120]
+
+
+def _entry_path(spec, source: str, options: list[str], arch: str) -> Path:
+    key = hashlib.sha256(
+        "\0".join([source, *options, arch, _toolchain_fingerprint()]).encode()
+    ).hexdigest()
+    return cache_dir() / arch / f"{type(spec).__name__}-{key[:24]}.rtci"
+
+
+def read_entry(path: Path) -> tuple[dict, bytes] | None:
+    """(meta, cubin) of a cache entry, or None when it is missing, truncated or corrupt."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_MAGIC) + 32 + 4
+    if len(blob) < head or not blob.startswith(_MAGIC):
+        return None
+    digest = blob[len(_MAGIC) : len(_MAGIC) + 32]
+    payload = blob[head:]
+    if hashlib.sha256(payload).digest() != digest:
+        return None
+    n = int.from_bytes(blob[head - 4 : head], "little")
+    try:
+        meta = json.loads(payload[:n])
+    except ValueError:
+        return None
+    cubin = payload[n:]
+    return (meta, cubin) if cubin.startswith(b"\x7fELF") else None
+
+
+def _write_entry(path: Path, meta: dict, cubin: bytes) -> None:
+    """Atomic: a temp file in the same folder, then os.replace."""
+    header = json.dumps(meta).encode()
+    payload = header + cubin
+    blob = _MAGIC + hashlib.sha256(payload).digest() + len(header).to_bytes(4, "little") + payload
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)'")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """Per entry point: registers, stack, spill_stores, spill_loads, smem (static bytes)."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        if m := _PTXAS_FUNC.search(line):
+            current = out.setdefault(m.group(1), {"registers": 0, "stack": 0, "smem": 0})
+        elif current is not None and (m := _PTXAS_STACK.search(line)):
+            current.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif current is not None and (m := _PTXAS_REGS.search(line)):
+            current["registers"] = int(m[1])
+            if s := _PTXAS_SMEM.search(line):
+                current["smem"] = int(s[1])
+    return out
+
+
+def _nvrtc(source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
+    from cuda.bindings import nvrtc
+
+    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return None, log.decode(errors="replace").rstrip("\0")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return cubin, log.decode(errors="replace").rstrip("\0")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_spec(spec, arch: str) -> Compiled:
+    """CUBIN of `spec` for `arch` (e.g. "sm_90a"), from the disk cache or compiled now."""
+    source = expand_source(spec)
+    options = compile_options(arch)
+    path = _entry_path(spec, source, options, arch)
+    if (entry := read_entry(path)) is not None:
+        return Compiled(spec, arch, entry[1], path, entry[0], cache_hit=True)
+    if os.environ.get("RTCINFER_NO_COMPILE") == "1":
+        raise CacheMissError(f"RTCINFER_NO_COMPILE=1 and {spec!r} for {arch} is not cached")
+    name = spec_name(spec)
+    if os.environ.get("RTCINFER_DUMP_SOURCE") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".cu").write_text(source)
+    start = time.perf_counter()
+    cubin, log = _nvrtc(source, name, options)
+    seconds = time.perf_counter() - start
+    if cubin is None:
+        dump = cache_dir() / "failed" / f"{path.stem}.cu"
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        dump.write_text(source)
+        raise CompileError(spec, log, dump)
+    meta = {
+        "spec": repr(spec),
+        "arch": arch,
+        "nvrtc": nvrtc_version(),
+        "compile_seconds": round(seconds, 4),
+        "resources": parse_ptxas_log(log),
+    }
+    _write_entry(path, meta, cubin)
+    return Compiled(spec, arch, cubin, path, meta, cache_hit=False)
+
+
+def arch_of(compute_capability: str | int) -> str:
+    """Compile target for a device: sm_90 gets the arch-specific sm_90a (wgmma, setmaxnreg)."""
+    cc = str(compute_capability)
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+@functools.cache
+def _module(spec, device_id: int):
+    import cupy
+
+    with cupy.cuda.Device(device_id) as dev:
+        compiled = compile_spec(spec, arch_of(dev.compute_capability))
+        module = cupy.cuda.function.Module()
+        module.load(compiled.cubin)
+    return module
+
+
+def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: int = 0):
+    """The loaded kernel `name` of `spec` on a device (default: the current one).
+
+    Compiles (or reads the disk cache) and loads once per (spec, device). `dynamic_smem` above
+    48 KB raises the function's dynamic shared-memory limit.
+    """
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    return _function(spec, name, device_id, dynamic_smem)
+
+
+@functools.cache
+def _function(spec, name: str, device_id: int, dynamic_smem: int):
+    from cupy_backends.cuda.api import driver
+
+    fn = _module(spec, device_id).get_function(name)
+    if dynamic_smem > 48 * 1024:
+        attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.funcSetAttribute(fn.ptr, attr, dynamic_smem)
+    return fn
+
+
+@functools.cache
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device (for persistent grids and the split-KV planner)."""
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)

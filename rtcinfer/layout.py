@@ -1,0 +1,52 @@
+"""How kernels see arrays: rows of a strided view, and the widest aligned vector."""
+
+from __future__ import annotations
+
+
+def leading_rows(arr, name: str) -> tuple[int, int, int, int]:
+    """(rows, n1, s0, s1) of an array [..., d] whose leading dims form at most two strided levels.
+
+    Row r starts at element (r // n1) * s0 + (r % n1) * s1. The last dimension must have unit
+    stride. Leading dimensions that are contiguous with each other are merged first.
+    """
+    shape, item = tuple(arr.shape), arr.itemsize
+    strides = [s // item for s in arr.strides]
+    if not shape:
+        raise ValueError(f"{name}: expected at least 1 dimension, got a 0-d array")
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(
+            f"{name}: the last dimension must be contiguous (stride 1), got strides {strides}"
+        )
+    dims = [(n, s) for n, s in zip(shape[:-1], strides[:-1], strict=True) if n != 1]
+    merged: list[list[int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == s * n:
+            merged[-1] = [merged[-1][0] * n, s]
+        else:
+            merged.append([n, s])
+    if len(merged) > 2:
+        raise ValueError(
+            f"{name}: leading dimensions {shape[:-1]} with strides {strides[:-1]} do not fold "
+            f"into two strided levels; pass a contiguous array"
+        )
+    while len(merged) < 2:
+        merged.insert(0, [1, 0])
+    (n0, s0), (n1, s1) = merged
+    return n0 * n1, n1, s0, s1
+
+
+def fit_vec(vec: int, itemsize: int, pointers, strides) -> int:
+    """Largest power of two <= vec dividing every stride (elements) with aligned pointers."""
+    while vec > 1 and (
+        any(p % (vec * itemsize) for p in pointers) or any(s % vec for s in strides)
+    ):
+        vec //= 2
+    return vec
+
+
+def widest_vec(n: int, itemsize: int) -> int:
+    """Largest power of two dividing n with vec * itemsize <= 16 bytes."""
+    vec = 16 // itemsize
+    while vec > 1 and n % vec:
+        vec //= 2
+    return vec

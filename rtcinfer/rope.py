@@ -1,0 +1,409 @@
+"""Rotary position embedding on q and k in one launch (FlashInfer's names and defaults).
+
+Positions come from `pos_ids` (one per token) or from ragged `indptr`/`offsets` (token t of
+request b sits at offsets[b] + t - indptr[b]). Frequencies: rope_theta ** (-2 i / rotary_dim)
+/ rope_scale, the Llama 3.1 band smoothing, or a precomputed cos/sin cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from . import jit
+from .interop import Out, dtype_name, run
+from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .layout import fit_vec, widest_vec
+
+MODES = ("theta", "llama31", "cos_sin_cache")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    dtype: str
+    pos_dtype: str
+    head_dim: int
+    rotary_dim: int
+    interleave: bool
+    mode: str
+    pos_from: str  # "pos_ids" or "indptr"
+    inplace: bool
+    vec: int
+    source: ClassVar[str] = "rope.cu"
+
+    @property
+    def rows(self) -> int:
+        return max(1, 256 // (self.head_dim // self.vec))
+
+    @property
+    def threads(self) -> int:
+        return self.rows * (self.head_dim // self.vec)
+
+    def prelude(self) -> str:
+        return "\n".join(
+            [
+                f"using T = {cuda_type(self.dtype)};",
+                f"using POS_T = {cuda_type(self.pos_dtype)};",
+                f"constexpr int HEAD_DIM = {self.head_dim};",
+                f"constexpr int ROTARY_DIM = {self.rotary_dim};",
+                f"constexpr int VEC = {self.vec};",
+                f"constexpr int ROWS = {self.rows};",
+                f"constexpr bool INTERLEAVE = {str(self.interleave).lower()};",
+                f"constexpr int MODE = {MODES.index(self.mode)};",
+                f"constexpr int POS_FROM = {int(self.pos_from == 'indptr')};",
+                f"constexpr bool INPLACE = {str(self.inplace).lower()};",
+            ]
+        )
+
+
+def rope_vec(dtype: str, head_dim: int, rotary_dim: int, interleave: bool) -> int:
+    unit = math.gcd(head_dim, rotary_dim if interleave else rotary_dim // 2)
+    return widest_vec(unit, itemsize(dtype))
+
+
+def _head_strides(arr, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """(token, head) strides in elements of [nnz, H, D] or of its flattened [nnz, H * D] form."""
+    item = arr.itemsize
+    if arr.ndim == 3:
+        if arr.shape[2] > 1 and arr.strides[2] != item:
+            raise ValueError(f"the head dimension must be contiguous, got strides {arr.strides}")
+        return arr.strides[0] // item, arr.strides[1] // item
+    if arr.shape[1] > 1 and arr.strides[1] != item:
+        raise ValueError(f"the last dimension must be contiguous, got strides {arr.strides}")
+    return arr.strides[0] // item, head_dim
+
+
+def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
+    q_out, k_out = outs
+    q, k = (q_out, k_out) if spec.inplace else (ins[0], ins[1])
+    extra = ins[2:]
+    nnz = q.shape[0]
+    if nnz == 0:
+        return
+    hq = q.size // (nnz * head_dim)
+    hk = k.size // (nnz * head_dim)
+    strides = [
+        *_head_strides(q, hq, head_dim),
+        *_head_strides(k, hk, head_dim),
+        *_head_strides(q_out, hq, head_dim),
+        *_head_strides(k_out, hk, head_dim),
+    ]
+    vec = fit_vec(
+        spec.vec, itemsize(spec.dtype), [a.data.ptr for a in (q, k, q_out, k_out)], strides
+    )
+    if vec != spec.vec:
+        if spec.interleave and vec < 2:
+            raise ValueError("interleaved RoPE needs q and k aligned to element pairs")
+        spec = RopeSpec(**{**spec.__dict__, "vec": vec})
+    fn = jit.get_function(spec, "rope_kernel")
+    pos_ids = indptr = offsets = cache = 0
+    if spec.mode == "cos_sin_cache":
+        pos_ids, cache = extra
+    elif spec.pos_from == "pos_ids":
+        (pos_ids,) = extra
+    else:
+        indptr, offsets = extra
+    batch = offsets.shape[0] if spec.pos_from == "indptr" else 0
+    grid = min(nnz, jit.sm_count(q.device.id) * (2048 // spec.threads))
+    args = (
+        q,
+        *strides[0:2],
+        k,
+        *strides[2:4],
+        q_out,
+        *strides[4:6],
+        k_out,
+        *strides[6:8],
+        pos_ids,
+        indptr,
+        offsets,
+        cache,
+        np.int32(nnz),
+        np.int32(hq),
+        np.int32(hk),
+        np.int32(batch),
+        *(np.float32(p) for p in params),
+    )
+    fn((grid, 1, 1), (spec.threads, 1, 1), args, stream=stream)
+
+
+def _rope(q, k, positions, *, rotary_dim, interleave, mode, inplace, params, head_dim=None):
+    """positions: [("pos_ids", a)] or [("indptr", a), ("offsets", b)] or cache inputs."""
+    dtype = dtype_name(q)
+    if dtype not in FLOAT_DTYPES or dtype_name(k) != dtype:
+        raise TypeError(f"q and k must share a float dtype, got {dtype} and {dtype_name(k)}")
+    head_dim = head_dim or q.shape[-1]
+    if len(q.shape) not in (2, 3) or len(k.shape) != len(q.shape):
+        raise ValueError(f"q and k must be [nnz, heads, head_dim], got {q.shape} and {k.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] % head_dim or k.shape[-1] % head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
+    if len(q.shape) == 3 and k.shape[-1] != head_dim:
+        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} and {k.shape[-1]}")
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, {head_dim}]")
+    pos_dtype = dtype_name(positions[0][1])
+    if pos_dtype not in ("int32", "int64"):
+        raise TypeError(f"{positions[0][0]}: dtype must be int32 or int64, got {pos_dtype}")
+    if mode != "cos_sin_cache" and len(positions) == 2 and dtype_name(positions[1][1]) != pos_dtype:
+        raise TypeError(f"indptr ({pos_dtype}) and offsets must share a dtype")
+    vec = rope_vec(dtype, head_dim, rotary_dim, interleave)
+    if interleave and vec < 2:
+        raise ValueError(f"interleaved RoPE needs an even head_dim, got {head_dim}")
+    pos_from = "indptr" if positions[0][0] == "indptr" else "pos_ids"
+    spec = RopeSpec(
+        dtype, pos_dtype, head_dim, rotary_dim, interleave, mode, pos_from, inplace, vec
+    )
+    alias = (0, 1) if inplace else (None, None)
+    outs = [Out(tuple(x.shape), dtype, alias=a) for x, a in zip((q, k), alias, strict=True)]
+    ins = [("q", q), ("k", k), *positions]
+    return run(_launch, ins, outs, spec=spec, head_dim=head_dim, params=params)
+
+
+def _theta(rope_scale, rope_theta):
+    return (float(rope_scale), float(rope_theta), 1.0, 1.0, 1.0)
+
+
+def apply_rope(
+    q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
+):
+    """RoPE at ragged positions; returns (q_rope, k_rope).
+
+    pos[t] = offsets[b] + t - indptr[b] for indptr[b] <= t < indptr[b+1]
+    q_rope[t, h, i] = q[t, h, i] cos(pos f_i) - q[t, h, i + R/2] sin(pos f_i),  i < R/2
+    q_rope[t, h, i] = q[t, h, i] cos(pos f_j) + q[t, h, i - R/2] sin(pos f_j),  j = i - R/2
+    f_i = rope_theta ** (-2 i / R) / rope_scale, R = rotary_dim; interleave pairs (2i, 2i+1).
+    q: [nnz, Hq, D], k: [nnz, Hk, D] (token and head strides free); indptr [B+1], offsets [B].
+    """
+    pos = [("indptr", indptr), ("offsets", offsets)]
+    return _rope(
+        q,
+        k,
+        pos,
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="theta",
+        inplace=False,
+        params=_theta(rope_scale, rope_theta),
+    )
+
+
+def apply_rope_inplace(
+    q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
+):
+    """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
+    pos = [("indptr", indptr), ("offsets", offsets)]
+    return _rope(
+        q,
+        k,
+        pos,
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="theta",
+        inplace=True,
+        params=_theta(rope_scale, rope_theta),
+    )
+
+
+def apply_rope_pos_ids(
+    q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
+):
+    """RoPE with one position per token, pos_ids: [nnz] int32/int64; returns (q_rope, k_rope)."""
+    return _rope(
+        q,
+        k,
+        [("pos_ids", pos_ids)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="theta",
+        inplace=False,
+        params=_theta(rope_scale, rope_theta),
+    )
+
+
+def apply_rope_pos_ids_inplace(
+    q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
+):
+    """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
+    return _rope(
+        q,
+        k,
+        [("pos_ids", pos_ids)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="theta",
+        inplace=True,
+        params=_theta(rope_scale, rope_theta),
+    )
+
+
+def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
+    return tuple(
+        map(float, (rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len))
+    )
+
+
+def apply_llama31_rope(
+    q,
+    k,
+    indptr,
+    offsets,
+    rotary_dim=None,
+    interleave=False,
+    rope_scale=8.0,
+    rope_theta=5e5,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    old_context_len=8192,
+):
+    """`apply_rope` with Llama 3.1 frequencies: f = theta ** (-2i/R), wavelength w = 2 pi / f,
+    s = clip((old_context_len / w - low_freq_factor) / (high_freq_factor - low_freq_factor), 0, 1),
+    f' = (1 - s) f / rope_scale + s f."""
+    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return _rope(
+        q,
+        k,
+        [("indptr", indptr), ("offsets", offsets)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="llama31",
+        inplace=False,
+        params=params,
+    )
+
+
+def apply_llama31_rope_inplace(
+    q,
+    k,
+    indptr,
+    offsets,
+    rotary_dim=None,
+    interleave=False,
+    rope_scale=8.0,
+    rope_theta=5e5,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    old_context_len=8192,
+):
+    """`apply_llama31_rope` writing q and k in place; returns (q, k)."""
+    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return _rope(
+        q,
+        k,
+        [("indptr", indptr), ("offsets", offsets)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="llama31",
+        inplace=True,
+        params=params,
+    )
+
+
+def apply_llama31_rope_pos_ids(
+    q,
+    k,
+    pos_ids,
+    rotary_dim=None,
+    interleave=False,
+    rope_scale=8.0,
+    rope_theta=5e5,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    old_context_len=8192,
+):
+    """Llama 3.1 RoPE with one position per token; returns (q_rope, k_rope)."""
+    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return _rope(
+        q,
+        k,
+        [("pos_ids", pos_ids)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="llama31",
+        inplace=False,
+        params=params,
+    )
+
+
+def apply_llama31_rope_pos_ids_inplace(
+    q,
+    k,
+    pos_ids,
+    rotary_dim=None,
+    interleave=False,
+    rope_scale=8.0,
+    rope_theta=5e5,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    old_context_len=8192,
+):
+    """`apply_llama31_rope_pos_ids` writing q and k in place; returns (q, k)."""
+    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return _rope(
+        q,
+        k,
+        [("pos_ids", pos_ids)],
+        rotary_dim=rotary_dim,
+        interleave=interleave,
+        mode="llama31",
+        inplace=True,
+        params=params,
+    )
+
+
+def _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
+    if dtype_name(cos_sin_cache) != "float32" or len(cos_sin_cache.shape) != 2:
+        raise TypeError(
+            f"cos_sin_cache: expected float32 [max_pos, rotary_dim], got "
+            f"{dtype_name(cos_sin_cache)} {tuple(cos_sin_cache.shape)}"
+        )
+    pos = [("positions", positions), ("cos_sin_cache", cos_sin_cache)]
+    return _rope(
+        query,
+        key,
+        pos,
+        rotary_dim=cos_sin_cache.shape[1],
+        interleave=not is_neox,
+        mode="cos_sin_cache",
+        inplace=inplace,
+        params=_theta(1, 1),
+        head_dim=int(head_size),
+    )
+
+
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    """RoPE from a cos/sin table: cos = cache[pos, :R/2], sin = cache[pos, R/2:].
+
+    query: [nnz, Hq * head_size] or [nnz, Hq, head_size]; key likewise; positions [nnz];
+    is_neox=True rotates halves, False rotates interleaved pairs. Returns (query, key) rotated.
+    """
+    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, False)
+
+
+def apply_rope_with_cos_sin_cache_inplace(
+    positions, query, key, head_size, cos_sin_cache, is_neox=True
+):
+    """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""
+    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, True)
+
+
+def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
+    """What a model's attention uses: ragged positions, in place, full rotary dim (warmup)."""
+    return [
+        RopeSpec(
+            d,
+            "int32",
+            head_dim,
+            head_dim,
+            False,
+            mode,
+            "indptr",
+            True,
+            rope_vec(d, head_dim, head_dim, False),
+        )
+        for d in dtypes
+        for mode in ("theta", "llama31")
+    ]
