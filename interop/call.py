@@ -28,7 +28,7 @@ class Out:
 
 
 def run(launch: Callable, inputs: Sequence[tuple[str, object]], outputs: Sequence[Out], **params):
-    """Launch on (name, array) inputs; returns the outputs (one, or a tuple) in the caller's type."""
+    """Launch on (name, array) inputs; returns the outputs (one or a tuple) in the caller's type."""
     first = inputs[0][1]
     if framework(first) == "jax":
         return _run_jax(launch, inputs, outputs, params)

@@ -1,0 +1,142 @@
+"""Naive float64 NumPy references, one per public op. Inputs of any dtype are read as float64.
+
+These define what the kernels compute; they are written for clarity, never for speed, and no
+kernel of ours is ever used as a reference for another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rtcinfer.interop.dtypes import numpy_dtype
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def round_to(x, dtype: str) -> np.ndarray:
+    """float64 values rounded to `dtype` (round to nearest even), back in float64."""
+    return f64(np.asarray(x, dtype=np.float64).astype(numpy_dtype(dtype)))
+
+
+# --- norms ------------------------------------------------------------------------------------
+
+
+def rmsnorm_ref(x, weight, eps=1e-6):
+    x = f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(weight)
+
+
+def gemma_rmsnorm_ref(x, weight, eps=1e-6):
+    return rmsnorm_ref(x, 1.0 + f64(weight), eps)
+
+
+def fused_add_rmsnorm_ref(x, residual, weight, eps=1e-6, dtype="float32"):
+    """(out, new_residual): the sum is stored in `dtype`, and the norm reads the stored sum."""
+    new_residual = round_to(f64(x) + f64(residual), dtype)
+    return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def gemma_fused_add_rmsnorm_ref(x, residual, weight, eps=1e-6, dtype="float32"):
+    new_residual = round_to(f64(x) + f64(residual), dtype)
+    return gemma_rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def layernorm_ref(x, gamma, beta, eps=1e-6):
+    x = f64(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * f64(gamma) + f64(beta)
+
+
+# --- gated activations ------------------------------------------------------------------------
+
+
+def _split(x):
+    x = f64(x)
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+def silu_and_mul_ref(x):
+    a, b = _split(x)
+    return a / (1.0 + np.exp(-a)) * b
+
+
+def gelu_and_mul_ref(x):
+    a, b = _split(x)
+    erf = np.vectorize(math.erf)
+    return 0.5 * a * (1.0 + erf(a / math.sqrt(2.0))) * b
+
+
+def gelu_tanh_and_mul_ref(x):
+    a, b = _split(x)
+    return 0.5 * a * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (a + 0.044715 * a**3))) * b
+
+
+# --- rotary embedding -------------------------------------------------------------------------
+
+
+def rope_inv_freq(rotary_dim, rope_scale=1.0, rope_theta=1e4):
+    """inv_freq[i] = rope_theta ** (-2 i / rotary_dim) / rope_scale, i < rotary_dim / 2."""
+    i = np.arange(rotary_dim // 2, dtype=np.float64)
+    return rope_theta ** (-2.0 * i / rotary_dim) / rope_scale
+
+
+def llama31_inv_freq(
+    rotary_dim, rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+    old_context_len=8192,
+):  # fmt: skip
+    """Llama 3.1: keep high frequencies, divide low ones by rope_scale, ramp in between."""
+    inv = rope_inv_freq(rotary_dim, 1.0, rope_theta)
+    wavelen = 2 * math.pi / inv
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = np.clip(smooth, 0.0, 1.0)
+    return (1 - smooth) * inv / rope_scale + smooth * inv
+
+
+def positions_from_indptr(indptr, offsets):
+    """pos[t] = offsets[b] + t - indptr[b] for indptr[b] <= t < indptr[b+1]."""
+    indptr, offsets = np.asarray(indptr, np.int64), np.asarray(offsets, np.int64)
+    counts = np.diff(indptr)
+    request = np.repeat(np.arange(len(counts)), counts)
+    t = np.arange(indptr[-1])
+    return offsets[request] + t - indptr[request]
+
+
+def rope_ref(x, positions, rotary_dim, interleave=False, inv_freq=None, cos_sin=None):
+    """x: [nnz, H, D]; rotates the first rotary_dim dims of every head, the rest pass through.
+
+    Angles are pos * inv_freq, or cos/sin rows [nnz, rotary_dim / 2] each given as `cos_sin`.
+    """
+    x = f64(x)
+    out = x.copy()
+    pos = np.asarray(positions, dtype=np.float64)
+    if cos_sin is None:
+        angle = pos[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+        cos, sin = np.cos(angle), np.sin(angle)
+    else:
+        cos, sin = (f64(c) for c in cos_sin)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = rotary_dim // 2
+    if interleave:
+        a, b = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = a * cos - b * sin
+        out[..., 1:rotary_dim:2] = b * cos + a * sin
+    else:
+        a, b = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:rotary_dim] = b * cos + a * sin
+    return out
+
+
+def rope_cos_sin_cache_ref(x, positions, cos_sin_cache, interleave=False):
+    """RoPE from a [max_pos, R] table: cos = cache[pos, :R/2], sin = cache[pos, R/2:]."""
+    cache = f64(cos_sin_cache)
+    rotary_dim = cache.shape[1]
+    rows = cache[np.asarray(positions, np.int64)]
+    cos_sin = (rows[:, : rotary_dim // 2], rows[:, rotary_dim // 2 :])
+    return rope_ref(x, positions, rotary_dim, interleave, cos_sin=cos_sin)
