@@ -1,0 +1,1 @@
+"""Bridges between rtcinfer kernels and array frameworks (JAX, CuPy, ...)."""
