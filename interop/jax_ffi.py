@@ -1,0 +1,397 @@
+"""Call Python kernel launchers from inside ``jax.jit`` through XLA's typed FFI, with no C++.
+
+One XLA FFI target per platform (``rtcinfer_cuda`` for XLA platform "CUDA", ``rtcinfer_cpu``
+for "cpu") is a ``ctypes.CFUNCTYPE`` callback registered with ``jax.ffi.register_ffi_target``.
+XLA calls it with a pointer to an ``XLA_FFI_CallFrame`` (``xla/ffi/api/c_api.h``):
+
+1. Metadata query. At registration XLA calls the target once with ``api == NULL`` and an
+   ``XLA_FFI_Metadata_Extension`` in ``extension_start``. We fill in the FFI API version and
+   the traits (``COMMAND_BUFFER_COMPATIBLE`` for CUDA, which lets XLA capture the call into a
+   CUDA graph) and return without running any handler.
+2. Execution. Only the EXECUTE stage runs a handler (the bundle registered by JAX has no other
+   stage). The int64 attribute ``handler`` picks a Python function from the table filled by
+   :func:`add_handler`; it is called as ``fn(stream, inputs, outputs)`` where ``stream`` comes
+   from ``XLA_FFI_Stream_Get`` on CUDA (a ``cudaStream_t`` as int) and is 0 on CPU, and inputs
+   and outputs are :class:`BufferView` s (dense, row-major).
+3. Errors. An exception in the handler, an unknown handler id or an unsupported buffer becomes
+   an ``XLA_FFI_Error`` made with ``XLA_FFI_Error_Create``; JAX raises it as a Python exception.
+
+Handler contract on CUDA: only enqueue work on ``stream``; never synchronize, allocate with a
+blocking call, or read device data on the host. Under command-buffer capture XLA may call the
+handler once while recording a CUDA graph and then replay the graph without calling Python
+again, so the launches must depend only on the shapes, dtypes, pointers and the handler itself.
+
+Struct sizes: XLA versions its C API by ``struct_size``; every struct read here is checked to be
+at least as large as the prefix this module knows before its fields are used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
+
+__all__ = ["BufferView", "DTYPE_NAMES", "Handler", "add_handler", "ffi_call", "target_name"]
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """One XLA buffer as the handler sees it: address, shape and numpy-style dtype name."""
+
+    ptr: int  # may be 0 for an empty buffer
+    shape: tuple[int, ...]
+    dtype: str
+
+
+Handler = Callable[[int, list[BufferView], list[BufferView]], None]
+
+# XLA_FFI_DataType code -> numpy-style name (ml_dtypes names for the narrow float/int types).
+DTYPE_NAMES: dict[int, str] = {
+    1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64",
+    6: "uint8", 7: "uint16", 8: "uint32", 9: "uint64",
+    10: "float16", 11: "float32", 12: "float64", 15: "complex64", 16: "bfloat16",
+    18: "complex128", 19: "float8_e5m2", 20: "float8_e4m3fn", 21: "int4", 22: "uint4",
+    23: "float8_e4m3b11fnuz", 24: "float8_e5m2fnuz", 25: "float8_e4m3fnuz", 26: "int2",
+    27: "uint2", 28: "float8_e4m3", 29: "float8_e3m4", 30: "int1", 31: "uint1",
+    32: "float4_e2m1fn", 33: "float8_e8m0fnu",
+}  # fmt: skip
+
+# Enum values from c_api.h.
+_EXTENSION_METADATA = 1  # XLA_FFI_Extension_Metadata
+_STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
+_BUFFER = 1  # XLA_FFI_ArgType_BUFFER == XLA_FFI_RetType_BUFFER
+_ATTR_SCALAR, _ATTR_STRING = 3, 4  # XLA_FFI_AttrType
+_INVALID_ARGUMENT, _INTERNAL = 3, 13  # XLA_FFI_Error_Code
+_COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
+# Version reported to the metadata query: every struct used here is unchanged since 0.1, and
+# XLA accepts handlers built against any version from 0.1 to its own.
+_API_VERSION = (0, 1)
+
+_size_t, _void_p, _int, _int64 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+class _ExtensionBase(ctypes.Structure):  # XLA_FFI_Extension_Base
+    pass
+
+
+_ExtensionBase._fields_ = [
+    ("struct_size", _size_t),
+    ("type", _int),  # XLA_FFI_Extension_Type
+    ("next", ctypes.POINTER(_ExtensionBase)),
+]
+_ExtPtr = ctypes.POINTER(_ExtensionBase)
+
+
+class _ApiVersion(ctypes.Structure):  # XLA_FFI_Api_Version
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr),
+                ("major_version", _int), ("minor_version", _int)]  # fmt: skip
+
+
+class _Metadata(ctypes.Structure):  # XLA_FFI_Metadata (newer headers append state_type_id)
+    _fields_ = [("struct_size", _size_t), ("api_version", _ApiVersion), ("traits", ctypes.c_uint32)]
+
+
+class _MetadataExtension(ctypes.Structure):  # XLA_FFI_Metadata_Extension
+    _fields_ = [("extension_base", _ExtensionBase), ("metadata", ctypes.POINTER(_Metadata))]
+
+
+class _Buffer(ctypes.Structure):  # XLA_FFI_Buffer
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr), ("dtype", _int),
+                ("data", _void_p), ("rank", _int64), ("dims", ctypes.POINTER(_int64))]  # fmt: skip
+
+
+class _List(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets (same layout)
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr), ("size", _int64),
+                ("types", ctypes.POINTER(_int)), ("items", ctypes.POINTER(_void_p))]  # fmt: skip
+
+
+class _ByteSpan(ctypes.Structure):  # XLA_FFI_ByteSpan
+    _fields_ = [("ptr", _void_p), ("len", _size_t)]
+
+
+class _Scalar(ctypes.Structure):  # XLA_FFI_Scalar
+    _fields_ = [("dtype", _int), ("value", _void_p)]
+
+
+_SpanPtr = ctypes.POINTER(_ByteSpan)
+
+
+class _Attrs(ctypes.Structure):  # XLA_FFI_Attrs
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr), ("size", _int64),
+                ("types", ctypes.POINTER(_int)), ("names", ctypes.POINTER(_SpanPtr)),
+                ("attrs", ctypes.POINTER(_void_p))]  # fmt: skip
+
+
+class _Api(ctypes.Structure):  # XLA_FFI_Api, the prefix up to XLA_FFI_Stream_Get
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr),
+                ("api_version", _ApiVersion), ("internal_api", _void_p),
+                ("error_create", _void_p), ("error_get_message", _void_p),
+                ("error_destroy", _void_p), ("handler_register", _void_p),
+                ("stream_get", _void_p)]  # fmt: skip
+
+
+class _CallFrame(ctypes.Structure):  # XLA_FFI_CallFrame
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr),
+                ("api", ctypes.POINTER(_Api)), ("ctx", _void_p), ("stage", _int),
+                ("args", _List), ("rets", _List), ("attrs", _Attrs),
+                ("future", _void_p)]  # fmt: skip
+
+
+class _ErrorCreateArgs(ctypes.Structure):  # XLA_FFI_Error_Create_Args
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr),
+                ("message", ctypes.c_char_p), ("errc", _int)]  # fmt: skip
+
+
+class _StreamGetArgs(ctypes.Structure):  # XLA_FFI_Stream_Get_Args
+    _fields_ = [("struct_size", _size_t), ("extension_start", _ExtPtr),
+                ("ctx", _void_p), ("stream", _void_p)]  # fmt: skip
+
+
+# Function types: XLA_FFI_Error* f(Args*). Errors are opaque pointers (int or None).
+_ErrorCreateFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_ErrorCreateArgs))
+_StreamGetFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_StreamGetArgs))
+_TargetFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_CallFrame))  # XLA_FFI_Handler
+
+_SCALAR_CTYPES = {1: ctypes.c_bool, 2: ctypes.c_int8, 3: ctypes.c_int16, 4: ctypes.c_int32,
+                  5: ctypes.c_int64, 6: ctypes.c_uint8, 7: ctypes.c_uint16, 8: ctypes.c_uint32,
+                  9: ctypes.c_uint64, 11: ctypes.c_float, 12: ctypes.c_double}  # fmt: skip
+
+
+def _end(struct: type[ctypes.Structure], field: str) -> int:
+    """Bytes a struct must span for ``field`` to be present (the C ``XLA_FFI_STRUCT_SIZE``)."""
+    desc = getattr(struct, field)
+    return desc.offset + desc.size
+
+
+class _FfiError(Exception):
+    """A failure reported to XLA with a specific error code."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _PassThrough(Exception):
+    """Carries an ``XLA_FFI_Error*`` (``args[0]``) that an XLA API call returned back to XLA."""
+
+
+# ---------------------------------------------------------------- handler table
+
+_lock = threading.Lock()
+_handlers: dict[int, Handler] = {}
+_ids: dict[object, int] = {}
+
+
+def _key(fn: object) -> object:
+    try:
+        hash(fn)
+    except TypeError:
+        return ("unhashable", id(fn))  # the table keeps fn alive, so its id is never reused
+    return fn
+
+
+def add_handler(fn: Handler) -> int:
+    """Registers ``fn`` in the process-wide table and returns its id (stable for the same fn).
+
+    ``fn(stream_ptr, inputs, outputs)`` must launch its work on ``stream_ptr`` and not block.
+    Handlers stay registered for the life of the process.
+    """
+    if not callable(fn):
+        raise TypeError(f"handler must be callable, got {type(fn).__name__}")
+    with _lock:
+        key = _key(fn)
+        handler_id = _ids.get(key)
+        if handler_id is None:
+            handler_id = len(_handlers) + 1
+            _handlers[handler_id] = fn
+            _ids[key] = handler_id
+        return handler_id
+
+
+# ---------------------------------------------------------------- call frame decoding
+
+
+def _decode_attrs(attrs: _Attrs) -> dict[str, object]:
+    """Scalar and string attributes by name (arrays and dictionaries are skipped)."""
+    out: dict[str, object] = {}
+    for i in range(attrs.size):
+        span = attrs.names[i].contents
+        name = ctypes.string_at(span.ptr, span.len).decode()
+        kind, addr = attrs.types[i], attrs.attrs[i]
+        if kind == _ATTR_SCALAR:
+            scalar = _Scalar.from_address(addr)
+            ctype = _SCALAR_CTYPES.get(scalar.dtype)
+            if ctype is not None:
+                out[name] = ctype.from_address(scalar.value).value
+        elif kind == _ATTR_STRING:
+            text = _ByteSpan.from_address(addr)
+            out[name] = ctypes.string_at(text.ptr, text.len).decode()
+    return out
+
+
+def _buffers(items: _List, what: str) -> list[BufferView]:
+    views = []
+    for i in range(items.size):
+        if items.types[i] != _BUFFER:
+            raise _FfiError(_INVALID_ARGUMENT, f"{what} {i} is not a buffer")
+        buf = _Buffer.from_address(items.items[i])
+        if buf.struct_size < _end(_Buffer, "dims"):
+            raise _FfiError(_INVALID_ARGUMENT, f"{what} {i}: XLA_FFI_Buffer is too small")
+        dtype = DTYPE_NAMES.get(buf.dtype)
+        if dtype is None:
+            raise _FfiError(_INVALID_ARGUMENT, f"{what} {i}: unsupported XLA dtype {buf.dtype}")
+        shape = tuple(buf.dims[: buf.rank]) if buf.rank > 0 else ()
+        views.append(BufferView(ptr=buf.data or 0, shape=shape, dtype=dtype))
+    return views
+
+
+def _api_fn(frame: _CallFrame, field: str, proto: type) -> Callable | None:
+    """The C API function in ``field`` of ``frame.api``, or None if this XLA lacks it."""
+    if not frame.api:
+        return None
+    api = frame.api.contents
+    if api.struct_size < _end(_Api, field) or not getattr(api, field):
+        return None
+    return proto(getattr(api, field))
+
+
+def _make_error(frame: _CallFrame, code: int, message: str) -> int | None:
+    create = _api_fn(frame, "error_create", _ErrorCreateFn)
+    if create is None:  # cannot happen with a real XLA; say it rather than fail silently
+        print(f"rtcinfer: cannot report an FFI error to XLA: {message}", file=sys.stderr)
+        return None
+    args = _ErrorCreateArgs(_end(_ErrorCreateArgs, "errc"), None, message.encode(), code)
+    return create(ctypes.byref(args))  # XLA copies the message
+
+
+def _stream(frame: _CallFrame) -> int:
+    get = _api_fn(frame, "stream_get", _StreamGetFn)
+    if get is None:
+        raise _FfiError(_INTERNAL, "this XLA has no XLA_FFI_Stream_Get")
+    args = _StreamGetArgs(_end(_StreamGetArgs, "stream"), None, frame.ctx, None)
+    err = get(ctypes.byref(args))
+    if err:
+        raise _PassThrough(err)
+    return args.stream or 0
+
+
+def _answer_metadata(frame: _CallFrame, traits: int) -> bool:
+    """Fills in XLA_FFI_Metadata if the frame is a metadata query; True if it was one."""
+    ext = frame.extension_start
+    while ext:
+        base = ext.contents
+        if base.type == _EXTENSION_METADATA:
+            query = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)).contents
+            if base.struct_size >= _end(_MetadataExtension, "metadata") and query.metadata:
+                meta = query.metadata.contents
+                if meta.struct_size >= _end(_Metadata, "traits"):
+                    size = _end(_ApiVersion, "minor_version")
+                    meta.api_version = _ApiVersion(size, None, *_API_VERSION)
+                    meta.traits = traits
+            return True
+        ext = base.next
+    return False
+
+
+def _execute(frame: _CallFrame, on_gpu: bool) -> int | None:
+    if frame.struct_size < _end(_CallFrame, "attrs"):
+        raise _FfiError(_INVALID_ARGUMENT, "XLA_FFI_CallFrame is too small")
+    handler_id = _decode_attrs(frame.attrs).get("handler")
+    with _lock:
+        fn = _handlers.get(handler_id) if isinstance(handler_id, int) else None
+    if fn is None:
+        raise _FfiError(_INVALID_ARGUMENT, f"no rtcinfer FFI handler with id {handler_id!r}")
+    inputs, outputs = _buffers(frame.args, "input"), _buffers(frame.rets, "output")
+    stream = _stream(frame) if on_gpu else 0
+    try:
+        fn(stream, inputs, outputs)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        raise _FfiError(_INTERNAL, f"rtcinfer handler {name} raised {exc!r}\n{detail}") from exc
+    return None
+
+
+def _make_target(on_gpu: bool) -> _TargetFn:
+    traits = _COMMAND_BUFFER_COMPATIBLE if on_gpu else 0
+
+    def target(frame_ptr):
+        if not frame_ptr:
+            return None
+        frame = frame_ptr.contents
+        try:
+            if _answer_metadata(frame, traits) or frame.stage != _STAGE_EXECUTE:
+                return None
+            return _execute(frame, on_gpu)
+        except _PassThrough as exc:
+            return exc.args[0]
+        except _FfiError as exc:
+            return _make_error(frame, exc.code, str(exc))
+        except BaseException as exc:  # nothing may unwind into XLA
+            return _make_error(frame, _INTERNAL, f"rtcinfer FFI target failed: {exc!r}")
+
+    return _TargetFn(target)
+
+
+# ---------------------------------------------------------------- registration and calls
+
+_PLATFORMS = {"cuda": "CUDA", "gpu": "CUDA", "cpu": "cpu"}  # our key -> XLA platform name
+_targets: dict[str, _TargetFn] = {}  # keeps the callbacks alive for the life of the process
+_registered: set[str] = set()
+_register_lock = threading.Lock()
+
+
+def target_name(platform: str = "cuda") -> str:
+    """The FFI target name used for ``platform`` ("cuda" or "cpu")."""
+    key = platform.lower()
+    if key not in _PLATFORMS:
+        raise ValueError(f"unsupported platform {platform!r}; expected one of {sorted(_PLATFORMS)}")
+    return f"rtcinfer_{_PLATFORMS[key].lower()}"
+
+
+def _ensure_registered(platform: str) -> str:
+    name = target_name(platform)
+    with _register_lock:
+        if name not in _registered:
+            import jax
+
+            if name not in _targets:  # one callback per target, reused if registering is retried
+                _targets[name] = _make_target(on_gpu=name == "rtcinfer_cuda")
+            address = ctypes.cast(_targets[name], ctypes.c_void_p).value
+            capsule = jax.ffi.pycapsule(address)
+            jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[platform.lower()])
+            _registered.add(name)
+    return name
+
+
+def ffi_call(
+    handler_id: int,
+    args: Sequence,
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+    *,
+    input_output_aliases: dict[int, int] | None = None,
+    platform: str = "cuda",
+) -> list[jax.Array]:
+    """Runs handler ``handler_id`` on ``args`` through XLA, eagerly or inside ``jax.jit``.
+
+    ``out_shapes`` gives the shape and dtype of each output; ``input_output_aliases`` maps an
+    input index to the output index that reuses its buffer. The FFI target for ``platform`` is
+    registered on first use. Returns the outputs as a list.
+    """
+    import jax
+    import numpy as np
+
+    with _lock:
+        known = handler_id in _handlers
+    if not known:
+        raise KeyError(f"no rtcinfer FFI handler with id {handler_id!r}; use add_handler()")
+    name = _ensure_registered(platform)
+    call = jax.ffi.ffi_call(name, list(out_shapes), input_output_aliases=input_output_aliases)
+    return list(call(*args, handler=np.int64(handler_id)))
