@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -16,4 +17,32 @@ __all__ = [
     "gemma_rmsnorm",
     "layernorm",
     "rmsnorm",
+]
+from .rope import (  # noqa: E402
+    apply_llama31_rope,
+    apply_llama31_rope_inplace,
+    apply_llama31_rope_pos_ids,
+    apply_llama31_rope_pos_ids_inplace,
+    apply_rope,
+    apply_rope_inplace,
+    apply_rope_pos_ids,
+    apply_rope_pos_ids_inplace,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+)
+
+__all__ += [
+    "apply_llama31_rope",
+    "apply_llama31_rope_inplace",
+    "apply_llama31_rope_pos_ids",
+    "apply_llama31_rope_pos_ids_inplace",
+    "apply_rope",
+    "apply_rope_inplace",
+    "apply_rope_pos_ids",
+    "apply_rope_pos_ids_inplace",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "silu_and_mul",
 ]

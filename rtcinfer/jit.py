@@ -82,18 +82,27 @@ def nvrtc_version() -> str:
 
 @functools.cache
 def _toolchain_fingerprint() -> str:
-    """NVRTC version + the runtime headers kernels include (size and mtime)."""
-    parts = [nvrtc_version(), __version__]
-    for name in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"):
-        st = (Path(header_dir()) / name).stat()
-        parts.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
+    """The package version, the runtime headers kernels include and the NVRTC library beside
+    them, by size and mtime: cheap enough that a warm cache never loads NVRTC."""
+    root = Path(header_dir())
+    files = [root / n for n in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h")]
+    libs = sorted(root.parent.glob("lib*/*nvrtc*"))
+    parts = [__version__] + [f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files]
+    parts += [f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in libs]
+    if not libs:  # NVRTC lives elsewhere: ask it
+        parts.append(nvrtc_version())
     return "|".join(parts)
+
+
+def source_root():
+    """Folder of the kernel sources (the installed `rtcinfer.cuda_src` package)."""
+    return resources.files("rtcinfer.cuda_src")
 
 
 def expand_source(spec) -> str:
     """common.cuh, then the spec's generated prelude, then its .cu file, own includes inlined."""
     seen: set[str] = set()
-    root = resources.files("rtcinfer.cuda_src")
+    root = source_root()
 
     def expand(name: str) -> str:
         if name in seen:

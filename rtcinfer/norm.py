@@ -43,8 +43,9 @@ def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | No
     vec = vec or widest_vec(hidden, itemsize(dtype))
     nvec = hidden // vec
     threads = min(1024, -(-nvec // 128) * 32)  # ceil(nvec / 4) rounded up to whole warps
-    if -(-nvec // threads) > 16:
-        raise ValueError(f"hidden size {hidden} is too large for one row in registers")
+    if -(-nvec // threads) > 4:  # 1024 threads x 4 vectors: the row must fit in registers
+        limit = 4 * 1024 * vec
+        raise ValueError(f"hidden size {hidden} exceeds {limit}, the widest {dtype} row supported")
     return NormSpec(op, dtype, weight_dtype, hidden, vec, threads)
 
 

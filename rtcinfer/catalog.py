@@ -1,0 +1,62 @@
+"""What rtcinfer ships: named model shapes, the kernel specs each one needs (for `warmup`), and
+one spec per code path of every family (compiled for sm_80 and sm_90a in CI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import activation, norm, rope
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool = False
+
+
+MODELS = {
+    "llama3-8b": ModelShape(4096, 14336, 32, 8, 128),
+    "llama3-70b": ModelShape(8192, 28672, 64, 8, 128),
+    "qwen3-32b": ModelShape(5120, 25600, 64, 8, 128, qk_norm=True),
+}
+
+
+def model_specs(name: str, dtype: str = "bfloat16") -> list:
+    """Every kernel spec a forward step of the named model uses, in one dtype."""
+    try:
+        m = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+    specs = norm.specs_for(m.hidden, (dtype,))
+    if m.qk_norm:
+        specs.append(norm.norm_spec("rmsnorm", dtype, dtype, m.head_dim))
+    specs += activation.specs_for(m.intermediate, (dtype,))
+    specs += rope.specs_for(m.head_dim, (dtype,))
+    return specs
+
+
+def shipped_specs() -> list:
+    """At least one spec for every compile-time branch of every kernel."""
+    specs = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        specs += [norm.norm_spec(op, dtype, dtype, 4096) for op in norm.OPS]
+        specs += [norm.norm_spec("rmsnorm", dtype, "float32", 1001)]  # scalar path
+        specs += [activation.ActivationSpec(a, dtype, 16 // (2 if dtype != "float32" else 4))
+                  for a in activation.ACTIVATIONS]  # fmt: skip
+    specs += [norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 32768)]  # the widest row
+    for dtype in ("bfloat16", "float32"):
+        for mode in rope.MODES:
+            for interleave in (False, True):
+                for inplace in (False, True):
+                    pos_from = "indptr" if mode == "theta" and not inplace else "pos_ids"
+                    vec = rope.rope_vec(dtype, 128, 64, interleave)
+                    specs.append(
+                        rope.RopeSpec(
+                            dtype, "int64", 128, 64, interleave, mode, pos_from, inplace, vec
+                        )  # fmt: skip
+                    )
+    return list(dict.fromkeys(specs))

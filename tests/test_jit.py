@@ -1,0 +1,161 @@
+"""The runtime compiler without a GPU: every shipped spec builds, the cache is sound."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+
+from rtcinfer import catalog, jit
+
+ARCHS = ["sm_80", "sm_90a"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", catalog.shipped_specs(), ids=repr)
+def test_shipped_spec_compiles_without_spills(spec, arch):
+    compiled = jit.compile_spec(spec, arch)
+    assert compiled.cubin.startswith(b"\x7fELF")
+    assert compiled.meta["resources"], "ptxas reported no entry point"
+    for kernel, usage in compiled.meta["resources"].items():
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (kernel, usage)
+        assert usage["stack"] == 0, (kernel, usage)
+
+
+@dataclass(frozen=True)
+class ToySpec:
+    value: int = 1
+    body: str = "x[threadIdx.x] = float(VALUE);"
+    source: ClassVar[str] = "toy.cu"
+
+    def prelude(self) -> str:
+        return f"constexpr int VALUE = {self.value};"
+
+
+@pytest.fixture
+def toy_sources(tmp_path, monkeypatch):
+    """A private copy of the kernel sources with a tiny toy.cu next to common.cuh."""
+    root = tmp_path / "src"
+    shutil.copytree(jit.source_root(), root, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "toy.cu").write_text(
+        '#include "common.cuh"\n#include "toy.cuh"\n'
+        'extern "C" __global__ void toy(float* x) { TOY_BODY }\n'
+    )
+    (root / "toy.cuh").write_text("#pragma once\n#define TOY_BODY x[threadIdx.x] = float(VALUE);\n")
+    monkeypatch.setattr(jit, "source_root", lambda: root)
+    return root
+
+
+def test_cache_hit_after_compile(cache_dir, toy_sources):
+    first = jit.compile_spec(ToySpec(), "sm_90a")
+    second = jit.compile_spec(ToySpec(), "sm_90a")
+    assert not first.cache_hit and second.cache_hit
+    assert first.cubin == second.cubin and first.path == second.path
+    assert first.path.is_relative_to(cache_dir)
+    assert second.meta["spec"] == repr(ToySpec())
+
+
+def test_key_covers_included_headers(cache_dir, toy_sources):
+    before = jit.compile_spec(ToySpec(), "sm_90a").path
+    (toy_sources / "toy.cuh").write_text("#pragma once\n#define TOY_BODY x[0] = 2.f * VALUE;\n")
+    after = jit.compile_spec(ToySpec(), "sm_90a")
+    assert after.path != before and not after.cache_hit
+
+
+def test_key_covers_spec_arch_and_flags(cache_dir, toy_sources, monkeypatch):
+    base = jit.compile_spec(ToySpec(), "sm_90a").path
+    assert jit.compile_spec(ToySpec(value=2), "sm_90a").path != base
+    assert jit.compile_spec(ToySpec(), "sm_80").path != base
+    monkeypatch.setenv("RTCINFER_NVRTC_FLAGS", "-DEXTRA=1")
+    assert jit.compile_spec(ToySpec(), "sm_90a").path != base
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_corrupt_entry_is_rebuilt(cache_dir, toy_sources, damage):
+    good = jit.compile_spec(ToySpec(), "sm_90a")
+    blob = good.path.read_bytes()
+    broken = {
+        "truncate": blob[: len(blob) // 2],
+        "flip": blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:],
+        "empty": b"",
+        "garbage": os.urandom(len(blob)),
+    }[damage]
+    good.path.write_bytes(broken)
+    assert jit.read_entry(good.path) is None
+    rebuilt = jit.compile_spec(ToySpec(), "sm_90a")
+    assert not rebuilt.cache_hit and rebuilt.cubin == good.cubin
+    assert jit.read_entry(good.path) is not None
+
+
+def test_no_compile_raises_on_miss(cache_dir, toy_sources, monkeypatch):
+    monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")
+    with pytest.raises(jit.CacheMissError, match="RTCINFER_NO_COMPILE"):
+        jit.compile_spec(ToySpec(), "sm_90a")
+    monkeypatch.delenv("RTCINFER_NO_COMPILE")
+    jit.compile_spec(ToySpec(), "sm_90a")
+    monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")
+    assert jit.compile_spec(ToySpec(), "sm_90a").cache_hit
+
+
+def test_dump_source(cache_dir, toy_sources, monkeypatch):
+    monkeypatch.setenv("RTCINFER_DUMP_SOURCE", "1")
+    compiled = jit.compile_spec(ToySpec(), "sm_90a")
+    dumped = compiled.path.with_suffix(".cu").read_text()
+    assert "constexpr int VALUE = 1;" in dumped and "TOY_BODY" in dumped
+    assert '#include "' not in dumped  # own headers are inlined
+
+
+def test_compile_error_carries_log_and_source(cache_dir, toy_sources):
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile_spec(ToySpec(body="", value="undefined_name"), "sm_90a")
+    err = info.value
+    assert "undefined_name" in err.log
+    assert err.source_path.exists() and "undefined_name" in err.source_path.read_text()
+    assert str(err.source_path) in str(err)
+
+
+_COMPILE_IN_CHILD = """
+import sys
+from rtcinfer import jit
+from tests.test_jit import ToySpec
+jit.source_root = lambda: __import__("pathlib").Path(sys.argv[1])
+c = jit.compile_spec(ToySpec(value=7), "sm_90a")
+print(c.path, c.cache_hit)
+"""
+
+
+def test_two_processes_compiling_at_once(cache_dir, toy_sources):
+    env = {**os.environ, "RTCINFER_CACHE_DIR": str(cache_dir)}
+    cwd = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _COMPILE_IN_CHILD, str(toy_sources)], env=env,
+                         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    paths = {out.split()[0] for out, _ in results}
+    assert len(paths) == 1
+    assert jit.read_entry(jit.Path(paths.pop())) is not None
+    assert not list(cache_dir.rglob("*.tmp"))
+
+
+def test_parse_ptxas_log():
+    log = (
+        "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+        "ptxas info    : Function properties for k\n"
+        "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers, used 1 barriers, 128 bytes smem\n"
+    )
+    assert jit.parse_ptxas_log(log) == {
+        "k": {"registers": 40, "stack": 16, "smem": 128, "spill_stores": 8, "spill_loads": 4}
+    }
+
+
+def test_arch_of():
+    assert jit.arch_of(90) == "sm_90a" and jit.arch_of("80") == "sm_80"
