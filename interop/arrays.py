@@ -68,6 +68,9 @@ def device_of(x) -> int:
         return x.device.id
     if fw == "jax":
         return next(iter(x.devices())).id
+    if hasattr(x, "__dlpack_device__"):
+        kind, index = x.__dlpack_device__()
+        return int(index) if int(kind) in (2, 3, 13) else -1  # CUDA, CUDA host, CUDA managed
     return -1
 
 

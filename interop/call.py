@@ -32,6 +32,9 @@ def run(launch: Callable, inputs: Sequence[tuple[str, object]], outputs: Sequenc
     first = inputs[0][1]
     if framework(first) == "jax":
         return _run_jax(launch, inputs, outputs, params)
+    for name, x in inputs:
+        if device_of(x) < 0:
+            as_cupy(x, name)  # raises the TypeError that names the argument
     _check_same_device(inputs, outputs)
     import cupy
 

@@ -30,7 +30,7 @@ def leading_rows(arr, name: str) -> tuple[int, int, int, int]:
             f"into two strided levels; pass a contiguous array"
         )
     while len(merged) < 2:
-        merged.insert(0, [1, 0])
+        merged.append([1, 0])
     (n0, s0), (n1, s1) = merged
     return n0 * n1, n1, s0, s1
 

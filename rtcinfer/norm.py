@@ -149,7 +149,7 @@ def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
 
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:
     """The specs a model of this hidden size uses (for warmup)."""
-    return [norm_spec(op, d, d, hidden) for d in dtypes for op in OPS if "gemma" not in op]
+    return [norm_spec(op, d, d, hidden) for d in dtypes for op in ("rmsnorm", "fused_add_rmsnorm")]
 
 
 __all__ = [

@@ -1,0 +1,154 @@
+"""`rtcinfer` command line: show-config, list-modules, warmup, clear-cache, demo."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import sys
+import time
+from importlib import metadata
+
+from . import __version__, catalog, jit
+
+
+def gpu_arch() -> str | None:
+    """Compile target of the current GPU, or None when no GPU is visible."""
+    try:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            return None
+        return jit.arch_of(cupy.cuda.Device().compute_capability)
+    except Exception:  # noqa: BLE001 - no CuPy or no driver both mean "no GPU"
+        return None
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cache_entries():
+    root = jit.cache_dir()
+    return sorted(root.rglob("*.rtci")) if root.exists() else []
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def show_config(args) -> int:
+    rows = [
+        ("rtcinfer", __version__),
+        ("python", platform.python_version()),
+        ("numpy", _version("numpy")),
+        ("cupy", next((_version(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")
+                       if _version(d) != "not installed"), "not installed")),  # fmt: skip
+        ("cuda-bindings", _version("cuda-bindings")),
+    ]
+    try:
+        rows += [("nvrtc", jit.nvrtc_version()), ("cuda headers", jit.header_dir())]
+    except Exception as e:  # noqa: BLE001 - report, don't fail
+        rows.append(("nvrtc", f"unavailable ({e})"))
+    arch = gpu_arch()
+    if arch:
+        import cupy
+
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        rows += [
+            ("gpu", f"{props['name'].decode()} (device {dev.id})"),
+            ("arch", arch),
+            ("SMs", str(jit.sm_count(dev.id))),
+            ("driver", str(cupy.cuda.runtime.driverGetVersion())),
+        ]
+    else:
+        rows.append(("gpu", "none visible"))
+    entries = _cache_entries()
+    total = sum(p.stat().st_size for p in entries)
+    rows.append(("cache", f"{jit.cache_dir()} ({len(entries)} modules, {_size(total)})"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def list_modules(args) -> int:
+    entries = _cache_entries()
+    if not entries:
+        print(f"no cached modules in {jit.cache_dir()}")
+        return 0
+    for path in entries:
+        entry = jit.read_entry(path)
+        if entry is None:
+            print(f"{path.name}  (corrupt: rebuilt on next use)")
+            continue
+        meta = entry[0]
+        size, secs = _size(path.stat().st_size), meta["compile_seconds"]
+        print(f"{meta['arch']:<7} {size:>9} {secs:7.3f} s  {meta['spec']}")
+    print(f"{len(entries)} modules in {jit.cache_dir()}")
+    return 0
+
+
+def warmup(args) -> int:
+    arch = args.arch or gpu_arch() or "sm_90a"
+    specs = catalog.model_specs(args.model, args.dtype)
+    print(f"warming up {len(specs)} modules for {args.model} ({args.dtype}) on {arch}")
+    start, compiled = time.perf_counter(), 0
+    for i, spec in enumerate(specs, 1):
+        t = time.perf_counter()
+        result = jit.compile_spec(spec, arch)
+        compiled += not result.cache_hit
+        state = "cached" if result.cache_hit else "compiled"
+        print(f"[{i}/{len(specs)}] {state:8} {time.perf_counter() - t:6.3f} s  {spec!r}")
+    total = sum(p.stat().st_size for p in _cache_entries())
+    print(
+        f"done: {len(specs)} modules ({compiled} compiled, {len(specs) - compiled} cached) in "
+        f"{time.perf_counter() - start:.2f} s; cache {_size(total)} at {jit.cache_dir()}"
+    )
+    return 0
+
+
+def clear_cache(args) -> int:
+    root = jit.cache_dir()
+    n = len(_cache_entries())
+    if root.exists():
+        shutil.rmtree(root)
+    print(f"removed {n} modules from {root}")
+    return 0
+
+
+def demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(gpu_arch())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="rtcinfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rtcinfer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("show-config", help="versions, GPU and arch, NVRTC, headers, cache")
+    sub.add_parser("list-modules", help="cached kernels: arch, size, compile time, spec")
+    w = sub.add_parser("warmup", help="precompile the kernels a model shape needs (no GPU needed)")
+    w.add_argument("--model", required=True, choices=sorted(catalog.MODELS))
+    w.add_argument("--arch", help="compile target, e.g. sm_90a (default: this GPU, else sm_90a)")
+    w.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    sub.add_parser("clear-cache", help="delete every cached kernel")
+    sub.add_parser("demo", help="run the ops against float64 references on the GPU, with timings")
+    args = parser.parse_args(argv)
+    command = {
+        "show-config": show_config,
+        "list-modules": list_modules,
+        "warmup": warmup,
+        "clear-cache": clear_cache,
+        "demo": demo,
+    }[args.command]
+    return command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

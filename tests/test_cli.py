@@ -1,0 +1,67 @@
+"""The command line without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtcinfer import cli, jit
+from tests.conftest import gpu_available
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("show-config", "list-modules", "warmup", "clear-cache", "demo"):
+        assert command in out
+
+
+def test_warmup_list_clear(cache_dir, capsys):
+    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "done: 5 modules (5 compiled, 0 cached)" in out and "[5/5]" in out
+    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
+    assert "(0 compiled, 5 cached)" in capsys.readouterr().out
+
+    assert cli.main(["list-modules"]) == 0
+    out = capsys.readouterr().out
+    assert "5 modules in" in out and "NormSpec(op='rmsnorm'" in out and "sm_80" in out
+
+    assert cli.main(["show-config"]) == 0
+    out = capsys.readouterr().out
+    assert "nvrtc" in out and "5 modules" in out and str(cache_dir) in out
+
+    assert cli.main(["clear-cache"]) == 0
+    assert "removed 5 modules" in capsys.readouterr().out
+    assert not list(cache_dir.rglob("*.rtci"))
+
+
+def test_list_modules_flags_corrupt_entries(cache_dir, capsys):
+    cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"])
+    victim = next(cache_dir.rglob("*.rtci"))
+    victim.write_bytes(b"junk")
+    capsys.readouterr()
+    cli.main(["list-modules"])
+    assert "corrupt" in capsys.readouterr().out
+    assert jit.read_entry(victim) is None
+
+
+def test_unknown_model_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--model", "gpt-17"])
+
+
+@pytest.mark.skipif(gpu_available(), reason="the GPU demo runs in the gpu suite")
+def test_demo_without_gpu_compiles_and_exits_zero(cache_dir, capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU visible" in out and "modules ready" in out
+    assert list(cache_dir.rglob("*.rtci"))
+
+
+@pytest.mark.gpu
+def test_demo_on_gpu(cache_dir, capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and out.count(" ok ") >= 4

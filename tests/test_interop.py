@@ -1,0 +1,99 @@
+"""Interop without a GPU: dtype names, framework detection, clear errors, view layouts."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rtcinfer import interop, layout, rmsnorm
+from rtcinfer.interop import dtypes
+
+
+@pytest.mark.parametrize(
+    "given,name",
+    [
+        (np.float16, "float16"),
+        (np.dtype("float32"), "float32"),
+        (ml_dtypes.bfloat16, "bfloat16"),
+        (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"),
+        ("torch.bfloat16", "bfloat16"),
+        ("torch.float8_e5m2", "float8_e5m2"),
+        ("half", "float16"),
+        ("e4m3", "float8_e4m3fn"),
+        (np.int32, "int32"),
+    ],
+)
+def test_dtype_names(given, name):
+    assert dtypes.normalize(given) == name
+
+
+def test_dtype_tables():
+    assert dtypes.cuda_type("bfloat16") == "__nv_bfloat16"
+    assert dtypes.itemsize("float8_e5m2") == 1
+    assert dtypes.numpy_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match="complex64"):
+        dtypes.cuda_type("complex64")
+
+
+def test_framework_detection():
+    assert interop.framework(np.zeros(2)) == "numpy"
+    assert interop.framework(object()) == "dlpack"
+
+
+def test_host_array_is_refused_by_name():
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(TypeError, match=r"input: expected a CUDA array .* host numpy.ndarray"):
+        rmsnorm(x, np.ones(8, np.float32))
+
+
+def test_object_without_dlpack_is_refused():
+    pytest.importorskip("cupy")
+
+    class Thing:
+        shape = (3,)
+
+    with pytest.raises(TypeError, match=r"weight: expected a CUDA array with __dlpack__"):
+        interop.as_cupy(Thing(), "weight")
+
+
+def test_torch_cpu_tensor_is_refused():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="input: expected a CUDA tensor, got a torch.Tensor on cpu"):
+        interop.as_cupy(torch.zeros(3), "input")
+
+
+class FakeArray:
+    def __init__(self, shape, strides, itemsize=2):
+        self.shape, self.strides, self.itemsize = shape, tuple(s * itemsize for s in strides), itemsize
+
+
+@pytest.mark.parametrize(
+    "shape,strides,expected",
+    [
+        ((4, 64), (64, 1), (4, 1, 64, 0)),
+        ((4, 64), (128, 1), (4, 1, 128, 0)),
+        ((2, 3, 64), (192, 64, 1), (6, 1, 64, 0)),  # contiguous leading dims merge
+        ((2, 3, 64), (1000, 100, 1), (6, 3, 1000, 100)),
+        ((64,), (1,), (1, 1, 0, 0)),
+        ((2, 1, 3, 64), (500, 500, 100, 1), (6, 3, 500, 100)),  # size-1 dims drop out
+    ],
+)
+def test_leading_rows(shape, strides, expected):
+    assert layout.leading_rows(FakeArray(shape, strides), "x") == expected
+
+
+def test_leading_rows_errors():
+    with pytest.raises(ValueError, match="x: the last dimension must be contiguous"):
+        layout.leading_rows(FakeArray((4, 64), (1, 4)), "x")
+    with pytest.raises(ValueError, match="do not fold into two strided levels"):
+        layout.leading_rows(FakeArray((2, 3, 5, 64), (10000, 1000, 100, 1)), "x")
+
+
+def test_vector_width():
+    assert layout.widest_vec(4096, 2) == 8 and layout.widest_vec(4096, 4) == 4
+    assert layout.widest_vec(1001, 2) == 1 and layout.widest_vec(4100, 2) == 4
+    assert layout.fit_vec(8, 2, [256, 512], [4096]) == 8
+    assert layout.fit_vec(8, 2, [258], [4096]) == 1
+    assert layout.fit_vec(8, 2, [256], [4100]) == 4
