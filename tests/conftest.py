@@ -1,4 +1,4 @@
-"""GPU tests (marker `gpu`) run only where CuPy sees a CUDA device; everything else runs anywhere."""
+"""GPU tests (marker `gpu`) run only where CuPy sees a CUDA device; the rest run anywhere."""
 
 from __future__ import annotations
 

@@ -66,7 +66,11 @@ def test_torch_cpu_tensor_is_refused():
 
 class FakeArray:
     def __init__(self, shape, strides, itemsize=2):
-        self.shape, self.strides, self.itemsize = shape, tuple(s * itemsize for s in strides), itemsize
+        self.shape, self.strides, self.itemsize = (
+            shape,
+            tuple(s * itemsize for s in strides),
+            itemsize,
+        )
 
 
 @pytest.mark.parametrize(
