@@ -1,0 +1,1 @@
+"""Benchmarks (run on a GPU): python -m bench.bench_<family>."""

@@ -1,0 +1,155 @@
+"""Timing harness shared by the bench scripts (run on a GPU).
+
+time_us(fn)          median microseconds of fn() over CUDA events, L2 flushed before each run
+copy_tbps()          the measured device-to-device copy ceiling (read + write bytes), TB/s
+Table                prints rows with napkin math: us, TB/s, % of the copy ceiling, peer ratio
+peer(name)           FlashInfer / torch when importable, else None (import errors are reported)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+
+def cupy():
+    import cupy
+
+    return cupy
+
+
+@functools.cache
+def _flush_buffer():
+    return cupy().empty(256 * 1024 * 1024, dtype=np.uint8)  # > 4x the H200's 60 MB L2
+
+
+def flush_l2() -> None:
+    _flush_buffer().fill(0)
+
+
+def time_us(fn: Callable[[], object], repeat: int = 30, warmup: int = 3, flush: bool = True):
+    """Median time of fn() in microseconds, each run measured alone with a cold L2."""
+    cp = cupy()
+    for _ in range(warmup):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        if flush:
+            flush_l2()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+    return float(np.median(times))
+
+
+def graph_time_us(fn: Callable[[], object], repeat: int = 30, flush: bool = True) -> float:
+    """Like time_us, but fn is captured once into a CUDA graph and the replays are timed:
+    the kernel time without Python launch overhead."""
+    cp = cupy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()  # compile and load outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+    return time_us(lambda: graph.launch(stream), repeat=repeat, flush=flush)
+
+
+@functools.cache
+def copy_tbps(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy of 4 GiB: (read + write bytes) / time, in TB/s."""
+    cp = cupy()
+    src = cp.empty(nbytes, dtype=np.uint8)
+    dst = cp.empty_like(src)
+    us = time_us(lambda: cp.copyto(dst, src), repeat=10, flush=False)
+    return 2 * nbytes / us / 1e6
+
+
+@functools.cache
+def peer(name: str):
+    """Import a peer library for side-by-side numbers; None (with a note) when unavailable."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any failure means "no peer"
+        print(f"# {name} not available: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def torch_view(x):
+    """The same memory as a torch tensor (for feeding peers)."""
+    return peer("torch").from_dlpack(x)
+
+
+class Table:
+    """Rows of measurements, printed as a Markdown table (for bench/RESULTS.md)."""
+
+    def __init__(self, title: str, columns: list[str]):
+        self.title, self.columns, self.rows = title, columns, []
+
+    def add(self, *values) -> None:
+        self.rows.append([_fmt(v) for v in values])
+        print("  " + " | ".join(self.rows[-1]), flush=True)
+
+    def markdown(self) -> str:
+        head = f"| {' | '.join(self.columns)} |\n|{'---|' * len(self.columns)}\n"
+        return f"### {self.title}\n\n" + head + "".join(f"| {' | '.join(r)} |\n" for r in self.rows)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    return "" if v is None else str(v)
+
+
+def header() -> str:
+    """GPU, driver and commit, for the top of a results section."""
+    cp = cupy()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("RTCINFER_COMMIT", "unknown")
+    return (
+        f"GPU: {props['name'].decode()}, driver {cp.cuda.runtime.driverGetVersion()}, "
+        f"commit {commit}, copy ceiling {copy_tbps():.2f} TB/s"
+    )
+
+
+def torch_graph_time_us(fn: Callable[[], object], repeat: int = 30) -> float:
+    """fn (PyTorch work) captured with torch.cuda.graph; the replays are timed."""
+    torch = peer("torch")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_us(graph.replay, repeat=repeat)
+
+
+def run_peer(label: str, fn: Callable[[], object]) -> float | None:
+    """Graph-timed microseconds of a peer's fn, or None (with a note) if it fails."""
+    try:
+        return torch_graph_time_us(fn)
+    except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+        print(f"# {label} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+
+
+def ratio(ours: float, theirs: float | None) -> str:
+    """Their time over ours: > 1 means we are faster."""
+    return "" if theirs is None else f"{theirs / ours:.2f}x"
