@@ -45,8 +45,17 @@ def show_config(args) -> int:
         ("rtcinfer", __version__),
         ("python", platform.python_version()),
         ("numpy", _version("numpy")),
-        ("cupy", next((_version(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")
-                       if _version(d) != "not installed"), "not installed")),  # fmt: skip
+        (
+            "cupy",
+            next(
+                (
+                    _version(d)
+                    for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")
+                    if _version(d) != "not installed"
+                ),
+                "not installed",
+            ),
+        ),  # fmt: skip
         ("cuda-bindings", _version("cuda-bindings")),
     ]
     try:
