@@ -82,6 +82,10 @@ def _run_jax(launch, inputs, outputs, params):
 
     if any(out.given is not None for out in outputs):
         raise TypeError("out= is not supported for JAX arrays (they are immutable)")
+    if "spec" in params:  # XLA buffers are dense and aligned: this spec is the one launched
+        from rtcinfer import jit
+
+        jit.preload(params["spec"])
     handler = _jax_handler(launch, tuple(sorted(params.items())))
     shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in outputs]
     aliases = {o.alias: i for i, o in enumerate(outputs) if o.alias is not None}

@@ -22,6 +22,7 @@ class ActivationSpec:
     dtype: str
     vec: int
     source: ClassVar[str] = "activation.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("act_and_mul_kernel",)
 
     def prelude(self) -> str:
         return "\n".join(

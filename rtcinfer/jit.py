@@ -1,8 +1,8 @@
 """Spec -> expanded source -> NVRTC -> CUBIN (disk cache) -> loaded kernel.
 
 A spec is a frozen dataclass holding a kernel family's compile-time choices. It names its
-source file (`source`, in `cuda_src/`) and renders the generated prelude (`prelude()`: constexpr
-values and type aliases). Everything else is a kernel argument.
+source file (`source`, in `cuda_src/`) and entry points (`kernels`), and renders the generated
+prelude (`prelude()`: constexpr values and type aliases). Everything else is a kernel argument.
 """
 
 from __future__ import annotations
@@ -276,6 +276,13 @@ def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: in
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
     return _function(spec, name, device_id, dynamic_smem)
+
+
+def preload(spec, device_id: int | None = None) -> None:
+    """Compile (or read from the cache) and load a spec's module and its `kernels` now, e.g.
+    at trace time, so that no launch ever loads a module while a CUDA graph is being captured."""
+    for name in spec.kernels:
+        get_function(spec, name, device_id)
 
 
 @functools.cache

@@ -24,6 +24,7 @@ class NormSpec:
     vec: int
     threads: int
     source: ClassVar[str] = "norm.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
 
     def prelude(self) -> str:
         return "\n".join(

@@ -33,6 +33,7 @@ class RopeSpec:
     inplace: bool
     vec: int
     source: ClassVar[str] = "rope.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("rope_kernel",)
 
     @property
     def rows(self) -> int:

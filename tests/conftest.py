@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+# JAX must not take 75% of the GPU at import: CuPy and PyTorch share the device in these tests.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def gpu_available() -> bool:
