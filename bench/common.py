@@ -62,7 +62,7 @@ def graph_time_us(fn: Callable[[], object], repeat: int = 30, flush: bool = True
         stream.begin_capture()
         fn()
         graph = stream.end_capture()
-    return time_us(lambda: graph.launch(stream), repeat=repeat, flush=flush)
+        return time_us(lambda: graph.launch(stream), repeat=repeat, flush=flush)  # same stream
 
 
 @functools.cache

@@ -13,6 +13,8 @@ def leading_rows(arr, name: str) -> tuple[int, int, int, int]:
     strides = [s // item for s in arr.strides]
     if not shape:
         raise ValueError(f"{name}: expected at least 1 dimension, got a 0-d array")
+    if 0 in shape:
+        return 0, 1, 0, 0
     if shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(
             f"{name}: the last dimension must be contiguous (stride 1), got strides {strides}"
