@@ -45,10 +45,11 @@ RTC_DEVICE __half2 fp8x2_to_half2(uint16_t bits, __nv_fp8_interpretation_t kind)
 }
 
 // ---------------------------------------------------------------------------------------------
-// N elements of T as one aligned register bundle (16 bytes when sizeof(T) * N == 16).
+// N elements of T as one register bundle, loaded with 16-byte (or narrower) accesses: its
+// alignment is min(16, sizeof(T) * N) bytes.
 
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
   T v[N];
   RTC_DEVICE T& operator[](int i) { return v[i]; }
   RTC_DEVICE const T& operator[](int i) const { return v[i]; }

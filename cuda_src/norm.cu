@@ -5,7 +5,8 @@
 // Grid: blockIdx.x = row. Block: THREADS threads; thread t holds vectors t, t + THREADS, ...
 // of VEC elements, so the whole row sits in registers: one HBM read and one write per element.
 // Row r sits at (r / n1) * s0 + (r % n1) * s1 elements: 2-D and 3-D strided views.
-// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS.
+// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS, MIN_CTAS
+// (resident CTAs per SM the register allocation must allow).
 
 enum NormOp { RMS = 0, GEMMA_RMS = 1, FUSED_ADD_RMS = 2, GEMMA_FUSED_ADD_RMS = 3, LAYER = 4 };
 
@@ -26,7 +27,7 @@ using WVec = Vec<W, VEC>;
 RTC_DEVICE bool owns(int item) { return ITEMS * THREADS == NVEC || item * THREADS + threadIdx.x < NVEC; }
 RTC_DEVICE int col(int item) { return (item * THREADS + threadIdx.x) * VEC; }
 
-extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) norm_kernel(
     T* x,                            // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused: in/out
     int64_t xs0, int64_t xs1,
     T* residual,                     // [n0, n1, HIDDEN] fused ops only: updated in place

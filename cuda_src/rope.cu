@@ -4,12 +4,14 @@
 //   [max_pos, R] cache (cos in [:, :R/2], sin in [:, R/2:]).
 //   Non-interleaved: (x[i], x[i + R/2]) rotate by angle i; interleaved: (x[2i], x[2i+1]).
 //   Elements in [R, HEAD_DIM) pass through.
-// Grid: CTAs stride over tokens. Per token the CTA builds cos/sin of its position in shared
-// memory, then rows (token, head) go ROWS at a time: thread = (row, lane), lane = VEC elements.
-// Angles are exact to fp32 rounding at any position: the frequency in turns per position is a
-// double-float (hi, lo) computed once per CTA in fp64, the product pos * f is split with an FMA
-// and reduced to [-1/2, 1/2] turns before sincospif.
-// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, ROWS, INTERLEAVE, MODE (RopeMode), POS_FROM
+// Mapping: a group of GROUP lanes (a power of two <= 32) owns one token; lane l owns elements
+// [l * VEC, (l + 1) * VEC) of every head row of that token. It computes its cos/sin once per
+// token and streams all q and k heads, UNROLL 16-byte loads in flight; the partner half of a
+// non-interleaved pair comes from another lane by warp shuffle, so in-place needs no barrier.
+// CTAs stride over tokens. Angles are exact to fp32 rounding at any position: the frequency in
+// turns per position is a double-float (hi, lo) computed in fp64 once per thread, the product
+// pos * f is split with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
+// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, INTERLEAVE, MODE (RopeMode), POS_FROM
 // (PositionSource), INPLACE.
 
 enum RopeMode { THETA = 0, LLAMA31 = 1, COS_SIN_CACHE = 2 };
@@ -17,8 +19,13 @@ enum PositionSource { POS_IDS = 0, INDPTR_OFFSETS = 1 };
 
 constexpr int HALF = ROTARY_DIM / 2;
 constexpr int LANES = HEAD_DIM / VEC;
-constexpr int THREADS = LANES * ROWS;
-static_assert(HEAD_DIM % VEC == 0 && ROTARY_DIM % 2 == 0 && ROTARY_DIM <= HEAD_DIM, "shapes");
+constexpr int GROUP = LANES <= 1 ? 1 : LANES <= 2 ? 2 : LANES <= 4 ? 4 : LANES <= 8 ? 8
+                    : LANES <= 16 ? 16 : 32;
+constexpr int GROUPS = THREADS / GROUP;
+constexpr int UNROLL = 8;
+constexpr int PAIRS = INTERLEAVE ? VEC / 2 : VEC;  // distinct frequencies per lane
+static_assert(HEAD_DIM % VEC == 0 && LANES <= 32, "a row fits one warp");
+static_assert(ROTARY_DIM % 2 == 0 && ROTARY_DIM <= HEAD_DIM, "rotary dims");
 static_assert(INTERLEAVE ? ROTARY_DIM % VEC == 0 && VEC % 2 == 0 : HALF % VEC == 0,
               "a vector never straddles the rotary boundaries");
 
@@ -60,7 +67,7 @@ RTC_DEVICE int64_t token_position(int t, const POS_T* pos_ids, const POS_T* indp
   if constexpr (POS_FROM == POS_IDS) {
     return int64_t(pos_ids[t]);
   } else {
-    int lo = 0, hi = batch_size - 1;  // last request with indptr[b] <= t
+    int lo = 0, hi = batch_size - 1;  // the last request with indptr[b] <= t
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (int64_t(indptr[mid]) <= t) lo = mid; else hi = mid - 1;
@@ -69,24 +76,17 @@ RTC_DEVICE int64_t token_position(int t, const POS_T* pos_ids, const POS_T* indp
   }
 }
 
-RTC_DEVICE void rotate(TVec& y, const TVec& x, const TVec& partner, int e0, const float2* cs) {
+// Pair (frequency) index of element j of this lane's vector starting at element e0.
+RTC_DEVICE int pair_of(int e0, int j) { return INTERLEAVE ? (e0 + j) / 2 : (e0 + j) % HALF; }
+
+RTC_DEVICE TVec shuffle(const TVec& x, int src_lane) {
+  static_assert(sizeof(TVec) % 4 == 0, "shuffled in 32-bit words");
+  TVec y;
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(&x);
+  uint32_t* out = reinterpret_cast<uint32_t*>(&y);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const int e = e0 + j;
-    const float a = to_float(x[j]);
-    float r;
-    if constexpr (INTERLEAVE) {
-      const float2 c = cs[e / 2];
-      const float b = to_float(x[j ^ 1]);
-      r = (j % 2 == 0) ? a * c.x - b * c.y : a * c.x + b * c.y;
-    } else {
-      const bool first = e < HALF;
-      const float2 c = cs[first ? e : e - HALF];
-      const float b = to_float(partner[j]);
-      r = first ? a * c.x - b * c.y : a * c.x + b * c.y;
-    }
-    y[j] = from_float<T>(r);
-  }
+  for (int w = 0; w < int(sizeof(TVec) / 4); ++w) out[w] = __shfl_sync(0xffffffffu, in[w], src_lane);
+  return y;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
@@ -102,46 +102,69 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
     float old_context_len) {
   const RopeParams params{rope_scale, rope_theta, low_freq_factor, high_freq_factor,
                           old_context_len};
-  __shared__ float2 freq[HALF > 0 ? HALF : 1];
-  __shared__ float2 cs[HALF > 0 ? HALF : 1];
-  if constexpr (MODE != COS_SIN_CACHE)
-    for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, params);
-
-  const int lane = threadIdx.x % LANES, row_in_round = threadIdx.x / LANES;
+  const int lane = threadIdx.x % GROUP, group = threadIdx.x / GROUP;
   const int e0 = lane * VEC;
-  const bool rotary = e0 < ROTARY_DIM;
-  const int partner_e = INTERLEAVE ? e0 : (e0 < HALF ? e0 + HALF : e0 - HALF);
+  const bool in_row = lane < LANES;
+  const bool rotary = in_row && e0 < ROTARY_DIM;
+  const bool first_half = e0 < HALF;
+  const int partner = threadIdx.x % 32 + (first_half ? HALF / VEC : -(HALF / VEC));
   const int rows = num_q_heads + num_k_heads;
 
-  for (int t = blockIdx.x; t < nnz; t += gridDim.x) {
-    const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
-    __syncthreads();  // freq ready; the previous token's cs no longer read
-    for (int i = threadIdx.x; i < HALF; i += THREADS) {
-      if constexpr (MODE == COS_SIN_CACHE) {
-        const float* c = cos_sin_cache + pos * ROTARY_DIM;
-        cs[i] = make_float2(c[i], c[HALF + i]);
-      } else {
-        cs[i] = cos_sin(float(pos), freq[i]);
+  float2 freq[PAIRS];
+  if constexpr (MODE != COS_SIN_CACHE) {
+#pragma unroll
+    for (int j = 0; j < PAIRS; ++j)
+      freq[j] = rotary ? turns_per_position(pair_of(e0, INTERLEAVE ? 2 * j : j), params)
+                       : make_float2(0.f, 0.f);
+  }
+
+  for (int t0 = blockIdx.x * GROUPS; t0 < nnz; t0 += gridDim.x * GROUPS) {
+    const int t = t0 + group;
+    const bool active = t < nnz && in_row;
+    float2 cs[PAIRS];
+    if (active && rotary) {
+      const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j) {
+        if constexpr (MODE == COS_SIN_CACHE) {
+          const float* row = cos_sin_cache + pos * ROTARY_DIM;
+          const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
+          cs[j] = make_float2(row[i], row[HALF + i]);
+        } else {
+          cs[j] = cos_sin(float(pos), freq[j]);
+        }
       }
     }
-    __syncthreads();
-    for (int r0 = 0; r0 < rows; r0 += ROWS) {
-      const int row = r0 + row_in_round;
-      const bool active = row < rows;
-      const bool is_q = row < num_q_heads;
-      const int h = is_q ? row : row - num_q_heads;
-      const T* src = is_q ? q + t * q_tok + h * q_head : k + t * k_tok + h * k_head;
-      T* dst = is_q ? q_out + t * qo_tok + h * qo_head : k_out + t * ko_tok + h * ko_head;
-      TVec x, partner;
-      if (active) {
-        x.load(src + e0);
-        if (!INTERLEAVE && rotary) partner.load(src + partner_e);
+    for (int r0 = 0; r0 < rows; r0 += UNROLL) {  // uniform trip count: every lane shuffles
+      TVec x[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int r = r0 + u;
+        const T* src = r < num_q_heads ? q + t * q_tok + r * q_head
+                                       : k + t * k_tok + (r - num_q_heads) * k_head;
+        if (active && r < rows) x[u].load(src + e0);
       }
-      if constexpr (INPLACE) __syncthreads();  // every partner read before any row is written
-      if (!active || (INPLACE && !rotary)) continue;
-      TVec y = x;
-      if (rotary) rotate(y, x, partner, e0, cs);
-      y.store(dst + e0);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int r = r0 + u;
+        TVec other;
+        if constexpr (!INTERLEAVE) other = shuffle(x[u], partner);
+        if (!active || r >= rows || (INPLACE && !rotary)) continue;
+        TVec y = x[u];
+        if (rotary) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float2 c = cs[INTERLEAVE ? j / 2 : j];
+            const float a = to_float(x[u][j]);
+            const float b = INTERLEAVE ? to_float(x[u][j ^ 1]) : to_float(other[j]);
+            const bool minus = INTERLEAVE ? j % 2 == 0 : first_half;
+            y[j] = from_float<T>(minus ? a * c.x - b * c.y : a * c.x + b * c.y);
+          }
+        }
+        T* dst = r < num_q_heads ? q_out + t * qo_tok + r * qo_head
+                                 : k_out + t * ko_tok + (r - num_q_heads) * ko_head;
+        y.store(dst + e0);
+      }
     }
   }
 }

@@ -38,10 +38,14 @@ def leading_rows(arr, name: str) -> tuple[int, int, int, int]:
 
 
 def fit_vec(vec: int, itemsize: int, pointers, strides) -> int:
-    """Largest power of two <= vec dividing every stride (elements) with aligned pointers."""
-    while vec > 1 and (
-        any(p % (vec * itemsize) for p in pointers) or any(s % vec for s in strides)
-    ):
+    """Largest power of two <= vec dividing every stride (elements), with pointers aligned to
+    min(16, vec * itemsize) bytes (a `Vec` wider than 16 bytes loads in 16-byte pieces)."""
+
+    def aligned(v: int) -> bool:
+        align = min(16, v * itemsize)
+        return not any(p % align for p in pointers) and not any(s % v for s in strides)
+
+    while vec > 1 and not aligned(vec):
         vec //= 2
     return vec
 

@@ -23,6 +23,7 @@ class NormSpec:
     hidden: int
     vec: int
     threads: int
+    min_ctas: int = 1
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
 
@@ -35,6 +36,7 @@ class NormSpec:
                 f"constexpr int HIDDEN = {self.hidden};",
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
+                f"constexpr int MIN_CTAS = {self.min_ctas};",
             ]
         )
 

@@ -35,13 +35,12 @@ class RopeSpec:
     source: ClassVar[str] = "rope.cu"
     kernels: ClassVar[tuple[str, ...]] = ("rope_kernel",)
 
-    @property
-    def rows(self) -> int:
-        return max(1, 256 // (self.head_dim // self.vec))
+    threads: ClassVar[int] = 256
 
     @property
-    def threads(self) -> int:
-        return self.rows * (self.head_dim // self.vec)
+    def tokens_per_cta(self) -> int:
+        lanes = self.head_dim // self.vec
+        return self.threads // (1 << (lanes - 1).bit_length())
 
     def prelude(self) -> str:
         return "\n".join(
@@ -51,7 +50,7 @@ class RopeSpec:
                 f"constexpr int HEAD_DIM = {self.head_dim};",
                 f"constexpr int ROTARY_DIM = {self.rotary_dim};",
                 f"constexpr int VEC = {self.vec};",
-                f"constexpr int ROWS = {self.rows};",
+                f"constexpr int THREADS = {self.threads};",
                 f"constexpr bool INTERLEAVE = {str(self.interleave).lower()};",
                 f"constexpr int MODE = {MODES.index(self.mode)};",
                 f"constexpr int POS_FROM = {int(self.pos_from == 'indptr')};",
@@ -61,8 +60,17 @@ class RopeSpec:
 
 
 def rope_vec(dtype: str, head_dim: int, rotary_dim: int, interleave: bool) -> int:
+    """Elements per lane: 16 bytes where the rotary boundaries allow, and a row <= 32 lanes."""
     unit = math.gcd(head_dim, rotary_dim if interleave else rotary_dim // 2)
-    return widest_vec(unit, itemsize(dtype))
+    vec = widest_vec(unit, itemsize(dtype))
+    while head_dim // vec > 32 and unit % (2 * vec) == 0:
+        vec *= 2
+    if head_dim // vec > 32 or (interleave and vec < 2):
+        raise ValueError(
+            f"head_dim {head_dim} with rotary_dim {rotary_dim} (interleave={interleave}) is "
+            f"not supported: rows must split into at most 32 equal aligned vectors"
+        )
+    return vec
 
 
 def _head_strides(arr, num_heads: int, head_dim: int) -> tuple[int, int]:
@@ -92,12 +100,11 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
         *_head_strides(q_out, hq, head_dim),
         *_head_strides(k_out, hk, head_dim),
     ]
-    vec = fit_vec(
-        spec.vec, itemsize(spec.dtype), [a.data.ptr for a in (q, k, q_out, k_out)], strides
-    )
+    pointers = [a.data.ptr for a in (q, k, q_out, k_out)]
+    vec = fit_vec(spec.vec, itemsize(spec.dtype), pointers, strides)
     if vec != spec.vec:
-        if spec.interleave and vec < 2:
-            raise ValueError("interleaved RoPE needs q and k aligned to element pairs")
+        if head_dim // vec > 32 or (spec.interleave and vec < 2):
+            raise ValueError(f"q and k rows are not aligned to {spec.vec} elements")
         spec = RopeSpec(**{**spec.__dict__, "vec": vec})
     fn = jit.get_function(spec, "rope_kernel")
     pos_ids = indptr = offsets = cache = 0
@@ -108,7 +115,8 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
     else:
         indptr, offsets = extra
     batch = offsets.shape[0] if spec.pos_from == "indptr" else 0
-    grid = min(nnz, jit.sm_count(q.device.id) * (2048 // spec.threads))
+    ctas = -(-nnz // spec.tokens_per_cta)
+    grid = min(ctas, jit.sm_count(q.device.id) * (2048 // spec.threads))
     args = (
         q,
         *strides[0:2],
@@ -152,8 +160,6 @@ def _rope(q, k, positions, *, rotary_dim, interleave, mode, inplace, params, hea
     if mode != "cos_sin_cache" and len(positions) == 2 and dtype_name(positions[1][1]) != pos_dtype:
         raise TypeError(f"indptr ({pos_dtype}) and offsets must share a dtype")
     vec = rope_vec(dtype, head_dim, rotary_dim, interleave)
-    if interleave and vec < 2:
-        raise ValueError(f"interleaved RoPE needs an even head_dim, got {head_dim}")
     pos_from = "indptr" if positions[0][0] == "indptr" else "pos_ids"
     spec = RopeSpec(
         dtype, pos_dtype, head_dim, rotary_dim, interleave, mode, pos_from, inplace, vec
