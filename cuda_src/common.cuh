@@ -86,21 +86,31 @@ RTC_DEVICE float warp_max(float x) {
   return x;
 }
 
-// Sum over a block of THREADS threads; every thread gets the total. `scratch` holds 32 floats
-// and may be reused after the call returns.
-template <int THREADS>
-RTC_DEVICE float block_sum(float x, float* scratch) {
+// Sums N values over a block of THREADS threads in place: every thread gets the N totals.
+// `scratch` holds N x 32 floats and may be reused after the call returns.
+template <int THREADS, int N = 1>
+RTC_DEVICE void block_sum(float (&x)[N], float (*scratch)[32]) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block of whole warps");
   constexpr int WARPS = THREADS / 32;
-  x = warp_sum(x);
-  if constexpr (WARPS == 1) return x;
+#pragma unroll
+  for (int n = 0; n < N; ++n) x[n] = warp_sum(x[n]);
+  if constexpr (WARPS == 1) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) scratch[warp] = x;
+  if (lane == 0)
+#pragma unroll
+    for (int n = 0; n < N; ++n) scratch[n][warp] = x[n];
   __syncthreads();
-  x = lane < WARPS ? scratch[lane] : 0.f;
-  x = warp_sum(x);
+#pragma unroll
+  for (int n = 0; n < N; ++n) x[n] = warp_sum(lane < WARPS ? scratch[n][lane] : 0.f);
   __syncthreads();
-  return x;
+}
+
+// One value summed over the block (see above).
+template <int THREADS>
+RTC_DEVICE float block_sum(float x, float (*scratch)[32]) {
+  float v[1] = {x};
+  block_sum<THREADS, 1>(v, scratch);
+  return v[0];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,3 +129,27 @@ RTC_DEVICE float fast_rcp(float x) {
 }
 
 constexpr float LOG2E = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (sm_80+): data in flight costs no registers.
+
+// Copies one Vec from global to shared memory: cp.async for 4, 8 or 16 bytes, else a plain
+// load and store. The copying thread may read it back after cp_async_wait_all().
+template <typename V>
+RTC_DEVICE void copy_async(V* smem_dst, const V* gmem_src) {
+  constexpr int BYTES = sizeof(V);
+  if constexpr (BYTES == 16) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src));
+  } else if constexpr (BYTES == 8 || BYTES == 4) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem_src),
+                 "n"(BYTES));
+  } else {
+    *smem_dst = *gmem_src;
+  }
+}
+
+RTC_DEVICE void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}

@@ -2,11 +2,13 @@
 //   rms:   y = x * rsqrt(mean(x^2) + eps) * w            (gemma: * (1 + w))
 //   fused: r = round(x + r); x = rms(r)                   (the norm sees the stored residual)
 //   layer: y = (x - mean(x)) * rsqrt(var(x) + eps) * gamma + beta
-// Grid: blockIdx.x = row. Block: THREADS threads; thread t holds vectors t, t + THREADS, ...
-// of VEC elements, so the whole row sits in registers: one HBM read and one write per element.
+// Grid: blockIdx.x = a block of ROWS rows. Block: THREADS threads; thread t owns vectors
+// t, t + THREADS, ... of VEC elements of each row. Rows are staged in shared memory with
+// cp.async, so the bytes in flight cost no registers: one HBM read and one write per element.
+// Each thread reads back only what it copied itself, so only the reductions need barriers.
 // Row r sits at (r / n1) * s0 + (r % n1) * s1 elements: 2-D and 3-D strided views.
-// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS, MIN_CTAS
-// (resident CTAs per SM the register allocation must allow).
+// Shared memory: ROWS * HIDDEN * sizeof(T), twice for the fused ops (x and residual).
+// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS, ROWS.
 
 enum NormOp { RMS = 0, GEMMA_RMS = 1, FUSED_ADD_RMS = 2, GEMMA_FUSED_ADD_RMS = 3, LAYER = 4 };
 
@@ -27,7 +29,7 @@ using WVec = Vec<W, VEC>;
 RTC_DEVICE bool owns(int item) { return ITEMS * THREADS == NVEC || item * THREADS + threadIdx.x < NVEC; }
 RTC_DEVICE int col(int item) { return (item * THREADS + threadIdx.x) * VEC; }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) norm_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
     T* x,                            // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused: in/out
     int64_t xs0, int64_t xs1,
     T* residual,                     // [n0, n1, HIDDEN] fused ops only: updated in place
@@ -37,67 +39,96 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) norm_kernel(
     const W* __restrict__ weight,    // [HIDDEN] (layernorm: gamma)
     const W* __restrict__ bias,      // [HIDDEN] layernorm beta, else unused
     int n1,                          // size of the inner leading dimension (1 for 2-D)
-    float eps) {
-  __shared__ float scratch[32];
-  const int row = blockIdx.x;
-  T* x_row = x + row_offset(row, n1, xs0, xs1);
+    int num_rows, float eps) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  TVec (*xs)[NVEC] = reinterpret_cast<TVec (*)[NVEC]>(smem);                // [ROWS][NVEC]
+  TVec (*rs)[NVEC] = reinterpret_cast<TVec (*)[NVEC]>(smem) + ROWS;         // fused: residual
+  __shared__ float scratch[ROWS][32];
+  const int row0 = blockIdx.x * ROWS;
+  const int rows = num_rows - row0 < ROWS ? num_rows - row0 : ROWS;
 
-  TVec v[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i)
-    if (owns(i)) v[i].load_stream(x_row + col(i));
-
-  if constexpr (FUSED) {
-    T* r_row = residual + row_offset(row, n1, rs0, rs1);
+  for (int rr = 0; rr < rows; ++rr) {
+    const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row0 + rr, n1, xs0, xs1));
+    const TVec* r_row = reinterpret_cast<const TVec*>(residual + row_offset(row0 + rr, n1, rs0, rs1));
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!owns(i)) continue;
-      TVec r;
-      r.load_stream(r_row + col(i));
+      const int c = i * THREADS + threadIdx.x;
+      copy_async(&xs[rr][c], x_row + c);
+      if constexpr (FUSED) copy_async(&rs[rr][c], r_row + c);
+    }
+  }
+  cp_async_wait_all();
+
+  if constexpr (FUSED) {  // x + residual, rounded to T, stored as the new residual
+    for (int rr = 0; rr < rows; ++rr) {
+      T* r_row = residual + row_offset(row0 + rr, n1, rs0, rs1);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[i][j] = from_float<T>(to_float(v[i][j]) + to_float(r[j]));
-      v[i].store(r_row + col(i));
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!owns(i)) continue;
+        const int c = i * THREADS + threadIdx.x;
+        TVec v = xs[rr][c];
+        const TVec r = rs[rr][c];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
+        xs[rr][c] = v;
+        v.store(r_row + c * VEC);
+      }
     }
   }
 
-  float shift = 0.f;  // the mean, for layernorm
+  float shift[ROWS] = {};  // the row means, for layernorm
   if constexpr (OP == LAYER) {
-    float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
-      if (owns(i))
+    for (int rr = 0; rr < ROWS; ++rr)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) s += to_float(v[i][j]);
-    shift = block_sum<THREADS>(s, scratch) * (1.f / HIDDEN);
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!owns(i) || rr >= rows) continue;
+        const TVec v = xs[rr][i * THREADS + threadIdx.x];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) shift[rr] += to_float(v[j]);
+      }
+    block_sum<THREADS, ROWS>(shift, scratch);
+#pragma unroll
+    for (int rr = 0; rr < ROWS; ++rr) shift[rr] *= 1.f / HIDDEN;
   }
-  float sq = 0.f;
+  float inv_rms[ROWS] = {};
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i)
-    if (owns(i))
+  for (int rr = 0; rr < ROWS; ++rr)
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!owns(i) || rr >= rows) continue;
+      const TVec v = xs[rr][i * THREADS + threadIdx.x];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = to_float(v[i][j]) - shift;
-        sq += d * d;
+        const float d = to_float(v[j]) - shift[rr];
+        inv_rms[rr] += d * d;
       }
-  const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + eps);
+    }
+  block_sum<THREADS, ROWS>(inv_rms, scratch);
+#pragma unroll
+  for (int rr = 0; rr < ROWS; ++rr) inv_rms[rr] = rsqrtf(inv_rms[rr] * (1.f / HIDDEN) + eps);
 
-  T* o_row = out + row_offset(row, n1, os0, os1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
-    WVec w;
+    WVec w, b;
     w.load(weight + col(i));
-    WVec b;
     if constexpr (OP == LAYER) b.load(bias + col(i));
-    TVec y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      float scale = to_float(w[j]);
-      if constexpr (GEMMA) scale += 1.f;
-      float r = (to_float(v[i][j]) - shift) * inv_rms * scale;
-      if constexpr (OP == LAYER) r += to_float(b[j]);
-      y[j] = from_float<T>(r);
+    for (int rr = 0; rr < ROWS; ++rr) {
+      if (rr >= rows) continue;
+      const TVec v = xs[rr][i * THREADS + threadIdx.x];
+      TVec y;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float scale = to_float(w[j]);
+        if constexpr (GEMMA) scale += 1.f;
+        float r = (to_float(v[j]) - shift[rr]) * inv_rms[rr] * scale;
+        if constexpr (OP == LAYER) r += to_float(b[j]);
+        y[j] = from_float<T>(r);
+      }
+      y.store(out + row_offset(row0 + rr, n1, os0, os1) + col(i));
     }
-    y.store(o_row + col(i));
   }
 }

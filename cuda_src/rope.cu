@@ -4,15 +4,17 @@
 //   [max_pos, R] cache (cos in [:, :R/2], sin in [:, R/2:]).
 //   Non-interleaved: (x[i], x[i + R/2]) rotate by angle i; interleaved: (x[2i], x[2i+1]).
 //   Elements in [R, HEAD_DIM) pass through.
-// Mapping: a group of GROUP lanes (a power of two <= 32) owns one token; lane l owns elements
-// [l * VEC, (l + 1) * VEC) of every head row of that token. It computes its cos/sin once per
-// token and streams all q and k heads, UNROLL 16-byte loads in flight; the partner half of a
-// non-interleaved pair comes from another lane by warp shuffle, so in-place needs no barrier.
-// CTAs stride over tokens. Angles are exact to fp32 rounding at any position: the frequency in
-// turns per position is a double-float (hi, lo) computed in fp64 once per thread, the product
-// pos * f is split with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
-// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, INTERLEAVE, MODE (RopeMode), POS_FROM
-// (PositionSource), INPLACE.
+// Mapping: a work item is (token, a chunk of rows_per_item head rows; q heads then k heads). A
+// group of GROUP lanes (a power of two <= 32) owns one item; lane l owns elements
+// [l * VEC, (l + 1) * VEC) of each of its rows. It computes its cos/sin once per item and
+// streams the rows with UNROLL 16-byte loads in flight; the partner half of a non-interleaved
+// pair comes from another lane by warp shuffle, so in-place needs no barrier. CTAs stride over
+// items; the host makes rows_per_item the whole token unless tokens are too few to fill the GPU.
+// Angles are exact to fp32 rounding at any position: the frequency in turns per position is a
+// double-float (hi, lo) computed in fp64 once per CTA into shared memory, the product pos * f
+// is split with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
+// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, MIN_CTAS, INTERLEAVE, MODE
+// (RopeMode), POS_FROM (PositionSource), INPLACE.
 
 enum RopeMode { THETA = 0, LLAMA31 = 1, COS_SIN_CACHE = 2 };
 enum PositionSource { POS_IDS = 0, INDPTR_OFFSETS = 1 };
@@ -22,7 +24,6 @@ constexpr int LANES = HEAD_DIM / VEC;
 constexpr int GROUP = LANES <= 1 ? 1 : LANES <= 2 ? 2 : LANES <= 4 ? 4 : LANES <= 8 ? 8
                     : LANES <= 16 ? 16 : 32;
 constexpr int GROUPS = THREADS / GROUP;
-constexpr int UNROLL = 8;
 constexpr int PAIRS = INTERLEAVE ? VEC / 2 : VEC;  // distinct frequencies per lane
 static_assert(HEAD_DIM % VEC == 0 && LANES <= 32, "a row fits one warp");
 static_assert(ROTARY_DIM % 2 == 0 && ROTARY_DIM <= HEAD_DIM, "rotary dims");
@@ -89,7 +90,7 @@ RTC_DEVICE TVec shuffle(const TVec& x, int src_lane) {
   return y;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) rope_kernel(
     const T* q, int64_t q_tok, int64_t q_head,     // [nnz, Hq, HEAD_DIM] strides in elements
     const T* k, int64_t k_tok, int64_t k_head,     // [nnz, Hk, HEAD_DIM]
     T* q_out, int64_t qo_tok, int64_t qo_head,     // [nnz, Hq, HEAD_DIM] (INPLACE: == q)
@@ -97,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
     const POS_T* pos_ids,                          // [nnz]  (POS_IDS)
     const POS_T* indptr, const POS_T* offsets,     // [B + 1], [B]  (INDPTR_OFFSETS)
     const float* cos_sin_cache,                    // [max_pos, ROTARY_DIM]  (COS_SIN_CACHE)
-    int nnz, int num_q_heads, int num_k_heads, int batch_size,
+    int nnz, int num_q_heads, int num_k_heads, int batch_size, int rows_per_item,
     float rope_scale, float rope_theta, float low_freq_factor, float high_freq_factor,
     float old_context_len) {
   const RopeParams params{rope_scale, rope_theta, low_freq_factor, high_freq_factor,
@@ -109,18 +110,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
   const bool first_half = e0 < HALF;
   const int partner = threadIdx.x % 32 + (first_half ? HALF / VEC : -(HALF / VEC));
   const int rows = num_q_heads + num_k_heads;
+  const int chunks = (rows + rows_per_item - 1) / rows_per_item;
+  const int items = nnz * chunks;
 
-  float2 freq[PAIRS];
+  __shared__ float2 freq[MODE == COS_SIN_CACHE ? 1 : HALF];
   if constexpr (MODE != COS_SIN_CACHE) {
-#pragma unroll
-    for (int j = 0; j < PAIRS; ++j)
-      freq[j] = rotary ? turns_per_position(pair_of(e0, INTERLEAVE ? 2 * j : j), params)
-                       : make_float2(0.f, 0.f);
+    for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, params);
+    __syncthreads();
   }
 
-  for (int t0 = blockIdx.x * GROUPS; t0 < nnz; t0 += gridDim.x * GROUPS) {
-    const int t = t0 + group;
-    const bool active = t < nnz && in_row;
+  for (int item0 = blockIdx.x * GROUPS; item0 < items; item0 += gridDim.x * GROUPS) {
+    const int item = item0 + group;
+    const bool active = item < items && in_row;
+    const int t = item / chunks;
+    const int row_begin = (item % chunks) * rows_per_item;
+    const int row_end = min(rows, row_begin + rows_per_item);
     float2 cs[PAIRS];
     if (active && rotary) {
       const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
@@ -131,25 +135,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
           const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
           cs[j] = make_float2(row[i], row[HALF + i]);
         } else {
-          cs[j] = cos_sin(float(pos), freq[j]);
+          cs[j] = cos_sin(float(pos), freq[pair_of(e0, INTERLEAVE ? 2 * j : j)]);
         }
       }
     }
-    for (int r0 = 0; r0 < rows; r0 += UNROLL) {  // uniform trip count: every lane shuffles
+    for (int r0 = 0; r0 < rows_per_item; r0 += UNROLL) {  // uniform: every lane shuffles
       TVec x[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int r = r0 + u;
+        const int r = row_begin + r0 + u;
         const T* src = r < num_q_heads ? q + t * q_tok + r * q_head
                                        : k + t * k_tok + (r - num_q_heads) * k_head;
-        if (active && r < rows) x[u].load(src + e0);
+        if (active && r < row_end) x[u].load(src + e0);
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int r = r0 + u;
+        const int r = row_begin + r0 + u;
         TVec other;
         if constexpr (!INTERLEAVE) other = shuffle(x[u], partner);
-        if (!active || r >= rows || (INPLACE && !rotary)) continue;
+        if (!active || r >= row_end || (INPLACE && !rotary)) continue;
         TVec y = x[u];
         if (rotary) {
 #pragma unroll

@@ -12,6 +12,7 @@ from .interop import Out, dtype_name, run
 from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
 from .layout import fit_vec, leading_rows, widest_vec
 
+MAX_SMEM = 200 * 1024  # a row must fit in shared memory (Hopper and Ampere allow ~227 KB)
 OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm")
 
 
@@ -23,9 +24,14 @@ class NormSpec:
     hidden: int
     vec: int
     threads: int
-    min_ctas: int = 1
+    rows: int = 1  # rows per CTA
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory: the CTA's rows (and residual rows for the fused ops)."""
+        return self.rows * self.hidden * itemsize(self.dtype) * (2 if "fused" in self.op else 1)
 
     def prelude(self) -> str:
         return "\n".join(
@@ -36,20 +42,27 @@ class NormSpec:
                 f"constexpr int HIDDEN = {self.hidden};",
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
-                f"constexpr int MIN_CTAS = {self.min_ctas};",
+                f"constexpr int ROWS = {self.rows};",
             ]
         )
 
 
-def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None):
-    """The spec for a row of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads."""
+def norm_spec(
+    op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None, num_rows: int = 1
+):
+    """The spec for rows of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads, and
+    up to 4 rows per CTA when rows are short and many, so each CTA has ~32 KB in flight."""
     vec = vec or widest_vec(hidden, itemsize(dtype))
     nvec = hidden // vec
     threads = min(1024, -(-nvec // 128) * 32)  # ceil(nvec / 4) rounded up to whole warps
-    if -(-nvec // threads) > 4:  # 1024 threads x 4 vectors: the row must fit in registers
-        limit = 4 * 1024 * vec
-        raise ValueError(f"hidden size {hidden} exceeds {limit}, the widest {dtype} row supported")
-    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads)
+    row_bytes = hidden * itemsize(dtype) * (2 if "fused" in op else 1)
+    if row_bytes > MAX_SMEM:
+        limit = MAX_SMEM // (row_bytes // hidden)
+        raise ValueError(f"hidden size {hidden} exceeds {limit}, the widest {dtype} {op} row")
+    rows = 1
+    while rows < 4 and 2 * rows * row_bytes <= 32768 and num_rows >= 2048 * rows:
+        rows *= 2
+    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads, rows)
 
 
 def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
@@ -61,6 +74,10 @@ def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
     if dtype_name(weight) not in (dtype, "float32"):
         raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {dtype_name(weight)}")
     return hidden, dtype
+
+
+def _num_rows(x) -> int:
+    return int(np.prod(x.shape[:-1], dtype=np.int64)) if len(x.shape) else 0
 
 
 def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
@@ -80,15 +97,17 @@ def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
         [xs0, xs1, rs0, rs1, ys0, ys1],
     )
     if vec != spec.vec:
-        spec = norm_spec(spec.op, spec.dtype, spec.weight_dtype, spec.hidden, vec)
-    fn = jit.get_function(spec, "norm_kernel")
+        spec = norm_spec(spec.op, spec.dtype, spec.weight_dtype, spec.hidden, vec, rows)
+    fn = jit.get_function(spec, "norm_kernel", dynamic_smem=spec.smem)
     args = (x, xs0, xs1, residual, rs0, rs1, y, ys0, ys1, weight, bias, np.int32(n1))
-    fn((rows, 1, 1), (spec.threads, 1, 1), (*args, np.float32(eps)), stream=stream)
+    grid = (-(-rows // spec.rows), 1, 1)
+    args = (*args, np.int32(rows), np.float32(eps))
+    fn(grid, (spec.threads, 1, 1), args, shared_mem=spec.smem, stream=stream)
 
 
 def _norm(op, x, weight, eps, out, bias=None):
     hidden, dtype = _check(x, weight)
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
+    spec = norm_spec(op, dtype, dtype_name(weight), hidden, num_rows=_num_rows(x))
     inputs = [("input", x), ("weight", weight)] + ([("beta", bias)] if bias is not None else [])
     return run(_launch, inputs, [Out(tuple(x.shape), dtype, out)], spec=spec, eps=float(eps))
 
@@ -124,7 +143,7 @@ def _fused(op, input, residual, weight, eps):
             f"residual: expected shape {tuple(input.shape)} and dtype {dtype}, "
             f"got {tuple(residual.shape)} and {dtype_name(residual)}"
         )
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
+    spec = norm_spec(op, dtype, dtype_name(weight), hidden, num_rows=_num_rows(input))
     shape = tuple(input.shape)
     return run(
         _launch,

@@ -32,6 +32,8 @@ class RopeSpec:
     pos_from: str  # "pos_ids" or "indptr"
     inplace: bool
     vec: int
+    unroll: int = 8  # head rows per batch of loads
+    min_ctas: int = 1  # resident CTAs per SM the register allocation must allow
     source: ClassVar[str] = "rope.cu"
     kernels: ClassVar[tuple[str, ...]] = ("rope_kernel",)
 
@@ -51,6 +53,8 @@ class RopeSpec:
                 f"constexpr int ROTARY_DIM = {self.rotary_dim};",
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
+                f"constexpr int UNROLL = {self.unroll};",
+                f"constexpr int MIN_CTAS = {self.min_ctas};",
                 f"constexpr bool INTERLEAVE = {str(self.interleave).lower()};",
                 f"constexpr int MODE = {MODES.index(self.mode)};",
                 f"constexpr int POS_FROM = {int(self.pos_from == 'indptr')};",
@@ -115,8 +119,13 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
     else:
         indptr, offsets = extra
     batch = offsets.shape[0] if spec.pos_from == "indptr" else 0
-    ctas = -(-nnz // spec.tokens_per_cta)
-    grid = min(ctas, jit.sm_count(q.device.id) * (2048 // spec.threads))
+    sms = jit.sm_count(q.device.id)
+    rows = hq + hk
+    unroll = spec.unroll
+    chunks = min(-(-rows // unroll), max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
+    rows_per_item = -(-rows // chunks // unroll) * unroll  # a multiple of unroll
+    items = nnz * -(-rows // rows_per_item)
+    grid = min(-(-items // spec.tokens_per_cta), sms * (2048 // spec.threads))
     args = (
         q,
         *strides[0:2],
@@ -134,6 +143,7 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
         np.int32(hq),
         np.int32(hk),
         np.int32(batch),
+        np.int32(rows_per_item),
         *(np.float32(p) for p in params),
     )
     fn((grid, 1, 1), (spec.threads, 1, 1), args, stream=stream)
