@@ -2,13 +2,13 @@
 //   rms:   y = x * rsqrt(mean(x^2) + eps) * w            (gemma: * (1 + w))
 //   fused: r = round(x + r); x = rms(r)                   (the norm sees the stored residual)
 //   layer: y = (x - mean(x)) * rsqrt(var(x) + eps) * gamma + beta
-// Grid: blockIdx.x = a block of ROWS rows. Block: THREADS threads; thread t owns vectors
-// t, t + THREADS, ... of VEC elements of each row. Rows are staged in shared memory with
-// cp.async, so the bytes in flight cost no registers: one HBM read and one write per element.
+// Grid: blockIdx.x = row. Block: THREADS threads; thread t owns vectors t, t + THREADS, ... of
+// VEC elements. The row is staged in shared memory with cp.async, so the bytes in flight cost
+// no registers (more rows resident per SM): one HBM read and one write per element.
 // Each thread reads back only what it copied itself, so only the reductions need barriers.
 // Row r sits at (r / n1) * s0 + (r % n1) * s1 elements: 2-D and 3-D strided views.
-// Shared memory: ROWS * HIDDEN * sizeof(T), twice for the fused ops (x and residual).
-// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS, ROWS.
+// Shared memory: HIDDEN * sizeof(T), twice for the fused ops (x and residual).
+// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS.
 
 enum NormOp { RMS = 0, GEMMA_RMS = 1, FUSED_ADD_RMS = 2, GEMMA_FUSED_ADD_RMS = 3, LAYER = 4 };
 
@@ -26,8 +26,9 @@ RTC_DEVICE int64_t row_offset(int row, int n1, int64_t s0, int64_t s1) {
 using TVec = Vec<T, VEC>;
 using WVec = Vec<W, VEC>;
 
-RTC_DEVICE bool owns(int item) { return ITEMS * THREADS == NVEC || item * THREADS + threadIdx.x < NVEC; }
-RTC_DEVICE int col(int item) { return (item * THREADS + threadIdx.x) * VEC; }
+RTC_DEVICE int item(int i) { return i * THREADS + threadIdx.x; }  // this thread's i-th vector
+RTC_DEVICE bool owns(int i) { return ITEMS * THREADS == NVEC || item(i) < NVEC; }
+RTC_DEVICE int col(int i) { return item(i) * VEC; }
 
 extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
     T* x,                            // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused: in/out
@@ -39,96 +40,76 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
     const W* __restrict__ weight,    // [HIDDEN] (layernorm: gamma)
     const W* __restrict__ bias,      // [HIDDEN] layernorm beta, else unused
     int n1,                          // size of the inner leading dimension (1 for 2-D)
-    int num_rows, float eps) {
+    float eps) {
   extern __shared__ __align__(16) unsigned char smem[];
-  TVec (*xs)[NVEC] = reinterpret_cast<TVec (*)[NVEC]>(smem);                // [ROWS][NVEC]
-  TVec (*rs)[NVEC] = reinterpret_cast<TVec (*)[NVEC]>(smem) + ROWS;         // fused: residual
-  __shared__ float scratch[ROWS][32];
-  const int row0 = blockIdx.x * ROWS;
-  const int rows = num_rows - row0 < ROWS ? num_rows - row0 : ROWS;
-
-  for (int rr = 0; rr < rows; ++rr) {
-    const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row0 + rr, n1, xs0, xs1));
-    const TVec* r_row = reinterpret_cast<const TVec*>(residual + row_offset(row0 + rr, n1, rs0, rs1));
+  TVec* xs = reinterpret_cast<TVec*>(smem);  // [NVEC] the row (fused: x + residual)
+  TVec* rs = xs + NVEC;                      // [NVEC] fused ops: the residual row
+  __shared__ float scratch[1][32];
+  const int row = blockIdx.x;
+  const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row, n1, xs0, xs1));
+  T* r_row = residual + row_offset(row, n1, rs0, rs1);
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!owns(i)) continue;
-      const int c = i * THREADS + threadIdx.x;
-      copy_async(&xs[rr][c], x_row + c);
-      if constexpr (FUSED) copy_async(&rs[rr][c], r_row + c);
-    }
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!owns(i)) continue;
+    copy_async(&xs[item(i)], x_row + item(i));
+    if constexpr (FUSED) copy_async(&rs[item(i)], reinterpret_cast<const TVec*>(r_row) + item(i));
   }
   cp_async_wait_all();
 
   if constexpr (FUSED) {  // x + residual, rounded to T, stored as the new residual
-    for (int rr = 0; rr < rows; ++rr) {
-      T* r_row = residual + row_offset(row0 + rr, n1, rs0, rs1);
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!owns(i)) continue;
-        const int c = i * THREADS + threadIdx.x;
-        TVec v = xs[rr][c];
-        const TVec r = rs[rr][c];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
-        xs[rr][c] = v;
-        v.store(r_row + c * VEC);
-      }
-    }
-  }
-
-  float shift[ROWS] = {};  // the row means, for layernorm
-  if constexpr (OP == LAYER) {
-#pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr)
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!owns(i) || rr >= rows) continue;
-        const TVec v = xs[rr][i * THREADS + threadIdx.x];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) shift[rr] += to_float(v[j]);
-      }
-    block_sum<THREADS, ROWS>(shift, scratch);
-#pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr) shift[rr] *= 1.f / HIDDEN;
-  }
-  float inv_rms[ROWS] = {};
-#pragma unroll
-  for (int rr = 0; rr < ROWS; ++rr)
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-      if (!owns(i) || rr >= rows) continue;
-      const TVec v = xs[rr][i * THREADS + threadIdx.x];
+      if (!owns(i)) continue;
+      TVec v = xs[item(i)];
+      const TVec r = rs[item(i)];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = to_float(v[j]) - shift[rr];
-        inv_rms[rr] += d * d;
-      }
+      for (int j = 0; j < VEC; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
+      xs[item(i)] = v;
+      v.store(r_row + col(i));
     }
-  block_sum<THREADS, ROWS>(inv_rms, scratch);
-#pragma unroll
-  for (int rr = 0; rr < ROWS; ++rr) inv_rms[rr] = rsqrtf(inv_rms[rr] * (1.f / HIDDEN) + eps);
+  }
 
+  float shift = 0.f;  // the mean, for layernorm
+  if constexpr (OP == LAYER) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!owns(i)) continue;
+      const TVec v = xs[item(i)];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) shift += to_float(v[j]);
+    }
+    shift = block_sum<THREADS>(shift, scratch) * (1.f / HIDDEN);
+  }
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!owns(i)) continue;
+    const TVec v = xs[item(i)];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = to_float(v[j]) - shift;
+      sq += d * d;
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + eps);
+
+  T* o_row = out + row_offset(row, n1, os0, os1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
     WVec w, b;
     w.load(weight + col(i));
     if constexpr (OP == LAYER) b.load(bias + col(i));
+    const TVec v = xs[item(i)];
+    TVec y;
 #pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr) {
-      if (rr >= rows) continue;
-      const TVec v = xs[rr][i * THREADS + threadIdx.x];
-      TVec y;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        float scale = to_float(w[j]);
-        if constexpr (GEMMA) scale += 1.f;
-        float r = (to_float(v[j]) - shift[rr]) * inv_rms[rr] * scale;
-        if constexpr (OP == LAYER) r += to_float(b[j]);
-        y[j] = from_float<T>(r);
-      }
-      y.store(out + row_offset(row0 + rr, n1, os0, os1) + col(i));
+    for (int j = 0; j < VEC; ++j) {
+      float scale = to_float(w[j]);
+      if constexpr (GEMMA) scale += 1.f;
+      float r = (to_float(v[j]) - shift) * inv_rms * scale;
+      if constexpr (OP == LAYER) r += to_float(b[j]);
+      y[j] = from_float<T>(r);
     }
+    y.store(o_row + col(i));
   }
 }

@@ -13,7 +13,7 @@
 // Angles are exact to fp32 rounding at any position: the frequency in turns per position is a
 // double-float (hi, lo) computed in fp64 once per CTA into shared memory, the product pos * f
 // is split with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
-// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, MIN_CTAS, INTERLEAVE, MODE
+// Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE.
 
 enum RopeMode { THETA = 0, LLAMA31 = 1, COS_SIN_CACHE = 2 };
@@ -90,7 +90,7 @@ RTC_DEVICE TVec shuffle(const TVec& x, int src_lane) {
   return y;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS) rope_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
     const T* q, int64_t q_tok, int64_t q_head,     // [nnz, Hq, HEAD_DIM] strides in elements
     const T* k, int64_t k_tok, int64_t k_head,     // [nnz, Hk, HEAD_DIM]
     T* q_out, int64_t qo_tok, int64_t qo_head,     // [nnz, Hq, HEAD_DIM] (INPLACE: == q)

@@ -302,3 +302,11 @@ def sm_count(device_id: int) -> int:
     from cupy_backends.cuda.api import runtime
 
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+@functools.cache
+def occupancy(fn, threads: int, dynamic_smem: int = 0) -> int:
+    """CTAs of a loaded kernel that fit on one SM at once (for persistent grids)."""
+    from cupy_backends.cuda.api import driver
+
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, dynamic_smem)

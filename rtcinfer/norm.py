@@ -24,14 +24,13 @@ class NormSpec:
     hidden: int
     vec: int
     threads: int
-    rows: int = 1  # rows per CTA
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
 
     @property
     def smem(self) -> int:
-        """Dynamic shared memory: the CTA's rows (and residual rows for the fused ops)."""
-        return self.rows * self.hidden * itemsize(self.dtype) * (2 if "fused" in self.op else 1)
+        """Dynamic shared memory: the row (and the residual row for the fused ops)."""
+        return self.hidden * itemsize(self.dtype) * (2 if "fused" in self.op else 1)
 
     def prelude(self) -> str:
         return "\n".join(
@@ -42,16 +41,12 @@ class NormSpec:
                 f"constexpr int HIDDEN = {self.hidden};",
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
-                f"constexpr int ROWS = {self.rows};",
             ]
         )
 
 
-def norm_spec(
-    op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None, num_rows: int = 1
-):
-    """The spec for rows of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads, and
-    up to 4 rows per CTA when rows are short and many, so each CTA has ~32 KB in flight."""
+def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None):
+    """The spec for rows of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads."""
     vec = vec or widest_vec(hidden, itemsize(dtype))
     nvec = hidden // vec
     threads = min(1024, -(-nvec // 128) * 32)  # ceil(nvec / 4) rounded up to whole warps
@@ -59,10 +54,7 @@ def norm_spec(
     if row_bytes > MAX_SMEM:
         limit = MAX_SMEM // (row_bytes // hidden)
         raise ValueError(f"hidden size {hidden} exceeds {limit}, the widest {dtype} {op} row")
-    rows = 1
-    while rows < 4 and 2 * rows * row_bytes <= 32768 and num_rows >= 2048 * rows:
-        rows *= 2
-    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads, rows)
+    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads)
 
 
 def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
@@ -74,10 +66,6 @@ def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
     if dtype_name(weight) not in (dtype, "float32"):
         raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {dtype_name(weight)}")
     return hidden, dtype
-
-
-def _num_rows(x) -> int:
-    return int(np.prod(x.shape[:-1], dtype=np.int64)) if len(x.shape) else 0
 
 
 def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
@@ -97,17 +85,16 @@ def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
         [xs0, xs1, rs0, rs1, ys0, ys1],
     )
     if vec != spec.vec:
-        spec = norm_spec(spec.op, spec.dtype, spec.weight_dtype, spec.hidden, vec, rows)
+        spec = norm_spec(spec.op, spec.dtype, spec.weight_dtype, spec.hidden, vec)
     fn = jit.get_function(spec, "norm_kernel", dynamic_smem=spec.smem)
     args = (x, xs0, xs1, residual, rs0, rs1, y, ys0, ys1, weight, bias, np.int32(n1))
-    grid = (-(-rows // spec.rows), 1, 1)
-    args = (*args, np.int32(rows), np.float32(eps))
-    fn(grid, (spec.threads, 1, 1), args, shared_mem=spec.smem, stream=stream)
+    args = (*args, np.float32(eps))
+    fn((rows, 1, 1), (spec.threads, 1, 1), args, shared_mem=spec.smem, stream=stream)
 
 
 def _norm(op, x, weight, eps, out, bias=None):
     hidden, dtype = _check(x, weight)
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden, num_rows=_num_rows(x))
+    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
     inputs = [("input", x), ("weight", weight)] + ([("beta", bias)] if bias is not None else [])
     return run(_launch, inputs, [Out(tuple(x.shape), dtype, out)], spec=spec, eps=float(eps))
 
@@ -143,7 +130,7 @@ def _fused(op, input, residual, weight, eps):
             f"residual: expected shape {tuple(input.shape)} and dtype {dtype}, "
             f"got {tuple(residual.shape)} and {dtype_name(residual)}"
         )
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden, num_rows=_num_rows(input))
+    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
     shape = tuple(input.shape)
     return run(
         _launch,

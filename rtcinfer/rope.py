@@ -32,12 +32,15 @@ class RopeSpec:
     pos_from: str  # "pos_ids" or "indptr"
     inplace: bool
     vec: int
-    unroll: int = 8  # head rows per batch of loads
-    min_ctas: int = 1  # resident CTAs per SM the register allocation must allow
     source: ClassVar[str] = "rope.cu"
     kernels: ClassVar[tuple[str, ...]] = ("rope_kernel",)
 
     threads: ClassVar[int] = 256
+
+    @property
+    def unroll(self) -> int:
+        """Head rows per batch of loads: 8 x 16 bytes in flight per lane (4 x 32 for wide rows)."""
+        return 8 if self.vec * itemsize(self.dtype) <= 16 else 4
 
     @property
     def tokens_per_cta(self) -> int:
@@ -54,7 +57,6 @@ class RopeSpec:
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
                 f"constexpr int UNROLL = {self.unroll};",
-                f"constexpr int MIN_CTAS = {self.min_ctas};",
                 f"constexpr bool INTERLEAVE = {str(self.interleave).lower()};",
                 f"constexpr int MODE = {MODES.index(self.mode)};",
                 f"constexpr int POS_FROM = {int(self.pos_from == 'indptr')};",
@@ -125,7 +127,8 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
     chunks = min(-(-rows // unroll), max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
     rows_per_item = -(-rows // chunks // unroll) * unroll  # a multiple of unroll
     items = nnz * -(-rows // rows_per_item)
-    grid = min(-(-items // spec.tokens_per_cta), sms * (2048 // spec.threads))
+    resident = jit.occupancy(fn, spec.threads) * sms  # persistent: the table is built once
+    grid = min(-(-items // spec.tokens_per_cta), resident)
     args = (
         q,
         *strides[0:2],
