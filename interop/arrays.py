@@ -91,6 +91,22 @@ def current_stream(like):
 
     if framework(like) == "torch":
         torch = sys.modules["torch"]
-        ptr = torch.cuda.current_stream(like.device).cuda_stream
-        return cupy.cuda.ExternalStream(ptr, like.device.index)
+        return stream_from_ptr(torch.cuda.current_stream(like.device).cuda_stream)
     return cupy.cuda.get_current_stream()
+
+
+class _StreamHandle:
+    """A raw cudaStream_t seen through the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def stream_from_ptr(ptr: int):
+    """A CuPy stream object for a stream some other library created (no ownership)."""
+    import cupy
+
+    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))

@@ -13,7 +13,15 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .arrays import as_cupy, current_stream, device_of, dtype_name, empty, framework
+from .arrays import (
+    as_cupy,
+    current_stream,
+    device_of,
+    dtype_name,
+    empty,
+    framework,
+    stream_from_ptr,
+)
 from .dtypes import numpy_dtype
 
 
@@ -103,9 +111,7 @@ def _jax_handler(launch, params: tuple) -> int:
     kwargs = dict(params)
 
     def handler(stream_ptr: int, ins, outs) -> None:
-        import cupy
-
-        stream = cupy.cuda.ExternalStream(stream_ptr)
+        stream = stream_from_ptr(stream_ptr)
         launch(stream, [_view(b) for b in ins], [_view(b) for b in outs], **kwargs)
 
     return jax_ffi.add_handler(handler)
