@@ -152,8 +152,8 @@ def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
     fn((grid, 1, 1), (spec.threads, 1, 1), args, stream=stream)
 
 
-def _rope(q, k, positions, *, rotary_dim, interleave, mode, inplace, params, head_dim=None):
-    """positions: [("pos_ids", a)] or [("indptr", a), ("offsets", b)] or cache inputs."""
+def _rope(q, k, positions, mode, inplace, rotary_dim, interleave, params, out=None, head_dim=None):
+    """positions: [("pos_ids", a)], [("indptr", a), ("offsets", b)] or cache inputs."""
     dtype = dtype_name(q)
     if dtype not in FLOAT_DTYPES or dtype_name(k) != dtype:
         raise TypeError(f"q and k must share a float dtype, got {dtype} and {dtype_name(k)}")
@@ -177,20 +177,32 @@ def _rope(q, k, positions, *, rotary_dim, interleave, mode, inplace, params, hea
     spec = RopeSpec(
         dtype, pos_dtype, head_dim, rotary_dim, interleave, mode, pos_from, inplace, vec
     )
-    alias = (0, 1) if inplace else (None, None)
-    outs = [Out(tuple(x.shape), dtype, alias=a) for x, a in zip((q, k), alias, strict=True)]
+    if inplace:
+        outs = [Out(tuple(x.shape), dtype, alias=i) for i, x in enumerate((q, k))]
+    else:
+        given = (None, None) if out is None else tuple(out)
+        outs = [Out(tuple(x.shape), dtype, g) for x, g in zip((q, k), given, strict=True)]
     ins = [("q", q), ("k", k), *positions]
     return run(_launch, ins, outs, spec=spec, head_dim=head_dim, params=params)
+
+
+def _ragged(indptr, offsets):
+    return [("indptr", indptr), ("offsets", offsets)]
 
 
 def _theta(rope_scale, rope_theta):
     return (float(rope_scale), float(rope_theta), 1.0, 1.0, 1.0)
 
 
-def apply_rope(
-    q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
-):
-    """RoPE at ragged positions; returns (q_rope, k_rope).
+def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
+    params = (rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return tuple(float(p) for p in params)
+
+
+def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
+               rope_theta=1e4, *, out=None):  # fmt: skip
+    """RoPE at ragged positions; returns (q_rope, k_rope), written to `out` = (q_out, k_out)
+    when given.
 
     pos[t] = offsets[b] + t - indptr[b] for indptr[b] <= t < indptr[b+1]
     q_rope[t, h, i] = q[t, h, i] cos(pos f_i) - q[t, h, i + R/2] sin(pos f_i),  i < R/2
@@ -198,214 +210,92 @@ def apply_rope(
     f_i = rope_theta ** (-2 i / R) / rope_scale, R = rotary_dim; interleave pairs (2i, 2i+1).
     q: [nnz, Hq, D], k: [nnz, Hk, D] (token and head strides free); indptr [B+1], offsets [B].
     """
-    pos = [("indptr", indptr), ("offsets", offsets)]
-    return _rope(
-        q,
-        k,
-        pos,
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="theta",
-        inplace=False,
-        params=_theta(rope_scale, rope_theta),
-    )
+    params = _theta(rope_scale, rope_theta)
+    return _rope(q, k, _ragged(indptr, offsets), "theta", False, rotary_dim, interleave, params,
+                 out)  # fmt: skip
 
 
-def apply_rope_inplace(
-    q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
-):
+def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
+                       rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
-    pos = [("indptr", indptr), ("offsets", offsets)]
-    return _rope(
-        q,
-        k,
-        pos,
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="theta",
-        inplace=True,
-        params=_theta(rope_scale, rope_theta),
-    )
+    params = _theta(rope_scale, rope_theta)
+    return _rope(q, k, _ragged(indptr, offsets), "theta", True, rotary_dim, interleave, params)
 
 
-def apply_rope_pos_ids(
-    q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
-):
+def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
+                       rope_theta=1e4, *, out=None):  # fmt: skip
     """RoPE with one position per token, pos_ids: [nnz] int32/int64; returns (q_rope, k_rope)."""
-    return _rope(
-        q,
-        k,
-        [("pos_ids", pos_ids)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="theta",
-        inplace=False,
-        params=_theta(rope_scale, rope_theta),
-    )
+    params = _theta(rope_scale, rope_theta)
+    return _rope(q, k, [("pos_ids", pos_ids)], "theta", False, rotary_dim, interleave, params,
+                 out)  # fmt: skip
 
 
-def apply_rope_pos_ids_inplace(
-    q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0, rope_theta=1e4
-):
+def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
+                               rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
-    return _rope(
-        q,
-        k,
-        [("pos_ids", pos_ids)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="theta",
-        inplace=True,
-        params=_theta(rope_scale, rope_theta),
-    )
+    params = _theta(rope_scale, rope_theta)
+    return _rope(q, k, [("pos_ids", pos_ids)], "theta", True, rotary_dim, interleave, params)
 
 
-def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
-    return tuple(
-        map(float, (rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len))
-    )
-
-
-def apply_llama31_rope(
-    q,
-    k,
-    indptr,
-    offsets,
-    rotary_dim=None,
-    interleave=False,
-    rope_scale=8.0,
-    rope_theta=5e5,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    old_context_len=8192,
-):
+def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
+                       rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                       old_context_len=8192, *, out=None):  # fmt: skip
     """`apply_rope` with Llama 3.1 frequencies: f = theta ** (-2i/R), wavelength w = 2 pi / f,
     s = clip((old_context_len / w - low_freq_factor) / (high_freq_factor - low_freq_factor), 0, 1),
     f' = (1 - s) f / rope_scale + s f."""
     params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(
-        q,
-        k,
-        [("indptr", indptr), ("offsets", offsets)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="llama31",
-        inplace=False,
-        params=params,
-    )
+    return _rope(q, k, _ragged(indptr, offsets), "llama31", False, rotary_dim, interleave,
+                 params, out)  # fmt: skip
 
 
-def apply_llama31_rope_inplace(
-    q,
-    k,
-    indptr,
-    offsets,
-    rotary_dim=None,
-    interleave=False,
-    rope_scale=8.0,
-    rope_theta=5e5,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    old_context_len=8192,
-):
+def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
+                               rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
+                               high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope` writing q and k in place; returns (q, k)."""
     params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(
-        q,
-        k,
-        [("indptr", indptr), ("offsets", offsets)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="llama31",
-        inplace=True,
-        params=params,
-    )
+    return _rope(q, k, _ragged(indptr, offsets), "llama31", True, rotary_dim, interleave, params)
 
 
-def apply_llama31_rope_pos_ids(
-    q,
-    k,
-    pos_ids,
-    rotary_dim=None,
-    interleave=False,
-    rope_scale=8.0,
-    rope_theta=5e5,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    old_context_len=8192,
-):
+def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
+                               rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                               old_context_len=8192, *, out=None):  # fmt: skip
     """Llama 3.1 RoPE with one position per token; returns (q_rope, k_rope)."""
     params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(
-        q,
-        k,
-        [("pos_ids", pos_ids)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="llama31",
-        inplace=False,
-        params=params,
-    )
+    return _rope(q, k, [("pos_ids", pos_ids)], "llama31", False, rotary_dim, interleave, params,
+                 out)  # fmt: skip
 
 
-def apply_llama31_rope_pos_ids_inplace(
-    q,
-    k,
-    pos_ids,
-    rotary_dim=None,
-    interleave=False,
-    rope_scale=8.0,
-    rope_theta=5e5,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    old_context_len=8192,
-):
+def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
+                                       rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope_pos_ids` writing q and k in place; returns (q, k)."""
     params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(
-        q,
-        k,
-        [("pos_ids", pos_ids)],
-        rotary_dim=rotary_dim,
-        interleave=interleave,
-        mode="llama31",
-        inplace=True,
-        params=params,
-    )
+    return _rope(q, k, [("pos_ids", pos_ids)], "llama31", True, rotary_dim, interleave, params)
 
 
-def _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
+def _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, out=None):
     if dtype_name(cos_sin_cache) != "float32" or len(cos_sin_cache.shape) != 2:
         raise TypeError(
             f"cos_sin_cache: expected float32 [max_pos, rotary_dim], got "
             f"{dtype_name(cos_sin_cache)} {tuple(cos_sin_cache.shape)}"
         )
     pos = [("positions", positions), ("cos_sin_cache", cos_sin_cache)]
-    return _rope(
-        query,
-        key,
-        pos,
-        rotary_dim=cos_sin_cache.shape[1],
-        interleave=not is_neox,
-        mode="cos_sin_cache",
-        inplace=inplace,
-        params=_theta(1, 1),
-        head_dim=int(head_size),
-    )
+    return _rope(query, key, pos, "cos_sin_cache", inplace, cos_sin_cache.shape[1], not is_neox,
+                 _theta(1, 1), out, int(head_size))  # fmt: skip
 
 
-def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
+                                  *, out=None):  # fmt: skip
     """RoPE from a cos/sin table: cos = cache[pos, :R/2], sin = cache[pos, R/2:].
 
     query: [nnz, Hq * head_size] or [nnz, Hq, head_size]; key likewise; positions [nnz];
     is_neox=True rotates halves, False rotates interleaved pairs. Returns (query, key) rotated.
     """
-    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, False)
+    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, False, out)
 
 
-def apply_rope_with_cos_sin_cache_inplace(
-    positions, query, key, head_size, cos_sin_cache, is_neox=True
-):
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
+                                          is_neox=True):  # fmt: skip
     """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""
     return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, True)
 

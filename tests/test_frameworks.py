@@ -169,3 +169,22 @@ def test_torch_cuda_graph(rng):
         inv = ref.rope_inv_freq(128)
         assert_close(q, ref.rope_ref(to_host(q0), to_host(pos), 128, False, inv), "bfloat16")
         assert_close(k, ref.rope_ref(to_host(k0), to_host(pos), 128, False, inv), "bfloat16")
+
+
+_CUPY_ONLY = """
+import sys, cupy, rtcinfer
+x = cupy.ones((4, 256), dtype=cupy.float32)
+rtcinfer.rmsnorm(x, cupy.ones(256, dtype=cupy.float32))
+rtcinfer.silu_and_mul(x)
+cupy.cuda.runtime.deviceSynchronize()
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib")))
+"""
+
+
+def test_cupy_callers_never_import_torch_or_jax():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CUPY_ONLY], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "[]"

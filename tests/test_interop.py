@@ -101,3 +101,26 @@ def test_vector_width():
     assert layout.fit_vec(8, 2, [256, 512], [4096]) == 8
     assert layout.fit_vec(8, 2, [258], [4096]) == 1
     assert layout.fit_vec(8, 2, [256], [4100]) == 4
+
+
+_WITHOUT_CUPY = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends", "cuda", "torch", "jax"):
+            raise ImportError(f"{name} is blocked")
+sys.meta_path.insert(0, Block())
+import rtcinfer
+from rtcinfer.plan.decode import plan_decode
+plan = plan_decode([0, 3, 3, 10], [5, 0, 16], 16, 8, num_sms=132, ctas_per_sm=2)
+print(plan.num_work, sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax")))
+"""
+
+
+def test_base_install_imports_and_plans_without_cupy_torch_or_jax():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_CUPY], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "[]"  # neither torch nor jax was imported

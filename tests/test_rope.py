@@ -95,6 +95,19 @@ def test_cos_sin_cache(rng, dtype, is_neox, inplace, rotary_dim):
     assert_close(k_out, expect_k.reshape(nnz, hk * d), dtype, "k")
 
 
+def test_out_arrays_are_written(rng):
+    from tests.gpu import poisoned
+
+    pos = rng.integers(0, 5000, 50).astype(np.int64)
+    q, k = randn(rng, (50, 4, 64), "float16"), randn(rng, (50, 1, 64), "float16")
+    outs = (poisoned((50, 4, 64), "float16"), poisoned((50, 1, 64), "float16"))
+    got = rtcinfer.apply_rope_pos_ids(upload(q), upload(k), upload(pos), out=outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    inv = ref.rope_inv_freq(64)
+    assert_close(outs[0], ref.rope_ref(q, pos, 64, False, inv), "float16", "q")
+    assert_close(outs[1], ref.rope_ref(k, pos, 64, False, inv), "float16", "k")
+
+
 def test_large_batch(rng):
     nnz = 16384
     pos = np.arange(nnz, dtype=np.int32)
