@@ -82,5 +82,6 @@ def run_demo(arch: str | None) -> int:
         ok &= good
         us = _median_us(fn)
         status = "ok" if good else "FAILED"
-        print(f"{name:<30} err {err:.1e} {status:6} {us:8.1f} us per call  (first call {first_ms:.0f} ms)")
+        first = f"first call {first_ms:.0f} ms"
+        print(f"{name:<30} err {err:.1e} {status:6} {us:8.1f} us per call ({first})")
     return 0 if ok else 1
