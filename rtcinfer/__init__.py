@@ -3,6 +3,11 @@
 __version__ = "0.1.0"
 
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
+from .decode import (  # noqa: E402
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
+)
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -12,6 +17,9 @@ from .norm import (  # noqa: E402
 )
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
     "fused_add_rmsnorm",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
