@@ -60,7 +60,7 @@ struct AttentionState {
 
   // o <- o / d (0 for the empty state).
   RTC_DEVICE void normalize() {
-    const float inv = d > 0.f ? 1.f / d : 0.f;
+    const float inv = d > 0.f ? fast_rcp(d) : 0.f;  // rcp.approx: no division subroutine
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] *= inv;
   }

@@ -4,8 +4,8 @@
 // Grid: blockIdx.x = work item (a chunk of one request's tokens, from the plan), blockIdx.y =
 // kv head x sub-group. Items past the plan's count exit at once (the grid may be sized for a
 // capacity). The CTA holds the query heads of its kv head (GQA group, padded to HEADS =
-// 8 * HEAD_TILES; groups above 16 heads split into sub-groups of 16, one CTA each) as the N side
-// of mma.m16n8k16: S^T = K Q^T (16 tokens x 8 heads), O^T += V^T P^T.
+// 8 * HEAD_TILES; larger groups split into sub-groups of HEADS, one CTA each) as the N side of
+// mma.m16n8k16: S^T = K Q^T (16 tokens x 8 heads), O^T += V^T P^T.
 // Block: 4 warps. K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring; warp w
 // takes rows [w * WARP_TOKENS, +WARP_TOKENS) of every tile with its own softmax state; the four
 // states merge through shared memory at the end. Shared memory: the ring (the epilogue reuses
@@ -53,7 +53,6 @@ constexpr int HEADS = 8 * HEAD_TILES;  // query heads per CTA, padded
 constexpr int Q_STRIDE = HEAD_DIM + 16;  // q row in shared memory (elements): conflict-free reads
 constexpr int O_STRIDE = HEAD_DIM + 4;   // o row of the epilogue (floats)
 constexpr int HEADER_INTS = 4 + HEAD_DIM;  // plan: num_work, 3 spare, RoPE frequencies (hi, lo)
-constexpr bool Q_IN_REGS = BLOCKS * HEAD_TILES <= 16;
 constexpr __nv_fp8_interpretation_t FP8_KIND = KV_FP8 == 2 ? __NV_E5M2 : __NV_E4M3;
 using MT = typename Select<FP8, half, KVT>::type;  // tensor-core input type
 
@@ -63,7 +62,8 @@ constexpr int Q_BYTES = HEADS * Q_STRIDE * 2;
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 constexpr int STATE_BYTES = 2 * WARPS * HEADS * 4 + 16;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
-static_assert(HEAD_TILES == 1 || HEAD_TILES == 2, "groups of up to 16 query heads");
+static_assert(HEAD_TILES == 1 || HEAD_TILES == 2, "8 or 16 query heads per CTA");
+static_assert(BLOCKS * HEAD_TILES <= 16, "q fragments and accumulators fit in registers");
 static_assert(STAGES >= 2, "at least double buffering");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(WARPS * HEADS * O_STRIDE * 4 <= RING_BYTES, "epilogue fits in the ring");
@@ -82,9 +82,12 @@ RTC_DEVICE float2 rope_cos_sin(int pos, float2 f) {
   return make_float2(c, s);
 }
 
+// ALiBi slope of a head: 2^(-8 (h + 1) / n) for h < n, else 2^(-4 (2 (h - n) + 1) / n), with
+// n = 2^floor(log2 num_heads); 1 / n is the exact power of two 2^-k.
 RTC_DEVICE float alibi_slope(int head, int num_heads) {
-  const int n = 1 << (31 - __clz(num_heads));
-  return head < n ? exp2f(-8.f * (head + 1) / n) : exp2f(-4.f * (2 * (head - n) + 1) / n);
+  const int k = 31 - __clz(num_heads), n = 1 << k;
+  const float inv_n = __int_as_float((127 - k) << 23);
+  return exp2f((head < n ? -8.f * (head + 1) : -4.f * (2 * (head - n) + 1)) * inv_n);
 }
 
 // Head-dim index of element e (0, 1) of A-fragment register r of K block c (its first half).
@@ -163,7 +166,7 @@ RTC_DEVICE void q_frag(uint32_t (&b)[2], const MT* q_s, int c, int nt, int g, in
   b[1] = *reinterpret_cast<const uint32_t*>(row + (FP8 ? 4 * t + 2 : 2 * t + 8));
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) decode_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     const QT* __restrict__ q,        // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
     int64_t q_stride_n, int64_t q_stride_h,
     const char* __restrict__ k_cache,  // K(page, slot, head) at page * k_page + slot * k_token
@@ -247,8 +250,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_kernel(
     q_s[h * Q_STRIDE + d + HEAD_DIM / 2] = from_float<MT>(x1);
   }
   __syncthreads();
-  uint32_t qf[Q_IN_REGS ? BLOCKS : 1][HEAD_TILES][2];
-  if constexpr (Q_IN_REGS)
+  // Q^T B fragments live in registers for the whole kernel, except with RoPE: its rolled K
+  // loop reads them from shared memory (registers go to the rotation instead).
+  uint32_t qf[ROPE ? 1 : BLOCKS][HEAD_TILES][2];
+  if constexpr (!ROPE)
 #pragma unroll
     for (int c = 0; c < BLOCKS; ++c)
 #pragma unroll
@@ -256,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_kernel(
 
   // Per-thread constants of the logit hook: heads 8 nt + 2t + j of the group.
   const float scale = (ALIBI || SOFT_CAP) ? qk_scale : qk_scale * LOG2E;
-  const float inv_cap = SOFT_CAP ? 1.f / soft_cap : 0.f;
+  const float inv_cap = SOFT_CAP ? fast_rcp(soft_cap) : 0.f;
   float slope[HEAD_TILES][2];
 #pragma unroll
   for (int nt = 0; nt < HEAD_TILES; ++nt)
@@ -287,30 +292,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_kernel(
       for (int nt = 0; nt < HEAD_TILES; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) x[tg][nt][r] = 0.f;
-      constexpr int SPAN = ROPE ? BLOCKS / 2 : BLOCKS;  // RoPE: blocks c and c + BLOCKS / 2
-#pragma unroll
-      for (int c = 0; c < SPAN; c += 2) {
-        uint32_t a[2][2][4];
-        load_k(a[0], kt, row, c, lane);
-        if constexpr (ROPE) {
+      if constexpr (ROPE) {  // blocks c and c + BLOCKS / 2 rotate together
+#pragma unroll 1
+        for (int c = 0; c < BLOCKS / 2; c += 2) {
+          uint32_t a[2][2][4];
+          load_k(a[0], kt, row, c, lane);
           load_k(a[1], kt, row, c + BLOCKS / 2, lane);
 #pragma unroll
-          for (int i = 0; i < 2; ++i) rope_k(a[0][i], a[1][i], c + i, tile_begin + row, g, t, freq_s);
-        }
-#pragma unroll
-        for (int half = 0; half < (ROPE ? 2 : 1); ++half)
-#pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const int blk = c + i + half * BLOCKS / 2;
+            rope_k(a[0][i], a[1][i], c + i, tile_begin + row, g, t, freq_s);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int nt = 0; nt < HEAD_TILES; ++nt) {
+                uint32_t b[2];
+                q_frag(b, q_s, c + i + half * BLOCKS / 2, nt, g, t);
+                float* s = x[tg][nt];
+                mma_16816<MT>(s[0], s[1], s[2], s[3], a[half][i], b[0], b[1]);
+              }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < BLOCKS; c += 2) {
+          uint32_t a[2][4];
+          load_k(a, kt, row, c, lane);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int nt = 0; nt < HEAD_TILES; ++nt) {
-              uint32_t b[2];
-              if constexpr (Q_IN_REGS) b[0] = qf[blk][nt][0], b[1] = qf[blk][nt][1];
-              else q_frag(b, q_s, blk, nt, g, t);
               float* s = x[tg][nt];
-              mma_16816<MT>(s[0], s[1], s[2], s[3], a[half][i], b[0], b[1]);
+              mma_16816<MT>(s[0], s[1], s[2], s[3], a[i], qf[c + i][nt][0], qf[c + i][nt][1]);
             }
-          }
+        }
       }
       // Logit hook: scale, ALiBi, soft cap, base 2; tokens past the range are masked.
 #pragma unroll

@@ -27,6 +27,7 @@ from .decode_kernel import (
 )
 from .interop import Out, as_cupy, dtype_name, run
 from .interop.arrays import device_of, framework, to_device, to_numpy
+from .interop.dtypes import FP8_DTYPES
 from .plan._checks import INT32_MAX, as_int_array
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, header_ints, pack_plan
@@ -67,7 +68,7 @@ def single_decode_with_kv_cache(
         q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
         logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,
     )  # fmt: skip
-    if dtype_name(v) != cfg.kv_dtype or k.shape[2] != cfg.head_dim:
+    if dtype_name(v) != dtype_name(k) or k.shape[2] != cfg.head_dim:
         raise ValueError(
             f"k and v must share dtype and head_dim: q head_dim {cfg.head_dim}, k "
             f"{dtype_name(k)} {tuple(k.shape)}, v {dtype_name(v)} {tuple(v.shape)}"
@@ -307,10 +308,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         tokens_heads = (cfg.page_size, cfg.num_kv_heads)
         if self._kv_layout == "HND":
             tokens_heads = tokens_heads[::-1]
+        # fp8 may arrive as its uint8 bytes (CuPy has no fp8 dtype): plan() declared the type
+        storage = (cfg.kv_dtype, "uint8") if cfg.kv_dtype in FP8_DTYPES else (cfg.kv_dtype,)
         for name, cache in caches:
             shape = tuple(cache.shape)
             expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)
-            if shape[1:] != expect or dtype_name(cache) != cfg.kv_dtype:
+            if shape[1:] != expect or dtype_name(cache) not in storage:
                 raise ValueError(
                     f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
                     f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got {shape} and "

@@ -80,7 +80,9 @@ def decode_spec(
     """The kernel for a configuration: tiles of ~32 KB of K + V, 3 stages (2 if 3 do not fit)."""
     row = head_dim * itemsize(kv_dtype)
     token_groups = max(1, min(4, STAGE_BYTES // (2 * 64 * row)))
-    head_tiles = 1 if group_size <= 8 else 2
+    if pos_encoding_mode == "ROPE_LLAMA":  # bound by the rotation math: small tiles suffice
+        token_groups = 1
+    head_tiles = heads_per_cta(group_size, head_dim) // 8
     for stages in (3, 2):
         spec = DecodeSpec(q_dtype, kv_dtype, o_dtype, head_dim, head_tiles, pos_encoding_mode,
                           bool(soft_cap), stages, token_groups)  # fmt: skip
@@ -90,6 +92,12 @@ def decode_spec(
         f"head_dim {head_dim} with {kv_dtype} KV needs {spec.smem_bytes} bytes of shared memory "
         f"per CTA; this device allows {max_smem}"
     )
+
+
+def heads_per_cta(group_size: int, head_dim: int) -> int:
+    """Query heads one CTA holds: 8, or 16 for larger groups (not at head_dim 256, where 16
+    heads of fp32 accumulators would not fit in registers); bigger groups split across CTAs."""
+    return 8 if group_size <= 8 or head_dim == 256 else 16
 
 
 def specs_for(num_qo_heads, num_kv_heads, head_dim, dtypes=("bfloat16", "float16")):
@@ -155,8 +163,10 @@ class Config:
 
     @property
     def kv_blocks(self) -> int:
-        """Second grid dimension: kv heads x query-head sub-groups of at most 16."""
-        return self.num_kv_heads * -(-self.group_size // 16)
+        """Second grid dimension: kv heads x query-head sub-groups (one CTA each)."""
+        return self.num_kv_heads * -(
+            -self.group_size // heads_per_cta(self.group_size, self.head_dim)
+        )
 
     def spec(self, max_smem: int) -> DecodeSpec:
         return decode_spec(

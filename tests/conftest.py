@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+# JAX would otherwise reserve most of the GPU when first used, starving CuPy and PyTorch.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def gpu_available() -> bool:
