@@ -1,9 +1,10 @@
 // Batch decode attention over a paged KV cache in one launch (split-KV merged in-kernel).
 //   s_j = q . k_j * qk_scale (+ ALiBi slope * (j - q_pos)) (soft cap: cap * tanh(s / cap))
 //   o = softmax(s) @ V * v_scale;  lse = log2(sum_j e^(s_j)); empty: o = 0, lse = -inf
-// Grid: blockIdx.x = work item (a chunk of one request's tokens, from the plan), blockIdx.y =
-// kv head x sub-group. Items past the plan's count exit at once (the grid may be sized for a
-// capacity). The CTA holds the query heads of its kv head (GQA group, padded to HEADS =
+// Grid: blockIdx.x = kv head x sub-group, blockIdx.y = work item (a chunk of one request's
+// tokens, from the plan): the CTAs of one item, reading neighbouring heads of the same pages,
+// are dispatched together, and items past the plan's count (a grid sized for a capacity) come
+// last and exit at once. The CTA holds the query heads of its kv head (GQA group, padded to HEADS =
 // 8 * HEAD_TILES; larger groups split into sub-groups of HEADS, one CTA each) as the N side of
 // mma.m16n8k16: S^T = K Q^T (16 tokens x 8 heads), O^T += V^T P^T.
 // Block: 4 warps. K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring; warp w
@@ -180,21 +181,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     const int* __restrict__ plan,    // [HEADER_INTS] + [capacity][8] work items + page ids
     float* __restrict__ partial_o,   // [capacity, Hq, HEAD_DIM]
     float* __restrict__ partial_lse,  // [capacity, Hq]
-    int* __restrict__ counters,      // [max_batch, gridDim.y], zero between launches
+    int* __restrict__ counters,      // [max_batch, gridDim.x], zero between launches
     int num_qo_heads, int group_size, int page_size, uint32_t div_magic, int div_shift,
     int window_left, float qk_scale, float soft_cap, float v_scale) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int item = blockIdx.x;
+  const int item = blockIdx.y;
+  // Work item: request, token range [begin, end), request length, page list, merge group.
+  // Loaded before the count test so both loads overlap: the plan region holds an item slot
+  // for every CTA of the grid (padded slots are stale and unused).
+  const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
+  const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
   if (item >= __ldg(plan)) return;
   const int subgroups = (group_size + HEADS - 1) / HEADS;
-  const int kv_head = blockIdx.y / subgroups, sub = blockIdx.y % subgroups;
+  const int kv_head = blockIdx.x / subgroups, sub = blockIdx.x % subgroups;
   const int head0 = kv_head * group_size + sub * HEADS;  // first query head of this CTA
   const int heads = min(HEADS, group_size - sub * HEADS);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-  // Work item: request, token range [begin, end), request length, page list, merge group.
-  const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
-  const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
   const int request = w0.x, q_pos = w0.w - 1;
   const int begin = window_left >= 0 ? max(w0.y, q_pos - window_left) : w0.y;
   const int end = w0.z;
@@ -447,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* counter = counters + request * gridDim.y + blockIdx.y;
+    int* counter = counters + request * gridDim.x + blockIdx.x;
     const bool last = atomicAdd(counter, 1) == merge_count - 1;
     if (last) atomicExch(counter, 0);  // ready for the next launch
     *last_s = last;

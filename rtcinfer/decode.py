@@ -16,7 +16,6 @@ import numpy as np
 
 from .decode_kernel import (
     KV_LAYOUTS,
-    MAX_CTAS_PER_SM,
     THREADS,
     Config,
     check_cache_view,
@@ -31,6 +30,8 @@ from .interop.dtypes import FP8_DTYPES
 from .plan._checks import INT32_MAX, as_int_array
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, header_ints, pack_plan
+
+MAX_GRID_Y = 65535  # work items are the grid's second dimension
 
 
 def _scales(k_scale, v_scale) -> tuple[float, float]:
@@ -119,7 +120,7 @@ def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
         np.float32(cfg.sm_scale * scales[0]), np.float32(cfg.logits_soft_cap),
         np.float32(scales[1]),
     )  # fmt: skip
-    fn((work, cfg.kv_blocks, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
+    fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
 
 
 def _host_ints(name: str, x) -> np.ndarray:
@@ -150,15 +151,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o[b], lse[b] = single_decode(q[b], K[pages_b][:kv_len_b], V[pages_b][:kv_len_b], ...)
 
     workspace: optional CUDA byte buffer (any framework) holding the plan, split-KV partials
-    and merge counters; None allocates one on the current CuPy device. use_cuda_graph=True
-    fixes capacities from the lengths of paged_kv_indptr_buffer (max batch + 1) and
-    paged_kv_indices_buffer (max pages), whose contents are not used: every launch argument then
-    stays the same across plans, so a graph captured around run() replays correctly after a new
-    plan() with the same configuration. Streams: plan() uploads on CuPy's current stream; a
-    run() on another stream waits for that upload (an event, no host sync). JAX: XLA's stream
-    is not ordered with ours, so once the wrapper has seen JAX arrays every plan() waits on the
-    host for its upload; inside jax.jit use use_cuda_graph=True (XLA may replay a recorded
-    launch). One run() at a time per wrapper: the merge counters are shared.
+    and merge counters; None allocates one on the current CuPy device.
+
+    CUDA graphs: use_cuda_graph=True fixes capacities from the lengths of
+    paged_kv_indptr_buffer (max batch + 1) and paged_kv_indices_buffer (max pages), whose
+    contents are not used. Every launch argument then stays the same across plans, so a graph
+    captured around run() replays correctly after a new plan() with the same configuration.
+    The work-item capacity, set by the first plan(), is max(max batch, what the automatic
+    split uses); a fixed_split_size plan must fit in it.
+
+    Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
+    upload (an event, no host sync). JAX: XLA's stream is not ordered with ours, so once the
+    wrapper has seen JAX arrays every plan() waits on the host for its upload; inside jax.jit
+    use use_cuda_graph=True (XLA may replay a recorded launch). One run() at a time per
+    wrapper: the merge counters are shared.
     """
 
     def __init__(
@@ -180,13 +186,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 )
             self._max_batch = int(paged_kv_indptr_buffer.shape[0]) - 1
             self._max_pages = int(paged_kv_indices_buffer.shape[0])
+            if not 0 <= self._max_batch <= MAX_GRID_Y:
+                raise ValueError(
+                    f"paged_kv_indptr_buffer implies a capacity of {self._max_batch} requests; "
+                    f"expected 0 to {MAX_GRID_Y}"
+                )
             last = paged_kv_last_page_len_buffer
             if last is not None and int(last.shape[0]) != self._max_batch:
                 raise ValueError(
                     f"paged_kv_last_page_len_buffer has {int(last.shape[0])} entries, "
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
-            self._max_work = max(self._max_batch, MAX_CTAS_PER_SM * device_limits(self._device)[0])
         buffer = as_cupy(workspace, "workspace") if workspace is not None else None
         self._ws = Workspace(self._device, buffer)
         self._cfg: Config | None = None
@@ -222,6 +232,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             spec = cfg.spec(max_smem)
             fn, ctas = kernel(spec, self._device)
             self._cfg, self._kernel = cfg, (fn, spec, ctas, num_sms, cfg.scalars(), cfg.freq())
+            if self._graph:  # the most work items an automatic split makes, or one per request
+                self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
         fn, spec, ctas, num_sms, scalars, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
         kv_indices = _host_ints("indices", indices)
@@ -230,6 +242,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv, max_work=self._max_work if self._graph else None,
         )  # fmt: skip
+        if plan.num_work > MAX_GRID_Y:
+            raise ValueError(
+                f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): use a larger "
+                "fixed_split_size"
+            )
         num_pages = int(kv_indptr[-1])
         if kv_indices.shape[0] != num_pages:
             raise ValueError(
@@ -262,9 +279,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._jax:
             self._ws.last_upload().synchronize()
         ws = self._ws
-        grid_x = self._max_work if self._graph else plan.num_work
+        items = self._max_work if self._graph else plan.num_work
         self._launch = _Launch(
-            fn, (grid_x, cfg.kv_blocks, 1), spec.smem_bytes,
+            fn, (cfg.kv_blocks, items, 1), spec.smem_bytes,
             (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),
             (plan.batch_size, cfg.num_qo_heads), cfg, max_page,
             (ws.pointer("plan"), ws.pointer("o"), ws.pointer("lse"), ws.pointer("counters")),
@@ -344,7 +361,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse = outs[1] if len(outs) > 1 else None
         if q.strides[2] != q.itemsize or (lse is not None and lse.strides[1] != 4):
             raise ValueError("q and lse must be contiguous in their last dimension")
-        if st.grid[0] == 0:
+        if st.grid[1] == 0:
             return
         self._order(stream)
         qi, oi = q.itemsize, o.itemsize

@@ -143,6 +143,7 @@ class Workspace:
         self._pending = [False, False]
         self._next = 0
         self.stream_ptr = None  # stream of the latest upload
+        self.pointers: dict[str, int] = {}
 
     def reserve(self, need: Capacity, stream, grow: bool) -> None:
         if self.capacity is not None and (
@@ -169,8 +170,8 @@ class Workspace:
                 self._memory = cupy.cuda.alloc(nbytes)
             self.base = int(self._memory.ptr)
         off = cap.offsets()
-        runtime.memsetAsync(self.base + off["counters"], 0, off["lse"] - off["counters"],
-                            stream.ptr)  # fmt: skip
+        runtime.memsetAsync(self.base, 0, off["lse"], stream.ptr)  # plan slots and counters
+        self.pointers = {name: self.base + at for name, at in off.items()}
         if not self._host or self._host[0].shape[0] < cap.plan_ints:
             self._wait_uploads()
             self._pinned = [cupy.cuda.alloc_pinned_memory(4 * cap.plan_ints) for _ in range(2)]
@@ -180,7 +181,7 @@ class Workspace:
         self.capacity = cap
 
     def pointer(self, region: str) -> int:
-        return self.base + self.capacity.offsets()[region]
+        return self.pointers[region]
 
     def upload(self, fill, stream) -> None:
         """fill(int32 host buffer) -> ints written; one async copy of them to the plan region."""
