@@ -458,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   __syncthreads();
   if (!*last_s) return;
   __threadfence();
-  constexpr int BATCH = 8;  // partials loaded ahead of their merge
+  constexpr int BATCH = 16;  // partials loaded ahead of their merge
   for (int i = threadIdx.x; i < heads * VECS; i += THREADS) {
     const int h = i / VECS, d = (i % VECS) * 4;
     const int64_t first = static_cast<int64_t>(merge_begin) * num_qo_heads + head0 + h;

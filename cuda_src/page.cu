@@ -5,7 +5,7 @@
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
 // append grid: flat over 16-byte units (VEC bytes when not aligned) of the rows (token, head);
 // each thread moves ITEMS units of K and of V, all loads issued before the stores.
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit).
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread).
 #include "paged_kv.cuh"
 
 template <int N>
@@ -14,7 +14,6 @@ struct alignas(N) Bytes {
 };
 using Unit = Bytes<VEC>;
 constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
-constexpr int ITEMS = 4;
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 
 extern "C" __global__ void append_kernel(

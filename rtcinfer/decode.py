@@ -270,14 +270,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim)
         with cupy.cuda.Device(self._device):
             stream = cupy.cuda.get_current_stream()
-        self._ws.reserve(need, stream, grow=not self._graph)
-        if self._read is not None and self._read[1] != stream.ptr:
-            stream.wait_event(self._read[0])  # a run() on another stream may still read the plan
-        self._ws.upload(
-            lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq), stream
-        )
-        if self._jax:
-            self._ws.last_upload().synchronize()
+            self._ws.reserve(need, stream, grow=not self._graph)
+            if self._read is not None and self._read[1] != stream.ptr:
+                stream.wait_event(self._read[0])  # a run() elsewhere may still read the plan
+            self._ws.upload(
+                lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq),
+                stream,
+            )
+            if self._jax:
+                self._ws.last_upload().synchronize()
         ws = self._ws
         items = self._max_work if self._graph else plan.num_work
         self._launch = _Launch(

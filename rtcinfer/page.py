@@ -25,7 +25,7 @@ from .interop.dtypes import itemsize
 from .plan import page as host_page
 
 THREADS = 256
-ITEMS = 4  # units per thread in append_kernel (page.cu)
+ITEMS = 4  # copy units per thread in append_kernel: their loads all issue before the stores
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,13 @@ class PageSpec:
     source: ClassVar[str] = "page.cu"
 
     def prelude(self) -> str:
-        return f"constexpr int ROW_BYTES = {self.row_bytes};\nconstexpr int VEC = {self.vec};"
+        return "\n".join(
+            [
+                f"constexpr int ROW_BYTES = {self.row_bytes};",
+                f"constexpr int VEC = {self.vec};",
+                f"constexpr int ITEMS = {ITEMS};",
+            ]
+        )
 
 
 INDEX_SPEC = PageSpec(16, 16)  # the module that serves the two index kernels

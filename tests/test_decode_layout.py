@@ -276,3 +276,101 @@ def test_paged_loader_places_every_token(page_size, row_bytes, tile):
             want = cache[page_ids[token // page_size] * page_size + token % page_size]
         got = np.concatenate([smem[tile_offset(row, c, row_bytes) :][:16] for c in range(chunks)])
         np.testing.assert_array_equal(got, want)
+
+
+def kernel_flow(buf, batch_size, q, k_cache, v_cache, page_size, head_dim, group, feats):
+    """The control flow of decode_kernel at tile level, in float64: items read from the
+    packed plan, window start, 64-token tiles split 16 per warp, masks, online softmax per
+    warp, warp merge, then the direct write or the split partials merged in chunk order."""
+    hdr, log2e = 4 + head_dim, 1 / math.log(2)
+    num_qo_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    o, lse = np.full((batch_size, num_qo_heads, head_dim), np.nan), np.full(q.shape[:2], np.nan)
+    partial = {}
+    for kv_head in range(num_kv_heads):
+        for item in range(buf[0]):
+            req, begin, end, kv_len, page_begin, merge_begin, merge_count, _ = buf[
+                hdr + 8 * item : hdr + 8 * item + 8
+            ]
+            q_pos = kv_len - 1
+            if feats["window_left"] >= 0:
+                begin = max(begin, q_pos - feats["window_left"])
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            qh = q[req, heads].astype(np.float64)
+            warps = [(np.full(group, -np.inf), np.zeros(group), np.zeros((group, head_dim)))
+                     for _ in range(4)]  # fmt: skip
+            for tile_begin in range(begin, end, 64):
+                for w in range(4):
+                    tokens = tile_begin + 16 * w + np.arange(16)
+                    valid = tokens < end
+                    ids = buf[page_begin + np.where(valid, tokens, 0) // page_size]
+                    k = np.where(valid[:, None], k_cache[ids, tokens % page_size, kv_head], 0)
+                    v = np.where(valid[:, None], v_cache[ids, tokens % page_size, kv_head], 0)
+                    x = qh @ k.T * feats["scale"] * log2e
+                    x = np.where(valid[None], x, -np.inf)
+                    m, d, acc = warps[w]
+                    m_new = np.maximum(m, x.max(axis=1))
+                    off = np.where(np.isneginf(m_new), 0, m_new)
+                    scale = np.exp2(m - off)
+                    p = np.exp2(x - off[:, None])
+                    warps[w] = (m_new, d * scale + p.sum(1), acc * scale[:, None] + p @ v)
+            m = np.max([s[0] for s in warps], axis=0)
+            off = np.where(np.isneginf(m), 0, m)
+            d = sum(s[1] * np.exp2(s[0] - off) for s in warps)
+            acc = sum(s[2] * np.exp2(s[0] - off)[:, None] for s in warps)
+            out = np.where(d[:, None] > 0, acc / np.where(d > 0, d, 1)[:, None], 0)
+            out *= feats["v_scale"]
+            state = np.where(d > 0, m + np.log2(np.where(d > 0, d, 1)), -np.inf)
+            if merge_count == 1:
+                o[req, heads], lse[req, heads] = out, state
+            else:
+                partial[(item, kv_head)] = (out, state, req, merge_begin, merge_count)
+    for (item, kv_head), (_, _, req, merge_begin, merge_count) in partial.items():
+        if item != merge_begin + merge_count - 1:
+            continue  # merge once per group (the kernel: whichever CTA arrives last)
+        parts = [partial[(i, kv_head)] for i in range(merge_begin, merge_begin + merge_count)]
+        m = np.max([p[1] for p in parts], axis=0)
+        off = np.where(np.isneginf(m), 0, m)
+        wts = [np.where(np.isneginf(p[1]), 0, np.exp2(p[1] - off)) for p in parts]
+        total = sum(wts)
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        o[req, heads] = (
+            sum(w[:, None] * p[0] for w, p in zip(wts, parts, strict=True))
+            / np.where(total > 0, total, 1)[:, None]
+        )
+        lse[req, heads] = np.where(total > 0, m + np.log2(np.where(total > 0, total, 1)), -np.inf)
+    return o, lse
+
+
+@pytest.mark.parametrize("window_left", [-1, 0, 40])
+@pytest.mark.parametrize(
+    "split", [dict(num_sms=132, ctas_per_sm=2, min_chunk_tokens=16), dict(disable_split_kv=True)]
+)
+def test_kernel_flow_matches_the_reference(window_left, split):
+    from rtcinfer.plan.decode import plan_decode
+    from rtcinfer.workspace import pack_plan
+
+    from .paged_batch import page_table_for
+    from .reference import batch_decode_paged_ref
+
+    rng = np.random.default_rng(window_left + 7)
+    page_size, head_dim, group, num_kv_heads = 16, 64, 3, 2
+    lengths = [0, 1, 15, 16, 17, 300, 0, 129]
+    indptr, indices, last, num_pages = page_table_for(lengths, page_size, rng)
+    cache = rng.standard_normal((num_pages, 2, page_size, num_kv_heads, head_dim))
+    q = rng.standard_normal((len(lengths), group * num_kv_heads, head_dim))
+    kwargs = {"num_sms": 132, "ctas_per_sm": 2, **split}
+    plan = plan_decode(indptr, last, page_size, num_kv_heads, **kwargs)
+    assert plan.split_kv == ("disable_split_kv" not in split)
+    buf = np.zeros(4 + head_dim + 8 * plan.num_work + len(indices), dtype=np.int32)
+    pack_plan(buf, plan, indptr.astype(np.int64), indices, head_dim, None)
+    feats = {"window_left": window_left, "scale": 0.3, "v_scale": 1.5}
+    o, lse = kernel_flow(buf, len(lengths), q, cache[:, 0], cache[:, 1], page_size, head_dim,
+                         group, feats)  # fmt: skip
+    o_ref, lse_ref = batch_decode_paged_ref(
+        q, cache, indptr, indices, last, window_left=window_left, sm_scale=0.3, v_scale=1.5,
+        return_lse=True,
+    )  # fmt: skip
+    np.testing.assert_allclose(o, o_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=1e-10)
