@@ -2,8 +2,9 @@
 
 ldmatrix, movmatrix and mma.m16n8k16 are modelled from their PTX ISA fragment layouts; the
 kernel's own index functions (tile_offset, load_k, load_v, q_frag, rope_k, o_dim, the paged
-loader) are transcribed from cuda_src/decode.cu and paged_kv.cuh. The model must reproduce
-S^T = K Q^T and O^T = V^T P^T of a 16-token warp tile exactly, for 16-bit and fp8 KV.
+loader) are transcribed from cuda_src/decode_fragments.cuh and paged_kv.cuh. The model must
+reproduce S^T = K Q^T and O^T = V^T P^T of a 16-token warp tile exactly, for 16-bit and fp8
+KV; a tile-level model of the kernel's control flow must reproduce the float64 reference.
 """
 
 from __future__ import annotations
