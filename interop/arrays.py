@@ -110,3 +110,31 @@ def stream_from_ptr(ptr: int):
     import cupy
 
     return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+
+
+def to_numpy(x):
+    """A host NumPy array of any array or sequence; device arrays cost one device-to-host copy."""
+    import numpy as np
+
+    fw = framework(x)
+    if fw == "torch":
+        return x.detach().cpu().numpy()
+    if fw == "cupy":
+        return x.get()
+    return np.asarray(x)
+
+
+def to_device(like, host):
+    """A device copy of NumPy array `host` in `like`'s framework, on `like`'s device."""
+    fw = framework(like)
+    if fw == "torch":
+        torch = sys.modules["torch"]
+        return torch.from_numpy(host).to(like.device)
+    if fw == "jax":  # a constant when traced inside jax.jit
+        import jax.numpy as jnp
+
+        return jnp.asarray(host)
+    import cupy
+
+    with cupy.cuda.Device(device_of(like)):
+        return cupy.asarray(host)

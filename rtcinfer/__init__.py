@@ -3,6 +3,12 @@
 __version__ = "0.1.0"
 
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
+from .cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
+from .decode import (  # noqa: E402
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
+)
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -10,8 +16,22 @@ from .norm import (  # noqa: E402
     layernorm,
     rmsnorm,
 )
+from .page import (  # noqa: E402
+    append_paged_kv_cache,
+    get_batch_indices_positions,
+    get_seq_lens,
+)
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "append_paged_kv_cache",
+    "get_batch_indices_positions",
+    "get_seq_lens",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "single_decode_with_kv_cache",
     "fused_add_rmsnorm",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",

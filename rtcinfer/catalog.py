@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import activation, norm, rope
+from . import activation, cascade, decode_kernel, norm, page, rope
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ def model_specs(name: str, dtype: str = "bfloat16") -> list:
         specs.append(norm.norm_spec("rmsnorm", dtype, dtype, m.head_dim))
     specs += activation.specs_for(m.intermediate, (dtype,))
     specs += rope.specs_for(m.head_dim, (dtype,))
+    specs += decode_kernel.specs_for(m.num_qo_heads, m.num_kv_heads, m.head_dim, (dtype,))
+    specs.append(page.PageSpec(m.head_dim * 2, 16))
+    specs.append(page.INDEX_SPEC)
     return specs
 
 
@@ -59,4 +62,25 @@ def shipped_specs() -> list:
                             dtype, "int64", 128, 64, interleave, mode, pos_from, inplace, vec
                         )  # fmt: skip
                     )
+    specs += decode_specs()
+    specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
+              for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
+                                     ("float32", False, False)]]  # fmt: skip
+    specs += [page.PageSpec(256, 16), page.PageSpec(64, 4)]  # page.INDEX_SPEC is PageSpec(16, 16)
     return list(dict.fromkeys(specs))
+
+
+def decode_specs() -> list:
+    """Every compile-time branch of the decode kernel once: q fp16/bf16, KV 16-bit/e4m3/e5m2,
+    head_dim 64/128/256, one or two head tiles, NONE/ROPE_LLAMA/ALIBI, soft cap, 2-4 token
+    groups per warp and the 2-stage pipeline (small shared memory)."""
+    spec = decode_kernel.decode_spec
+    return [
+        spec("bfloat16", "bfloat16", "bfloat16", 128, 4),
+        spec("float16", "float16", "float16", 64, 16, "ROPE_LLAMA"),
+        spec("bfloat16", "bfloat16", "float16", 256, 12, "ALIBI", True),
+        spec("bfloat16", "bfloat16", "bfloat16", 256, 1, max_smem=163 * 1024),
+        spec("bfloat16", "float8_e4m3fn", "bfloat16", 128, 8),
+        spec("float16", "float8_e5m2", "float16", 256, 16, "ROPE_LLAMA", True),
+        spec("bfloat16", "float8_e4m3fn", "bfloat16", 64, 5, "ALIBI"),
+    ]

@@ -1,0 +1,100 @@
+// Fragment loaders and per-element helpers of decode.cu (included after its constants):
+// K and V^T A fragments of 16 tile rows via ldmatrix (fp8 converted to fp16 on the way), the Q^T
+// B fragments, RoPE applied to K fragments in registers, ALiBi slopes, and the head_dim index of
+// every fragment element (a permutation inside each 16-wide block for fp8, see decode.cu).
+// Checked against the PTX fragment layouts by the NumPy model in tests/test_decode_layout.py.
+#pragma once
+
+// (cos, sin) of 2 pi * pos * f, f = hi + lo in turns per position, exact to fp32 rounding.
+RTC_DEVICE float2 rope_cos_sin(int pos, float2 f) {
+  const float x = static_cast<float>(pos);
+  const float p = x * f.x;
+  const float turns = (p - rintf(p)) + fmaf(x, f.y, fmaf(x, f.x, -p));
+  float s, c;
+  __sincosf(6.283185307179586f * turns, &s, &c);
+  return make_float2(c, s);
+}
+
+// ALiBi slope of a head: 2^(-8 (h + 1) / n) for h < n, else 2^(-4 (2 (h - n) + 1) / n), with
+// n = 2^floor(log2 num_heads); 1 / n is the exact power of two 2^-k.
+RTC_DEVICE float alibi_slope(int head, int num_heads) {
+  const int k = 31 - __clz(num_heads), n = 1 << k;
+  const float inv_n = __int_as_float((127 - k) << 23);
+  return exp2f((head < n ? -8.f * (head + 1) : -4.f * (2 * (head - n) + 1)) * inv_n);
+}
+
+// Head-dim index of element e (0, 1) of A-fragment register r of K block c (its first half).
+RTC_DEVICE int k_dim(int c, int r, int e, int t) {
+  const int base = FP8 ? 4 * t + (r >= 2 ? 2 : 0) : 2 * t + (r >= 2 ? 8 : 0);
+  return 16 * c + base + e;
+}
+
+// Head-dim index of O^T accumulator row (g, or g + 8 when hi) of V block c.
+RTC_DEVICE int o_dim(int c, int g, bool hi) {
+  return FP8 ? 16 * c + 2 * g + hi : 16 * c + g + 8 * hi;
+}
+
+// A fragments of K for blocks c, c + 1 over the 16 tile rows starting at `row`.
+RTC_DEVICE void load_k(uint32_t (&a)[2][4], uint32_t tile, int row, int c, int lane) {
+  const int r = row + lane % 8 + 8 * (lane / 8 % 2);
+  if constexpr (FP8) {
+    uint32_t x[4];
+    ldmatrix_x4(x, tile + tile_offset<ROW_BYTES>(r, c + lane / 16));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // x[2i]: tokens 0-7, x[2i+1]: tokens 8-15 of block c + i
+      a[i][0] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i] & 0xffff);
+      a[i][1] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i + 1] & 0xffff);
+      a[i][2] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i] >> 16);
+      a[i][3] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i + 1] >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      ldmatrix_x4(a[i], tile + tile_offset<ROW_BYTES>(r, 2 * (c + i) + lane / 16));
+  }
+}
+
+// A fragments of V^T for blocks c, c + 1 over the 16 tile rows starting at `row`.
+RTC_DEVICE void load_v(uint32_t (&a)[2][4], uint32_t tile, int row, int c, int lane) {
+  if constexpr (FP8) {
+    uint32_t x[4];
+    const int r = row + lane % 8 + 8 * (lane / 8 % 2);
+    ldmatrix_x4_trans(x, tile + tile_offset<ROW_BYTES>(r, c + lane / 16));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // bytes (2t, 2g) (2t, 2g+1) (2t+1, 2g) (2t+1, 2g+1) -> rows
+      const uint32_t lo = __byte_perm(x[2 * i], 0, 0x3120);
+      const uint32_t hi = __byte_perm(x[2 * i + 1], 0, 0x3120);
+      a[i][0] = fp8x2_to_half2_bits<FP8_KIND>(lo & 0xffff);
+      a[i][1] = fp8x2_to_half2_bits<FP8_KIND>(lo >> 16);
+      a[i][2] = fp8x2_to_half2_bits<FP8_KIND>(hi & 0xffff);
+      a[i][3] = fp8x2_to_half2_bits<FP8_KIND>(hi >> 16);
+    }
+  } else {
+    const int r = row + lane % 8 + 8 * (lane / 16);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      ldmatrix_x4_trans(a[i], tile + tile_offset<ROW_BYTES>(r, 2 * (c + i) + lane / 8 % 2));
+  }
+}
+
+// Rotate the K fragment x (block c) with its partner y (block c + BLOCKS / 2) to the positions
+// of its tokens: first + g and first + g + 8.
+RTC_DEVICE void rope_k(uint32_t (&x)[4], uint32_t (&y)[4], int c, int first, int g, int t,
+                       const float2* freq) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 a = unpack2<MT>(x[r]), b = unpack2<MT>(y[r]);
+    const int pos = first + g + 8 * (r % 2);
+    const float2 c0 = rope_cos_sin(pos, freq[k_dim(c, r, 0, t)]);
+    const float2 c1 = rope_cos_sin(pos, freq[k_dim(c, r, 1, t)]);
+    x[r] = pack2<MT>(a.x * c0.x - b.x * c0.y, a.y * c1.x - b.y * c1.y);
+    y[r] = pack2<MT>(b.x * c0.x + a.x * c0.y, b.y * c1.x + a.y * c1.y);
+  }
+}
+
+// Q^T B fragment of block c, head tile nt, from the padded q rows in shared memory.
+RTC_DEVICE void q_frag(uint32_t (&b)[2], const MT* q_s, int c, int nt, int g, int t) {
+  const MT* row = q_s + (8 * nt + g) * Q_STRIDE + 16 * c;
+  b[0] = *reinterpret_cast<const uint32_t*>(row + (FP8 ? 4 * t : 2 * t));
+  b[1] = *reinterpret_cast<const uint32_t*>(row + (FP8 ? 4 * t + 2 : 2 * t + 8));
+}

@@ -1,0 +1,91 @@
+// Paged KV-cache bookkeeping on the device.
+//   append:  b = batch_indices[t], p = positions[t], page = kv_indices[kv_indptr[b] + p / ps]
+//            K[page, p % ps, h] = append_key[t, h]; V likewise       (a byte copy of each row)
+//   seq_lens[b] = max(kv_indptr[b+1] - kv_indptr[b] - 1, 0) * page_size + kv_last_page_len[b]
+//   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
+// append grid: flat over 16-byte units (VEC bytes when not aligned) of the rows (token, head);
+// each thread moves ITEMS units of K and of V, all loads issued before the stores.
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread).
+#include "paged_kv.cuh"
+
+template <int N>
+struct alignas(N) Bytes {
+  unsigned char b[N];
+};
+using Unit = Bytes<VEC>;
+constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
+static_assert(ROW_BYTES % VEC == 0, "whole units per row");
+
+extern "C" __global__ void append_kernel(
+    const char* __restrict__ key,    // [nnz, H, D] at t * key_token + h * key_head (bytes)
+    int64_t key_token, int64_t key_head,
+    const char* __restrict__ value,  // [nnz, H, D]
+    int64_t value_token, int64_t value_head,
+    const int* __restrict__ batch_indices,  // [nnz]
+    const int* __restrict__ positions,      // [nnz]
+    char* __restrict__ k_cache,  // page, slot, head at page * kp + slot * kt + head * kh bytes
+    int64_t kp, int64_t kt, int64_t kh,
+    char* __restrict__ v_cache, int64_t vp, int64_t vt, int64_t vh,
+    const int* __restrict__ kv_indices,  // [pages]
+    const int* __restrict__ kv_indptr,   // [B + 1]
+    int64_t units, int num_heads, uint32_t head_magic, int head_shift, int page_size,
+    uint32_t page_magic, int page_shift) {
+  const FastDiv head_div{head_magic, head_shift}, page_div{page_magic, page_shift};
+  const int64_t first = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  Unit k[ITEMS], v[ITEMS];
+  int64_t k_dst[ITEMS], v_dst[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t u = first + i * stride;
+    if (u >= units) break;
+    const int64_t row = u / UNITS;
+    const int byte = int(u - row * UNITS) * VEC;
+    const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
+    k[i] = *reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte);
+    v[i] = *reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte);
+    const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
+    const int page_in_request = page_div.div(p);
+    const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
+    const int slot = p - page_in_request * page_size;
+    k_dst[i] = page * kp + slot * kt + h * kh + byte;
+    v_dst[i] = page * vp + slot * vt + h * vh + byte;
+  }
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (first + i * stride >= units) break;
+    *reinterpret_cast<Unit*>(k_cache + k_dst[i]) = k[i];
+    *reinterpret_cast<Unit*>(v_cache + v_dst[i]) = v[i];
+  }
+}
+
+extern "C" __global__ void seq_lens_kernel(const int* __restrict__ kv_indptr,  // [B + 1]
+                                           const int* __restrict__ last,       // [B]
+                                           int* __restrict__ seq_lens,         // [B]
+                                           int batch_size, int page_size) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= batch_size) return;
+  const int pages = kv_indptr[b + 1] - kv_indptr[b];
+  seq_lens[b] = max(pages - 1, 0) * page_size + last[b];
+}
+
+extern "C" __global__ void batch_indices_positions_kernel(
+    const int* __restrict__ append_indptr,  // [B + 1]
+    const int* __restrict__ seq_lens,       // [B]
+    int* __restrict__ batch_indices,        // [nnz]
+    int* __restrict__ positions,            // [nnz]
+    int batch_size, int nnz) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= nnz) return;
+  if (batch_size == 0 || t >= append_indptr[batch_size]) {
+    batch_indices[t] = positions[t] = -1;
+    return;
+  }
+  int lo = 0, hi = batch_size - 1;  // the last request whose tokens start at or before t
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (append_indptr[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  batch_indices[t] = lo;
+  positions[t] = seq_lens[lo] - append_indptr[lo + 1] + t;
+}

@@ -1,0 +1,82 @@
+// Streaming one kv head of one request out of a paged KV cache into shared-memory tiles.
+//   token j of the request lives in page page_ids[j / page_size], slot j % page_size, at byte
+//   cache + page * page_stride + slot * token_stride  (+ head * head_stride, folded into cache)
+// NHD and HND caches differ only in the strides, and so do non-contiguous views.
+// A tile holds TILE consecutive tokens as [TILE][ROW_BYTES]; the 16-byte chunks of each row are
+// XOR-swizzled (tile_offset) so that the 8 rows read by one ldmatrix phase fall in 8 different
+// bank groups. Copy mapping: thread i moves chunk i % CHUNKS of rows i / CHUNKS + p * ROWS_PER_PASS
+// (p < PASSES) with cp.async; rows past the end of the token range are zero-filled.
+#pragma once
+
+// n / d for a runtime d >= 1 and 0 <= n < 2^31: (umulhi(n, magic) + n) >> shift, with
+// shift = ceil(log2 d) and magic = floor(2^32 (2^shift - d) / d) + 1 (set on the host).
+struct FastDiv {
+  uint32_t magic;
+  int shift;
+  RTC_DEVICE int div(int n) const {
+    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), magic) + n) >> shift);
+  }
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][ROW_BYTES] tile.
+template <int ROW_BYTES>
+RTC_DEVICE uint32_t tile_offset(int row, int chunk) {
+  constexpr int CHUNKS = ROW_BYTES / 16;
+  constexpr int SPAN = CHUNKS < 8 ? CHUNKS : 8;       // chunks permuted within a 128-byte line
+  constexpr int ROWS_PER_LINE = CHUNKS < 8 ? 8 / CHUNKS : 1;
+  static_assert(ROW_BYTES % 64 == 0, "rows of at least 4 chunks, whole 64-byte units");
+  const int phys = chunk ^ ((row / ROWS_PER_LINE) % SPAN);
+  return static_cast<uint32_t>(row * ROW_BYTES + phys * 16);
+}
+
+template <int TILE, int ROW_BYTES, int THREADS>
+struct PagedTileLoader {
+  static constexpr int CHUNKS = ROW_BYTES / 16;
+  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+  static constexpr int PASSES = TILE / ROWS_PER_PASS;
+  static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "whole rows per pass");
+
+  const char* k_base;  // K of this kv head: page 0, slot 0
+  const char* v_base;
+  int64_t k_page, k_token, v_page, v_token;  // byte strides
+  const int* page_ids;                       // this request's page list
+  FastDiv page_div;
+  int page_size;
+  int token_end;  // tokens >= token_end are not read (zero-filled)
+  int row0, chunk;
+
+  RTC_DEVICE void init(const char* k, int64_t kp, int64_t kt, const char* v, int64_t vp,
+                       int64_t vt, const int* ids, FastDiv div, int ps, int end) {
+    k_base = k, v_base = v, k_page = kp, k_token = kt, v_page = vp, v_token = vt;
+    page_ids = ids, page_div = div, page_size = ps, token_end = end;
+    row0 = threadIdx.x / CHUNKS;
+    chunk = threadIdx.x % CHUNKS;
+  }
+
+  // Page ids of this thread's rows of the tile starting at token tile_begin (0 past the end).
+  RTC_DEVICE void fetch_pages(int (&pages)[PASSES], int tile_begin) const {
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int token = tile_begin + row0 + p * ROWS_PER_PASS;
+      pages[p] = token < token_end ? __ldg(page_ids + page_div.div(token)) : 0;
+    }
+  }
+
+  // cp.async this thread's chunks of the tile into k_tile / v_tile (shared addresses).
+  RTC_DEVICE void issue(const int (&pages)[PASSES], int tile_begin, uint32_t k_tile,
+                        uint32_t v_tile) const {
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int row = row0 + p * ROWS_PER_PASS;
+      const int token = tile_begin + row;
+      const bool valid = token < token_end;
+      const int slot = token - page_div.div(token) * page_size;
+      const int64_t page = pages[p];
+      const char* k_src = k_base + (page * k_page + slot * k_token + chunk * 16);
+      const char* v_src = v_base + (page * v_page + slot * v_token + chunk * 16);
+      const uint32_t dst = tile_offset<ROW_BYTES>(row, chunk);
+      cp_async_16(k_tile + dst, valid ? k_src : k_base, valid);
+      cp_async_16(v_tile + dst, valid ? v_src : v_base, valid);
+    }
+  }
+};

@@ -1,0 +1,412 @@
+"""Decode attention: one query token per request over its KV cache (FlashInfer's names).
+
+    s_j = q . k_j * sm_scale * k_scale (+ ALiBi slope * (j - (kv_len - 1)), then soft cap)
+    o = softmax(s) @ V * v_scale;  lse = log2(sum_j exp(s_j))  (o = 0, lse = -inf if empty)
+
+``use_tensor_cores`` is accepted for drop-in compatibility and has no effect: there is one
+kernel (tensor cores for every group size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .decode_kernel import (
+    KV_LAYOUTS,
+    THREADS,
+    Config,
+    check_cache_view,
+    device_limits,
+    kernel,
+    make_config,
+    token_head,
+)
+from .interop import Out, as_cupy, dtype_name, run
+from .interop.arrays import device_of, framework, to_device, to_numpy
+from .interop.dtypes import FP8_DTYPES
+from .plan._checks import INT32_MAX, as_int_array
+from .plan.decode import plan_decode
+from .workspace import Capacity, Workspace, header_ints, pack_plan
+
+MAX_GRID_Y = 65535  # work items are the grid's second dimension
+
+
+def _scales(k_scale, v_scale) -> tuple[float, float]:
+    return (1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+
+
+def _check_layout(kv_layout) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def single_decode_with_kv_cache(
+    q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False, q_scale=None,
+    k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
+    rope_scale=None, rope_theta=None, return_lse=False,
+):  # fmt: skip
+    """Decode attention of one request (math above; sm_scale is further multiplied by q_scale).
+
+    q: [Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any strides with a
+    contiguous head_dim; D in (64, 128, 256). ROPE_LLAMA rotates q at kv_len - 1 and key j at j.
+    Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
+    The work list is built on the host and uploaded as a small input array.
+    """
+    _check_layout(kv_layout)
+    if len(q.shape) != 2 or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"expected q [Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
+    page = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
+    pages = -(-kv_len // page)
+    scale = (1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale) * (q_scale or 1.0)
+    cfg = make_config(
+        q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
+        logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,
+    )  # fmt: skip
+    if dtype_name(v) != dtype_name(k) or k.shape[2] != cfg.head_dim:
+        raise ValueError(
+            f"k and v must share dtype and head_dim: q head_dim {cfg.head_dim}, k "
+            f"{dtype_name(k)} {tuple(k.shape)}, v {dtype_name(v)} {tuple(v.shape)}"
+        )
+    device = 0 if framework(q) == "jax" else max(device_of(q), 0)
+    num_sms, max_smem = device_limits(device)
+    spec = cfg.spec(max_smem)
+    indptr = np.array([0, pages], dtype=np.int64)
+    last = np.array([kv_len - (pages - 1) * page if pages else 0], dtype=np.int64)
+    plan = plan_decode(
+        indptr, last, page, cfg.kv_blocks, num_sms=num_sms, ctas_per_sm=kernel(spec, device)[1]
+    )
+    host = np.zeros(header_ints(cfg.head_dim) + 8 * plan.num_work + pages, dtype=np.int32)
+    pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
+    w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
+    outs = [
+        Out((hq, d), cfg.o_dtype),
+        Out((hq,), "float32"),
+        Out((w, hq, d), "float32"),  # scratch: partial outputs of split work items
+        Out((w, hq), "float32"),  # scratch: their LSE
+        Out((1, cfg.kv_blocks), "int32"),  # scratch: merge counters
+    ]
+    ins = [("q", q), ("k", k), ("v", v), ("plan", to_device(q, host))]
+    scales = _scales(k_scale, v_scale)
+    result = run(_single_launch, ins, outs, cfg=cfg, layout=kv_layout, scales=scales, work=w)
+    return (result[0], result[1]) if return_lse else result[0]
+
+
+def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
+    from cupy_backends.cuda.api import runtime
+
+    q, k, v, plan = ins
+    o, lse, part_o, part_lse, counters = outs
+    spec = cfg.spec(device_limits(q.device.id)[1])
+    fn = kernel(spec, q.device.id)[0]
+    strides = []
+    for name, arr in (("k", k), ("v", v)):
+        dims, (token, head) = token_head(arr.shape, arr.strides, layout)
+        check_cache_view(name, arr.data.ptr, dims, (token, head), arr.itemsize, arr.strides[2])
+        strides.append((cfg.page_size * token, token, head))
+    if q.strides[1] != q.itemsize:
+        raise ValueError(f"q: head_dim must be contiguous, got strides {q.strides}")
+    runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
+    args = (
+        q.data.ptr, 0, q.strides[0] // q.itemsize, k.data.ptr, *strides[0], v.data.ptr,
+        *strides[1], o.data.ptr, 0, cfg.head_dim, lse.data.ptr, 0, plan.data.ptr,
+        part_o.data.ptr, part_lse.data.ptr, counters.data.ptr, *cfg.scalars(),
+        np.float32(cfg.sm_scale * scales[0]), np.float32(cfg.logits_soft_cap),
+        np.float32(scales[1]),
+    )  # fmt: skip
+    fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
+
+
+def _host_ints(name: str, x) -> np.ndarray:
+    """int64 host copy of an index array; a device array costs one device-to-host copy."""
+    return as_int_array(name, to_numpy(x) if hasattr(x, "__dlpack__") else x)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything run() needs from the latest plan()."""
+
+    fn: object
+    grid: tuple
+    smem: int
+    o_shape: tuple
+    lse_shape: tuple
+    cfg: Config
+    max_page: int  # largest page id in kv_indices (-1 without pages)
+    pointers: tuple  # plan, partial o, partial lse, counters
+    scalars: tuple
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batch decode over a paged KV cache: plan() once per step, run() for every layer.
+
+        pages_b = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+        kv_len_b = (len(pages_b) - 1) * page_size + kv_last_page_len[b]   (0 without pages)
+        o[b], lse[b] = single_decode(q[b], K[pages_b][:kv_len_b], V[pages_b][:kv_len_b], ...)
+
+    workspace: optional CUDA byte buffer (any framework) holding the plan, split-KV partials
+    and merge counters; None allocates one on the current CuPy device.
+
+    CUDA graphs: use_cuda_graph=True fixes capacities from the lengths of
+    paged_kv_indptr_buffer (max batch + 1) and paged_kv_indices_buffer (max pages), whose
+    contents are not used. Every launch argument then stays the same across plans, so a graph
+    captured around run() replays correctly after a new plan() with the same configuration.
+    The work-item capacity, set by the first plan(), is max(max batch, what the automatic
+    split uses); a fixed_split_size plan must fit in it.
+
+    Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
+    upload (an event, no host sync). JAX: XLA's stream is not ordered with ours, so once the
+    wrapper has seen JAX arrays every plan() waits on the host for its upload; inside jax.jit
+    use use_cuda_graph=True (XLA may replay a recorded launch). One run() at a time per
+    wrapper: the merge counters are shared.
+    """
+
+    def __init__(
+        self, workspace=None, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+        paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+    ):  # fmt: skip
+        import cupy
+
+        _check_layout(kv_layout)
+        self._kv_layout = kv_layout
+        self._graph = bool(use_cuda_graph)
+        self._device = device_of(workspace) if workspace is not None else cupy.cuda.Device().id
+        if self._graph:
+            if paged_kv_indptr_buffer is None or paged_kv_indices_buffer is None:
+                raise ValueError(
+                    "use_cuda_graph=True needs paged_kv_indptr_buffer and "
+                    "paged_kv_indices_buffer: their lengths fix the capacity"
+                )
+            self._max_batch = int(paged_kv_indptr_buffer.shape[0]) - 1
+            self._max_pages = int(paged_kv_indices_buffer.shape[0])
+            if not 0 <= self._max_batch <= MAX_GRID_Y:
+                raise ValueError(
+                    f"paged_kv_indptr_buffer implies a capacity of {self._max_batch} requests; "
+                    f"expected 0 to {MAX_GRID_Y}"
+                )
+            last = paged_kv_last_page_len_buffer
+            if last is not None and int(last.shape[0]) != self._max_batch:
+                raise ValueError(
+                    f"paged_kv_last_page_len_buffer has {int(last.shape[0])} entries, "
+                    f"paged_kv_indptr_buffer implies {self._max_batch}"
+                )
+        buffer = as_cupy(workspace, "workspace") if workspace is not None else None
+        self._ws = Workspace(self._device, buffer)
+        self._cfg: Config | None = None
+        self._launch: _Launch | None = None
+        self._jax = False
+        self._read = None  # (event, stream ptr) of the latest run() on another stream
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph
+
+    def plan(
+        self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+        *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+        q_data_type="float16", kv_data_type=None, o_data_type=None, sm_scale=None,
+        rope_scale=None, rope_theta=None, fixed_split_size=None, disable_split_kv=False,
+    ) -> None:  # fmt: skip
+        """Validate the batch on the host, choose the split-KV work list, upload it (one copy).
+
+        indptr [B + 1], indices [indptr[-1]], last_page_len [B]: integer arrays, host (no sync)
+        or device (one device-to-host copy each). Page ids are checked against the cache in
+        run(). fixed_split_size (pages per chunk) makes results batch-invariant.
+        """
+        import cupy
+
+        cfg = make_config(
+            num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+            logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
+            rope_theta,
+        )  # fmt: skip
+        if cfg != self._cfg:
+            num_sms, max_smem = device_limits(self._device)
+            spec = cfg.spec(max_smem)
+            fn, ctas = kernel(spec, self._device)
+            self._cfg, self._kernel = cfg, (fn, spec, ctas, num_sms, cfg.scalars(), cfg.freq())
+            if self._graph:  # the most work items an automatic split makes, or one per request
+                self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
+        fn, spec, ctas, num_sms, scalars, freq = self._kernel
+        kv_indptr = _host_ints("indptr", indptr)
+        kv_indices = _host_ints("indices", indices)
+        plan = plan_decode(
+            kv_indptr, _host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
+            num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv, max_work=self._max_work if self._graph else None,
+        )  # fmt: skip
+        if plan.num_work > MAX_GRID_Y:
+            raise ValueError(
+                f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): use a larger "
+                "fixed_split_size"
+            )
+        num_pages = int(kv_indptr[-1])
+        if kv_indices.shape[0] != num_pages:
+            raise ValueError(
+                f"indices must have indptr[-1] ({num_pages}) entries, got {kv_indices.shape[0]}"
+            )
+        max_page = -1
+        if num_pages:
+            max_page = int(kv_indices.max())
+            if (low := int(kv_indices.min())) < 0 or max_page > INT32_MAX:
+                i = int(np.argmin(kv_indices) if low < 0 else np.argmax(kv_indices))
+                raise ValueError(f"indices[{i}] ({int(kv_indices[i])}) is not a valid page id")
+        if self._graph:
+            if plan.batch_size > self._max_batch or num_pages > self._max_pages:
+                raise ValueError(
+                    f"batch of {plan.batch_size} requests and {num_pages} pages exceeds the "
+                    f"CUDA-graph capacity ({self._max_batch} requests, {self._max_pages} pages)"
+                )
+            sizes = (self._max_batch, self._max_work, self._max_pages)
+        else:
+            sizes = (plan.batch_size, plan.num_work, num_pages)
+        need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim)
+        with cupy.cuda.Device(self._device):
+            stream = cupy.cuda.get_current_stream()
+            self._ws.reserve(need, stream, grow=not self._graph)
+            if self._read is not None and self._read[1] != stream.ptr:
+                stream.wait_event(self._read[0])  # a run() elsewhere may still read the plan
+            self._ws.upload(
+                lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq),
+                stream,
+            )
+            if self._jax:
+                self._ws.last_upload().synchronize()
+        ws = self._ws
+        items = self._max_work if self._graph else plan.num_work
+        self._launch = _Launch(
+            fn, (cfg.kv_blocks, items, 1), spec.smem_bytes,
+            (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),
+            (plan.batch_size, cfg.num_qo_heads), cfg, max_page,
+            (ws.pointer("plan"), ws.pointer("o"), ws.pointer("lse"), ws.pointer("counters")),
+            scalars,
+        )  # fmt: skip
+
+    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse=False, k_scale=None,
+            v_scale=None):  # fmt: skip
+        """o [B, Hq, D] (and lse [B, Hq] float32, base 2, when return_lse) for q [B, Hq, D].
+
+        paged_kv_cache: [pages, 2, page_size, Hkv, D] (NHD) / [pages, 2, Hkv, page_size, D]
+        (HND), or a (k, v) pair of [pages, page_size, Hkv, D] / [pages, Hkv, page_size, D]; any
+        strides with a contiguous, 16-byte aligned head_dim. out / lse: optional outputs.
+        """
+        st = self._launch
+        if st is None:
+            raise RuntimeError("plan() must be called before run()")
+        five_d = not isinstance(paged_kv_cache, (tuple, list))
+        caches = [("paged_kv_cache", paged_kv_cache)] if five_d else [
+            ("k_cache", paged_kv_cache[0]), ("v_cache", paged_kv_cache[1])]  # fmt: skip
+        self._check(q, caches, five_d)
+        outs = [Out(st.o_shape, st.cfg.o_dtype, out)]
+        if return_lse or lse is not None:
+            outs.append(Out(st.lse_shape, "float32", lse))
+        if framework(q) == "jax" and not self._jax:
+            self._jax = True
+            self._ws.last_upload().synchronize()
+        scales = _scales(k_scale, v_scale)
+        result = run(_launch_decode, [("q", q), *caches], outs, wrapper=self, scales=scales)
+        if return_lse:
+            return result
+        return result[0] if len(outs) > 1 else result
+
+    def _check(self, q, caches, five_d: bool) -> None:
+        cfg = self._launch.cfg
+        if tuple(q.shape) != self._launch.o_shape or dtype_name(q) != cfg.q_dtype:
+            raise ValueError(
+                f"q: expected shape {self._launch.o_shape} and dtype {cfg.q_dtype} (the plan), "
+                f"got {tuple(q.shape)} and {dtype_name(q)}"
+            )
+        tokens_heads = (cfg.page_size, cfg.num_kv_heads)
+        if self._kv_layout == "HND":
+            tokens_heads = tokens_heads[::-1]
+        # fp8 may arrive as its uint8 bytes (CuPy has no fp8 dtype): plan() declared the type
+        storage = (cfg.kv_dtype, "uint8") if cfg.kv_dtype in FP8_DTYPES else (cfg.kv_dtype,)
+        for name, cache in caches:
+            shape = tuple(cache.shape)
+            expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)
+            if shape[1:] != expect or dtype_name(cache) not in storage:
+                raise ValueError(
+                    f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
+                    f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got {shape} and "
+                    f"{dtype_name(cache)}"
+                )
+            if self._launch.max_page >= shape[0]:
+                raise ValueError(
+                    f"indices holds page id {self._launch.max_page}, but {name} has "
+                    f"{shape[0]} pages"
+                )
+
+    def _run(self, stream, ins, outs, scales) -> None:
+        st = self._launch
+        q, o = ins[0], outs[0]
+        if len(ins) == 2:  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
+            k = v = ins[1]
+            v_ptr = k.data.ptr + k.strides[1]
+        else:
+            k, v = ins[1], ins[2]
+            v_ptr = v.data.ptr
+        strides = []
+        for name, arr, ptr in (("k", k, k.data.ptr), ("v", v, v_ptr)):
+            dims, (token, head) = token_head(arr.shape, arr.strides, self._kv_layout)
+            page = arr.strides[0]
+            check_cache_view(name, ptr, (arr.shape[0], *dims), (page, token, head),
+                             arr.itemsize, arr.strides[-1])  # fmt: skip
+            strides.append((page, token, head))
+        lse = outs[1] if len(outs) > 1 else None
+        if q.strides[2] != q.itemsize or (lse is not None and lse.strides[1] != 4):
+            raise ValueError("q and lse must be contiguous in their last dimension")
+        if st.grid[1] == 0:
+            return
+        self._order(stream)
+        qi, oi = q.itemsize, o.itemsize
+        args = (
+            q.data.ptr, q.strides[0] // qi, q.strides[1] // qi, k.data.ptr, *strides[0], v_ptr,
+            *strides[1], o.data.ptr, o.strides[0] // oi, o.strides[1] // oi,
+            0 if lse is None else lse.data.ptr, 0 if lse is None else lse.strides[0] // 4,
+            *st.pointers, *st.scalars, np.float32(st.cfg.sm_scale * scales[0]),
+            np.float32(st.cfg.logits_soft_cap), np.float32(scales[1]),
+        )  # fmt: skip
+        st.fn(st.grid, (THREADS, 1, 1), args, shared_mem=st.smem, stream=stream)
+
+    def _order(self, stream) -> None:
+        """Order a run on a stream other than the upload's after the upload, and the next
+        upload after this run (events; skipped while the stream is being captured)."""
+        import cupy
+
+        if stream.ptr == self._ws.stream_ptr or stream.is_capturing():
+            return
+        stream.wait_event(self._ws.last_upload())
+        event = self._read[0] if self._read else cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        self._read = (event, stream.ptr)
+
+
+def _launch_decode(stream, ins, outs, *, wrapper, scales):
+    wrapper._run(stream, ins, outs, scales)
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """The wrapper with use_cuda_graph=True (FlashInfer's constructor): the buffers' lengths
+    fix the capacity (max batch = len(indptr_buffer) - 1, max pages = len(indices_buffer))."""
+
+    def __init__(self, workspace, indptr_buffer, indices_buffer, last_page_len_buffer,
+                 kv_layout="NHD", use_tensor_cores=False):  # fmt: skip
+        super().__init__(
+            workspace, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=last_page_len_buffer,
+        )  # fmt: skip
+
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
+]

@@ -1,0 +1,248 @@
+"""The decode kernel seen from the host: spec, static configuration, launch helpers.
+
+One kernel (cuda_src/decode.cu) serves every group size, head_dim 64/128/256, fp16/bf16 q and
+fp16/bf16/fp8 KV. Its spec fixes dtypes, head_dim, head tiles, the position encoding, the soft
+cap and the pipeline shape; everything per step (lengths, page ids) arrives through the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from . import jit
+from .interop.dtypes import FP8_DTYPES, cuda_type, itemsize, normalize
+from .plan._checks import as_int
+
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+KV_LAYOUTS = ("NHD", "HND")
+HEAD_DIMS = (64, 128, 256)
+Q_DTYPES = ("float16", "bfloat16")
+KV_DTYPES = ("float16", "bfloat16", *FP8_DTYPES)
+THREADS = 128
+MAX_CTAS_PER_SM = 4  # the most resident CTAs per SM the planner is told about
+STAGE_BYTES = 32 * 1024  # K + V bytes per pipeline stage the tile size aims at
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    q_dtype: str
+    kv_dtype: str
+    o_dtype: str
+    head_dim: int
+    head_tiles: int  # query heads per CTA / 8
+    pos_encoding_mode: str
+    soft_cap: bool
+    stages: int
+    token_groups: int  # 16-token groups per warp per tile
+    source: ClassVar[str] = "decode.cu"
+
+    @property
+    def tile(self) -> int:
+        return 4 * 16 * self.token_groups
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: ring, q rows, RoPE frequencies, per-warp (m, d) + flag."""
+        heads = 8 * self.head_tiles
+        ring = self.stages * 2 * self.tile * self.head_dim * itemsize(self.kv_dtype)
+        q_rows = heads * (self.head_dim + 16) * 2
+        freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
+        return ring + q_rows + freq + 2 * 4 * heads * 4 + 16
+
+    def prelude(self) -> str:
+        kv_fp8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}.get(self.kv_dtype, 0)
+        return "\n".join(
+            [
+                f"using QT = {cuda_type(self.q_dtype)};",
+                f"using KVT = {cuda_type(self.kv_dtype)};",
+                f"using OT = {cuda_type(self.o_dtype)};",
+                f"constexpr int HEAD_DIM = {self.head_dim};",
+                f"constexpr int HEAD_TILES = {self.head_tiles};",
+                f"constexpr int POS_ENCODING = {POS_ENCODING_MODES.index(self.pos_encoding_mode)};",
+                f"constexpr bool SOFT_CAP = {str(self.soft_cap).lower()};",
+                f"constexpr int STAGES = {self.stages};",
+                f"constexpr int TOKEN_GROUPS = {self.token_groups};",
+                f"constexpr int KV_FP8 = {kv_fp8};",
+                f"constexpr int SMEM_BYTES = {self.smem_bytes};",
+            ]
+        )
+
+
+def decode_spec(
+    q_dtype, kv_dtype, o_dtype, head_dim, group_size, pos_encoding_mode="NONE",
+    soft_cap=False, max_smem=227 * 1024,
+) -> DecodeSpec:  # fmt: skip
+    """The kernel for a configuration: tiles of ~32 KB of K + V, 3 stages (2 if 3 do not fit)."""
+    row = head_dim * itemsize(kv_dtype)
+    token_groups = max(1, min(4, STAGE_BYTES // (2 * 64 * row)))
+    if pos_encoding_mode == "ROPE_LLAMA":  # bound by the rotation math: small tiles suffice
+        token_groups = 1
+    head_tiles = heads_per_cta(group_size, head_dim) // 8
+    for stages in (3, 2):
+        spec = DecodeSpec(q_dtype, kv_dtype, o_dtype, head_dim, head_tiles, pos_encoding_mode,
+                          bool(soft_cap), stages, token_groups)  # fmt: skip
+        if spec.smem_bytes <= max_smem:
+            return spec
+    raise ValueError(
+        f"head_dim {head_dim} with {kv_dtype} KV needs {spec.smem_bytes} bytes of shared memory "
+        f"per CTA; this device allows {max_smem}"
+    )
+
+
+def heads_per_cta(group_size: int, head_dim: int) -> int:
+    """Query heads one CTA holds: 8, or 16 for larger groups (not at head_dim 256, where 16
+    heads of fp32 accumulators would not fit in registers); bigger groups split across CTAs."""
+    return 8 if group_size <= 8 or head_dim == 256 else 16
+
+
+def specs_for(num_qo_heads, num_kv_heads, head_dim, dtypes=("bfloat16", "float16")):
+    """The decode kernels a model uses (warmup): plain attention, KV in the model dtype."""
+    group = num_qo_heads // num_kv_heads
+    return [decode_spec(d, d, d, head_dim, group) for d in dtypes]
+
+
+def fast_div(d: int) -> tuple[int, int]:
+    """(magic, shift) with n // d == (umulhi(n, magic) + n) >> shift for 0 <= n < 2**31."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def rope_frequencies(head_dim: int, rope_scale: float, rope_theta: float) -> np.ndarray:
+    """float32 [head_dim / 2, 2]: theta ** (-2i / D) / scale in turns per position, as hi + lo."""
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    turns = rope_theta ** (-2.0 * i / head_dim) / rope_scale / (2 * math.pi)
+    hi = turns.astype(np.float32)
+    return np.stack([hi, (turns - hi).astype(np.float32)], axis=1)
+
+
+@functools.cache
+def device_limits(device_id: int) -> tuple[int, int]:
+    """(SM count, opt-in shared memory per block) of a device."""
+    from cupy_backends.cuda.api import runtime
+
+    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+    return jit.sm_count(device_id), smem
+
+
+@functools.cache
+def kernel(spec: DecodeSpec, device_id: int):
+    """(loaded kernel, resident CTAs per SM for the planner) on a device."""
+    from cupy_backends.cuda.api import driver
+
+    fn = jit.get_function(spec, "decode_kernel", device_id, dynamic_smem=spec.smem_bytes)
+    ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, spec.smem_bytes)
+    return fn, max(1, min(MAX_CTAS_PER_SM, ctas))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The static part of a plan: what selects the kernel and its scalar arguments."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pos_encoding_mode: str
+    window_left: int
+    logits_soft_cap: float
+    q_dtype: str
+    kv_dtype: str
+    o_dtype: str
+    sm_scale: float
+    rope_scale: float
+    rope_theta: float
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def kv_blocks(self) -> int:
+        """Second grid dimension: kv heads x query-head sub-groups (one CTA each)."""
+        return self.num_kv_heads * -(
+            -self.group_size // heads_per_cta(self.group_size, self.head_dim)
+        )
+
+    def spec(self, max_smem: int) -> DecodeSpec:
+        return decode_spec(
+            self.q_dtype, self.kv_dtype, self.o_dtype, self.head_dim, self.group_size,
+            self.pos_encoding_mode, self.logits_soft_cap > 0, max_smem,
+        )  # fmt: skip
+
+    def scalars(self) -> tuple:
+        """num_qo_heads, group_size, page_size, div magic, div shift, window_left (kernel args)."""
+        magic, shift = fast_div(self.page_size)
+        return (np.int32(self.num_qo_heads), np.int32(self.group_size),
+                np.int32(self.page_size), np.uint32(magic), np.int32(shift),
+                np.int32(self.window_left))  # fmt: skip
+
+    def freq(self):
+        if self.pos_encoding_mode != "ROPE_LLAMA":
+            return None
+        return rope_frequencies(self.head_dim, self.rope_scale, self.rope_theta)
+
+
+def make_config(
+    num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+    logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale, rope_scale, rope_theta,
+) -> Config:  # fmt: skip
+    """Validate the static arguments of plan() / single decode; errors name what was received."""
+    num_qo_heads = as_int("num_qo_heads", num_qo_heads, minimum=1)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(
+            f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    head_dim = as_int("head_dim", head_dim)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if pos_encoding_mode not in POS_ENCODING_MODES:
+        raise ValueError(
+            f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {pos_encoding_mode!r}"
+        )
+    window_left = as_int("window_left", window_left, minimum=-1)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if cap < 0 or not math.isfinite(cap):
+        raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+    q_dtype = normalize(q_dtype)
+    kv_dtype = q_dtype if kv_dtype is None else normalize(kv_dtype)
+    o_dtype = q_dtype if o_dtype is None else normalize(o_dtype)
+    if q_dtype not in Q_DTYPES:
+        raise TypeError(f"q_data_type must be one of {Q_DTYPES}, got {q_dtype}")
+    if kv_dtype not in KV_DTYPES or (kv_dtype not in FP8_DTYPES and kv_dtype != q_dtype):
+        raise TypeError(
+            f"kv_data_type must be q's dtype ({q_dtype}) or one of {FP8_DTYPES}, got {kv_dtype}"
+        )
+    if o_dtype not in Q_DTYPES:
+        raise TypeError(f"o_data_type must be one of {Q_DTYPES}, got {o_dtype}")
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return Config(
+        num_qo_heads, num_kv_heads, head_dim, as_int("page_size", page_size, minimum=1),
+        pos_encoding_mode, window_left, cap, q_dtype, kv_dtype, o_dtype, sm_scale,
+        1.0 if rope_scale is None else float(rope_scale),
+        1e4 if rope_theta is None else float(rope_theta),
+    )  # fmt: skip
+
+
+def token_head(shape, strides, kv_layout: str):
+    """((tokens, heads), (token, head) strides) of the [.., tokens, heads, D] (NHD) or
+    [.., heads, tokens, D] (HND) trailing dims of a cache view."""
+    (a, b), (sa, sb) = shape[-3:-1], strides[-3:-1]
+    return ((a, b), (sa, sb)) if kv_layout == "NHD" else ((b, a), (sb, sa))
+
+
+def check_cache_view(name: str, ptr: int, dims, strides, itemsize: int, d_stride: int) -> None:
+    """cp.async moves 16-byte chunks: base and page/token/head strides (bytes) must be 16-byte
+    multiples (dims of size 1 excepted) and head_dim contiguous."""
+    bad = ptr % 16 or any(s % 16 for s, n in zip(strides, dims, strict=True) if n > 1)
+    if bad or d_stride != itemsize:
+        raise ValueError(
+            f"{name}: needs a contiguous head_dim and 16-byte aligned pointer and (page, token, "
+            f"head) strides, got pointer offset {ptr % 16}, strides {tuple(strides)} bytes and "
+            f"head_dim stride {d_stride}"
+        )

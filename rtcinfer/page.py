@@ -1,0 +1,203 @@
+"""Paged KV-cache updates and bookkeeping (FlashInfer's ``flashinfer.page`` names).
+
+    append:  b, p = batch_indices[t], positions[t]
+             page = kv_indices[kv_indptr[b] + p // page_size];  slot = p % page_size
+             K[page, slot, h] = append_key[t, h];  V[page, slot, h] = append_value[t, h]  (NHD)
+    get_seq_lens: max(pages_b - 1, 0) * page_size + kv_last_page_len[b]
+    get_batch_indices_positions: (b, seq_lens[b] - append_indptr[b + 1] + t) for each token t
+
+Host arrays (NumPy, lists) take the NumPy versions in rtcinfer.plan.page; device arrays
+(int32) run a kernel on the caller's stream and come back in the caller's array type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from . import jit
+from .decode_kernel import KV_LAYOUTS, fast_div, token_head
+from .interop import Out, dtype_name, run
+from .interop.arrays import framework
+from .interop.dtypes import itemsize
+from .plan import page as host_page
+
+THREADS = 256
+ITEMS = 4  # copy units per thread in append_kernel: their loads all issue before the stores
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    row_bytes: int  # head_dim * itemsize of the cache
+    vec: int  # bytes per copy unit
+    source: ClassVar[str] = "page.cu"
+
+    def prelude(self) -> str:
+        return "\n".join(
+            [
+                f"constexpr int ROW_BYTES = {self.row_bytes};",
+                f"constexpr int VEC = {self.vec};",
+                f"constexpr int ITEMS = {ITEMS};",
+            ]
+        )
+
+
+INDEX_SPEC = PageSpec(16, 16)  # the module that serves the two index kernels
+
+
+def _on_device(x) -> bool:
+    return framework(x) in ("cupy", "jax") or (framework(x) == "torch" and x.device.type == "cuda")
+
+
+def _int32(name: str, x) -> None:
+    if dtype_name(x) != "int32":
+        raise TypeError(f"{name}: device index arrays must be int32, got {dtype_name(x)}")
+
+
+def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
+    key, value, batch_indices, positions = ins[:4]
+    kv_indices, kv_indptr = ins[-2:]
+    nnz, num_heads = key.shape[0], key.shape[1]
+    if nnz == 0 or num_heads == 0:
+        return
+    if len(outs) == 1:  # one [pages, 2, ...] cache: V is K shifted by one step of dim 1
+        cache = outs[0]
+        k_ptr, v_ptr = cache.data.ptr, cache.data.ptr + cache.strides[1]
+        caches = ((cache, k_ptr), (cache, v_ptr))
+    else:
+        caches = ((outs[0], outs[0].data.ptr), (outs[1], outs[1].data.ptr))
+    strides = []
+    for arr, _ in caches:
+        _, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
+        strides += [arr.strides[0], token, head]
+    src = [key.strides[0], key.strides[1], value.strides[0], value.strides[1]]
+    pointers = [key.data.ptr, value.data.ptr, caches[0][1], caches[1][1]]
+    vec = 16
+    while vec > 1 and (row_bytes % vec or any(v % vec for v in pointers + src + strides)):
+        vec //= 2
+    for arr in (key, value):
+        if arr.shape[2] > 1 and arr.strides[2] != arr.itemsize:
+            raise ValueError(f"append_key/value: head_dim must be contiguous, got {arr.strides}")
+    fn = jit.get_function(PageSpec(row_bytes, vec), "append_kernel")
+    units_per_row = row_bytes // vec
+    units = nnz * num_heads * units_per_row
+    page_size = token_head(caches[0][0].shape, caches[0][0].strides, kv_layout)[0][0]
+    head_magic, head_shift = fast_div(num_heads)
+    page_magic, page_shift = fast_div(page_size)
+    args = (
+        key.data.ptr, *src[:2], value.data.ptr, *src[2:], batch_indices, positions,
+        caches[0][1], *strides[:3], caches[1][1], *strides[3:], kv_indices, kv_indptr,
+        units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
+        np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
+    )  # fmt: skip
+    grid = -(-units // (THREADS * ITEMS))
+    fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
+
+
+def append_paged_kv_cache(
+    append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+    kv_last_page_len, kv_layout="NHD",
+):  # fmt: skip
+    """Write new tokens into a paged KV cache in place (math in the module docstring).
+
+    append_key, append_value: [nnz, H, D] in the cache's dtype (fp8 caches take fp8 rows);
+    batch_indices, positions: int32 [nnz] (see get_batch_indices_positions); paged_kv_cache:
+    [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND) or a (k, v) pair;
+    kv_indices, kv_indptr: int32, the table that already includes the new tokens.
+    Returns the cache (for JAX, whose arrays are immutable, the updated copy).
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    pair = isinstance(paged_kv_cache, (tuple, list))
+    caches = list(paged_kv_cache) if pair else [paged_kv_cache]
+    dtype = dtype_name(caches[0])
+    inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
+    if not pair and (len(caches[0].shape) != 5 or caches[0].shape[1] != 2):
+        raise ValueError(f"paged_kv_cache must be [pages, 2, ...], got {tuple(caches[0].shape)}")
+    (_, num_heads), _ = token_head(tuple(inner), (0, 0, 0), kv_layout)
+    expect = (num_heads, inner[-1])
+    for name, x in (("append_key", append_key), ("append_value", append_value)):
+        if len(x.shape) != 3 or tuple(x.shape[1:]) != expect or dtype_name(x) != dtype:
+            raise ValueError(
+                f"{name}: expected [nnz, {expect[0]}, {expect[1]}] of dtype {dtype} (the "
+                f"cache's), got {tuple(x.shape)} of {dtype_name(x)}"
+            )
+    nnz = append_key.shape[0]
+    index = [("batch_indices", batch_indices), ("positions", positions)]
+    table = [("kv_indices", kv_indices), ("kv_indptr", kv_indptr)]
+    for name, x in index + table + [("kv_last_page_len", kv_last_page_len)]:
+        _int32(name, x)
+    if append_value.shape[0] != nnz or any(x.shape[0] != nnz for _, x in index):
+        raise ValueError(
+            f"append_key ({nnz}), append_value ({append_value.shape[0]}), batch_indices "
+            f"({batch_indices.shape[0]}) and positions ({positions.shape[0]}) differ in length"
+        )
+    names = ("k_cache", "v_cache") if pair else ("paged_kv_cache",)
+    ins = [("append_key", append_key), ("append_value", append_value), *index]
+    ins += list(zip(names, caches, strict=True)) + table
+    outs = [Out(tuple(c.shape), dtype, alias=4 + i) for i, c in enumerate(caches)]
+    row_bytes = inner[-1] * itemsize(dtype)
+    result = run(_append_launch, ins, outs, kv_layout=kv_layout, row_bytes=row_bytes)
+    return tuple(result) if pair else result
+
+
+def _seq_lens_launch(stream, ins, outs, *, page_size: int):
+    kv_indptr, last = ins
+    batch = last.shape[0]
+    if batch:
+        fn = jit.get_function(INDEX_SPEC, "seq_lens_kernel")
+        args = (kv_indptr, last, outs[0], np.int32(batch), np.int32(page_size))
+        fn((-(-batch // THREADS), 1, 1), (THREADS, 1, 1), args, stream=stream)
+
+
+def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
+    """Tokens per request: max(pages - 1, 0) * page_size + kv_last_page_len, int32 [B].
+
+    Host arrays give a NumPy array; int32 device arrays a device array of their framework.
+    """
+    if not _on_device(kv_indptr):
+        return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
+    _int32("kv_indptr", kv_indptr)
+    _int32("kv_last_page_len", kv_last_page_len)
+    batch = kv_last_page_len.shape[0]
+    if tuple(kv_indptr.shape) != (batch + 1,):
+        raise ValueError(f"kv_indptr must have shape ({batch + 1},), got {tuple(kv_indptr.shape)}")
+    ins = [("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)]
+    return run(_seq_lens_launch, ins, [Out((batch,), "int32")], page_size=int(page_size))
+
+
+def _positions_launch(stream, ins, outs, *, nnz: int):
+    append_indptr, seq_lens = ins
+    if nnz:
+        fn = jit.get_function(INDEX_SPEC, "batch_indices_positions_kernel")
+        args = (append_indptr, seq_lens, *outs, np.int32(seq_lens.shape[0]), np.int32(nnz))
+        fn((-(-nnz // THREADS), 1, 1), (THREADS, 1, 1), args, stream=stream)
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+    """(batch_indices, positions), int32 [nnz], of every appended token (CSR to COO):
+    b owns tokens append_indptr[b]:append_indptr[b + 1], at positions ending at seq_lens[b];
+    entries past append_indptr[-1] (a padded nnz) are -1. Host arrays use NumPy."""
+    if not _on_device(append_indptr):
+        return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+    _int32("append_indptr", append_indptr)
+    _int32("seq_lens", seq_lens)
+    batch = seq_lens.shape[0]
+    if tuple(append_indptr.shape) != (batch + 1,):
+        raise ValueError(
+            f"append_indptr must have shape ({batch + 1},), got {tuple(append_indptr.shape)}"
+        )
+    nnz = int(nnz)
+    ins = [("append_indptr", append_indptr), ("seq_lens", seq_lens)]
+    outs = [Out((nnz,), "int32"), Out((nnz,), "int32")]
+    return run(_positions_launch, ins, outs, nnz=nnz)
+
+
+__all__ = [
+    "PageSpec",
+    "append_paged_kv_cache",
+    "get_batch_indices_positions",
+    "get_seq_lens",
+]

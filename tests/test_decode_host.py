@@ -1,0 +1,126 @@
+"""The host side of decode without a GPU: argument validation, kernel choice, workspace layout
+and the packed plan, read back the way decode_kernel reads it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import rtcinfer
+from rtcinfer.decode_kernel import decode_spec, make_config, rope_frequencies
+from rtcinfer.plan.decode import plan_decode
+from rtcinfer.workspace import Capacity, header_ints, pack_plan
+
+from .paged_batch import page_table_for
+
+GOOD = dict(
+    num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pos_encoding_mode="NONE",
+    window_left=-1, logits_soft_cap=None, q_dtype="bfloat16", kv_dtype=None, o_dtype=None,
+    sm_scale=None, rope_scale=None, rope_theta=None,
+)  # fmt: skip
+
+
+def test_config_defaults():
+    cfg = make_config(**GOOD)
+    assert cfg.kv_dtype == cfg.o_dtype == "bfloat16" and cfg.group_size == 4
+    assert cfg.sm_scale == pytest.approx(1 / math.sqrt(128)) and cfg.logits_soft_cap == 0
+    assert (cfg.rope_scale, cfg.rope_theta, cfg.kv_blocks) == (1.0, 1e4, 8)
+    assert make_config(**{**GOOD, "num_kv_heads": 1}).kv_blocks == 2  # 32 heads: 2 CTAs
+    assert make_config(**{**GOOD, "num_kv_heads": 2, "head_dim": 256}).kv_blocks == 4
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(num_qo_heads=30), ValueError, r"num_qo_heads \(30\) must be a multiple of .* \(8\)"),
+        (dict(head_dim=96), ValueError, "head_dim must be one of .* got 96"),
+        (dict(pos_encoding_mode="ROPE"), ValueError, "pos_encoding_mode must be one of"),
+        (dict(window_left=-2), ValueError, "window_left must be >= -1, got -2"),
+        (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None or >= 0"),
+        (dict(q_dtype="float32"), TypeError, "q_data_type must be one of"),
+        (dict(kv_dtype="float16"), TypeError, r"kv_data_type must be q's dtype \(bfloat16\)"),
+        (dict(o_dtype="float8_e4m3fn"), TypeError, "o_data_type must be one of"),
+        (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+        (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be an integer"),
+    ],
+)
+def test_config_errors_name_the_value(change, error, match):
+    with pytest.raises(error, match=match):
+        make_config(**{**GOOD, **change})
+
+
+def test_wrapper_checks_the_layout_before_touching_the_gpu():
+    with pytest.raises(ValueError, match="kv_layout must be one of .* got 'NDH'"):
+        rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NDH")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group_size", [1, 4, 8, 16])
+def test_spec_fits_shared_memory(kv_dtype, head_dim, group_size):
+    for limit in (227 * 1024, 163 * 1024):  # H100/H200, A100
+        spec = decode_spec("bfloat16", kv_dtype, "bfloat16", head_dim, group_size, max_smem=limit)
+        assert spec.smem_bytes <= limit and spec.stages in (2, 3)
+        assert spec.head_tiles == (1 if group_size <= 8 or head_dim == 256 else 2)
+        tile_bytes = spec.tile * head_dim * (1 if kv_dtype != "bfloat16" else 2) * 2
+        assert tile_bytes <= 64 * 1024
+
+
+def test_spec_that_cannot_fit_says_so():
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
+        decode_spec("bfloat16", "bfloat16", "bfloat16", 256, 4, max_smem=99 * 1024)
+
+
+def test_rope_frequencies_are_split_exactly():
+    freq = rope_frequencies(128, 2.0, 5e5).astype(np.float64)
+    i = np.arange(64)
+    exact = 5e5 ** (-2.0 * i / 128) / 2.0 / (2 * math.pi)
+    np.testing.assert_allclose(freq[:, 0] + freq[:, 1], exact, rtol=1e-13)
+
+
+def test_capacity_regions_are_aligned_and_disjoint():
+    cap = Capacity(max_batch=7, max_work=33, max_pages=101, num_qo_heads=12, kv_blocks=3,
+                   head_dim=64)  # fmt: skip
+    off = cap.offsets()
+    names = ["plan", "counters", "lse", "o", "end"]
+    assert [off[n] % 256 for n in names] == [0] * 5
+    assert off["counters"] >= 4 * cap.plan_ints and off["o"] - off["lse"] >= 4 * 33 * 12
+    assert off["end"] - off["o"] >= 4 * 33 * 12 * 64
+    grown = cap.grown(Capacity(8, 20, 500, 12, 3, 64))
+    assert (grown.max_batch, grown.max_work, grown.max_pages) == (14, 33, 500)
+    assert grown.covers(cap) and not cap.covers(grown)
+
+
+@pytest.mark.parametrize("split", [dict(num_sms=132, ctas_per_sm=2), dict(fixed_split_size=3),
+                                   dict(disable_split_kv=True)])  # fmt: skip
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_packed_plan_reads_back(split, page_size):
+    """Walk the packed buffer as decode_kernel does: every request's tokens are covered once,
+    in chunk order, with the right page ids and merge groups."""
+    rng = np.random.default_rng(page_size)
+    lengths = [0, 1, page_size, page_size + 1, 513, 5000, 0]
+    indptr, indices, last, _ = page_table_for(lengths, page_size, rng)
+    kwargs = {"num_sms": 132, "ctas_per_sm": 2, **split}
+    plan = plan_decode(indptr, last, page_size, 2, **kwargs)
+    freq = rope_frequencies(64, 1.0, 1e4)
+    buf = np.full(header_ints(64) + 8 * plan.num_work + len(indices) + 5, -7, dtype=np.int32)
+    used = pack_plan(buf, plan, indptr.astype(np.int64), indices, 64, freq)
+    assert used == buf.shape[0] - 5 and buf[0] == plan.num_work
+    np.testing.assert_array_equal(buf[4 : header_ints(64)].view(np.float32), freq.reshape(-1))
+    items = buf[header_ints(64) : header_ints(64) + 8 * plan.num_work].reshape(-1, 8)
+    covered = {b: [] for b in range(len(lengths))}
+    for w, (req, begin, end, kv_len, page_begin, merge_begin, merge_count, zero) in enumerate(
+        items
+    ):
+        assert kv_len == lengths[req] and zero == 0
+        assert merge_begin <= w < merge_begin + merge_count
+        assert all(items[merge_begin : merge_begin + merge_count, 0] == req)
+        for token in range(begin, end):
+            page = buf[page_begin + token // page_size]
+            assert page == indices[indptr[req] + token // page_size]
+        covered[req].append((begin, end))
+    for b, ranges in covered.items():
+        assert ranges[0][0] == 0 and ranges[-1][1] == lengths[b]
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
