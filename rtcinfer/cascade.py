@@ -31,6 +31,7 @@ class MergeSpec:
     has_b: bool  # one more state from a second array (merge_state, merge_state_in_place)
     mask: bool
     source: ClassVar[str] = "merge.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("merge_kernel",)
 
     def prelude(self) -> str:
         return "\n".join(

@@ -40,6 +40,7 @@ class DecodeSpec:
     stages: int
     token_groups: int  # 16-token groups per warp per tile
     source: ClassVar[str] = "decode.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("decode_kernel",)
 
     @property
     def tile(self) -> int:

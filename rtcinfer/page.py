@@ -33,6 +33,11 @@ class PageSpec:
     row_bytes: int  # head_dim * itemsize of the cache
     vec: int  # bytes per copy unit
     source: ClassVar[str] = "page.cu"
+    kernels: ClassVar[tuple[str, ...]] = (
+        "append_kernel",
+        "seq_lens_kernel",
+        "batch_indices_positions_kernel",
+    )
 
     def prelude(self) -> str:
         return "\n".join(
