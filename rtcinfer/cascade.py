@@ -64,7 +64,7 @@ def _launch(stream, ins, outs, *, spec: MergeSpec, num_a: int):
         raise ValueError(f"{n} x {h} rows of states exceed the kernel's int32 grid indexing")
     arrays = [a_v, b_v, o_v]
     for arr in arrays:
-        if d > 1 and arr.strides[-1] != arr.itemsize:
+        if d > 1 and arr.size and arr.strides[-1] != arr.itemsize:
             raise ValueError(f"the head_dim of every v must be contiguous, got {arr.strides}")
     strides = [s for arr in arrays for s in _elem_strides(arr)[:-1]]
     vec = fit_vec(spec.vec, a_v.itemsize, [arr.data.ptr for arr in arrays], strides)

@@ -346,6 +346,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _run(self, stream, ins, outs, scales) -> None:
         st = self._launch
         q, o = ins[0], outs[0]
+        if q.size == 0:  # an empty batch: nothing to write (CuPy gives empty arrays 0 strides)
+            return
         if len(ins) == 2:  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
             k = v = ins[1]
             v_ptr = k.data.ptr + k.strides[1]

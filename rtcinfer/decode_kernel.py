@@ -239,7 +239,9 @@ def token_head(shape, strides, kv_layout: str):
 
 def check_cache_view(name: str, ptr: int, dims, strides, itemsize: int, d_stride: int) -> None:
     """cp.async moves 16-byte chunks: base and page/token/head strides (bytes) must be 16-byte
-    multiples (dims of size 1 excepted) and head_dim contiguous."""
+    multiples (dims of size 1 excepted) and head_dim contiguous. An empty cache is never read."""
+    if 0 in dims:
+        return
     bad = ptr % 16 or any(s % 16 for s, n in zip(strides, dims, strict=True) if n > 1)
     if bad or d_stride != itemsize:
         raise ValueError(

@@ -113,11 +113,15 @@ def test_long_request_with_short_and_empty_ones():
 
 
 def _ulp_close(a, b, dtype_bits: int) -> None:
-    """|a - b| <= one ulp of a dtype with `dtype_bits` mantissa bits (+ a tiny floor)."""
+    """|a - b| <= one ulp of a dtype with `dtype_bits` mantissa bits, of the element or of the
+    array's rms: P is rounded to 16 bits before the PV product, and split and unsplit runs round
+    it against different running maxima, so small outputs may differ by an ulp of typical ones."""
     a, b = to_host(a), to_host(b)
     finite = np.isfinite(a)
     assert np.array_equal(finite, np.isfinite(b)) and np.array_equal(a[~finite], b[~finite])
-    np.testing.assert_array_less(np.abs(a - b)[finite], 2.0**-dtype_bits * np.abs(a[finite]) + 1e-5)
+    scale = np.sqrt(np.mean(a[finite] ** 2))
+    bound = 2.0**-dtype_bits * (np.abs(a[finite]) + scale)
+    np.testing.assert_array_less(np.abs(a - b)[finite], bound + 1e-30)
 
 
 def test_split_on_and_off_agree_to_rounding():
