@@ -39,11 +39,12 @@ struct Philox {
   uint64_t seed, offset;
   uint32_t row;
 
-  RTC_DEVICE Philox(const uint64_t* seed_arr, uint64_t seed_val, int seed_len,
-                    const uint64_t* offset_arr, uint64_t offset_val, int offset_len, int row_)
-      : seed(seed_arr ? seed_arr[seed_len > 1 ? row_ : 0] : seed_val),
-        offset(offset_arr ? offset_arr[offset_len > 1 ? row_ : 0] : offset_val),
-        row(uint32_t(row_)) {}
-
   RTC_DEVICE float uniform(int draw) const { return philox_uniform(seed, offset, row, draw); }
 };
+
+RTC_DEVICE Philox make_philox(const uint64_t* seed_arr, uint64_t seed_val, int seed_len,
+                              const uint64_t* offset_arr, uint64_t offset_val, int offset_len,
+                              int row) {
+  return {seed_arr ? seed_arr[seed_len > 1 ? row : 0] : seed_val,
+          offset_arr ? offset_arr[offset_len > 1 ? row : 0] : offset_val, uint32_t(row)};
+}

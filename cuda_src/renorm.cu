@@ -3,11 +3,12 @@
 //   top_p_renorm  out = p >= v ? p / sum(p >= v) : 0,  v = min{p_j : sum(p > p_j) < top_p sum(p)}
 //                 (the maximum is always kept)
 //   top_k_mask    out = x >= v ? x : -inf,             v = the k-th largest logit (NaN -> -inf)
-// Pass 0 streams the row once (maximum, sum, candidate list, row_scan.cuh); the threshold is a
-// radix select (row_select.cuh) over the list when it provably holds the kept set, else over
-// the row; a last pass writes the output. The renormalizing sum is the select's fixed-point mass
+// Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below the threshold
+// comes from the block maxima, the values >= floor go to the candidate list (row_scan.cuh), the
+// exact threshold is a radix select (row_select.cuh) over the list (over the row when the list
+// overflows), and a last pass writes the output. The renormalizing sum is the select's fixed-point mass
 // (p * 2^40 / max p, integer sums): deterministic, within 2^-24 relative of the exact sum.
-// Grid: blockIdx.x = row. Block: THREADS. Shared: CAP * 8 bytes dynamic + RowShared.
+// Grid: blockIdx.x = row. Block: THREADS. Shared: list_memory (dynamic) + RowShared.
 // Prelude: OP (RenormOp), T, VEC, THREADS, CAP.
 #include "row_select.cuh"
 
@@ -35,49 +36,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_ker
     int top_k_val,
     const float* __restrict__ top_p_arr,      // [rows] or null
     float top_p_val) {
-  extern __shared__ float4 list_mem[];
+  extern __shared__ float4 smem[];
   __shared__ RowShared sh;
-  float* vals = reinterpret_cast<float*>(list_mem);
-  int* ids = reinterpret_cast<int*>(vals + CAP);
+  const ListMemory mem = list_memory(smem);
   const int r = blockIdx.x, lane = lane_id(), w = warp_id();
   const int seg = (vocab / VEC + WARPS - 1) / WARPS * VEC;
+  const Steps g(seg, VEC);
   const RowSource<T, VEC, Policy> rows{in + r * in_stride, vocab, seg};
 
-  const Collected col = collect_candidates(rows, vals, ids, false);
+  const RowScan scan = scan_row(rows, g, mem.bmax, false);
   if (lane == 0) {
-    sh.seg_max[w] = col.max;
-    sh.seg_bar[w] = col.bar;
-    sh.seg[0][w] = col.sum;
-    sh.list_n[w] = col.n;
+    sh.seg_max[w] = scan.max;
+    sh.seg[0][w] = scan.sum;
   }
   __syncthreads();
   if (w == 0) {
     const float m = warp_max(lane < WARPS ? sh.seg_max[lane] : Policy::lowest());
-    const float floor = warp_max(lane < WARPS ? sh.seg_bar[lane] : Policy::lowest());
     if (lane == 0) {
       float s = 0.f;
 #pragma unroll 1
       for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
       sh.f[0] = m;
-      sh.f[1] = floor;
       sh.f[2] = s;
     }
   }
   __syncthreads();
-  const float M = sh.f[0], low0 = sh.f[1], S = sh.f[2];
-  const int n_w = sh.list_n[w];
-  const int kept_n = keep_above(vals + w * CAP_W, ids + w * CAP_W, n_w, low0);
-  if (lane == 0) sh.list_n[w] = kept_n;
-  __syncthreads();
-  const ListSource<Policy> list{vals, ids, sh.list_n};
-  const PivotStats in_list = pivot_stats(list, low0, low0, sh, 1, 1);
+  const float M = sh.f[0], S = sh.f[2];
 
   int k = 0;
   float top_p = 1.f;
   bool keep_all;
   if constexpr (BY_MASS) {
     top_p = top_p_arr ? top_p_arr[r] : top_p_val;
-    keep_all = !(top_p < 1.f);
+    keep_all = !(top_p < 1.f) || !(M > 0.f);
   } else {
     const long long kk = top_k_arr ? top_k_arr[r] : top_k_arr64 ? top_k_arr64[r] : top_k_val;
     keep_all = kk <= 0 || kk >= vocab;
@@ -86,12 +77,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_ker
   const double scale = NEED_MASS && M > 0.f ? 1099511627776.0 / double(M) : 0.0;  // 2^40 / max
   Threshold th{0u, 0ull, true};
   if (!keep_all) {
-    const float P = fmaxf(top_p, 0.f) * S;
-    const unsigned long long p_fixed = __double2ull_rn(double(P) * scale);
-    const bool on_list =
-        low0 == Policy::lowest() || (BY_MASS ? in_list.c1 > 0 && in_list.m1 >= P : in_list.c1 >= k);
-    th = on_list ? radix_select<ListSource<Policy>, BY_MASS, NEED_MASS>(list, low0, k, p_fixed,
-                                                                        scale, sh)
+    const unsigned long long p_fixed = __double2ull_rn(double(fmaxf(top_p, 0.f) * S) * scale);
+    // The floor: at or below the threshold, chosen from the block maxima (row_scan.cuh); a
+    // top-p floor is proved by the mass of the values >= it.
+    const BlockMaxSource<Policy> blocks{mem.bmax, g.blocks};
+    const Threshold bt = radix_select<BlockMaxSource<Policy>, BY_MASS, BY_MASS>(
+        blocks, Policy::lowest(), k, p_fixed, scale, sh);
+    const float floor = bt.all ? Policy::lowest() : Policy::from_key(bt.key);
+    bool on_list = false;
+    if (floor > Policy::lowest() || vocab <= CAP) {
+      float mass;
+      const int n = gather(rows, g, mem.bmax, floor, mem, mass);
+      if (lane == 0) {
+        sh.list_n[w] = n;
+        sh.seg[1][w] = mass;
+      }
+      __syncthreads();
+      on_list = true;
+      float list_mass = 0.f;
+#pragma unroll 1
+      for (int i = 0; i < WARPS; ++i) {
+        on_list &= sh.list_n[i] >= 0;
+        list_mass += sh.seg[1][i];
+      }
+      if (BY_MASS) on_list &= list_mass >= fmaxf(top_p, 0.f) * S;
+    }
+    const ListSource<Policy> list{mem.vals, mem.ids, sh.list_n};
+    th = on_list ? radix_select<ListSource<Policy>, BY_MASS, NEED_MASS>(
+                       list, Policy::lowest(), k, p_fixed, scale, sh)
                  : radix_select<RowSource<T, VEC, Policy>, BY_MASS, NEED_MASS>(
                        rows, Policy::lowest(), k, p_fixed, scale, sh);
   }

@@ -1,43 +1,55 @@
-// One CTA per vocabulary row: how a row is read, and the candidate list kept in shared memory.
+// One CTA per vocabulary row: how a row is read, and the candidate list in shared memory.
 //
 // A row of n values is cut into WARPS segments of `seg` consecutive elements (a multiple of the
-// vector width); warp w owns segment w. Warp-level passes therefore need no block barrier, and
-// every block-level quantity is a sum over segments taken in segment order.
+// vector width); warp w owns segment w and reads it in steps of 32 lanes x VEC elements, so
+// warp-level passes need no block barrier and block-level sums add the segments in order.
 //
-// Candidate list: while streaming its segment once, warp w copies the values above a rising
-// "bar" (with their token ids, in token order) into its own region of CAP_W slots of shared
-// memory. The bar starts below every valid value and is raised only when the region would
-// overflow: bar(m, d) = m * 2^-d (probabilities) or m - 2^(d-12) (logits), with m the warp's
-// running maximum and d lowered by a binary search so that at most CAP_W/2 entries stay. The bar
-// only rises, so at the end the region holds every value of the segment above the warp's final
-// bar. With low0 = the largest final bar over warps, the list holds exactly the row's values
-// above low0 (after dropping the rest), in token order. Selections whose kept set lies above
-// low0 then run from shared memory; low0 == lowest() means the list holds the whole row.
+// Pass 0 (scan_row) streams the row once: sum, maximum, and the maximum of every block of
+// `group` steps (one __reduce_max_sync per step), at most BLOCKS_W blocks per warp. From the
+// block maxima comes a "floor" at or below every kept value: the k-th largest block maximum
+// (<= the k-th largest value), min-p's exact threshold, or for top-p the top-p cut of the block
+// maxima, which holds once the values >= it are found to carry mass >= P (every value below
+// then has mass >= P above it). `gather` re-reads only the blocks whose maximum reaches the
+// floor and copies their values >= floor, with token ids, into the warp's region of CAP_W
+// slots, in token order: the candidate list holds exactly the row's values >= floor, and the
+// selection continues in shared memory. A region that overflows sends the row back to
+// streaming passes (from L2).
 //
-// Prelude: THREADS, CAP (list slots of the block; 8 bytes each, in dynamic shared memory).
+// Prelude: THREADS, CAP (list slots of the block). Dynamic shared memory (list_memory): CAP
+// values, CAP token ids, WARPS * BLOCKS_W block maxima (rtcinfer.layout.row_smem_bytes).
 #pragma once
 
 constexpr int WARPS = THREADS / 32;
 constexpr int CAP_W = CAP / WARPS;  // list slots per warp
+constexpr int BLOCKS_W = 256;       // block maxima per warp
 constexpr unsigned FULL = 0xffffffffu;
-constexpr int NO_BAR = 255;      // bar step before the first overflow: every valid value enters
-constexpr int MAX_BAR_STEP = 24;  // the first bar is at most 2^24 below the running maximum
 constexpr int NONE = 0x7fffffff;  // "no position" in block-wide minima
 static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
 static_assert(CAP % WARPS == 0 && CAP_W % 4 == 0 && CAP_W >= 64, "regions of float4 groups");
 
+// Where the list and the block maxima live in dynamic shared memory.
+struct ListMemory {
+  float* vals;  // [CAP]
+  int* ids;     // [CAP]
+  float* bmax;  // [WARPS * BLOCKS_W]
+};
+
+RTC_DEVICE ListMemory list_memory(void* smem) {
+  float* vals = static_cast<float*>(smem);
+  int* ids = reinterpret_cast<int*>(vals + CAP);
+  return {vals, ids, reinterpret_cast<float*>(ids + CAP)};
+}
+
 RTC_DEVICE int lane_id() { return threadIdx.x % 32; }
 RTC_DEVICE int warp_id() { return threadIdx.x / 32; }
 RTC_DEVICE float infinity() { return __int_as_float(0x7f800000); }
-RTC_DEVICE float pow2i(int e) { return __uint_as_float(uint32_t(127 + e) << 23); }  // |e| < 127
 
 // Probabilities: valid values are > 0. NaN and negatives read as 0 (never drawn).
 struct ProbPolicy {
   static constexpr bool MASS = true;
   RTC_DEVICE static float lowest() { return 0.f; }
-  RTC_DEVICE static float clean(float v) { return fmaxf(v, 0.f); }
+  RTC_DEVICE static float clean(float v) { return v > 0.f ? v : 0.f; }  // -0 -> +0 too
   RTC_DEVICE static bool bad(float v) { return !(v >= 0.f && v < infinity()); }
-  RTC_DEVICE static float bar(float m, int d) { return d == NO_BAR ? 0.f : __fmul_rn(m, pow2i(-d)); }
   RTC_DEVICE static uint32_t key(float v) { return __float_as_uint(v); }
   RTC_DEVICE static float from_key(uint32_t k) { return __uint_as_float(k); }
 };
@@ -48,9 +60,6 @@ struct LogitPolicy {
   RTC_DEVICE static float lowest() { return -infinity(); }
   RTC_DEVICE static float clean(float v) { return isnan(v) ? -infinity() : v; }
   RTC_DEVICE static bool bad(float v) { return isnan(v) || v == infinity(); }
-  RTC_DEVICE static float bar(float m, int d) {
-    return d == NO_BAR ? -infinity() : d == 0 ? m : __fsub_rn(m, pow2i(d - 12));
-  }
   // Order-preserving map of floats to unsigned keys.
   RTC_DEVICE static uint32_t key(float v) {
     const uint32_t b = __float_as_uint(v);
@@ -148,7 +157,7 @@ struct RowShared {
   float seg[3][WARPS];  // per-segment masses above a threshold: rotating slots
   int cnt[2][WARPS];    // per-segment counts above the two pivots
   int list_n[WARPS];    // entries in each warp's region
-  float seg_max[WARPS], seg_bar[WARPS];  // pass-0 maximum and final bar of each segment
+  float seg_max[WARPS];  // pass-0 maximum of each segment
   float scan[WARPS + 1];
   uint32_t hist_cnt[256];
   unsigned long long hist_mass[256];
@@ -189,114 +198,123 @@ RTC_DEVICE int warp_exclusive_sum(int x) {
   return incl - x;
 }
 
-// Keeps the region's entries above b, in order; returns their number.
-RTC_DEVICE int keep_above(float* vals, int* ids, int n, float b) {
-  int out = 0;
-  for (int i0 = 0; i0 < n; i0 += 32) {
-    const int i = i0 + lane_id();
-    float v = 0.f;
-    int id = 0;
-    if (i < n) {
-      v = vals[i];
-      id = ids[i];
-    }
-    __syncwarp();  // every lane has read chunk i0 before any lane overwrites it
-    const bool keep = i < n && v > b;
-    const unsigned ballot = __ballot_sync(FULL, keep);
-    if (keep) {
-      const int k = out + __popc(ballot & ((1u << lane_id()) - 1));
-      vals[k] = v;
-      ids[k] = id;
-    }
-    out += __popc(ballot);
-  }
-  __syncwarp();
-  return out;
-}
+// Row geometry of the warp-level passes: steps of 32 * V elements per segment, grouped into at
+// most BLOCKS_W blocks of `group` steps.
+struct Steps {
+  int steps, group, blocks;
 
-// The largest bar step d' < d (or <= MAX_BAR_STEP from NO_BAR) leaving at most CAP_W / 2
-// entries above bar(m, d'); d' = 0 always qualifies, since no entry exceeds m.
-template <class P>
-RTC_DEVICE int lower_bar(const float* vals, int n, float m, int d) {
-  int lo = 0, hi = d == NO_BAR ? MAX_BAR_STEP : max(d - 1, 0);
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    const float b = P::bar(m, mid);
-    int above = 0;
-    for (int i0 = 0; i0 < n; i0 += 32) {
-      const int i = i0 + lane_id();
-      above += __popc(__ballot_sync(FULL, i < n && vals[i] > b));
-    }
-    if (above <= CAP_W / 2) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
+  RTC_DEVICE Steps(int seg, int v) {
+    steps = (seg + 32 * v - 1) / (32 * v);
+    group = (steps + BLOCKS_W - 1) / BLOCKS_W;
+    group = group > 0 ? group : 1;
+    blocks = (steps + group - 1) / group;
   }
-  return lo;
-}
-
-struct Collected {
-  float max, bar, sum;  // warp maximum, final bar, sum of cleaned values (probabilities)
-  int n;                // entries in the region
-  bool bad;             // NaN / negative / inf seen (only when asked)
 };
 
-// Warp w streams segment w once: running max, sum, and the candidate region (see the top).
+// Block maxima as a source (for the radix select of the floor): segment s = warp s's blocks.
+template <class P>
+struct BlockMaxSource {
+  using Policy = P;
+  static constexpr int VEC = 1;
+  const float* bmax;  // [WARPS * BLOCKS_W]
+  int blocks;
+
+  RTC_DEVICE int size(int) const { return blocks; }
+  RTC_DEVICE int token(int s, int pos) const { return s * BLOCKS_W + pos; }
+  RTC_DEVICE void load(int s, int pos, float (&v)[1]) const {
+    v[0] = pos < blocks ? bmax[s * BLOCKS_W + pos] : P::lowest();
+  }
+  RTC_DEVICE float value(int s, int pos) const { return bmax[s * BLOCKS_W + pos]; }
+};
+
+struct RowScan {
+  float sum, max;  // of the cleaned values of the warp's segment (sum: probabilities only)
+  bool bad;        // NaN / negative / inf seen (only when asked)
+};
+
+// Pass 0: warp w streams segment w once; bmax[w * BLOCKS_W + b] = maximum of block b.
 template <class Src>
-RTC_DEVICE Collected collect_candidates(const Src& src, float* vals, int* ids, bool check) {
+RTC_DEVICE RowScan scan_row(const Src& src, const Steps& g, float* bmax, bool check) {
   using P = typename Src::Policy;
   constexpr int V = Src::VEC, STEP = 32 * V, U = V >= 4 ? 16 / V : 4;
-  const int lane = lane_id(), w = warp_id(), size = src.size(w);
-  float* rv = vals + w * CAP_W;
-  int* ri = ids + w * CAP_W;
-  float m_lane = P::lowest(), m_warp = P::lowest(), sum = 0.f;
-  int d = NO_BAR, n = 0;
+  const int lane = lane_id(), w = warp_id();
+  float* wb = bmax + w * BLOCKS_W;
+  float sum = 0.f, m_lane = P::lowest();
+  uint32_t block_key = P::key(P::lowest());
   bool bad = false;
-  for (int base = 0; base < size; base += U * STEP) {
+  for (int s0 = 0; s0 < g.steps; s0 += U) {  // U steps per iteration
     float v[U][V];
 #pragma unroll
-    for (int u = 0; u < U; ++u) src.load(w, base + u * STEP + lane * V, v[u]);
+    for (int u = 0; u < U; ++u) src.load(w, (s0 + u) * STEP + lane * V, v[u]);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int pos = base + u * STEP + lane * V;
+      const int s = s0 + u;
+      if (s >= g.steps) break;
+      float vmax = P::lowest();
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (check) bad |= P::bad(v[u][j]);
-        v[u][j] = P::clean(v[u][j]);
-        m_lane = fmaxf(m_lane, v[u][j]);
-        if constexpr (P::MASS) sum += v[u][j];
+        const float c = P::clean(v[u][j]);
+        vmax = fmaxf(vmax, c);
+        if constexpr (P::MASS) sum += c;
       }
-      float b = P::bar(m_warp, d);
+      m_lane = fmaxf(m_lane, vmax);
+      block_key = max(block_key, __reduce_max_sync(FULL, P::key(vmax)));
+      if ((s + 1) % g.group == 0 || s + 1 == g.steps) {
+        if (lane == 0) wb[s / g.group] = P::from_key(block_key);
+        block_key = P::key(P::lowest());
+      }
+    }
+  }
+  return {warp_sum(sum), warp_max(m_lane), __any_sync(FULL, bad) != 0};
+}
+
+// Copies the valid values >= floor of the blocks whose maximum reaches floor into warp w's
+// region, in token order. Returns their count and sets `mass` to their sum; -1 when the region
+// overflows (then the row must be streamed instead).
+template <class Src>
+RTC_DEVICE int gather(const Src& src, const Steps& g, const float* bmax, float floor,
+                      const ListMemory& mem, float& mass) {
+  using P = typename Src::Policy;
+  constexpr int V = Src::VEC, STEP = 32 * V;
+  const int lane = lane_id(), w = warp_id();
+  const float* wb = bmax + w * BLOCKS_W;
+  float* rv = mem.vals + w * CAP_W;
+  int* ri = mem.ids + w * CAP_W;
+  int n = 0;
+  float part = 0.f;
+  for (int blk = 0; blk < g.blocks; ++blk) {
+    const float bm = wb[blk];
+    if (!(bm >= floor && bm > P::lowest())) continue;
+    const int last = min(g.steps, (blk + 1) * g.group);
+    for (int s = blk * g.group; s < last; ++s) {
+      const int pos = s * STEP + lane * V;
+      float v[V];
+      src.load(w, pos, v);
       int cnt = 0;
 #pragma unroll
-      for (int j = 0; j < V; ++j) cnt += v[u][j] > b;
-      if (!__any_sync(FULL, cnt)) continue;
-      int excl = warp_exclusive_sum(cnt), total = __shfl_sync(FULL, excl + cnt, 31);
-      while (n + total > CAP_W) {  // raise the bar until this step fits
-        m_warp = warp_max(m_lane);  // the bar may lag the maximum; it never passes it
-        d = lower_bar<P>(rv, n, m_warp, d);
-        b = P::bar(m_warp, d);
-        n = keep_above(rv, ri, n, b);
-        cnt = 0;
-#pragma unroll
-        for (int j = 0; j < V; ++j) cnt += v[u][j] > b;
-        excl = warp_exclusive_sum(cnt);
-        total = __shfl_sync(FULL, excl + cnt, 31);
+      for (int j = 0; j < V; ++j) {
+        v[j] = P::clean(v[j]);
+        cnt += v[j] >= floor && v[j] > P::lowest();
+      }
+      const int excl = warp_exclusive_sum(cnt), total = __shfl_sync(FULL, excl + cnt, 31);
+      if (n + total > CAP_W) {
+        mass = 0.f;
+        return -1;
       }
       int k = n + excl;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        if (v[u][j] > b) {
-          rv[k] = v[u][j];
+        if (v[j] >= floor && v[j] > P::lowest()) {
+          rv[k] = v[j];
           ri[k] = src.token(w, pos + j);
+          part += v[j];
           ++k;
         }
       }
       n += total;
     }
   }
-  __syncwarp();
-  const float m = warp_max(m_lane);
-  return {m, P::bar(m, d), warp_sum(sum), n, __any_sync(FULL, bad) != 0};
+  mass = warp_sum(part);
+  return n;
 }

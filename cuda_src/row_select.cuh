@@ -258,15 +258,15 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
       }
     }
     __syncthreads();
-    if (w == 0) {
-      int cnt[8], lane_cnt = 0;
-      unsigned long long mass[8], lane_mass = 0;
+    if (w == 0) {  // the digit: lane l looks after bins 8l .. 8l + 7
+      const uint32_t* hc = sh.hist_cnt + 8 * lane;
+      const unsigned long long* hm = sh.hist_mass + 8 * lane;
+      int lane_cnt = 0;
+      unsigned long long lane_mass = 0;
 #pragma unroll
       for (int b = 0; b < 8; ++b) {
-        cnt[b] = int(sh.hist_cnt[8 * lane + b]);
-        mass[b] = NEED_MASS ? sh.hist_mass[8 * lane + b] : 0ull;
-        lane_cnt += cnt[b];
-        lane_mass += mass[b];
+        lane_cnt += int(hc[b]);
+        if (NEED_MASS) lane_mass += hm[b];
       }
       int suf_cnt = lane_cnt;  // lanes >= this one
       unsigned long long suf_mass = lane_mass;
@@ -286,27 +286,33 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
       if constexpr (!BY_MASS) {
         const unsigned reach = __ballot_sync(FULL, greater + suf_cnt >= k);
         if (reach && lane == 31 - __clz(reach)) {
+#pragma unroll 1
           for (int b = 7; b >= 0 && pick < 0; --b) {
-            if (run + cnt[b] >= k) {
+            const int c = int(hc[b]);
+            const unsigned long long m = NEED_MASS ? hm[b] : 0ull;
+            if (run + c >= k) {
               pick = 8 * lane + b;
               pick_run = run;
               pick_above = above;
-              pick_kept = above + mass[b];
+              pick_kept = above + m;
             }
-            run += cnt[b];
-            above += mass[b];
+            run += c;
+            above += m;
           }
         }
       } else {
+#pragma unroll 1
         for (int b = 7; b >= 0; --b) {
-          if (cnt[b] > 0 && (above < p_fixed || above == 0)) {
+          const int c = int(hc[b]);
+          const unsigned long long m = hm[b];
+          if (c > 0 && (above < p_fixed || above == 0)) {
             pick = 8 * lane + b;
             pick_run = run;
             pick_above = above;
-            pick_kept = above + mass[b];
+            pick_kept = above + m;
           }
-          run += cnt[b];
-          above += mass[b];
+          run += c;
+          above += m;
         }
         const unsigned has = __ballot_sync(FULL, pick >= 0);
         if (!has || lane != __ffs(has) - 1) pick = -1;

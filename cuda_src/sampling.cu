@@ -13,11 +13,11 @@
 // Each round at least halves high - low; after MAX_ROUNDS the first maximum (always kept) is
 // returned. top_k_first first finds the exact k-th value by radix select (no rejection needed
 // for the top-k part); min_p's threshold is exact, so it draws once.
-// Pass 0 streams the row once (maximum, sum, candidate list, row_scan.cuh); when the kept set
-// provably lies above the list's floor the rounds run in shared memory, else they stream the
-// row again (from L2).
+// Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below every kept value
+// comes from the block maxima, and when the values >= floor fit the candidate list
+// (row_scan.cuh) the rounds run in shared memory, else they stream the row again (from L2).
 // Grid: blockIdx.x = output row b, reading probability row indices[b] (or b). Block: THREADS.
-// Shared memory: CAP * 8 bytes dynamic (list values and token ids) + RowShared.
+// Shared memory: list_memory (dynamic, 96 bytes per thread) + RowShared.
 // Prelude: OP (SampleOp), T, OUT_T, VEC, THREADS, CAP.
 #include "philox.cuh"
 #include "row_select.cuh"
@@ -44,13 +44,14 @@ struct Filter {
 };
 
 // The token of output row b, drawn from `src` (all kept values lie above `low`; sh.seg[cur]
-// holds the segment masses above low).
+// holds the segment masses above low). The filter and the generator live in shared memory, so
+// the rounds keep few registers.
 template <class Src>
-RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter f, float M,
+RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float M,
                             const Philox& rng, RowShared& sh) {
   if constexpr (OP == MIN_P) {
-    if (f.use_min_p) {
-      low = fmaxf(low, below(f.t));
+    if (f.use_min_p && below(f.t) > low) {  // streaming: restrict to values >= t
+      low = below(f.t);
       cur = (cur + 1) % 3;
       pivot_stats(src, low, low, sh, cur, cur);
     }
@@ -61,14 +62,13 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter f, float 
       const Threshold th = radix_select<Src, false, true>(src, low, f.k, 0ull, scale, sh);
       if (!th.all) {
         low = below(__uint_as_float(th.key));
-        f.P = f.top_p * float(double(th.kept) / scale);
+        if (threadIdx.x == 0) f.P = f.top_p * float(double(th.kept) / scale);
         cur = (cur + 1) % 3;
-        pivot_stats(src, low, low, sh, cur, cur);
+        pivot_stats(src, low, low, sh, cur, cur);  // its barriers publish f.P
       }
     }
-    f.use_k = false;  // the top-k part is exact now: only top-p is left to reject
   }
-  const bool rejecting = f.use_k || f.use_p;
+  const bool rejecting = (f.use_k && OP != TOP_K_FIRST) || f.use_p;
   float high = M;
   for (int round = 0; round < MAX_ROUNDS; ++round) {
     const Drawn d = draw(src, low, sh.seg[cur], rng.uniform(round), sh);
@@ -77,7 +77,7 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter f, float 
     const int s1 = (cur + 1) % 3, s2 = (cur + 2) % 3;
     const float x1 = d.value, x2 = __fmul_rn(__fadd_rn(d.value, high), 0.5f);
     const PivotStats st = pivot_stats(src, x1, x2, sh, s1, s2);
-    if (f.kept(st.c1, st.m1)) return d.token;
+    if (f.kept(st.c1, st.m1)) return d.token;  // (top_k_first: f.use_k is cleared by then)
     if (f.kept(st.c2, st.m2)) {
       low = x1;
       high = x2;
@@ -109,72 +109,93 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) sample_ker
     const uint64_t* __restrict__ offset_arr,  // [1] or [batch], or null
     uint64_t offset_val, int offset_len,
     int* __restrict__ error_flag) {        // [1] set to 1 on NaN, negative or inf; null: no check
-  extern __shared__ float4 list_mem[];
+  extern __shared__ float4 smem[];
   __shared__ RowShared sh;
-  float* vals = reinterpret_cast<float*>(list_mem);
-  int* ids = reinterpret_cast<int*>(vals + CAP);
+  __shared__ Filter f;
+  __shared__ Philox rng;
+  const ListMemory mem = list_memory(smem);
   const int b = blockIdx.x, lane = lane_id(), w = warp_id();
   const int64_t row = indices ? int64_t(indices[b]) : int64_t(b);
   const int seg = (vocab / VEC + WARPS - 1) / WARPS * VEC;
+  const Steps g(seg, VEC);
   const RowSource<T, VEC, ProbPolicy> rows{probs + row * row_stride, vocab, seg};
 
-  const Collected col = collect_candidates(rows, vals, ids, error_flag != nullptr);
+  const RowScan scan = scan_row(rows, g, mem.bmax, error_flag != nullptr);
   if (lane == 0) {
-    sh.seg_max[w] = col.max;
-    sh.seg_bar[w] = col.bar;
-    sh.seg[0][w] = col.sum;  // slot 0: segment masses above 0 (streaming rounds start here)
-    sh.list_n[w] = col.n;
-    if (col.bad) *error_flag = 1;
+    sh.seg_max[w] = scan.max;
+    sh.seg[0][w] = scan.sum;  // slot 0: segment masses above 0 (streaming rounds start here)
+    if (scan.bad) *error_flag = 1;
   }
   __syncthreads();
   if (w == 0) {
     const float m = warp_max(lane < WARPS ? sh.seg_max[lane] : 0.f);
-    const float floor = warp_max(lane < WARPS ? sh.seg_bar[lane] : 0.f);
     if (lane == 0) {
       float s = 0.f;
 #pragma unroll 1
       for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
       sh.f[0] = m;
-      sh.f[1] = floor;
-      sh.f[2] = s;
+      Filter p{};
+      if constexpr (HAS_K) {
+        const long long k = top_k_arr ? top_k_arr[b] : top_k_arr64 ? top_k_arr64[b] : top_k_val;
+        p.use_k = k > 0 && k < vocab;
+        p.k = p.use_k ? int(k) : vocab;
+      }
+      if constexpr (HAS_P) {
+        p.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
+        p.use_p = p.top_p < 1.f;
+        p.P = p.top_p * s;
+      }
+      if constexpr (OP == MIN_P) {
+        const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
+        p.use_min_p = min_p > 0.f;
+        p.t = fminf(min_p, 1.f) * m;
+      }
+      f = p;
+      rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
     }
   }
   __syncthreads();
-  const float M = sh.f[0], low0 = sh.f[1], S = sh.f[2];
-  const int n_w = sh.list_n[w];
-  const int kept_n = keep_above(vals + w * CAP_W, ids + w * CAP_W, n_w, low0);
-  if (lane == 0) sh.list_n[w] = kept_n;
-  __syncthreads();
-  const ListSource<ProbPolicy> list{vals, ids, sh.list_n};
-  const PivotStats in_list = pivot_stats(list, low0, low0, sh, 1, 1);  // slot 1: list masses
+  const float M = sh.f[0];
 
-  Filter f{};
-  if constexpr (HAS_K) {
-    const long long k = top_k_arr ? top_k_arr[b] : top_k_arr64 ? top_k_arr64[b] : top_k_val;
-    f.use_k = k > 0 && k < vocab;
-    f.k = f.use_k ? int(k) : vocab;
+  // The floor: at or below every kept value, chosen from the block maxima (row_scan.cuh). For
+  // top-k (and min-p) it is exact; a top-p floor is proved by the mass of the values >= it.
+  float floor = 0.f;
+  bool need_mass = false;
+  const BlockMaxSource<ProbPolicy> blocks{mem.bmax, g.blocks};
+  if constexpr (OP == MIN_P) floor = f.use_min_p ? f.t : 0.f;
+  if (HAS_K && f.use_k) {
+    const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, false, false>(
+        blocks, 0.f, f.k, 0ull, 0.0, sh);
+    if (!th.all) floor = __uint_as_float(th.key);  // the k-th largest block maximum
+  } else if (HAS_P && f.use_p && M > 0.f) {
+    const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
+    const unsigned long long p_fixed = __double2ull_rn(double(fmaxf(f.P, 0.f)) * scale);
+    const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, true, true>(
+        blocks, 0.f, 0, p_fixed, scale, sh);  // the top-p cut of the block maxima alone
+    if (!th.all) floor = __uint_as_float(th.key);
+    need_mass = true;
   }
-  if constexpr (HAS_P) {
-    f.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
-    f.use_p = f.top_p < 1.f;
-    f.P = f.top_p * S;
+  bool on_list = false;
+  if (OP != PLAIN && (floor > 0.f || vocab <= CAP)) {
+    float mass;
+    const int n = gather(rows, g, mem.bmax, floor, mem, mass);
+    if (lane == 0) {
+      sh.list_n[w] = n;
+      sh.seg[1][w] = mass;  // slot 1: segment masses of the list
+    }
+    __syncthreads();
+    on_list = true;
+    float list_mass = 0.f;
+#pragma unroll 1
+    for (int i = 0; i < WARPS; ++i) {
+      on_list &= sh.list_n[i] >= 0;
+      list_mass += sh.seg[1][i];
+    }
+    // mass(p >= floor) >= P: every value below the floor has at least P above it
+    if (need_mass) on_list &= list_mass >= f.P;
   }
-  if constexpr (OP == MIN_P) {
-    const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
-    f.use_min_p = min_p > 0.f;
-    f.t = fminf(min_p, 1.f) * M;
-  }
-  // The list serves when it holds every kept value: all values, or enough count / mass above
-  // its floor, or a floor below the min-p threshold.
-  bool on_list = low0 <= 0.f;
-  if (HAS_K) on_list |= f.use_k && in_list.c1 >= f.k;
-  if (OP == TOP_P || OP == TOP_K_TOP_P || (OP == TOP_K_FIRST && !f.use_k)) {
-    on_list |= f.use_p && in_list.c1 > 0 && in_list.m1 >= f.P;
-  }
-  if (OP == MIN_P) on_list |= f.use_min_p && low0 < f.t;
-
-  const Philox rng(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
-  const int token = on_list ? select_token(list, low0, 1, f, M, rng, sh)
+  const ListSource<ProbPolicy> list{mem.vals, mem.ids, sh.list_n};
+  const int token = on_list ? select_token(list, below(floor), 1, f, M, rng, sh)
                             : select_token(rows, 0.f, 0, f, M, rng, sh);
   if (threadIdx.x == 0) out[b] = OUT_T(token);
 }

@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) chain_spec
     const uint64_t* __restrict__ offset_arr, uint64_t offset_val, int offset_len) {
   __shared__ RowShared sh;
   const int b = blockIdx.x;
-  const Philox rng(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
+  const Philox rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
   const T* draft = draft_probs + int64_t(b) * n * vocab;
   const T* target = target_probs + int64_t(b) * (n + 1) * vocab;
 

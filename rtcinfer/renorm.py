@@ -14,7 +14,7 @@ import numpy as np
 from . import jit
 from .interop import Out, dtype_name, run
 from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
-from .layout import fit_vec, row_threads, widest_vec
+from .layout import fit_vec, row_smem_bytes, row_threads, widest_vec
 
 RENORM_OPS = ("top_k_renorm", "top_p_renorm", "top_k_mask")
 
@@ -29,7 +29,7 @@ class RenormSpec:
 
     @property
     def cap(self) -> int:
-        return 16 * self.threads
+        return 8 * self.threads
 
     def prelude(self) -> str:
         return "\n".join(
@@ -57,7 +57,7 @@ def _launch(stream, ins, outs, *, op: str, k: int, p: float):
     spec = renorm_spec(op, dtype_name(x), vocab, rows, jit.sm_count(x.device.id))
     spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, [x.data.ptr, y.data.ptr], [xs, ys]))
     arr = ins[1] if len(ins) > 1 else None
-    smem = 8 * spec.cap
+    smem = row_smem_bytes(spec.threads)
     fn = jit.get_function(spec, "renorm_kernel", dynamic_smem=smem)
     args = (
         x, np.int64(xs), y, np.int64(ys), np.int32(vocab),

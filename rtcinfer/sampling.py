@@ -23,7 +23,7 @@ import numpy as np
 from . import jit
 from .interop import Out, dtype_name, framework, run
 from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
-from .layout import fit_vec, row_threads, widest_vec
+from .layout import fit_vec, row_smem_bytes, row_threads, widest_vec
 from .philox import Generator, kernel_inputs
 from .renorm import top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
 from .softmax import softmax
@@ -43,8 +43,8 @@ class SampleSpec:
 
     @property
     def cap(self) -> int:
-        """Candidate-list slots (8 bytes each, dynamic shared memory)."""
-        return 16 * self.threads
+        """Candidate-list slots (a value and a token id each, in dynamic shared memory)."""
+        return 8 * self.threads
 
     def prelude(self) -> str:
         return "\n".join(
@@ -83,7 +83,7 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         cupy.cuda.runtime.memsetAsync(flag.data.ptr, 0, 4, stream.ptr)
     top_k, top_p, min_p, seed, offset = scalars
     k, seeds, offsets = a.get("top_k"), a.get("seed"), a.get("offset")
-    smem = 8 * spec.cap
+    smem = row_smem_bytes(spec.threads)
     fn = jit.get_function(spec, "sample_kernel", dynamic_smem=smem)
     args = (
         probs, np.int64(stride), np.int32(vocab), a.get("indices", 0), out,

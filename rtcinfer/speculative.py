@@ -27,7 +27,7 @@ class SpeculativeSpec:
                 f"using T = {cuda_type(self.dtype)};",
                 f"constexpr int VEC = {self.vec};",
                 f"constexpr int THREADS = {self.threads};",
-                f"constexpr int CAP = {16 * self.threads};",
+                f"constexpr int CAP = {8 * self.threads};",
             ]
         )
 

@@ -52,7 +52,7 @@ def uniform(seed: int, offset: int, row, draw) -> np.ndarray:
 
 # --- kernel geometry and value policies --------------------------------------------------------
 
-NO_BAR, MAX_BAR_STEP = 255, 24
+BLOCKS_W = 256  # block maxima per warp
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,20 @@ class Block:
 
     @property
     def cap_w(self) -> int:
-        return 16 * self.threads // self.warps
+        return 8 * self.threads // self.warps
 
     def seg(self, n: int) -> int:
         return -(-(n // self.vec) // self.warps) * self.vec
 
+    def steps(self, n: int) -> tuple[int, int, int]:
+        """(steps, group, blocks) per warp: steps of 32 * vec elements, `group` steps a block."""
+        steps = -(-self.seg(n) // (32 * self.vec))
+        group = max(1, -(-steps // BLOCKS_W))
+        return steps, group, -(-steps // group)
+
 
 def block_for(vocab: int, batch: int = 1, sm_count: int = 132, itemsize: int = 4) -> Block:
     return Block(row_threads(vocab, batch, sm_count), widest_vec(vocab, itemsize))
-
-
-def _f32(x):
-    return np.float32(x)
 
 
 class Probs:
@@ -86,11 +88,7 @@ class Probs:
     @staticmethod
     def clean(v):
         v = np.asarray(v, np.float32)
-        return np.where(v > 0, v, np.float32(0)).astype(np.float32)  # fmaxf(v, 0): NaN -> 0
-
-    @staticmethod
-    def bar(m, d):
-        return np.float32(0) if d == NO_BAR else _f32(m) * _f32(2.0**-d)
+        return np.where(v > 0, v, np.float32(0)).astype(np.float32)  # NaN, -0, < 0 -> +0
 
     @staticmethod
     def key(v):
@@ -106,74 +104,64 @@ class Logits:
         return np.where(np.isnan(v), np.float32(-np.inf), v).astype(np.float32)
 
     @staticmethod
-    def bar(m, d):
-        if d == NO_BAR:
-            return np.float32(-np.inf)
-        return _f32(m) if d == 0 else _f32(_f32(m) - _f32(2.0 ** (d - 12)))
-
-    @staticmethod
     def key(v):
         b = np.asarray(v, np.float32).view(np.uint32)
         return np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
 
 
-# --- pass 0: the candidate list ----------------------------------------------------------------
+# --- pass 0 and the candidate list -------------------------------------------------------------
 
 
 @dataclass
-class Pass0:
+class Scan:
     values: np.ndarray  # cleaned row (float32)
-    list_ids: np.ndarray  # tokens of the list (values > low0), in token order
-    low0: np.float32  # list floor; == lowest: the list holds every valid value
+    bmax: np.ndarray  # [warps, blocks] block maxima (lowest for blocks past the row)
     M: np.float32  # row maximum
-    S: float  # sum of cleaned values (float64 here, fp32 in the kernel)
-    evictions: int  # bar raises over all warps (for tests)
+    S: float  # sum of the cleaned values (float64 here, fp32 in the kernel)
 
 
-def _lower_bar(policy, region, cap_w, m, d):
-    lo, hi = 0, (MAX_BAR_STEP if d == NO_BAR else max(d - 1, 0))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if np.count_nonzero(region > policy.bar(m, mid)) <= cap_w // 2:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _warp_range(block: Block, n: int, w: int, step: int) -> tuple[int, int]:
+    seg, width = block.seg(n), 32 * block.vec
+    lo = w * seg + step * width
+    return min(lo, n), min(lo + width, (w + 1) * seg, n)
 
 
-def pass0(row, block: Block, policy=Probs) -> Pass0:
-    """Pass 0 of the kernels: warp w streams segment w in steps of 32 * vec elements."""
+def scan_row(row, block: Block, policy=Probs) -> Scan:
+    """Pass 0: sum, maximum and block maxima (a block = `group` steps of one warp)."""
     values = policy.clean(row)
-    n, seg, cap_w = len(values), block.seg(len(values)), block.cap_w
-    bars, regions, maxima, evictions = [], [], [], 0
+    n = len(values)
+    steps, group, blocks = block.steps(n)
+    bmax = np.full((block.warps, blocks), policy.lowest, np.float32)
     for w in range(block.warps):
-        lo_w, hi_w = min(w * seg, n), min((w + 1) * seg, n)
-        vals, ids = np.empty(0, np.float32), np.empty(0, np.int64)
-        m_warp, m_seen, d = policy.lowest, policy.lowest, NO_BAR
-        for base in range(lo_w, hi_w, 32 * block.vec):
-            chunk = values[base : min(base + 32 * block.vec, hi_w)]
-            m_seen = max(m_seen, chunk.max())
-            b = policy.bar(m_warp, d)
-            take = chunk > b
-            if not take.any():
+        for s in range(steps):
+            lo, hi = _warp_range(block, n, w, s)
+            if hi > lo:
+                bmax[w, s // group] = max(bmax[w, s // group], values[lo:hi].max())
+    total = float(values.astype(np.float64).sum()) if policy is Probs else 0.0
+    return Scan(values, bmax, np.float32(values.max()), total)
+
+
+def gather(scan: Scan, block: Block, floor, policy=Probs):
+    """Token ids of the valid values >= floor (token order), read from the blocks whose
+    maximum reaches floor; None when a warp's region of cap_w slots overflows."""
+    values, n = scan.values, len(scan.values)
+    steps, group, blocks = block.steps(n)
+    ids = []
+    for w in range(block.warps):
+        count = 0
+        for blk in range(blocks):
+            bm = scan.bmax[w, blk]
+            if not (bm >= floor and bm > policy.lowest):
                 continue
-            while len(vals) + np.count_nonzero(take) > cap_w:
-                m_warp = m_seen
-                d = _lower_bar(policy, vals, cap_w, m_warp, d)
-                b = policy.bar(m_warp, d)
-                keep = vals > b
-                vals, ids = vals[keep], ids[keep]
-                take = chunk > b
-                evictions += 1
-            vals = np.concatenate([vals, chunk[take]])
-            ids = np.concatenate([ids, base + np.flatnonzero(take)])
-        bars.append(policy.bar(m_seen, d))
-        regions.append((vals, ids))
-        maxima.append(m_seen)
-    low0 = max(bars)
-    list_ids = np.concatenate([ids[vals > low0] for vals, ids in regions]).astype(np.int64)
-    total = float(values[values > 0].astype(np.float64).sum()) if policy is Probs else 0.0
-    return Pass0(values, list_ids, np.float32(low0), np.float32(max(maxima)), total, evictions)
+            for s in range(blk * group, min(steps, (blk + 1) * group)):
+                lo, hi = _warp_range(block, n, w, s)
+                chunk = values[lo:hi]
+                take = lo + np.flatnonzero((chunk >= floor) & (chunk > policy.lowest))
+                count += len(take)
+                if count > block.cap_w:
+                    return None
+                ids.append(take)
+    return np.concatenate(ids).astype(np.int64) if ids else np.empty(0, np.int64)
 
 
 # --- radix select ------------------------------------------------------------------------------
@@ -244,41 +232,63 @@ class Draw:
     on_list: bool
 
 
+def _fixed_scale(M) -> np.float64:
+    return np.float64(2.0**40) / np.float64(M)
+
+
+def sample_floor(scan: Scan, op: str, use_k, top_k, use_p, P, use_min, t):
+    """(floor, needs a mass proof) of the kernel, from the block maxima: the k-th largest block
+    maximum (top-k), min-p's threshold, or the top-p cut of the block maxima alone (valid when
+    the values >= it carry mass >= P)."""
+    blocks = scan.bmax[scan.bmax > 0]
+    if op == "min_p":
+        return (np.float32(t) if use_min else np.float32(0)), False
+    if op in ("top_k", "top_k_top_p", "top_k_first") and use_k:
+        found = radix_select(blocks, Probs, k=top_k)
+        return (np.float32(0) if found is None else found[0]), False
+    if op in ("top_p", "top_k_top_p", "top_k_first") and use_p and scan.M > 0:
+        p_fixed = np.uint64(np.rint(np.float64(max(P, np.float32(0))) * _fixed_scale(scan.M)))
+        found = radix_select(blocks, Probs, p_fixed=p_fixed, M=scan.M)
+        return (np.float32(0) if found is None else found[0]), True
+    return np.float32(0), False
+
+
 def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0, b=0,
-               block: Block | None = None, p0: Pass0 | None = None) -> Draw:  # fmt: skip
-    """The token the kernel draws for output row b from probability row `row` (pass p0 and
-    block to reuse pass 0 across draws of the same row)."""
+               block: Block | None = None, scan: Scan | None = None) -> Draw:  # fmt: skip
+    """The token the kernel draws for output row b from probability row `row` (pass `scan`
+    and `block` to reuse pass 0 across draws of the same row)."""
     block = block or block_for(len(row))
-    p0 = p0 or pass0(row, block)
-    values, M, S = p0.values, p0.M, np.float32(p0.S)
+    scan = scan or scan_row(row, block)
+    values, M, S = scan.values, scan.M, np.float32(scan.S)
     vocab = len(values)
     use_k = op in ("top_k", "top_k_top_p", "top_k_first") and 0 < top_k < vocab
     use_p = op in ("top_p", "top_k_top_p", "top_k_first") and np.float32(top_p) < 1
     P = np.float32(top_p) * S
     use_min = op == "min_p" and min_p > 0
     t = np.float32(min(min_p, 1.0)) * M
-    in_list = values[p0.list_ids].astype(np.float64)
-    on_list = p0.low0 <= 0
-    if use_k:
-        on_list |= len(in_list) >= top_k
-    if op in ("top_p", "top_k_top_p") or (op == "top_k_first" and not use_k):
-        on_list |= use_p and len(in_list) > 0 and in_list.sum() >= P
-    if op == "min_p":
-        on_list |= use_min and p0.low0 < t
-    ids = p0.list_ids if on_list else np.arange(vocab)
-    low = p0.low0 if on_list else np.float32(0)
+    floor, need_mass = sample_floor(scan, op, use_k, top_k, use_p, P, use_min, t)
+    ids = None
+    if op != "plain" and (floor > 0 or vocab <= 8 * block.threads):
+        ids = gather(scan, block, floor)
+        if ids is not None and need_mass and not values[ids].astype(np.float64).sum() >= P:
+            ids = None  # the floor is not proved: stream the row
+    on_list = ids is not None
+    if not on_list:
+        ids = np.arange(vocab)
+    low = below(floor) if on_list else np.float32(0)
     src = values[ids]
     if use_min:
         low = max(low, below(t))
-    if op == "top_k_first":
-        if use_k and M > 0:
-            found = radix_select(src[src > low], Probs, k=top_k, M=M)
-            if found is not None:
-                vk, kept = found
-                low = below(vk)
-                P = np.float32(top_p) * np.float32(np.float64(kept) / (2.0**40 / np.float64(M)))
-        use_k = False
-    rejecting, high = use_k or use_p, M
+    if op == "top_k_first" and use_k and M > 0:
+        found = radix_select(src[src > low], Probs, k=top_k, M=M)
+        if found is not None:
+            low = below(found[0])
+            P = np.float32(top_p) * np.float32(np.float64(found[1]) / _fixed_scale(M))
+    rejecting, high = (use_k and op != "top_k_first") or use_p, M
+
+    def kept(c, m):
+        return (not use_k or c < top_k) and (not use_p or c == 0 or m < P)
+
     for r in range(MAX_ROUNDS):
         cand = src > low
         if not cand.any():
@@ -291,16 +301,12 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
         if not rejecting:
             return Draw(token, r + 1, on_list)
         x2 = np.float32(np.float32(x1 + high) * np.float32(0.5))
-        stats = [
+        above = [
             (np.count_nonzero(src > x), src[src > x].astype(np.float64).sum()) for x in (x1, x2)
         ]
-
-        def kept(c, m):
-            return (not use_k or c < top_k) and (not use_p or c == 0 or m < P)
-
-        if kept(*stats[0]):
+        if kept(*above[0]):
             return Draw(token, r + 1, on_list)
-        if kept(*stats[1]):
+        if kept(*above[1]):
             low, high = x1, x2
         else:
             low = x2
@@ -315,29 +321,34 @@ def renorm_row(row, op: str, param, block: Block | None = None) -> np.ndarray:
     """The kernel's output row (float32) of top_k_renorm / top_p_renorm / top_k_mask."""
     policy = Logits if op == "top_k_mask" else Probs
     block = block or block_for(len(row))
-    p0 = pass0(row, block, policy)
-    values, M, S = p0.values, p0.M, np.float32(p0.S)
-    vocab = len(values)
+    scan = scan_row(row, block, policy)
+    values, M, S = scan.values, scan.M, np.float32(scan.S)
+    vocab, by_mass = len(values), op == "top_p_renorm"
     found = None
-    if op == "top_p_renorm":
-        keep_all = not np.float32(param) < 1
+    if by_mass:
+        keep_all = not np.float32(param) < 1 or not M > 0
     else:
         keep_all = param <= 0 or param >= vocab
     if not keep_all:
-        P = np.float32(max(np.float32(param), 0)) * S
-        in_list = values[p0.list_ids]
-        if op == "top_p_renorm":
-            cert = len(in_list) > 0 and in_list.astype(np.float64).sum() >= P
-        else:
-            cert = len(in_list) >= param
-        if p0.low0 == policy.lowest or cert:
-            entries = in_list[in_list > p0.low0]
-        else:
-            entries = values[values > policy.lowest]
         mass_m = M if op != "top_k_mask" else None
-        if op == "top_p_renorm":
-            p_fixed = np.rint(np.float64(P) * (2.0**40 / np.float64(M))) if M > 0 else 0
-            found = radix_select(entries, policy, p_fixed=np.uint64(p_fixed), M=mass_m)
+        p_fixed = None
+        if by_mass:
+            P = np.float32(max(np.float32(param), np.float32(0)) * S)
+            p_fixed = np.uint64(np.rint(np.float64(P) * _fixed_scale(M)))
+        blocks = scan.bmax[scan.bmax > policy.lowest]
+        if by_mass:
+            bt = radix_select(blocks, policy, p_fixed=p_fixed, M=M)
+        else:
+            bt = radix_select(blocks, policy, k=int(param))
+        floor = policy.lowest if bt is None else bt[0]
+        ids = None
+        if floor > policy.lowest or vocab <= 8 * block.threads:
+            ids = gather(scan, block, floor, policy)
+            if ids is not None and by_mass and not values[ids].astype(np.float64).sum() >= P:
+                ids = None
+        entries = values[ids] if ids is not None else values[values > policy.lowest]
+        if by_mass:
+            found = radix_select(entries, policy, p_fixed=p_fixed, M=mass_m)
         else:
             found = radix_select(entries, policy, k=int(param), M=mass_m)
     raw = np.asarray(row, np.float32)
@@ -346,6 +357,6 @@ def renorm_row(row, op: str, param, block: Block | None = None) -> np.ndarray:
         keep = ~np.isnan(raw) & (raw >= v)
         return np.where(keep, raw, np.float32(-np.inf)).astype(np.float32)
     v = np.float32(0) if found is None else found[0]
-    z = S if found is None else np.float32(np.float64(found[1]) / (2.0**40 / np.float64(M)))
+    z = S if found is None else np.float32(np.float64(found[1]) / _fixed_scale(M))
     inv = np.float32(1) / z if z > 0 else np.float32(0)
     return np.where(values >= v, values * inv, np.float32(0)).astype(np.float32)

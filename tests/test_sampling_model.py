@@ -104,32 +104,72 @@ def test_reference_inverse_transform_and_speculative():
     assert tokens[0].tolist() == [3, -1, -1] and emitted[0] == 0 and acc[0] == 1
 
 
-# --- pass 0 and the radix select ---------------------------------------------------------------
+# --- pass 0, the floor, the candidate list and the radix select --------------------------------
 
 
-@pytest.mark.parametrize("vocab,threads", [(111, 32), (4096, 256), (32000, 1024), (32000, 256),
-                                           (60000, 256)])  # fmt: skip
-@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])
-def test_pass0_list_holds_exactly_the_values_above_its_floor(rng, vocab, threads, scale):
-    row = probs_row(rng, vocab, scale, zeros=0.2)
-    block = model.Block(threads, model.block_for(vocab).vec)
-    p0 = model.pass0(row, block)
-    np.testing.assert_array_equal(p0.list_ids, np.flatnonzero(row > p0.low0))
-    assert p0.M == row.max() and np.isclose(p0.S, row.astype(np.float64).sum())
-    if vocab <= 16 * threads:
-        assert p0.low0 == 0 and p0.evictions == 0  # the whole row fits
-    else:
-        assert p0.evictions > 0 and len(p0.list_ids) <= 16 * threads
+GEOMETRIES = [(111, 32, 1), (4096, 512, 4), (32000, 1024, 4), (32000, 256, 4), (151936, 256, 4),
+              (60002, 32, 2)]  # fmt: skip
 
 
-def test_pass0_with_logits_and_flat_rows(rng):
+@pytest.mark.parametrize("vocab,threads,vec", GEOMETRIES)
+def test_block_maxima_and_gather(rng, vocab, threads, vec):
+    row = probs_row(rng, vocab, 3.0, zeros=0.2)
+    block = model.Block(threads, vec)
+    scan = model.scan_row(row, block)
+    steps, group, blocks = block.steps(vocab)
+    assert blocks <= model.BLOCKS_W and scan.bmax.shape == (block.warps, blocks)
+    seg, width = block.seg(vocab), 32 * vec * group
+    for w in range(block.warps):
+        for blk in range(blocks):
+            lo, hi = w * seg + blk * width, min(w * seg + (blk + 1) * width, (w + 1) * seg, vocab)
+            assert scan.bmax[w, blk] == (row[lo:hi].max() if hi > lo else 0)
+    assert scan.M == row.max() and np.isclose(scan.S, row.astype(np.float64).sum())
+    for floor in np.sort(row)[::-1][[0, 5, 40, 100]]:
+        ids = model.gather(scan, block, floor)
+        want = np.flatnonzero((row >= floor) & (row > 0))
+        per_warp = np.bincount(want // seg, minlength=block.warps)
+        if per_warp.max() > block.cap_w:
+            assert ids is None
+        else:
+            np.testing.assert_array_equal(ids, want)
+    if vocab <= 8 * threads:  # the whole row fits
+        np.testing.assert_array_equal(model.gather(scan, block, 0), np.flatnonzero(row > 0))
+
+
+def test_gather_logits_and_flat_rows(rng):
     x = (rng.standard_normal(40000) * 4).astype(np.float32)
     x[rng.random(40000) < 0.1] = -np.inf
-    p0 = model.pass0(x, model.Block(256, 4), model.Logits)
-    np.testing.assert_array_equal(p0.list_ids, np.flatnonzero(x > p0.low0))
+    block = model.Block(256, 4)
+    scan = model.scan_row(x, block, model.Logits)
+    floor = np.sort(x)[::-1][30]
+    ids = model.gather(scan, block, floor, model.Logits)
+    np.testing.assert_array_equal(ids, np.flatnonzero(x >= floor))
     flat = np.full(50000, 1 / 50000, np.float32)
-    p0 = model.pass0(flat, model.Block(256, 4))
-    assert p0.low0 == flat[0] and len(p0.list_ids) == 0  # nothing above the floor
+    scan = model.scan_row(flat, block)
+    assert model.gather(scan, block, flat[0]) is None  # every value reaches the floor
+
+
+@pytest.mark.parametrize("op,params", [("top_k", {"top_k": 1}), ("top_k", {"top_k": 50}),
+                                       ("top_k", {"top_k": 200}), ("top_p", {"top_p": 0.5}),
+                                       ("top_p", {"top_p": 0.95}), ("top_p", {"top_p": 0.0}),
+                                       ("min_p", {"min_p": 0.1})])  # fmt: skip
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_floor_lies_below_every_kept_value(rng, op, params, scale):
+    row = probs_row(rng, 30000, scale, zeros=0.1)
+    row[100:110] = row.max()  # ties at the top
+    block = model.Block(1024, 4)
+    scan = model.scan_row(row, block)
+    k, p, m = params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0)
+    P = np.float32(p) * np.float32(scan.S)
+    t = np.float32(m) * scan.M
+    floor, need_mass = model.sample_floor(scan, op, k > 0, k, p < 1, P, m > 0, t)
+    keep = ref.sampling_keep_ref(row, op, **params)[0]
+    assert need_mass == (op == "top_p")
+    proved = row[row >= floor].astype(np.float64).sum() >= P
+    if not need_mass or proved:
+        assert floor <= row[keep].min()
+    if op != "top_p" or scale > 1:
+        assert floor > 0 and (not need_mass or proved)  # a useful floor
 
 
 @pytest.mark.parametrize("k", [1, 2, 7, 50, 999, 1000])
@@ -181,10 +221,10 @@ def test_model_sampler_distribution(rng, op, params, vocab, scale, threads):
     row = probs_row(rng, vocab, scale, zeros=0.2)
     row[3] = row[2]  # a tie
     block = model.Block(threads, 1)
-    p0 = model.pass0(row, block)
+    scan = model.scan_row(row, block)
     draws = 6000
-    tokens = np.array([model.sample_row(row, op, seed=5, offset=i, block=block, p0=p0, **params)
-                       .token for i in range(draws)])  # fmt: skip
+    tokens = np.array([model.sample_row(row, op, seed=5, offset=i, block=block, scan=scan,
+                                        **params).token for i in range(draws)])  # fmt: skip
     expected = ref.sampling_dist_ref(row, op, **params)[0]
     assert expected[tokens].min() > 0, "drew a token outside the kept set"
     freq = np.bincount(tokens, minlength=vocab) / draws
@@ -194,18 +234,18 @@ def test_model_sampler_distribution(rng, op, params, vocab, scale, threads):
 
 
 @pytest.mark.parametrize("op,params", CASES)
-def test_model_sampler_with_an_evicting_candidate_list(rng, op, params):
-    row = probs_row(rng, 20000, 4.0, zeros=0.1)
-    block = model.Block(128, 4)  # 2 KB of list for a 20000-token row: the bars rise
-    p0 = model.pass0(row, block)
-    assert p0.evictions > 0
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_model_sampler_on_a_large_row(rng, op, params, scale):
+    row = probs_row(rng, 40000, scale, zeros=0.1)
+    block = model.Block(256, 4)
+    scan = model.scan_row(row, block)
     keep = ref.sampling_keep_ref(row, op, **params)[0]
-    draws = [model.sample_row(row, op, seed=1, offset=i, block=block, p0=p0, **params)
-             for i in range(300)]  # fmt: skip
+    draws = [model.sample_row(row, op, seed=1, offset=i, block=block, scan=scan, **params)
+             for i in range(200)]  # fmt: skip
     assert all(keep[d.token] for d in draws)
-    if op in ("top_k", "top_k_top_p", "top_k_first", "min_p"):
-        assert all(d.on_list for d in draws)
-    assert max(d.rounds for d in draws) <= 20
+    if op in ("top_k", "top_k_top_p", "top_k_first") or (op != "plain" and scale > 1):
+        assert all(d.on_list for d in draws)  # the kept set was gathered into shared memory
+    assert max(d.rounds for d in draws) <= 24
 
 
 def test_model_sampler_edge_rows():
@@ -233,7 +273,7 @@ def test_model_threshold_ops_match_the_reference(rng, op, param, threads):
         row = probs_row(rng, vocab, 3.0, zeros=0.1)
         fn = ref.top_k_renorm_probs_ref if op == "top_k_renorm" else ref.top_p_renorm_probs_ref
         expect = fn(row, param)[0]
-    out = model.renorm_row(row, op, param, model.Block(threads, 4))
+    out = model.renorm_row(row, op, param, model.Block(threads, 4))  # list or streamed
     floor = -np.inf if op == "top_k_mask" else 0
     np.testing.assert_array_equal(out > floor, expect > floor)
     finite = np.isfinite(expect)
