@@ -50,7 +50,9 @@ struct ProbPolicy {
   RTC_DEVICE static float lowest() { return 0.f; }
   RTC_DEVICE static float clean(float v) { return v > 0.f ? v : 0.f; }  // -0 -> +0 too
   RTC_DEVICE static bool bad(float v) { return !(v >= 0.f && v < infinity()); }
-  RTC_DEVICE static uint32_t key(float v) { return __float_as_uint(v); }
+  // Order-preserving for cleaned values; the sign bit is dropped so that a -0 (which max()
+  // may return for a row of zeros) cannot outrank positive values.
+  RTC_DEVICE static uint32_t key(float v) { return __float_as_uint(v) & 0x7fffffffu; }
   RTC_DEVICE static float from_key(uint32_t k) { return __uint_as_float(k); }
 };
 
@@ -241,6 +243,7 @@ RTC_DEVICE RowScan scan_row(const Src& src, const Steps& g, float* bmax, bool ch
   float* wb = bmax + w * BLOCKS_W;
   float sum = 0.f, m_lane = P::lowest();
   uint32_t block_key = P::key(P::lowest());
+  int blk = 0, left = g.group;  // current block, its steps still to come
   bool bad = false;
   for (int s0 = 0; s0 < g.steps; s0 += U) {  // U steps per iteration
     float v[U][V];
@@ -260,8 +263,10 @@ RTC_DEVICE RowScan scan_row(const Src& src, const Steps& g, float* bmax, bool ch
       }
       m_lane = fmaxf(m_lane, vmax);
       block_key = max(block_key, __reduce_max_sync(FULL, P::key(vmax)));
-      if ((s + 1) % g.group == 0 || s + 1 == g.steps) {
-        if (lane == 0) wb[s / g.group] = P::from_key(block_key);
+      if (--left == 0 || s + 1 == g.steps) {
+        if (lane == 0) wb[blk] = P::from_key(block_key);
+        ++blk;
+        left = g.group;
         block_key = P::key(P::lowest());
       }
     }

@@ -53,6 +53,8 @@ def _launch(stream, ins, outs, *, op: str, k: int, p: float):
     rows, vocab = x.shape
     if rows == 0:
         return
+    if vocab > 1 and x.strides[1] != x.itemsize:
+        raise ValueError(f"the vocabulary axis must be contiguous, got strides {x.strides}")
     xs, ys = x.strides[0] // x.itemsize, y.strides[0] // y.itemsize
     spec = renorm_spec(op, dtype_name(x), vocab, rows, jit.sm_count(x.device.id))
     spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, [x.data.ptr, y.data.ptr], [xs, ys]))

@@ -72,6 +72,10 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
     batch, (_, vocab) = out.shape[0], probs.shape
     if batch == 0:
         return
+    if vocab > 1 and probs.strides[1] != probs.itemsize:
+        raise ValueError(
+            f"probs: the vocabulary axis must be contiguous, got strides {probs.strides}"
+        )
     stride = probs.strides[0] // probs.itemsize
     spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out),
                        jit.sm_count(probs.device.id))  # fmt: skip

@@ -44,6 +44,8 @@ def _launch(stream, ins, outs, *, scalar: float):
     rows, vocab = logits.shape
     if rows == 0:
         return
+    if vocab > 1 and logits.strides[1] != logits.itemsize:
+        raise ValueError(f"logits: the vocabulary axis must be contiguous, got {logits.strides}")
     stride = logits.strides[0] // logits.itemsize
     spec = softmax_spec(dtype_name(logits), vocab)
     vec = fit_vec(spec.vec, logits.itemsize, [logits.data.ptr], [stride])

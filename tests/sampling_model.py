@@ -92,7 +92,7 @@ class Probs:
 
     @staticmethod
     def key(v):
-        return np.asarray(v, np.float32).view(np.uint32)
+        return np.asarray(v, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
 
 
 class Logits:
@@ -120,48 +120,38 @@ class Scan:
     S: float  # sum of the cleaned values (float64 here, fp32 in the kernel)
 
 
-def _warp_range(block: Block, n: int, w: int, step: int) -> tuple[int, int]:
-    seg, width = block.seg(n), 32 * block.vec
-    lo = w * seg + step * width
-    return min(lo, n), min(lo + width, (w + 1) * seg, n)
+def _segments(values, block: Block, fill):
+    """[warps, steps, 32 * vec] view of the row as the warps read it (`fill` past the end)."""
+    n, seg, (steps, _, _) = len(values), block.seg(len(values)), block.steps(len(values))
+    padded = np.full(block.warps * seg, fill, np.float32)
+    padded[:n] = values
+    out = np.full((block.warps, steps * 32 * block.vec), fill, np.float32)
+    out[:, :seg] = padded.reshape(block.warps, seg)
+    return out.reshape(block.warps, steps, 32 * block.vec)
 
 
 def scan_row(row, block: Block, policy=Probs) -> Scan:
     """Pass 0: sum, maximum and block maxima (a block = `group` steps of one warp)."""
     values = policy.clean(row)
-    n = len(values)
-    steps, group, blocks = block.steps(n)
-    bmax = np.full((block.warps, blocks), policy.lowest, np.float32)
-    for w in range(block.warps):
-        for s in range(steps):
-            lo, hi = _warp_range(block, n, w, s)
-            if hi > lo:
-                bmax[w, s // group] = max(bmax[w, s // group], values[lo:hi].max())
+    steps, group, blocks = block.steps(len(values))
+    step_max = _segments(values, block, policy.lowest).max(axis=2)  # [warps, steps]
+    padded = np.full((block.warps, blocks * group), policy.lowest, np.float32)
+    padded[:, :steps] = step_max
+    bmax = padded.reshape(block.warps, blocks, group).max(axis=2)
     total = float(values.astype(np.float64).sum()) if policy is Probs else 0.0
     return Scan(values, bmax, np.float32(values.max()), total)
 
 
 def gather(scan: Scan, block: Block, floor, policy=Probs):
-    """Token ids of the valid values >= floor (token order), read from the blocks whose
-    maximum reaches floor; None when a warp's region of cap_w slots overflows."""
-    values, n = scan.values, len(scan.values)
-    steps, group, blocks = block.steps(n)
-    ids = []
-    for w in range(block.warps):
-        count = 0
-        for blk in range(blocks):
-            bm = scan.bmax[w, blk]
-            if not (bm >= floor and bm > policy.lowest):
-                continue
-            for s in range(blk * group, min(steps, (blk + 1) * group)):
-                lo, hi = _warp_range(block, n, w, s)
-                chunk = values[lo:hi]
-                take = lo + np.flatnonzero((chunk >= floor) & (chunk > policy.lowest))
-                count += len(take)
-                if count > block.cap_w:
-                    return None
-                ids.append(take)
-    return np.concatenate(ids).astype(np.int64) if ids else np.empty(0, np.int64)
+    """Token ids of the valid values >= floor (token order), read from the blocks whose maximum
+    reaches floor (a block holding such a value always does); None when a warp's region of
+    cap_w slots overflows."""
+    values, seg = scan.values, block.seg(len(scan.values))
+    take = (values >= floor) & (values > policy.lowest)
+    ids = np.flatnonzero(take)
+    if np.bincount(ids // seg, minlength=block.warps).max(initial=0) > block.cap_w:
+        return None
+    return ids.astype(np.int64)
 
 
 # --- radix select ------------------------------------------------------------------------------

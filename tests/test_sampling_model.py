@@ -278,3 +278,41 @@ def test_model_threshold_ops_match_the_reference(rng, op, param, threads):
     np.testing.assert_array_equal(out > floor, expect > floor)
     finite = np.isfinite(expect)
     np.testing.assert_allclose(out[finite], expect[finite], rtol=2e-6, atol=0)
+
+
+# --- argument checks (raised on the host, before any device work) -----------------------------
+
+
+def test_argument_errors_name_what_they_received():
+    import rtcinfer
+
+    probs = np.full((4, 10), 0.1, np.float32)
+    with pytest.raises(ValueError, match=r"top_k: expected a scalar or a int32/int64 array of "
+                                         r"shape \(4,\), got float32 of shape \(4,\)"):  # fmt: skip
+        rtcinfer.top_k_sampling_from_probs(probs, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"top_p: .* shape \(4,\), got float32 of shape \(3,\)"):
+        rtcinfer.top_p_sampling_from_probs(probs, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="filter_apply_order must be 'top_k_first' or 'joint'"):
+        rtcinfer.top_k_top_p_sampling_from_probs(probs, 3, 0.5, filter_apply_order="both")
+    with pytest.raises(ValueError, match=r"probs: expected shape \(batch, vocab\)"):
+        rtcinfer.sampling_from_probs(np.zeros(5, np.float32))
+    with pytest.raises(TypeError, match="probs: dtype must be one of"):
+        rtcinfer.sampling_from_probs(np.zeros((2, 5), np.int32))
+    with pytest.raises(ValueError, match=r"indices: expected a 1-D int32 or int64 array"):
+        rtcinfer.sampling_from_probs(probs, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="expected draft_probs"):
+        rtcinfer.chain_speculative_sampling(
+            np.zeros((2, 3, 5), np.float32), np.zeros((2, 3), np.int32),
+            np.zeros((2, 3, 5), np.float32),
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="host numpy.ndarray"):
+        rtcinfer.sampling_from_probs(probs)
+
+
+def test_row_kernels_fit_an_a100_block():
+    from rtcinfer.layout import row_smem_bytes, row_threads
+
+    assert row_smem_bytes(1024) + 5 * 1024 <= 163 * 1024  # dynamic + static (RowShared)
+    assert row_threads(111, 1, 132) == 32 and row_threads(4096, 1, 132) == 512
+    assert row_threads(151936, 1, 132) == 1024 and row_threads(151936, 512, 132) == 512
+    assert row_threads(151936, 100000, 132) == 256
