@@ -7,10 +7,13 @@ renormalization ops (`top_k_renorm_probs`, `top_p_renorm_probs`, `top_k_mask_log
 Samplers draw one token per output row from probs[indices[b]] (or probs[b]) restricted to the
 kept set, renormalized (cuda_src/sampling.cu: dual-pivot rejection sampling, no sort). A token
 with probability <= 0 (or NaN) or outside the kept set is never returned; ids are always in
-[0, vocab); a row without any positive probability returns 0. Randomness: rtcinfer.philox (seed,
-offset, generator). Kernels are deterministic: `deterministic` is accepted and ignored.
+[0, vocab); a row without any positive probability returns 0. `indices` must hold valid rows of
+probs (not checked on the host). Per-row parameters are scalars or [batch] device arrays.
+Randomness: rtcinfer.philox (seed, offset, generator); the same seed, offset and inputs give the
+same tokens. The kernels are deterministic, so `deterministic` is accepted and ignored.
 check_nan=True raises ValueError when probs holds NaN, negative or infinite values; it reads one
-flag back from the device (a stream synchronization), so leave it off in the decode loop.
+flag back from the device (a stream synchronization, and no use under jax.jit), so leave it off
+in the decode loop.
 """
 
 from __future__ import annotations
