@@ -57,11 +57,9 @@ def _torch_state(generator) -> tuple[int, int]:
 
     if generator.device.type != "cuda":
         raise TypeError(f"generator: expected a CUDA torch.Generator, got a {generator.device} one")
-    state = generator.get_state()
-    seed, offset = (int(v) & _MASK64 for v in state.view(torch.int64).tolist())
-    advanced = torch.tensor([seed, offset + 4], dtype=torch.int64).view(torch.uint8)
-    generator.set_state(advanced)
-    return seed, offset
+    seed, offset = generator.get_state().view(torch.int64).tolist()  # signed 64-bit words
+    generator.set_state(torch.tensor([seed, offset + 4], dtype=torch.int64).view(torch.uint8))
+    return seed & _MASK64, offset & _MASK64
 
 
 def resolve(generator, seed, offset):
