@@ -66,3 +66,36 @@ __all__ += [
     "gelu_tanh_and_mul",
     "silu_and_mul",
 ]
+from . import sampling  # noqa: E402
+from .sampling import (  # noqa: E402
+    Generator,
+    chain_speculative_sampling,
+    min_p_sampling_from_probs,
+    sampling_from_logits,
+    sampling_from_probs,
+    softmax,
+    top_k_mask_logits,
+    top_k_renorm_probs,
+    top_k_sampling_from_probs,
+    top_k_top_p_sampling_from_logits,
+    top_k_top_p_sampling_from_probs,
+    top_p_renorm_probs,
+    top_p_sampling_from_probs,
+)
+
+__all__ += [
+    "Generator",
+    "chain_speculative_sampling",
+    "min_p_sampling_from_probs",
+    "sampling",
+    "sampling_from_logits",
+    "sampling_from_probs",
+    "softmax",
+    "top_k_mask_logits",
+    "top_k_renorm_probs",
+    "top_k_sampling_from_probs",
+    "top_k_top_p_sampling_from_logits",
+    "top_k_top_p_sampling_from_probs",
+    "top_p_renorm_probs",
+    "top_p_sampling_from_probs",
+]

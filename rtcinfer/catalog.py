@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import activation, cascade, decode_kernel, norm, page, rope
+from .renorm import RenormSpec
+from .sampling import SampleSpec
+from .softmax import softmax_spec
+from .speculative import SpeculativeSpec
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ def shipped_specs() -> list:
               for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
                                      ("float32", False, False)]]  # fmt: skip
     specs += [page.PageSpec(256, 16), page.PageSpec(64, 4)]  # page.INDEX_SPEC is PageSpec(16, 16)
+    specs += sampling_specs()
     return list(dict.fromkeys(specs))
 
 
@@ -84,3 +89,22 @@ def decode_specs() -> list:
         spec("float16", "float8_e5m2", "float16", 256, 16, "ROPE_LLAMA", True),
         spec("bfloat16", "float8_e4m3fn", "bfloat16", 64, 5, "ALIBI"),
     ]
+
+
+def sampling_specs() -> list:
+    """Each sampler and threshold op once at the common shape (fp32 rows, 1024 threads), and
+    every dtype, vector width, token dtype and the single-warp block at least once."""
+    specs = [SampleSpec(op, "float32", "int32", 4, 1024) for op in
+             ("plain", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_first")]  # fmt: skip
+    specs += [
+        SampleSpec("top_p", "bfloat16", "int64", 8, 256),
+        SampleSpec("min_p", "float16", "int32", 2, 512),
+        SampleSpec("top_k_first", "bfloat16", "int32", 1, 32),
+    ]
+    specs += [RenormSpec(op, "float32", 4, 1024) for op in
+              ("top_k_renorm", "top_p_renorm", "top_k_mask")]  # fmt: skip
+    specs += [RenormSpec("top_k_mask", "bfloat16", 8, 256)]
+    specs += [RenormSpec("top_p_renorm", "float16", 1, 32)]
+    specs += [softmax_spec("float32", 128256), softmax_spec("bfloat16", 111)]
+    specs += [SpeculativeSpec("float32", 4, 1024), SpeculativeSpec("float16", 1, 32)]
+    return specs

@@ -268,8 +268,9 @@ def _module(spec, device_id: int):
 def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: int = 0):
     """The loaded kernel `name` of `spec` on a device (default: the current one).
 
-    Compiles (or reads the disk cache) and loads once per (spec, device). `dynamic_smem` above
-    48 KB raises the function's dynamic shared-memory limit.
+    Compiles (or reads the disk cache) and loads once per (spec, device). A nonzero
+    `dynamic_smem` becomes the function's dynamic shared-memory limit: the default limit is 48 KB
+    less the static shared memory, so even a dynamic size below 48 KB may need it.
     """
     import cupy
 
@@ -290,7 +291,7 @@ def _function(spec, name: str, device_id: int, dynamic_smem: int):
     from cupy_backends.cuda.api import driver
 
     fn = _module(spec, device_id).get_function(name)
-    if dynamic_smem > 48 * 1024:
+    if dynamic_smem > 0:
         attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.funcSetAttribute(fn.ptr, attr, dynamic_smem)
     return fn

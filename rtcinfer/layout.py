@@ -1,4 +1,4 @@
-"""How kernels see arrays: rows of a strided view, and the widest aligned vector."""
+"""How kernels see arrays: rows of a strided view, the widest aligned vector, row blocks."""
 
 from __future__ import annotations
 
@@ -56,3 +56,23 @@ def widest_vec(n: int, itemsize: int) -> int:
     while vec > 1 and n % vec:
         vec //= 2
     return vec
+
+
+def row_threads(vocab: int, batch: int, sm_count: int) -> int:
+    """Threads of a one-CTA-per-row kernel (sampling, renorm): 8 elements per thread up to
+    1024 threads, so a row of <= 8 x threads fits the candidate list whole; narrower blocks
+    when rows outnumber the SMs, so several CTAs share an SM and overlap their barriers."""
+    threads = 32
+    while threads < 1024 and threads * 8 < vocab:
+        threads *= 2
+    if batch > 4 * sm_count:
+        return min(threads, 256)
+    if batch > sm_count:
+        return min(threads, 512)
+    return threads
+
+
+def row_smem_bytes(threads: int) -> int:
+    """Dynamic shared memory of the row kernels: a candidate list of 8 (value, token) pairs per
+    thread and 256 block maxima per warp (cuda_src/row_scan.cuh, list_memory)."""
+    return 8 * threads * 8 + threads // 32 * 256 * 4

@@ -1,0 +1,135 @@
+// Exact threshold ops, one CTA per row (ties with the threshold are kept, as in FlashInfer):
+//   top_k_renorm  out = p >= v ? p / sum(p >= v) : 0,  v = the k-th largest p
+//   top_p_renorm  out = p >= v ? p / sum(p >= v) : 0,  v = min{p_j : sum(p > p_j) < top_p sum(p)}
+//                 (the maximum is always kept)
+//   top_k_mask    out = x >= v ? x : -inf,             v = the k-th largest logit (NaN -> -inf)
+// Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below the threshold
+// comes from the block maxima, the values >= floor go to the candidate list (row_scan.cuh), the
+// exact threshold is a radix select (row_select.cuh) over the list (over the row when the list
+// overflows), and a last pass writes the output. The renormalizing sum is the select's fixed-point mass
+// (p * 2^40 / max p, integer sums): deterministic, within 2^-24 relative of the exact sum.
+// Grid: blockIdx.x = row. Block: THREADS. Shared: list_memory (dynamic) + RowShared.
+// Prelude: OP (RenormOp), T, VEC, THREADS, CAP.
+#include "row_select.cuh"
+
+enum RenormOp { TOP_K_RENORM = 0, TOP_P_RENORM = 1, TOP_K_MASK = 2 };
+
+template <bool B, class X, class Y>
+struct Choose {
+  using type = X;
+};
+template <class X, class Y>
+struct Choose<false, X, Y> {
+  using type = Y;
+};
+using Policy = typename Choose<OP == TOP_K_MASK, LogitPolicy, ProbPolicy>::type;
+constexpr bool BY_MASS = OP == TOP_P_RENORM, NEED_MASS = OP != TOP_K_MASK;
+static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_kernel(
+    const T* __restrict__ in,   // [rows, vocab], rows `in_stride` elements apart
+    int64_t in_stride,
+    T* __restrict__ out,        // [rows, vocab], rows `out_stride` elements apart
+    int64_t out_stride, int vocab,
+    const int32_t* __restrict__ top_k_arr,    // [rows] or null
+    const int64_t* __restrict__ top_k_arr64,  // [rows] or null
+    int top_k_val,
+    const float* __restrict__ top_p_arr,      // [rows] or null
+    float top_p_val) {
+  extern __shared__ float4 smem[];
+  __shared__ RowShared sh;
+  const ListMemory mem = list_memory(smem);
+  const int r = blockIdx.x, lane = lane_id(), w = warp_id();
+  const int seg = (vocab / VEC + WARPS - 1) / WARPS * VEC;
+  const Steps g(seg, VEC);
+  const RowSource<T, VEC, Policy> rows{in + r * in_stride, vocab, seg};
+
+  const RowScan scan = scan_row(rows, g, mem.bmax, false);
+  if (lane == 0) {
+    sh.seg_max[w] = scan.max;
+    sh.seg[0][w] = scan.sum;
+  }
+  __syncthreads();
+  if (w == 0) {
+    const float m = warp_max(lane < WARPS ? sh.seg_max[lane] : Policy::lowest());
+    if (lane == 0) {
+      float s = 0.f;
+#pragma unroll 1
+      for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
+      sh.f[0] = m;
+      sh.f[2] = s;
+    }
+  }
+  __syncthreads();
+  const float M = sh.f[0], S = sh.f[2];
+
+  int k = 0;
+  float top_p = 1.f;
+  bool keep_all;
+  if constexpr (BY_MASS) {
+    top_p = top_p_arr ? top_p_arr[r] : top_p_val;
+    keep_all = !(top_p < 1.f) || !(M > 0.f);
+  } else {
+    const long long kk = top_k_arr ? top_k_arr[r] : top_k_arr64 ? top_k_arr64[r] : top_k_val;
+    keep_all = kk <= 0 || kk >= vocab;
+    k = keep_all ? vocab : int(kk);
+  }
+  const double scale = NEED_MASS && M > 0.f ? 1099511627776.0 / double(M) : 0.0;  // 2^40 / max
+  Threshold th{0u, 0ull, true};
+  if (!keep_all) {
+    const unsigned long long p_fixed = __double2ull_rn(double(fmaxf(top_p, 0.f) * S) * scale);
+    // The floor: at or below the threshold, chosen from the block maxima (row_scan.cuh); a
+    // top-p floor is proved by the mass of the values >= it.
+    const BlockMaxSource<Policy> blocks{mem.bmax, g.blocks};
+    const Threshold bt = radix_select<BlockMaxSource<Policy>, BY_MASS, BY_MASS>(
+        blocks, Policy::lowest(), k, p_fixed, scale, sh);
+    const float floor = bt.all ? Policy::lowest() : Policy::from_key(bt.key);
+    bool on_list = false;
+    if (floor > Policy::lowest() || vocab <= CAP) {
+      float mass;
+      const int n = gather(rows, g, mem.bmax, floor, mem, mass);
+      if (lane == 0) {
+        sh.list_n[w] = n;
+        sh.seg[1][w] = mass;
+      }
+      __syncthreads();
+      on_list = true;
+      float list_mass = 0.f;
+#pragma unroll 1
+      for (int i = 0; i < WARPS; ++i) {
+        on_list &= sh.list_n[i] >= 0;
+        list_mass += sh.seg[1][i];
+      }
+      if (BY_MASS) on_list &= list_mass >= fmaxf(top_p, 0.f) * S;
+    }
+    const ListSource<Policy> list{mem.vals, mem.ids, sh.list_n};
+    th = on_list ? radix_select<ListSource<Policy>, BY_MASS, NEED_MASS>(
+                       list, Policy::lowest(), k, p_fixed, scale, sh)
+                 : radix_select<RowSource<T, VEC, Policy>, BY_MASS, NEED_MASS>(
+                       rows, Policy::lowest(), k, p_fixed, scale, sh);
+  }
+  const float v = th.all ? Policy::lowest() : Policy::from_key(th.key);
+  float inv = 0.f;
+  if constexpr (NEED_MASS) {
+    const float z = th.all ? S : float(double(th.kept) / scale);
+    inv = z > 0.f ? 1.f / z : 0.f;
+  }
+
+  const T* x_row = in + r * in_stride;
+  T* y_row = out + r * out_stride;
+  for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
+    Vec<T, VEC> x, y;
+    x.load_stream(x_row + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float a = to_float(x[j]);
+      if constexpr (OP == TOP_K_MASK) {
+        y[j] = !isnan(a) && a >= v ? x[j] : from_float<T>(-infinity());
+      } else {
+        const float c = Policy::clean(a);
+        y[j] = from_float<T>(c >= v ? c * inv : 0.f);
+      }
+    }
+    y.store(y_row + i);
+  }
+}

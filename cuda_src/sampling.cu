@@ -1,0 +1,212 @@
+// Sorting-free sampling from probabilities, one CTA per output row (token ~ p restricted to the
+// kept set, renormalized; values <= 0 or NaN are never drawn):
+//   plain        kept = all
+//   top_k        kept = {j : #{i : p_i > p_j} < k}            (ties with the k-th value stay)
+//   top_p        kept = {j : sum(p_i > p_j) < top_p * sum(p)} (the maximum always stays)
+//   min_p        kept = {j : p_j >= min(min_p, 1) * max(p)}
+//   top_k_top_p  kept_k and kept_p (FlashInfer's "joint")
+//   top_k_first  top_p applied to the top-k renormalized distribution
+// Dual-pivot rejection sampling (FlashInfer's blog, 2025): low lies below every kept value and
+// high = max(p) is kept. Each round draws j among the values > low by inverse transform, then
+// counts values and mass above pivot1 = p_j and pivot2 = (p_j + high) / 2 in one pass:
+//   pivot1 kept -> return j;  pivot2 kept -> low = pivot1, high = pivot2;  else low = pivot2.
+// Each round at least halves high - low; after MAX_ROUNDS the first maximum (always kept) is
+// returned. top_k_first first finds the exact k-th value by radix select (no rejection needed
+// for the top-k part); min_p's threshold is exact, so it draws once.
+// Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below every kept value
+// comes from the block maxima, and when the values >= floor fit the candidate list
+// (row_scan.cuh) the rounds run in shared memory, else they stream the row again (from L2).
+// Grid: blockIdx.x = output row b, reading probability row indices[b] (or b). Block: THREADS.
+// Shared memory: list_memory (dynamic, 96 bytes per thread) + RowShared.
+// Prelude: OP (SampleOp), T, OUT_T, VEC, THREADS, CAP.
+#include "philox.cuh"
+#include "row_select.cuh"
+
+enum SampleOp { PLAIN = 0, TOP_K = 1, TOP_P = 2, MIN_P = 3, TOP_K_TOP_P = 4, TOP_K_FIRST = 5 };
+constexpr int MAX_ROUNDS = 64;
+constexpr bool HAS_K = OP == TOP_K || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
+constexpr bool HAS_P = OP == TOP_P || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
+static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
+
+RTC_DEVICE float below(float t) {  // the largest float < t (0 for t <= 0)
+  return t > 0.f ? __uint_as_float(__float_as_uint(t) - 1u) : 0.f;
+}
+
+struct Filter {
+  bool use_k, use_p, use_min_p;
+  int k;
+  float top_p, P;  // P = top_p * (mass the fraction refers to)
+  float t;         // min-p threshold
+  // Whether the values above a pivot keep it: count and mass of the values above it.
+  RTC_DEVICE bool kept(int count_above, float mass_above) const {
+    return (!use_k || count_above < k) && (!use_p || count_above == 0 || mass_above < P);
+  }
+};
+
+// The token of output row b, drawn from `src` (all kept values lie above `low`; sh.seg[cur]
+// holds the segment masses above low). The filter and the generator live in shared memory, so
+// the rounds keep few registers.
+template <class Src>
+RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float M,
+                            const Philox& rng, RowShared& sh) {
+  if constexpr (OP == MIN_P) {
+    if (f.use_min_p && below(f.t) > low) {  // streaming: restrict to values >= t
+      low = below(f.t);
+      cur = (cur + 1) % 3;
+      pivot_stats(src, low, low, sh, cur, cur);
+    }
+  }
+  if constexpr (OP == TOP_K_FIRST) {
+    if (f.use_k && M > 0.f) {
+      const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
+      const Threshold th = radix_select<Src, false, true>(src, low, f.k, 0ull, scale, sh);
+      if (!th.all) {
+        low = below(__uint_as_float(th.key));
+        if (threadIdx.x == 0) f.P = f.top_p * float(double(th.kept) / scale);
+        cur = (cur + 1) % 3;
+        pivot_stats(src, low, low, sh, cur, cur);  // its barriers publish f.P
+      }
+    }
+  }
+  const bool rejecting = (f.use_k && OP != TOP_K_FIRST) || f.use_p;
+  float high = M;
+  for (int round = 0; round < MAX_ROUNDS; ++round) {
+    const Drawn d = draw(src, low, sh.seg[cur], rng.uniform(round), sh);
+    if (d.token < 0) break;  // no value above low: an empty row
+    if (!rejecting) return d.token;
+    const int s1 = (cur + 1) % 3, s2 = (cur + 2) % 3;
+    const float x1 = d.value, x2 = __fmul_rn(__fadd_rn(d.value, high), 0.5f);
+    const PivotStats st = pivot_stats(src, x1, x2, sh, s1, s2);
+    if (f.kept(st.c1, st.m1)) return d.token;  // (top_k_first: f.use_k is cleared by then)
+    if (f.kept(st.c2, st.m2)) {
+      low = x1;
+      high = x2;
+      cur = s1;
+    } else {
+      low = x2;
+      cur = s2;
+    }
+  }
+  if (!(M > 0.f)) return 0;
+  const int first = first_index_of(src, M, sh);
+  return first == NONE ? 0 : first;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) sample_kernel(
+    const T* __restrict__ probs,           // [rows, vocab], rows `row_stride` elements apart
+    int64_t row_stride, int vocab,
+    const OUT_T* __restrict__ indices,     // [batch] probability row of each output, or null
+    OUT_T* __restrict__ out,               // [batch] sampled token ids
+    const int32_t* __restrict__ top_k_arr,    // [batch] or null
+    const int64_t* __restrict__ top_k_arr64,  // [batch] or null
+    int top_k_val,
+    const float* __restrict__ top_p_arr,   // [batch] or null
+    float top_p_val,
+    const float* __restrict__ min_p_arr,   // [batch] or null
+    float min_p_val,
+    const uint64_t* __restrict__ seed_arr,    // [1] or [batch], or null
+    uint64_t seed_val, int seed_len,
+    const uint64_t* __restrict__ offset_arr,  // [1] or [batch], or null
+    uint64_t offset_val, int offset_len,
+    int* __restrict__ error_flag) {        // [1] set to 1 on NaN, negative or inf; null: no check
+  extern __shared__ float4 smem[];
+  __shared__ RowShared sh;
+  __shared__ Filter f;
+  __shared__ Philox rng;
+  const ListMemory mem = list_memory(smem);
+  const int b = blockIdx.x, lane = lane_id(), w = warp_id();
+  const int64_t row = indices ? int64_t(indices[b]) : int64_t(b);
+  const int seg = (vocab / VEC + WARPS - 1) / WARPS * VEC;
+  const Steps g(seg, VEC);
+  const RowSource<T, VEC, ProbPolicy> rows{probs + row * row_stride, vocab, seg};
+
+  const RowScan scan = scan_row(rows, g, mem.bmax, error_flag != nullptr);
+  if (lane == 0) {
+    sh.seg_max[w] = scan.max;
+    sh.seg[0][w] = scan.sum;  // slot 0: segment masses above 0 (streaming rounds start here)
+    if (scan.bad) *error_flag = 1;
+  }
+  __syncthreads();
+  if (w == 0) {
+    const float m = warp_max(lane < WARPS ? sh.seg_max[lane] : 0.f);
+    if (lane == 0) {
+      float s = 0.f;
+#pragma unroll 1
+      for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
+      sh.f[0] = m;
+      Filter p{};
+      if constexpr (HAS_K) {
+        const long long k = top_k_arr ? top_k_arr[b] : top_k_arr64 ? top_k_arr64[b] : top_k_val;
+        p.use_k = k > 0 && k < vocab;
+        p.k = p.use_k ? int(k) : vocab;
+      }
+      if constexpr (HAS_P) {
+        p.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
+        p.use_p = p.top_p < 1.f;
+        p.P = p.top_p * s;
+      }
+      if constexpr (OP == MIN_P) {
+        const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
+        p.use_min_p = min_p > 0.f;
+        p.t = fminf(min_p, 1.f) * m;
+      }
+      f = p;
+      rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
+    }
+  }
+  __syncthreads();
+  const float M = sh.f[0];
+
+  // The floor: at or below every kept value, chosen from the block maxima (row_scan.cuh). For
+  // top-k (and min-p) it is exact; a top-p floor is proved by the mass of the values >= it.
+  float floor = 0.f;
+  bool need_mass = false;
+  const BlockMaxSource<ProbPolicy> blocks{mem.bmax, g.blocks};
+  if constexpr (OP == MIN_P) floor = f.use_min_p ? f.t : 0.f;
+  if (HAS_K && f.use_k) {
+    const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, false, false>(
+        blocks, 0.f, f.k, 0ull, 0.0, sh);
+    if (!th.all) floor = __uint_as_float(th.key);  // the k-th largest block maximum
+  } else if (HAS_P && f.use_p && M > 0.f) {
+    const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
+    const unsigned long long p_fixed = __double2ull_rn(double(fmaxf(f.P, 0.f)) * scale);
+    const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, true, true>(
+        blocks, 0.f, 0, p_fixed, scale, sh);  // the top-p cut of the block maxima alone
+    if (!th.all) floor = __uint_as_float(th.key);
+    need_mass = true;
+  }
+  bool on_list = false;
+  if (OP != PLAIN && (floor > 0.f || vocab <= CAP)) {
+    float mass;
+    const int n = gather(rows, g, mem.bmax, floor, mem, mass);
+    if (lane == 0) {
+      sh.list_n[w] = n;
+      sh.seg[1][w] = mass;  // slot 1: segment masses of the list
+    }
+    __syncthreads();
+    on_list = true;
+    float list_mass = 0.f;
+#pragma unroll 1
+    for (int i = 0; i < WARPS; ++i) {
+      on_list &= sh.list_n[i] >= 0;
+      list_mass += sh.seg[1][i];
+    }
+    // mass(p >= floor) >= P: every value below the floor has at least P above it
+    if (need_mass) on_list &= list_mass >= f.P;
+  }
+  const ListSource<ProbPolicy> list{mem.vals, mem.ids, sh.list_n};
+  const int token = on_list ? select_token(list, below(floor), 1, f, M, rng, sh)
+                            : select_token(rows, 0.f, 0, f, M, rng, sh);
+  if (threadIdx.x == 0) out[b] = OUT_T(token);
+}
+
+// Raw Philox4x32-10 words for tests: out[i] = philox(counters[i], key).
+extern "C" __global__ void philox_kernel(const uint4* __restrict__ counters,  // [n]
+                                         uint4* __restrict__ out,             // [n]
+                                         int n, uint32_t k0, uint32_t k1) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const uint4 c = counters[i];
+  const Philox4 r = philox4x32_10(Philox4{c.x, c.y, c.z, c.w}, k0, k1);
+  out[i] = make_uint4(r.x, r.y, r.z, r.w);
+}
