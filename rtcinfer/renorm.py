@@ -26,6 +26,7 @@ class RenormSpec:
     vec: int
     threads: int
     source: ClassVar[str] = "renorm.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("renorm_kernel",)
 
     @property
     def cap(self) -> int:

@@ -43,6 +43,7 @@ class SampleSpec:
     vec: int
     threads: int
     source: ClassVar[str] = "sampling.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("sample_kernel", "philox_kernel")
 
     @property
     def cap(self) -> int:

@@ -19,6 +19,7 @@ class SoftmaxSpec:
     vec: int
     threads: int
     source: ClassVar[str] = "softmax.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("softmax_kernel",)
 
     def prelude(self) -> str:
         return "\n".join(

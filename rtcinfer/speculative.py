@@ -20,6 +20,7 @@ class SpeculativeSpec:
     vec: int
     threads: int
     source: ClassVar[str] = "speculative.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("chain_speculative_kernel",)
 
     def prelude(self) -> str:
         return "\n".join(
