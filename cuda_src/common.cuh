@@ -16,6 +16,18 @@ typedef unsigned long long uint64_t;
 
 #define RTC_DEVICE __device__ __forceinline__
 
+// Conditional<B, T, F> is T when B holds, else F (no <type_traits> under NVRTC).
+template <bool B, typename T, typename F>
+struct ConditionalType {
+  using type = T;
+};
+template <typename T, typename F>
+struct ConditionalType<false, T, F> {
+  using type = F;
+};
+template <bool B, typename T, typename F>
+using Conditional = typename ConditionalType<B, T, F>::type;
+
 // ---------------------------------------------------------------------------------------------
 // dtype conversions (compute is fp32)
 

@@ -24,14 +24,6 @@
 
 enum PosEncoding { POS_NONE = 0, POS_ROPE_LLAMA = 1, POS_ALIBI = 2 };
 
-template <bool B, typename T, typename F>
-struct Select {
-  using type = T;
-};
-template <typename T, typename F>
-struct Select<false, T, F> {
-  using type = F;
-};
 template <typename A, typename B>
 struct IsSame {
   static constexpr bool value = false;
@@ -55,7 +47,7 @@ constexpr int Q_STRIDE = HEAD_DIM + 16;  // q row in shared memory (elements): c
 constexpr int O_STRIDE = HEAD_DIM + 4;   // o row of the epilogue (floats)
 constexpr int HEADER_INTS = 4 + HEAD_DIM;  // plan: num_work, 3 spare, RoPE frequencies (hi, lo)
 constexpr __nv_fp8_interpretation_t FP8_KIND = KV_FP8 == 2 ? __NV_E5M2 : __NV_E4M3;
-using MT = typename Select<FP8, half, KVT>::type;  // tensor-core input type
+using MT = Conditional<FP8, half, KVT>;  // tensor-core input type
 
 constexpr int TILE_BYTES = TILE * ROW_BYTES;
 constexpr int RING_BYTES = STAGES * 2 * TILE_BYTES;

@@ -14,15 +14,7 @@
 
 enum RenormOp { TOP_K_RENORM = 0, TOP_P_RENORM = 1, TOP_K_MASK = 2 };
 
-template <bool B, class X, class Y>
-struct Choose {
-  using type = X;
-};
-template <class X, class Y>
-struct Choose<false, X, Y> {
-  using type = Y;
-};
-using Policy = typename Choose<OP == TOP_K_MASK, LogitPolicy, ProbPolicy>::type;
+using Policy = Conditional<OP == TOP_K_MASK, LogitPolicy, ProbPolicy>;
 constexpr bool BY_MASS = OP == TOP_P_RENORM, NEED_MASS = OP != TOP_K_MASK;
 static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
 
