@@ -9,7 +9,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, widest_vec
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -25,14 +25,12 @@ class ActivationSpec:
     kernels: ClassVar[tuple[str, ...]] = ("act_and_mul_kernel",)
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"constexpr int ACT = {ACTIVATIONS.index(self.act)};",
-                f"using T = {cuda_type(self.dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {THREADS};",
-                f"constexpr int UNROLL = {UNROLL};",
-            ]
+        return jit.prelude(
+            ACT=ACTIVATIONS.index(self.act),
+            T=self.dtype,
+            VEC=self.vec,
+            THREADS=THREADS,
+            UNROLL=UNROLL,
         )
 
 

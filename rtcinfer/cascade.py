@@ -17,7 +17,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, widest_vec
 from .plan._checks import INT32_MAX
 
@@ -34,13 +34,11 @@ class MergeSpec:
     kernels: ClassVar[tuple[str, ...]] = ("merge_kernel",)
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"using T = {cuda_type(self.dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr bool HAS_B = {str(self.has_b).lower()};",
-                f"constexpr bool MASK = {str(self.mask).lower()};",
-            ]
+        return jit.prelude(
+            T=self.dtype,
+            VEC=self.vec,
+            HAS_B=self.has_b,
+            MASK=self.mask,
         )
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import jit
-from .interop.dtypes import FP8_DTYPES, cuda_type, itemsize, normalize
+from .interop.dtypes import FP8_DTYPES, itemsize, normalize
 from .plan._checks import as_int
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
@@ -57,20 +57,18 @@ class DecodeSpec:
 
     def prelude(self) -> str:
         kv_fp8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}.get(self.kv_dtype, 0)
-        return "\n".join(
-            [
-                f"using QT = {cuda_type(self.q_dtype)};",
-                f"using KVT = {cuda_type(self.kv_dtype)};",
-                f"using OT = {cuda_type(self.o_dtype)};",
-                f"constexpr int HEAD_DIM = {self.head_dim};",
-                f"constexpr int HEAD_TILES = {self.head_tiles};",
-                f"constexpr int POS_ENCODING = {POS_ENCODING_MODES.index(self.pos_encoding_mode)};",
-                f"constexpr bool SOFT_CAP = {str(self.soft_cap).lower()};",
-                f"constexpr int STAGES = {self.stages};",
-                f"constexpr int TOKEN_GROUPS = {self.token_groups};",
-                f"constexpr int KV_FP8 = {kv_fp8};",
-                f"constexpr int SMEM_BYTES = {self.smem_bytes};",
-            ]
+        return jit.prelude(
+            QT=self.q_dtype,
+            KVT=self.kv_dtype,
+            OT=self.o_dtype,
+            HEAD_DIM=self.head_dim,
+            HEAD_TILES=self.head_tiles,
+            POS_ENCODING=POS_ENCODING_MODES.index(self.pos_encoding_mode),
+            SOFT_CAP=self.soft_cap,
+            STAGES=self.stages,
+            TOKEN_GROUPS=self.token_groups,
+            KV_FP8=kv_fp8,
+            SMEM_BYTES=self.smem_bytes,
         )
 
 

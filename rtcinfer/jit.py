@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import __version__
+from .interop.dtypes import cuda_type
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _MAGIC = b"RTCI1\n"
@@ -92,6 +93,20 @@ def _toolchain_fingerprint() -> str:
     if not libs:  # NVRTC lives elsewhere: ask it
         parts.append(nvrtc_version())
     return "|".join(parts)
+
+
+def prelude(**entries: str | int | bool) -> str:
+    """A spec's generated lines, in order: a dtype name (str) becomes `using NAME = <CUDA
+    type>;`, a bool `constexpr bool NAME = true|false;`, an int `constexpr int NAME = N;`."""
+    lines = []
+    for name, value in entries.items():
+        if isinstance(value, str):
+            lines.append(f"using {name} = {cuda_type(value)};")
+        elif isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {str(value).lower()};")
+        else:
+            lines.append(f"constexpr int {name} = {int(value)};")
+    return "\n".join(lines)
 
 
 def source_root():

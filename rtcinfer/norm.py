@@ -9,7 +9,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, widest_vec
 
 MAX_SMEM = 200 * 1024  # a row must fit in shared memory (Hopper and Ampere allow ~227 KB)
@@ -33,15 +33,13 @@ class NormSpec:
         return self.hidden * itemsize(self.dtype) * (2 if "fused" in self.op else 1)
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"constexpr int OP = {OPS.index(self.op)};",
-                f"using T = {cuda_type(self.dtype)};",
-                f"using W = {cuda_type(self.weight_dtype)};",
-                f"constexpr int HIDDEN = {self.hidden};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-            ]
+        return jit.prelude(
+            OP=OPS.index(self.op),
+            T=self.dtype,
+            W=self.weight_dtype,
+            HIDDEN=self.hidden,
+            VEC=self.vec,
+            THREADS=self.threads,
         )
 
 

@@ -40,12 +40,10 @@ class PageSpec:
     )
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"constexpr int ROW_BYTES = {self.row_bytes};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int ITEMS = {ITEMS};",
-            ]
+        return jit.prelude(
+            ROW_BYTES=self.row_bytes,
+            VEC=self.vec,
+            ITEMS=ITEMS,
         )
 
 

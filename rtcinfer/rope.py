@@ -15,7 +15,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, widest_vec
 
 MODES = ("theta", "llama31", "cos_sin_cache")
@@ -48,20 +48,18 @@ class RopeSpec:
         return self.threads // (1 << (lanes - 1).bit_length())
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"using T = {cuda_type(self.dtype)};",
-                f"using POS_T = {cuda_type(self.pos_dtype)};",
-                f"constexpr int HEAD_DIM = {self.head_dim};",
-                f"constexpr int ROTARY_DIM = {self.rotary_dim};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-                f"constexpr int UNROLL = {self.unroll};",
-                f"constexpr bool INTERLEAVE = {str(self.interleave).lower()};",
-                f"constexpr int MODE = {MODES.index(self.mode)};",
-                f"constexpr int POS_FROM = {int(self.pos_from == 'indptr')};",
-                f"constexpr bool INPLACE = {str(self.inplace).lower()};",
-            ]
+        return jit.prelude(
+            T=self.dtype,
+            POS_T=self.pos_dtype,
+            HEAD_DIM=self.head_dim,
+            ROTARY_DIM=self.rotary_dim,
+            VEC=self.vec,
+            THREADS=self.threads,
+            UNROLL=self.unroll,
+            INTERLEAVE=self.interleave,
+            MODE=MODES.index(self.mode),
+            POS_FROM=int(self.pos_from == "indptr"),
+            INPLACE=self.inplace,
         )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
+from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, row_threads, widest_vec
 from .philox import kernel_inputs
 
@@ -23,13 +23,11 @@ class SpeculativeSpec:
     kernels: ClassVar[tuple[str, ...]] = ("chain_speculative_kernel",)
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"using T = {cuda_type(self.dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-                f"constexpr int CAP = {8 * self.threads};",
-            ]
+        return jit.prelude(
+            T=self.dtype,
+            VEC=self.vec,
+            THREADS=self.threads,
+            CAP=8 * self.threads,
         )
 
 
