@@ -40,13 +40,10 @@ def run(launch: Callable, inputs: Sequence[tuple[str, object]], outputs: Sequenc
     first = inputs[0][1]
     if framework(first) == "jax":
         return _run_jax(launch, inputs, outputs, params)
-    for name, x in inputs:
-        if device_of(x) < 0:
-            as_cupy(x, name)  # raises the TypeError that names the argument
-    _check_same_device(inputs, outputs)
+    device = _common_device(inputs, outputs)
     import cupy
 
-    with cupy.cuda.Device(device_of(first)), current_stream(first) as stream:
+    with cupy.cuda.Device(device), current_stream(first) as stream:
         ins = [as_cupy(x, name) for name, x in inputs]
         natives, outs = [], []
         for i, out in enumerate(outputs):
@@ -65,13 +62,19 @@ def run(launch: Callable, inputs: Sequence[tuple[str, object]], outputs: Sequenc
     return natives[0] if len(natives) == 1 else tuple(natives)
 
 
-def _check_same_device(inputs, outputs) -> None:
-    arrays = [(n, x) for n, x in inputs] + [
-        ("out", o.given) for o in outputs if o.given is not None
+def _common_device(inputs, outputs) -> int:
+    """The one CUDA device of every array; host arrays and mixed devices raise, by name."""
+    arrays = list(inputs) + [
+        (f"out[{i}]", o.given) for i, o in enumerate(outputs) if o.given is not None
     ]
-    devices = {name: device_of(x) for name, x in arrays}
+    devices = {}
+    for name, x in arrays:
+        devices[name] = device_of(x)
+        if devices[name] < 0:
+            as_cupy(x, name)  # raises the TypeError that names the argument
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
+    return devices[inputs[0][0]]
 
 
 def _check_out(native, out: Out, name: str) -> None:

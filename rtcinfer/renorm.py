@@ -13,8 +13,8 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
-from .layout import fit_vec, row_smem_bytes, row_threads, widest_vec
+from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 
 RENORM_OPS = ("top_k_renorm", "top_p_renorm", "top_k_mask")
 
@@ -33,14 +33,12 @@ class RenormSpec:
         return 8 * self.threads
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"constexpr int OP = {RENORM_OPS.index(self.op)};",
-                f"using T = {cuda_type(self.dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-                f"constexpr int CAP = {self.cap};",
-            ]
+        return jit.prelude(
+            OP=RENORM_OPS.index(self.op),
+            T=self.dtype,
+            VEC=self.vec,
+            THREADS=self.threads,
+            CAP=self.cap,
         )
 
 
@@ -54,9 +52,8 @@ def _launch(stream, ins, outs, *, op: str, k: int, p: float):
     rows, vocab = x.shape
     if rows == 0:
         return
-    if vocab > 1 and x.strides[1] != x.itemsize:
-        raise ValueError(f"the vocabulary axis must be contiguous, got strides {x.strides}")
-    xs, ys = x.strides[0] // x.itemsize, y.strides[0] // y.itemsize
+    _, _, xs, _ = leading_rows(x, "logits" if op == "top_k_mask" else "probs")
+    _, _, ys, _ = leading_rows(y, "out")
     spec = renorm_spec(op, dtype_name(x), vocab, rows, jit.sm_count(x.device.id))
     spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, [x.data.ptr, y.data.ptr], [xs, ys]))
     arr = ins[1] if len(ins) > 1 else None

@@ -25,8 +25,8 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, framework, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
-from .layout import fit_vec, row_smem_bytes, row_threads, widest_vec
+from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 from .philox import Generator, kernel_inputs
 from .renorm import top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
 from .softmax import softmax
@@ -51,15 +51,13 @@ class SampleSpec:
         return 8 * self.threads
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"constexpr int OP = {SAMPLE_OPS.index(self.op)};",
-                f"using T = {cuda_type(self.dtype)};",
-                f"using OUT_T = {cuda_type(self.out_dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-                f"constexpr int CAP = {self.cap};",
-            ]
+        return jit.prelude(
+            OP=SAMPLE_OPS.index(self.op),
+            T=self.dtype,
+            OUT_T=self.out_dtype,
+            VEC=self.vec,
+            THREADS=self.threads,
+            CAP=self.cap,
         )
 
 
@@ -76,11 +74,7 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
     batch, (_, vocab) = out.shape[0], probs.shape
     if batch == 0:
         return
-    if vocab > 1 and probs.strides[1] != probs.itemsize:
-        raise ValueError(
-            f"probs: the vocabulary axis must be contiguous, got strides {probs.strides}"
-        )
-    stride = probs.strides[0] // probs.itemsize
+    _, _, stride, _ = leading_rows(probs, "probs")  # the vocabulary axis must be contiguous
     spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out),
                        jit.sm_count(probs.device.id))  # fmt: skip
     spec = replace(spec, vec=fit_vec(spec.vec, probs.itemsize, [probs.data.ptr], [stride]))

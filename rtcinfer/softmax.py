@@ -9,8 +9,8 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
-from .interop.dtypes import FLOAT_DTYPES, cuda_type, itemsize
-from .layout import fit_vec, widest_vec
+from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .layout import fit_vec, leading_rows, widest_vec
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,10 @@ class SoftmaxSpec:
     kernels: ClassVar[tuple[str, ...]] = ("softmax_kernel",)
 
     def prelude(self) -> str:
-        return "\n".join(
-            [
-                f"using T = {cuda_type(self.dtype)};",
-                f"constexpr int VEC = {self.vec};",
-                f"constexpr int THREADS = {self.threads};",
-            ]
+        return jit.prelude(
+            T=self.dtype,
+            VEC=self.vec,
+            THREADS=self.threads,
         )
 
 
@@ -45,9 +43,7 @@ def _launch(stream, ins, outs, *, scalar: float):
     rows, vocab = logits.shape
     if rows == 0:
         return
-    if vocab > 1 and logits.strides[1] != logits.itemsize:
-        raise ValueError(f"logits: the vocabulary axis must be contiguous, got {logits.strides}")
-    stride = logits.strides[0] // logits.itemsize
+    _, _, stride, _ = leading_rows(logits, "logits")  # the vocabulary axis must be contiguous
     spec = softmax_spec(dtype_name(logits), vocab)
     vec = fit_vec(spec.vec, logits.itemsize, [logits.data.ptr], [stride])
     if vec != spec.vec:

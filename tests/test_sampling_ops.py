@@ -112,7 +112,7 @@ def test_threshold_op_errors(rng):
         rtcinfer.top_k_renorm_probs(probs, cp.zeros(3, cp.int32))
     with pytest.raises(TypeError, match="probs: dtype must be one of"):
         rtcinfer.top_p_renorm_probs(probs.astype(cp.int32), 0.5)
-    with pytest.raises(ValueError, match="vocabulary axis must be contiguous"):
+    with pytest.raises(ValueError, match="logits: the last dimension must be contiguous"):
         rtcinfer.top_k_mask_logits(cp.asfortranarray(probs), 3)
 
 
