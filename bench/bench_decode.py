@@ -118,8 +118,7 @@ def plan_row(table: Table, fi, torch, rng) -> None:
 
 
 def append_rows(table: Table, fi, torch, rng) -> None:
-    """Ours for every case first, FlashInfer after, on its own copies of the inputs: a FlashInfer
-    run once left our index arrays unusable (an illegal address in our next launch)."""
+    """append_paged_kv_cache, ours then FlashInfer's (on its own copies of the inputs)."""
     cp = cupy()
     rows = []
     for label, batch, added, kv_len in (("append 256 x 1 token", 256, 1, 1024),

@@ -29,8 +29,10 @@ from bench.common import (
     torch_view,
 )
 from rtcinfer import jit
+from rtcinfer.layout import widest_vec
 from rtcinfer.renorm import renorm_spec
 from rtcinfer.sampling import sample_spec
+from rtcinfer.sampling_cluster import ClusterSampleSpec, cluster_size
 from rtcinfer.softmax import softmax_spec
 
 BATCHES = (1, 32, 128, 512)
@@ -79,6 +81,11 @@ def cold_compile_seconds(arch: str) -> tuple[float, int]:
     """NVRTC time of every sampling kernel this sweep uses, from an empty cache."""
     specs = {sample_spec(op, "float32", v, b) for _, _, op in OPS.values()
              for v in VOCABS for b in BATCHES}  # fmt: skip
+    for v in VOCABS:  # the small batches' cluster kernels (on a 132-SM sm_90 GPU)
+        vec = widest_vec(v, 4)
+        sizes = {cluster_size(b, v, vec, 132, 90) for b in BATCHES} - {0}
+        specs |= {ClusterSampleSpec(op, "float32", "int32", vec, c)
+                  for _, _, op in OPS.values() for c in sizes}  # fmt: skip
     specs |= {renorm_spec(op, "float32", 128256) for op in ("top_k_renorm", "top_p_renorm")}
     specs |= {softmax_spec("float32", 128256)}
     previous = os.environ.get("RTCINFER_CACHE_DIR")

@@ -57,6 +57,9 @@ def graph_time_us(fn: Callable[[], object], repeat: int = 30, flush: bool = True
     """Like time_us, but fn is captured once into a CUDA graph and the replays are timed:
     the kernel time without Python launch overhead."""
     cp = cupy()
+    # The inputs were written on the legacy default stream, which a non-blocking stream does not
+    # wait for: without this sync the first call could read them before their copies land.
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         fn()  # compile and load outside the capture

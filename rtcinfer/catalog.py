@@ -1,5 +1,6 @@
 """What rtcinfer ships: named model shapes, the kernel specs each one needs (for `warmup`), and
-one spec per code path of every family (compiled for sm_80 and sm_90a in CI)."""
+one spec per code path of every family (compiled for sm_80 and sm_90a in CI; the cluster
+sampler, which needs sm_90, for sm_90a only)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from . import activation, cascade, decode_kernel, norm, page, rope
 from .renorm import RenormSpec
 from .sampling import SampleSpec
+from .sampling_cluster import ClusterSampleSpec
 from .softmax import softmax_spec
 from .speculative import SpeculativeSpec
 
@@ -100,6 +102,12 @@ def sampling_specs() -> list:
         SampleSpec("top_p", "bfloat16", "int64", 8, 256),
         SampleSpec("min_p", "float16", "int32", 2, 512),
         SampleSpec("top_k_first", "bfloat16", "int32", 1, 32),
+    ]
+    specs += [ClusterSampleSpec(op, "float32", "int32", 4, 8) for op in
+              ("plain", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_first")]  # fmt: skip
+    specs += [
+        ClusterSampleSpec("top_k_top_p", "float16", "int64", 8, 4),
+        ClusterSampleSpec("top_p", "bfloat16", "int32", 1, 2),
     ]
     specs += [RenormSpec(op, "float32", 4, 1024) for op in
               ("top_k_renorm", "top_p_renorm", "top_k_mask")]  # fmt: skip

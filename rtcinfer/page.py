@@ -95,7 +95,10 @@ def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
         units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
         np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
     )  # fmt: skip
-    grid = -(-units // (THREADS * ITEMS))
+    # ITEMS units per thread keeps many loads in flight on large appends; a small append (one
+    # token per request) instead spreads one unit per thread over up to two CTAs per SM.
+    one_each = -(-units // THREADS)
+    grid = max(-(-one_each // ITEMS), min(one_each, 2 * jit.sm_count(key.device.id)))
     fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
 
 

@@ -5,7 +5,8 @@ renormalization ops (`top_k_renorm_probs`, `top_p_renorm_probs`, `top_k_mask_log
 `chain_speculative_sampling` and `Generator`.
 
 Samplers draw one token per output row from probs[indices[b]] (or probs[b]) restricted to the
-kept set, renormalized (cuda_src/sampling.cu: dual-pivot rejection sampling, no sort). A token
+kept set, renormalized (cuda_src/sampling.cu: dual-pivot rejection sampling, no sort; small
+batches on sm_90+ split each row over a cluster of CTAs, cuda_src/sampling_cluster.cu). A token
 with probability <= 0 (or NaN) or outside the kept set is never returned; ids are always in
 [0, vocab); a row without any positive probability returns 0. `indices` must hold valid rows of
 probs (not checked on the host). Per-row parameters are scalars or [batch] device arrays.
@@ -23,12 +24,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import jit
+from . import jit, sampling_cluster
 from .interop import Out, dtype_name, framework, run
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 from .philox import Generator, kernel_inputs
 from .renorm import top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
+from .sampling_cluster import ClusterSampleSpec
 from .softmax import softmax
 from .speculative import chain_speculative_sampling
 
@@ -85,8 +87,6 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         cupy.cuda.runtime.memsetAsync(flag.data.ptr, 0, 4, stream.ptr)
     top_k, top_p, min_p, seed, offset = scalars
     k, seeds, offsets = a.get("top_k"), a.get("seed"), a.get("offset")
-    smem = row_smem_bytes(spec.threads)
-    fn = jit.get_function(spec, "sample_kernel", dynamic_smem=smem)
     args = (
         probs, np.int64(stride), np.int32(vocab), a.get("indices", 0), out,
         k if k is not None and k.dtype == np.int32 else 0,
@@ -97,6 +97,15 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         0 if offsets is None else offsets, np.uint64(offset), np.int32(_entries(offsets)),
         flag,
     )  # fmt: skip
+    device = probs.device
+    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, jit.sm_count(device.id),
+                                            int(device.compute_capability))  # fmt: skip
+    if cluster:  # a small batch: a cluster of CTAs per row
+        cspec = ClusterSampleSpec(op, spec.dtype, spec.out_dtype, spec.vec, cluster)
+        sampling_cluster.launch(stream, cspec, batch, vocab, args)
+        return
+    smem = row_smem_bytes(spec.threads)
+    fn = jit.get_function(spec, "sample_kernel", dynamic_smem=smem)
     fn((batch, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
 
 

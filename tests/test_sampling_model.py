@@ -7,6 +7,7 @@ import pytest
 
 from rtcinfer.philox import Generator, resolve
 from tests import reference as ref
+from tests import sampling_cluster_model as cluster_model
 from tests import sampling_model as model
 
 # Random123's known-answer vectors for Philox4x32-10.
@@ -316,3 +317,48 @@ def test_row_kernels_fit_an_a100_block():
     assert row_threads(111, 1, 132) == 32 and row_threads(4096, 1, 132) == 512
     assert row_threads(151936, 1, 132) == 1024 and row_threads(151936, 512, 132) == 512
     assert row_threads(151936, 100000, 132) == 256
+
+
+@pytest.mark.parametrize("vocab,cluster,vec", [(1, 8, 1), (111, 8, 1), (3000, 8, 4),
+                                               (3000, 2, 8), (70001, 4, 1)])  # fmt: skip
+def test_cluster_draw_order_is_a_permutation(vocab, cluster, vec):
+    order = cluster_model.draw_order(vocab, cluster, vec)
+    assert sorted(order.tolist()) == list(range(vocab))
+
+
+@pytest.mark.parametrize("vocab,scale,cluster", [(7, 1.0, 8), (111, 2.0, 8), (3000, 3.0, 4)])
+@pytest.mark.parametrize("op,params", CASES)
+def test_cluster_model_distribution(rng, op, params, vocab, scale, cluster):
+    row = probs_row(rng, vocab, scale, zeros=0.2)
+    row[3] = row[2]  # a tie
+    draws = 4000
+    draw = cluster_model.sample_row
+    tokens = np.array([draw(row, op, seed=5, offset=i, cluster=cluster, vec=1, **params)
+                       for i in range(draws)])  # fmt: skip
+    expected = ref.sampling_dist_ref(row, op, **params)[0]
+    assert expected[tokens].min() > 0, "drew a token outside the kept set"
+    freq = np.bincount(tokens, minlength=vocab) / draws
+    cos = freq @ expected / np.linalg.norm(freq) / np.linalg.norm(expected)
+    assert cos > 0.99, cos
+    assert np.abs(freq - expected).sum() / 2 < 4 * np.sqrt(np.count_nonzero(expected) / draws)
+
+
+def test_cluster_model_edge_rows():
+    zero = np.zeros(50, np.float32)
+    assert cluster_model.sample_row(zero, "top_p", top_p=0.5) == 0
+    one_hot = np.zeros(300, np.float32)
+    one_hot[123] = 1.0
+    for op, params in CASES:
+        assert cluster_model.sample_row(one_hot, op, seed=3, **params) == 123
+    assert cluster_model.sample_row(np.ones(1, np.float32), "top_k", top_k=1) == 0
+    # top_k beyond the positive values keeps exactly those (the zeros are never drawn)
+    row = np.zeros(40, np.float32)
+    row[[5, 9]] = 0.5
+    assert {cluster_model.sample_row(row, "top_k", top_k=10, offset=i) for i in range(50)} == {5, 9}
+
+
+def test_cluster_candidate_list_is_taken_for_typical_rows_only(rng):
+    row = probs_row(rng, 128256, 3.0)
+    assert cluster_model.on_list(row, 50, 8, 4)
+    assert not cluster_model.on_list(row, 129, 8, 4)  # k beyond the 128 warp maxima
+    assert not cluster_model.on_list(np.full(128256, 1e-5, np.float32), 50, 8, 4)

@@ -1,0 +1,73 @@
+"""Small batches: one row per cluster of CTAs (cuda_src/sampling_cluster.cu, sm_90 and newer).
+
+One CTA per row leaves most SMs idle below about a hundred rows, and a single SM reads a
+128K-256K row slowly. A cluster of up to 8 CTAs splits the row, keeps its slices in shared
+memory (read from memory once) and runs the selection passes on them, exchanging partial
+results through distributed shared memory. `cluster_size` decides when this path is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from . import jit
+
+THREADS = 512
+SLICE_BYTES = 200 * 1024  # the dynamic shared memory every cluster kernel is allowed
+CLUSTERS = (8, 4, 2)
+
+
+@dataclass(frozen=True)
+class ClusterSampleSpec:
+    op: str  # rtcinfer.sampling.SAMPLE_OPS
+    dtype: str  # probs
+    out_dtype: str  # token ids
+    vec: int
+    cluster: int  # CTAs per row
+    threads: int = THREADS
+    source: ClassVar[str] = "sampling_cluster.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("cluster_sample_kernel",)
+    min_sm: ClassVar[int] = 90  # thread-block clusters
+
+    def prelude(self) -> str:
+        from .sampling import SAMPLE_OPS
+
+        return jit.prelude(
+            OP=SAMPLE_OPS.index(self.op),
+            T=self.dtype,
+            OUT_T=self.out_dtype,
+            VEC=self.vec,
+            THREADS=self.threads,
+            CLUSTER=self.cluster,
+        )
+
+
+def slice_elements(vocab: int, cluster: int, vec: int) -> int:
+    """Elements per CTA: ceil(vocab / cluster) rounded up to a multiple of max(4, vec)."""
+    align = max(4, vec)
+    per_cta = -(-vocab // cluster)
+    return -(-per_cta // align) * align
+
+
+def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capability: int) -> int:
+    """CTAs per row for a [batch, vocab] call: the largest of 8, 4, 2 whose grid fits the SMs
+    and whose slices fit shared memory; 0 (one CTA per row instead) when none does or the
+    device predates clusters."""
+    if compute_capability < 90:
+        return 0
+    for cluster in CLUSTERS:
+        fits = 4 * slice_elements(vocab, cluster, vec) <= SLICE_BYTES
+        if batch * cluster <= sm_count and fits:
+            return cluster
+    return 0
+
+
+def launch(stream, spec: ClusterSampleSpec, batch: int, vocab: int, args: tuple) -> None:
+    """cluster_sample_kernel over `batch` rows (args as sample_kernel's)."""
+    fn = jit.get_function(spec, "cluster_sample_kernel", dynamic_smem=SLICE_BYTES)
+    smem = 4 * slice_elements(vocab, spec.cluster, spec.vec)
+    fn((batch * spec.cluster, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
+
+
+__all__ = ["ClusterSampleSpec", "cluster_size", "slice_elements"]
