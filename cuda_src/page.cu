@@ -5,18 +5,18 @@
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
 // append grid: flat over 16-byte units (VEC bytes when not aligned) of the rows (token, head);
 // each thread moves ITEMS units of K and of V, all loads issued before the stores.
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread).
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread),
+// THREADS (per CTA).
 #include "paged_kv.cuh"
 
-template <int N>
-struct alignas(N) Bytes {
-  unsigned char b[N];
-};
-using Unit = Bytes<VEC>;
+// A copy unit as one machine word of VEC bytes (a struct of chars would live in VEC registers).
+using Unit = Conditional<VEC == 16, uint4, Conditional<VEC == 8, uint2, Conditional<VEC == 4,
+             uint32_t, Conditional<VEC == 2, uint16_t, uint8_t>>>>;
 constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 
-extern "C" __global__ void append_kernel(
+// At most 85 registers: three CTAs of THREADS per SM keep enough copies in flight.
+extern "C" __global__ void __launch_bounds__(THREADS, 3) append_kernel(
     const char* __restrict__ key,    // [nnz, H, D] at t * key_token + h * key_head (bytes)
     int64_t key_token, int64_t key_head,
     const char* __restrict__ value,  // [nnz, H, D]

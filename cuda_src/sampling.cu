@@ -43,6 +43,51 @@ struct Filter {
   }
 };
 
+// radix_select<Src, false, true> (the k-th largest value > low and the mass of the values
+// >= it) on a candidate list of at most THREADS entries, by counting: entry i (thread i) is
+// the k-th when fewer than k entries exceed it and at least k reach it. The same Threshold, a
+// few block barriers instead of four histogram levels. False (nothing done) for a longer list
+// or a streamed row.
+template <class Src>
+RTC_DEVICE bool small_list_kth(const Src&, float, int, double, RowShared&, Threshold&) {
+  return false;
+}
+
+RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, int k,
+                               double scale, RowShared& sh, Threshold& th) {
+  int n = 0;
+  for (int s = 0; s < WARPS; ++s) n += sh.list_n[s];
+  if (n > THREADS) return false;
+  __syncthreads();  // earlier readers of sh.i / sh.u are done
+  if (threadIdx.x == 0) sh.i[0] = -1, sh.u[0] = 0ull;
+  int s = 0, pos = threadIdx.x;  // this thread's entry: region s, position pos
+  while (s < WARPS && pos >= sh.list_n[s]) pos -= sh.list_n[s++];
+  const float v = threadIdx.x < n ? list.value(s, pos) : 0.f;
+  const bool mine = threadIdx.x < n && v > low;
+  int above = 0, at_least = 0;
+  for (int r = 0; r < WARPS; ++r) {
+    for (int j = 0; j < sh.list_n[r]; ++j) {
+      const float y = list.value(r, j);
+      above += y > low && y > v;
+      at_least += y > low && y >= v;
+    }
+  }
+  __syncthreads();
+  if (mine && above < k && k <= at_least) sh.i[0] = int(__float_as_uint(v));  // ties: same key
+  __syncthreads();
+  const int key = sh.i[0];
+  th.all = key == -1;  // fewer than k values above low
+  th.key = uint32_t(key);
+  unsigned long long m = mine && !th.all && v >= __uint_as_float(th.key) ? fixed_mass(v, scale) : 0ull;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL, m, o);
+  if (lane_id() == 0 && m) atomicAdd(&sh.u[0], m);
+  __syncthreads();
+  th.kept = sh.u[0];
+  __syncthreads();
+  return true;
+}
+
 // The token of output row b, drawn from `src` (all kept values lie above `low`; sh.seg[cur]
 // holds the segment masses above low). The filter and the generator live in shared memory, so
 // the rounds keep few registers.
@@ -59,7 +104,9 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
   if constexpr (OP == TOP_K_FIRST) {
     if (f.use_k && M > 0.f) {
       const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
-      const Threshold th = radix_select<Src, false, true>(src, low, f.k, 0ull, scale, sh);
+      Threshold th;
+      if (!small_list_kth(src, low, f.k, scale, sh, th))
+        th = radix_select<Src, false, true>(src, low, f.k, 0ull, scale, sh);
       if (!th.all) {
         low = below(__uint_as_float(th.key));
         if (threadIdx.x == 0) f.P = f.top_p * float(double(th.kept) / scale);

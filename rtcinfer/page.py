@@ -44,6 +44,7 @@ class PageSpec:
             ROW_BYTES=self.row_bytes,
             VEC=self.vec,
             ITEMS=ITEMS,
+            THREADS=THREADS,
         )
 
 
