@@ -41,6 +41,7 @@ struct Scratch {
   uint32_t c[WARPS][2];
   float f[WARPS];
   uint64_t total, offset, out_u[2];
+  uint64_t rank_mass[2][CLUSTER];  // each slice's mass above pivot 1, pivot 2
   uint32_t out_c[2];
   int rank, digit;
   uint32_t greater;
@@ -84,7 +85,8 @@ struct Slice {
   }
 };
 
-// Cluster-wide sums of (count, mass) pairs over the values above pivots x[0], x[1].
+// Cluster-wide sums of (count, mass) pairs over the values above pivots x[0], x[1]; each
+// slice's masses are kept in sc.rank_mass (the next draw's slice masses above its new low).
 RTC_DEVICE void pivot_stats(const Slice& s, float x1, float x2, float scale, Published& pub,
                             Scratch& sc, uint32_t c[2], uint64_t m[2]) {
   uint32_t c1 = 0, c2 = 0;
@@ -120,6 +122,7 @@ RTC_DEVICE void pivot_stats(const Slice& s, float x1, float x2, float scale, Pub
       x = load_remote_u64(remote(&pub.pivot_mass[0], lane));
       y = load_remote_u64(remote(&pub.pivot_mass[1], lane));
     }
+    if (lane < CLUSTER) sc.rank_mass[0][lane] = x, sc.rank_mass[1][lane] = y;
     a = warp_sum_u32(a), b = warp_sum_u32(b), x = warp_sum_u64(x), y = warp_sum_u64(y);
     if (lane == 0) sc.out_c[0] = a, sc.out_c[1] = b, sc.out_u[0] = x, sc.out_u[1] = y;
   }
@@ -130,6 +133,8 @@ RTC_DEVICE void pivot_stats(const Slice& s, float x1, float x2, float scale, Pub
 // One draw among the values > low (order and target in the header). Returns the token (-1 when
 // no value is above low); with `publish`, every thread also gets the token's value and the
 // total mass T, else only the thread that found the token knows it (and writes out[]).
+// `rank_mass`: every slice's mass above low when already known (from pivot_stats), which saves
+// publishing them and one cluster barrier; null to compute them.
 struct Drawn {
   bool any;  // some value lies above low (the same in every thread of the cluster)
   int token;
@@ -138,7 +143,8 @@ struct Drawn {
 };
 
 RTC_DEVICE Drawn draw(const Slice& s, float low, float scale, float u, bool publish,
-                      Published& pub, Scratch& sc, uint32_t rank, OUT_T* out) {
+                      const uint64_t* rank_mass, Published& pub, Scratch& sc, uint32_t rank,
+                      OUT_T* out) {
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
   uint64_t mine = 0;
   s.for_each([&](int, float v) {
@@ -158,10 +164,13 @@ RTC_DEVICE Drawn draw(const Slice& s, float low, float scale, float u, bool publ
     if (i < w) before += x;
     cta += x;
   }
-  if (threadIdx.x == 0) pub.mass = cta;
-  cluster_sync();  // (1) every slice's mass is published
+  if (!rank_mass) {
+    if (threadIdx.x == 0) pub.mass = cta;
+    cluster_sync();  // (1) every slice's mass is published
+  }
   if (w == 0) {
-    const uint64_t x = lane < CLUSTER ? load_remote_u64(remote(&pub.mass, lane)) : 0ull;
+    uint64_t x = 0;
+    if (lane < CLUSTER) x = rank_mass ? rank_mass[lane] : load_remote_u64(remote(&pub.mass, lane));
     uint64_t excl = x;  // inclusive scan, then exclusive
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {

@@ -217,9 +217,11 @@ cluster_sample_kernel(
     float high = M;
     uint64_t P = 0;
     int token = -2;  // -2: not decided yet
+    const uint64_t* known = nullptr;  // the slices' masses above low, after a rejected round
 #pragma unroll 1
     for (int round = 0; round < MAX_ROUNDS; ++round) {
-      const Drawn d = draw(s, low, scale, rng.uniform(round), rejecting, pub, sc, rank, out + b);
+      const Drawn d = draw(s, low, scale, rng.uniform(round), rejecting, known, pub, sc, rank,
+                           out + b);
       if (!d.any || !rejecting) {
         token = d.any ? -3 : -1;  // -3: written by the thread that found it
         break;
@@ -236,8 +238,10 @@ cluster_sample_kernel(
       if (c[1] == 0 || m[1] < P) {
         low = x1;
         high = x2;
+        known = sc.rank_mass[0];
       } else {
         low = x2;
+        known = sc.rank_mass[1];
       }
     }
     if (token == -2 || token == -1) {  // out of rounds (or nothing above low): first maximum
