@@ -234,14 +234,17 @@ RTC_DEVICE float warp_floor(uint32_t k, Published& pub, Scratch& sc) {
   const int t = threadIdx.x;
   if (t < MAXIMA) sc.warp_max[t] = load_remote_f32(remote(&pub.warp_max[t % WARPS], t / WARPS));
   __syncthreads();
-  if (t < MAXIMA) {
-    const float x = sc.warp_max[t];
-    uint32_t above = 0;  // rank by value, ties by position: each rank is held by one thread
-    for (int i = 0; i < MAXIMA; ++i) {
-      const float y = sc.warp_max[i];
-      above += y > x || (y == x && i < t);
+  // Rank by value, ties by position (each rank is held by one maximum): warp w ranks maxima
+  // w, w + WARPS, ..., its lanes splitting the comparisons.
+  const int lane = t % 32;
+  for (int i = t / 32; i < MAXIMA; i += WARPS) {
+    const float x = sc.warp_max[i];
+    uint32_t above = 0;
+    for (int j = lane; j < MAXIMA; j += 32) {
+      const float y = sc.warp_max[j];
+      above += y > x || (y == x && j < i);
     }
-    if (above == k - 1) sc.floor = x;
+    if (warp_sum_u32(above) == k - 1 && lane == 0) sc.floor = x;
   }
   __syncthreads();
   return sc.floor;
@@ -325,20 +328,24 @@ RTC_DEVICE int finish_on_list(int n, uint32_t k, float top_p, bool rejecting, ui
                               float M, float scale, const Philox& rng, Published& pub,
                               Scratch& sc) {
   const int t = threadIdx.x, lane = t % 32, w = t / 32;
-  if (t < n) {
-    const float v = pub.list_v[t];
-    const int id = pub.list_t[t];
-    int pos = 0;
-    uint32_t above = 0, at_least = 0;
-    for (int j = 0; j < n; ++j) {
+  // Warp w places entries w, w + WARPS, ...: its position in token order and whether it is the
+  // k-th largest value (ties write the same value), the lanes splitting the comparisons.
+  for (int i = w; i < n; i += WARPS) {
+    const float v = pub.list_v[i];
+    const int id = pub.list_t[i];
+    uint32_t pos = 0, above = 0, at_least = 0;
+    for (int j = lane; j < n; j += 32) {
       const float y = pub.list_v[j];
       pos += pub.list_t[j] < id;
       above += y > v;
       at_least += y >= v;
     }
-    sc.sorted_v[pos] = v;
-    sc.sorted_t[pos] = id;
-    if (above < k && k <= at_least) sc.floor = v;  // ties write the same value
+    pos = warp_sum_u32(pos), above = warp_sum_u32(above), at_least = warp_sum_u32(at_least);
+    if (lane == 0) {
+      sc.sorted_v[pos] = v;
+      sc.sorted_t[pos] = id;
+      if (above < k && k <= at_least) sc.floor = v;
+    }
   }
   __syncthreads();
   float low = below(sc.floor), high = M;
