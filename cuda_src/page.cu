@@ -4,7 +4,8 @@
 //   seq_lens[b] = max(kv_indptr[b+1] - kv_indptr[b] - 1, 0) * page_size + kv_last_page_len[b]
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
 // append grid: flat over 16-byte units (VEC bytes when not aligned) of the rows (token, head);
-// each thread moves ITEMS units of K and of V, all loads issued before the stores.
+// each thread moves ITEMS units of K and of V, all loads issued before the stores; the new rows
+// are read once (evict-first loads).
 // Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread),
 // THREADS (per CTA).
 #include "paged_kv.cuh"
@@ -42,8 +43,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3) append_kernel(
     const int64_t row = u / UNITS;
     const int byte = int(u - row * UNITS) * VEC;
     const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
-    k[i] = *reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte);
-    v[i] = *reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte);
+    k[i] = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
+    v[i] = __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
     const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
     const int page_in_request = page_div.div(p);
     const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
