@@ -120,12 +120,14 @@ def header() -> str:
     """GPU, driver and commit, for the top of a results section."""
     cp = cupy()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("RTCINFER_COMMIT", "unknown")
+    commit = os.environ.get("RTCINFER_COMMIT")  # a copied tree may carry a stale .git
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return (
         f"GPU: {props['name'].decode()}, driver {cp.cuda.runtime.driverGetVersion()}, "
         f"commit {commit}, copy ceiling {copy_tbps():.2f} TB/s"
