@@ -362,3 +362,19 @@ def test_cluster_candidate_list_is_taken_for_typical_rows_only(rng):
     assert cluster_model.on_list(row, 50, 8, 4)
     assert not cluster_model.on_list(row, 129, 8, 4)  # k beyond the 128 warp maxima
     assert not cluster_model.on_list(np.full(128256, 1e-5, np.float32), 50, 8, 4)
+
+
+def test_cluster_path_selection():
+    from rtcinfer.sampling_cluster import SLICE_BYTES, cluster_size, slice_elements
+
+    assert cluster_size(1, 128256, 4, 132, 80) == 0  # no clusters before sm_90
+    assert cluster_size(1, 128256, 4, 132, 90) == 8
+    assert cluster_size(16, 151936, 4, 132, 90) == 8
+    assert cluster_size(17, 32000, 4, 132, 90) == 4 and cluster_size(33, 32000, 4, 132, 90) == 4
+    assert cluster_size(34, 32000, 4, 132, 90) == 2 and cluster_size(67, 32000, 4, 132, 90) == 0
+    assert cluster_size(40, 128256, 4, 132, 90) == 0  # a slice of 64128 floats does not fit
+    for vocab, cluster, vec in [(1, 8, 1), (111, 8, 1), (128256, 8, 4), (50000, 4, 8)]:
+        seg = slice_elements(vocab, cluster, vec)
+        per_cta = -(-vocab // cluster)
+        assert seg % max(4, vec) == 0 and per_cta <= seg < per_cta + max(4, vec)
+    assert 4 * slice_elements(400_000, 8, 4) <= SLICE_BYTES
