@@ -51,6 +51,9 @@ RTC_DEVICE void store_remote_u32(uint32_t addr, uint32_t v) {
 
 RTC_DEVICE uint32_t atomic_add_remote_u32(uint32_t addr, uint32_t v) {
   uint32_t old;
-  asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+  asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "r"(addr), "r"(v)
+               : "memory");
   return old;
 }

@@ -109,7 +109,8 @@ RTC_DEVICE void pivot_stats(const Slice& s, float x1, float x2, float scale, Pub
   if (threadIdx.x == 0) {
     uint32_t a = 0, b = 0;
     uint64_t x = 0, y = 0;
-    for (int i = 0; i < WARPS; ++i) a += sc.c[i][0], b += sc.c[i][1], x += sc.u[i][0], y += sc.u[i][1];
+    for (int i = 0; i < WARPS; ++i)
+      a += sc.c[i][0], b += sc.c[i][1], x += sc.u[i][0], y += sc.u[i][1];
     pub.count[0] = a, pub.count[1] = b, pub.pivot_mass[0] = x, pub.pivot_mass[1] = y;
   }
   cluster_sync();
@@ -373,7 +374,8 @@ RTC_DEVICE int finish_on_list(int n, uint32_t k, float top_p, bool rejecting, ui
     if (lane == 0) sc.c[w][0] = c1, sc.c[w][1] = c2, sc.u[w][0] = m1, sc.u[w][1] = m2;
     __syncthreads();
     c1 = c2 = 0, m1 = m2 = 0;
-    for (int i = 0; i < WARPS; ++i) c1 += sc.c[i][0], c2 += sc.c[i][1], m1 += sc.u[i][0], m2 += sc.u[i][1];
+    for (int i = 0; i < WARPS; ++i)
+      c1 += sc.c[i][0], c2 += sc.c[i][1], m1 += sc.u[i][0], m2 += sc.u[i][1];
     if (c1 == 0 || m1 < P) return token;
     if (c2 == 0 || m2 < P) {
       low = x1;

@@ -78,7 +78,8 @@ RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, in
   const int key = sh.i[0];
   th.all = key == -1;  // fewer than k values above low
   th.key = uint32_t(key);
-  unsigned long long m = mine && !th.all && v >= __uint_as_float(th.key) ? fixed_mass(v, scale) : 0ull;
+  const bool kept = mine && !th.all && v >= __uint_as_float(th.key);
+  unsigned long long m = kept ? fixed_mass(v, scale) : 0ull;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL, m, o);
   if (lane_id() == 0 && m) atomicAdd(&sh.u[0], m);

@@ -160,8 +160,10 @@ cluster_sample_kernel(
           if (v < floor) return;
           const uint32_t slot = atomic_add_remote_u32(count_at, 1u);
           if (slot < THREADS) {
-            store_remote_u32(remote(reinterpret_cast<uint32_t*>(&pub.list_v[slot]), 0), __float_as_uint(v));
-            store_remote_u32(remote(reinterpret_cast<uint32_t*>(&pub.list_t[slot]), 0), uint32_t(s.base + i));
+            uint32_t* vals = reinterpret_cast<uint32_t*>(pub.list_v);
+            uint32_t* ids = reinterpret_cast<uint32_t*>(pub.list_t);
+            store_remote_u32(remote(vals + slot, 0), __float_as_uint(v));
+            store_remote_u32(remote(ids + slot, 0), uint32_t(s.base + i));
           }
         });
         if (OP == TOP_K_TOP_P && rejecting) {  // "joint": top-p refers to the whole row
@@ -191,83 +193,85 @@ cluster_sample_kernel(
       }
       if (use_k && !listed) low = below(kth_largest(s, uint32_t(k), floor, pub, sc));
     }
-    if (!listed) {
-    if constexpr (OP == MIN_P) {
-      const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
-      if (min_p > 0.f) low = below(fminf(min_p, 1.f) * M);
-    }
-    uint64_t base_mass = 0;  // "joint" with a top-k cut: top-p refers to the whole row's mass
-    if (OP == TOP_K_TOP_P && rejecting && use_k) {
-      uint64_t mine = 0;
-      s.for_each([&](int, float v) { mine += fixed_mass(v, scale); });
-      mine = warp_sum_u64(mine);
-      if (lane == 0) sc.u[w][0] = mine;
-      __syncthreads();
-      if (threadIdx.x == 0) {
+    if (!listed) {  // the row streams: threshold, draws and rounds over the cluster
+      if constexpr (OP == MIN_P) {
+        const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
+        if (min_p > 0.f) low = below(fminf(min_p, 1.f) * M);
+      }
+      uint64_t base_mass = 0;  // "joint" with a top-k cut: top-p refers to the whole row's mass
+      if (OP == TOP_K_TOP_P && rejecting && use_k) {
+        uint64_t mine = 0;
+        s.for_each([&](int, float v) { mine += fixed_mass(v, scale); });
+        mine = warp_sum_u64(mine);
+        if (lane == 0) sc.u[w][0] = mine;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          uint64_t t = 0;
+          for (int i = 0; i < WARPS; ++i) t += sc.u[i][0];
+          pub.total = t;
+        }
+        cluster_sync();
         uint64_t t = 0;
-        for (int i = 0; i < WARPS; ++i) t += sc.u[i][0];
-        pub.total = t;
+  #pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) t += load_remote_u64(remote(&pub.total, r));
+        base_mass = t;
       }
-      cluster_sync();
-      uint64_t t = 0;
-#pragma unroll
-      for (int r = 0; r < CLUSTER; ++r) t += load_remote_u64(remote(&pub.total, r));
-      base_mass = t;
+      float high = M;
+      uint64_t P = 0;
+      int token = -2;  // -2: not decided yet
+      const uint64_t* known = nullptr;  // the slices' masses above low, after a rejected round
+  #pragma unroll 1
+      for (int round = 0; round < MAX_ROUNDS; ++round) {
+        const Drawn d = draw(s, low, scale, rng.uniform(round), rejecting, known, pub, sc, rank,
+                             out + b);
+        if (!d.any || !rejecting) {
+          token = d.any ? -3 : -1;  // -3: written by the thread that found it
+          break;
+        }
+        if (round == 0)
+          P = __double2ull_rn(double(top_p) * double(base_mass ? base_mass : d.total));
+        const float x1 = d.value, x2 = __fmul_rn(__fadd_rn(d.value, high), 0.5f);
+        uint32_t c[2];
+        uint64_t m[2];
+        pivot_stats(s, x1, x2, scale, pub, sc, c, m);
+        if (c[0] == 0 || m[0] < P) {
+          token = d.token;
+          break;
+        }
+        if (c[1] == 0 || m[1] < P) {
+          low = x1;
+          high = x2;
+          known = sc.rank_mass[0];
+        } else {
+          low = x2;
+          known = sc.rank_mass[1];
+        }
+      }
+      if (token == -2 || token == -1) {  // out of rounds (or nothing above low): first maximum
+        int first = 0x7fffffff;
+        s.for_each([&](int i, float v) {
+          if (v == M) first = min(first, s.base + i);
+        });
+        for (int m = 16; m > 0; m >>= 1) first = min(first, __shfl_xor_sync(FULL, first, m));
+        if (lane == 0) sc.c[w][1] = uint32_t(first);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          int f = 0x7fffffff;
+          for (int i = 0; i < WARPS; ++i) f = min(f, int(sc.c[i][1]));
+          pub.first_max = f;
+        }
+        cluster_sync();
+        if (threadIdx.x == 0 && rank == 0) {
+          int f = 0x7fffffff;
+          for (int r = 0; r < CLUSTER; ++r)
+            f = min(f, int(load_remote_u32(remote(reinterpret_cast<uint32_t*>(&pub.first_max),
+                                                  r))));
+          out[b] = OUT_T(f == 0x7fffffff ? 0 : f);
+        }
+      } else if (token >= 0 && threadIdx.x == 0 && rank == 0) {
+        out[b] = OUT_T(token);
+      }
     }
-    float high = M;
-    uint64_t P = 0;
-    int token = -2;  // -2: not decided yet
-    const uint64_t* known = nullptr;  // the slices' masses above low, after a rejected round
-#pragma unroll 1
-    for (int round = 0; round < MAX_ROUNDS; ++round) {
-      const Drawn d = draw(s, low, scale, rng.uniform(round), rejecting, known, pub, sc, rank,
-                           out + b);
-      if (!d.any || !rejecting) {
-        token = d.any ? -3 : -1;  // -3: written by the thread that found it
-        break;
-      }
-      if (round == 0) P = __double2ull_rn(double(top_p) * double(base_mass ? base_mass : d.total));
-      const float x1 = d.value, x2 = __fmul_rn(__fadd_rn(d.value, high), 0.5f);
-      uint32_t c[2];
-      uint64_t m[2];
-      pivot_stats(s, x1, x2, scale, pub, sc, c, m);
-      if (c[0] == 0 || m[0] < P) {
-        token = d.token;
-        break;
-      }
-      if (c[1] == 0 || m[1] < P) {
-        low = x1;
-        high = x2;
-        known = sc.rank_mass[0];
-      } else {
-        low = x2;
-        known = sc.rank_mass[1];
-      }
-    }
-    if (token == -2 || token == -1) {  // out of rounds (or nothing above low): first maximum
-      int first = 0x7fffffff;
-      s.for_each([&](int i, float v) {
-        if (v == M) first = min(first, s.base + i);
-      });
-      for (int m = 16; m > 0; m >>= 1) first = min(first, __shfl_xor_sync(FULL, first, m));
-      if (lane == 0) sc.c[w][1] = uint32_t(first);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int f = 0x7fffffff;
-        for (int i = 0; i < WARPS; ++i) f = min(f, int(sc.c[i][1]));
-        pub.first_max = f;
-      }
-      cluster_sync();
-      if (threadIdx.x == 0 && rank == 0) {
-        int f = 0x7fffffff;
-        for (int r = 0; r < CLUSTER; ++r)
-          f = min(f, int(load_remote_u32(remote(reinterpret_cast<uint32_t*>(&pub.first_max), r))));
-        out[b] = OUT_T(f == 0x7fffffff ? 0 : f);
-      }
-    } else if (token >= 0 && threadIdx.x == 0 && rank == 0) {
-      out[b] = OUT_T(token);
-    }
-    }  // !listed
   } else if (threadIdx.x == 0 && rank == 0) {
     out[b] = OUT_T(0);
   }
