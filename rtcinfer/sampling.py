@@ -25,6 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import jit, sampling_cluster
+from .decode_kernel import device_limits
 from .interop import Out, dtype_name, framework, run
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
@@ -98,8 +99,9 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         flag,
     )  # fmt: skip
     device = probs.device
-    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, jit.sm_count(device.id),
-                                            int(device.compute_capability))  # fmt: skip
+    sms, smem = device_limits(device.id)
+    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, sms,
+                                            int(device.compute_capability), smem)  # fmt: skip
     if cluster:  # a small batch: a cluster of CTAs per row
         cspec = ClusterSampleSpec(op, spec.dtype, spec.out_dtype, spec.vec, cluster)
         sampling_cluster.launch(stream, cspec, batch, vocab, args)

@@ -15,6 +15,7 @@ from . import jit
 
 THREADS = 512
 SLICE_BYTES = 200 * 1024  # the dynamic shared memory every cluster kernel is allowed
+STATIC_BYTES = 16 * 1024  # room for the kernel's static shared memory (about 11.5 KB)
 CLUSTERS = (8, 4, 2)
 
 
@@ -50,11 +51,13 @@ def slice_elements(vocab: int, cluster: int, vec: int) -> int:
     return -(-per_cta // align) * align
 
 
-def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capability: int) -> int:
+def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capability: int,
+                 smem_per_block: int = 227 * 1024) -> int:  # fmt: skip
     """CTAs per row for a [batch, vocab] call: the largest of 8, 4, 2 whose grid fits the SMs
-    and whose slices fit shared memory; 0 (one CTA per row instead) when none does or the
-    device predates clusters."""
-    if compute_capability < 90:
+    and whose slices fit shared memory; 0 (one CTA per row instead) when none does, the device
+    predates clusters, or its opt-in shared memory per block (`smem_per_block`) is smaller
+    than the kernel's."""
+    if compute_capability < 90 or smem_per_block < SLICE_BYTES + STATIC_BYTES:
         return 0
     for cluster in CLUSTERS:
         fits = 4 * slice_elements(vocab, cluster, vec) <= SLICE_BYTES

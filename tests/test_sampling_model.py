@@ -368,6 +368,7 @@ def test_cluster_path_selection():
     from rtcinfer.sampling_cluster import SLICE_BYTES, cluster_size, slice_elements
 
     assert cluster_size(1, 128256, 4, 132, 80) == 0  # no clusters before sm_90
+    assert cluster_size(1, 128256, 4, 188, 120, 99 * 1024) == 0  # too little shared memory
     assert cluster_size(1, 128256, 4, 132, 90) == 8
     assert cluster_size(16, 151936, 4, 132, 90) == 8
     assert cluster_size(17, 32000, 4, 132, 90) == 4 and cluster_size(33, 32000, 4, 132, 90) == 4
