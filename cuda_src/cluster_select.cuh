@@ -1,12 +1,8 @@
 // The building blocks of cuda_src/sampling_cluster.cu: what each CTA publishes to its cluster,
 // block scratch, and the cluster-wide passes over the CTA's slice (pivot statistics, a draw,
 // the k-th largest value) plus rank 0's finish on a candidate list. The including file defines
-// OP, HAS_K, HAS_P, WARPS, MAX_ROUNDS, FULL and the prelude's THREADS, CLUSTER, OUT_T.
+// WARPS and FULL, includes sample_common.cuh, and has the prelude's THREADS, CLUSTER, OUT_T.
 #pragma once
-
-RTC_DEVICE float below(float t) {  // the largest float < t (0 for t <= 0)
-  return t > 0.f ? __uint_as_float(__float_as_uint(t) - 1u) : 0.f;
-}
 
 RTC_DEVICE uint64_t fixed_mass(float v, float scale) { return __float2ull_rn(__fmul_rn(v, scale)); }
 
@@ -84,6 +80,20 @@ struct Slice {
     }
   }
 };
+
+// pub.total = the slice's mass (sum of f over all its values); "joint" top-p refers to the row's.
+RTC_DEVICE void publish_slice_mass(const Slice& s, float scale, Published& pub, Scratch& sc) {
+  uint64_t mine = 0;
+  s.for_each([&](int, float v) { mine += fixed_mass(v, scale); });
+  mine = warp_sum_u64(mine);
+  if (threadIdx.x % 32 == 0) sc.u[threadIdx.x / 32][0] = mine;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t t = 0;
+    for (int i = 0; i < WARPS; ++i) t += sc.u[i][0];
+    pub.total = t;
+  }
+}
 
 // Cluster-wide sums of (count, mass) pairs over the values above pivots x[0], x[1]; each
 // slice's masses are kept in sc.rank_mass (the next draw's slice masses above its new low).

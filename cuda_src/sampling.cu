@@ -21,16 +21,9 @@
 // Prelude: OP (SampleOp), T, OUT_T, VEC, THREADS, CAP.
 #include "philox.cuh"
 #include "row_select.cuh"
+#include "sample_common.cuh"
 
-enum SampleOp { PLAIN = 0, TOP_K = 1, TOP_P = 2, MIN_P = 3, TOP_K_TOP_P = 4, TOP_K_FIRST = 5 };
-constexpr int MAX_ROUNDS = 64;
-constexpr bool HAS_K = OP == TOP_K || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
-constexpr bool HAS_P = OP == TOP_P || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
 static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
-
-RTC_DEVICE float below(float t) {  // the largest float < t (0 for t <= 0)
-  return t > 0.f ? __uint_as_float(__float_as_uint(t) - 1u) : 0.f;
-}
 
 struct Filter {
   bool use_k, use_p, use_min_p;
@@ -140,23 +133,8 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
   return first == NONE ? 0 : first;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) sample_kernel(
-    const T* __restrict__ probs,           // [rows, vocab], rows `row_stride` elements apart
-    int64_t row_stride, int vocab,
-    const OUT_T* __restrict__ indices,     // [batch] probability row of each output, or null
-    OUT_T* __restrict__ out,               // [batch] sampled token ids
-    const int32_t* __restrict__ top_k_arr,    // [batch] or null
-    const int64_t* __restrict__ top_k_arr64,  // [batch] or null
-    int top_k_val,
-    const float* __restrict__ top_p_arr,   // [batch] or null
-    float top_p_val,
-    const float* __restrict__ min_p_arr,   // [batch] or null
-    float min_p_val,
-    const uint64_t* __restrict__ seed_arr,    // [1] or [batch], or null
-    uint64_t seed_val, int seed_len,
-    const uint64_t* __restrict__ offset_arr,  // [1] or [batch], or null
-    uint64_t offset_val, int offset_len,
-    int* __restrict__ error_flag) {        // [1] set to 1 on NaN, negative or inf; null: no check
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
+    sample_kernel(SAMPLE_KERNEL_PARAMS) {  // parameters: sample_common.cuh
   extern __shared__ float4 smem[];
   __shared__ RowShared sh;
   __shared__ Filter f;
@@ -184,17 +162,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) sample_ker
       sh.f[0] = m;
       Filter p{};
       if constexpr (HAS_K) {
-        const long long k = top_k_arr ? top_k_arr[b] : top_k_arr64 ? top_k_arr64[b] : top_k_val;
+        const long long k = row_top_k(top_k_arr, top_k_arr64, top_k_val, b);
         p.use_k = k > 0 && k < vocab;
         p.k = p.use_k ? int(k) : vocab;
       }
       if constexpr (HAS_P) {
-        p.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
+        p.top_p = row_param(top_p_arr, top_p_val, b);
         p.use_p = p.top_p < 1.f;
         p.P = p.top_p * s;
       }
       if constexpr (OP == MIN_P) {
-        const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
+        const float min_p = row_param(min_p_arr, min_p_val, b);
         p.use_min_p = min_p > 0.f;
         p.t = fminf(min_p, 1.f) * m;
       }

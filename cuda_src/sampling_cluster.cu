@@ -30,13 +30,10 @@
 // Prelude: OP (SampleOp), T, OUT_T, VEC, THREADS, CLUSTER. Building blocks: cluster_select.cuh.
 #include "philox.cuh"
 #include "cluster.cuh"
+#include "sample_common.cuh"
 
-enum SampleOp { PLAIN = 0, TOP_K = 1, TOP_P = 2, MIN_P = 3, TOP_K_TOP_P = 4, TOP_K_FIRST = 5 };
 constexpr int WARPS = THREADS / 32;
-constexpr int MAX_ROUNDS = 64;
 constexpr int SEG_ALIGN = VEC > 4 ? VEC : 4;
-constexpr bool HAS_K = OP == TOP_K || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
-constexpr bool HAS_P = OP == TOP_P || OP == TOP_K_TOP_P || OP == TOP_K_FIRST;
 constexpr unsigned FULL = 0xffffffffu;
 static_assert(THREADS % 32 == 0 && WARPS >= 8 && WARPS <= 32, "8 to 32 warps");
 static_assert(CLUSTER >= 1 && CLUSTER <= 8, "portable cluster sizes");
@@ -44,23 +41,7 @@ static_assert(CLUSTER >= 1 && CLUSTER <= 8, "portable cluster sizes");
 #include "cluster_select.cuh"
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
-cluster_sample_kernel(
-    const T* __restrict__ probs,           // [rows, vocab], rows `row_stride` elements apart
-    int64_t row_stride, int vocab,
-    const OUT_T* __restrict__ indices,     // [batch] probability row of each output, or null
-    OUT_T* __restrict__ out,               // [batch] sampled token ids
-    const int32_t* __restrict__ top_k_arr,    // [batch] or null
-    const int64_t* __restrict__ top_k_arr64,  // [batch] or null
-    int top_k_val,
-    const float* __restrict__ top_p_arr,   // [batch] or null
-    float top_p_val,
-    const float* __restrict__ min_p_arr,   // [batch] or null
-    float min_p_val,
-    const uint64_t* __restrict__ seed_arr,    // [1] or [batch], or null
-    uint64_t seed_val, int seed_len,
-    const uint64_t* __restrict__ offset_arr,  // [1] or [batch], or null
-    uint64_t offset_val, int offset_len,
-    int* __restrict__ error_flag) {        // [1] set to 1 on NaN, negative or inf; null: no check
+    cluster_sample_kernel(SAMPLE_KERNEL_PARAMS) {  // parameters: sample_common.cuh
   extern __shared__ float4 slice_memory[];
   __shared__ Published pub;
   __shared__ Scratch sc;
@@ -147,11 +128,11 @@ cluster_sample_kernel(
     const Philox rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val,
                                    offset_len, b);
     float low = 0.f, top_p = 1.f;
-    if constexpr (HAS_P) top_p = top_p_arr ? top_p_arr[b] : top_p_val;
+    if constexpr (HAS_P) top_p = row_param(top_p_arr, top_p_val, b);
     const bool rejecting = HAS_P && top_p < 1.f;
     bool use_k = false, listed = false;
     if constexpr (HAS_K) {
-      const long long k = top_k_arr ? top_k_arr[b] : top_k_arr64 ? top_k_arr64[b] : top_k_val;
+      const long long k = row_top_k(top_k_arr, top_k_arr64, top_k_val, b);
       use_k = k > 0 && k < vocab;
       const float floor = use_k ? warp_floor(uint32_t(k), pub, sc) : 0.f;
       if (floor > 0.f) {  // gather the values >= floor into rank 0's list
@@ -166,18 +147,7 @@ cluster_sample_kernel(
             store_remote_u32(remote(ids + slot, 0), uint32_t(s.base + i));
           }
         });
-        if (OP == TOP_K_TOP_P && rejecting) {  // "joint": top-p refers to the whole row
-          uint64_t mine = 0;
-          s.for_each([&](int, float v) { mine += fixed_mass(v, scale); });
-          mine = warp_sum_u64(mine);
-          if (lane == 0) sc.u[w][0] = mine;
-          __syncthreads();
-          if (threadIdx.x == 0) {
-            uint64_t t = 0;
-            for (int i = 0; i < WARPS; ++i) t += sc.u[i][0];
-            pub.total = t;
-          }
-        }
+        if (OP == TOP_K_TOP_P && rejecting) publish_slice_mass(s, scale, pub, sc);  // "joint"
         cluster_sync();  // the list is complete
         const uint32_t n = load_remote_u32(count_at);
         listed = n <= uint32_t(THREADS);
@@ -195,21 +165,12 @@ cluster_sample_kernel(
     }
     if (!listed) {  // the row streams: threshold, draws and rounds over the cluster
       if constexpr (OP == MIN_P) {
-        const float min_p = min_p_arr ? min_p_arr[b] : min_p_val;
+        const float min_p = row_param(min_p_arr, min_p_val, b);
         if (min_p > 0.f) low = below(fminf(min_p, 1.f) * M);
       }
       uint64_t base_mass = 0;  // "joint" with a top-k cut: top-p refers to the whole row's mass
       if (OP == TOP_K_TOP_P && rejecting && use_k) {
-        uint64_t mine = 0;
-        s.for_each([&](int, float v) { mine += fixed_mass(v, scale); });
-        mine = warp_sum_u64(mine);
-        if (lane == 0) sc.u[w][0] = mine;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          uint64_t t = 0;
-          for (int i = 0; i < WARPS; ++i) t += sc.u[i][0];
-          pub.total = t;
-        }
+        publish_slice_mass(s, scale, pub, sc);
         cluster_sync();
         uint64_t t = 0;
   #pragma unroll
