@@ -78,8 +78,9 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
     if batch == 0:
         return
     _, _, stride, _ = leading_rows(probs, "probs")  # the vocabulary axis must be contiguous
-    spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out),
-                       jit.sm_count(probs.device.id))  # fmt: skip
+    device = probs.device
+    sms, smem_per_block = device_limits(device.id)
+    spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out), sms)
     spec = replace(spec, vec=fit_vec(spec.vec, probs.itemsize, [probs.data.ptr], [stride]))
     flag = outs[1] if len(outs) > 1 else 0
     if len(outs) > 1:
@@ -98,10 +99,8 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         0 if offsets is None else offsets, np.uint64(offset), np.int32(_entries(offsets)),
         flag,
     )  # fmt: skip
-    device = probs.device
-    sms, smem = device_limits(device.id)
-    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, sms,
-                                            int(device.compute_capability), smem)  # fmt: skip
+    cc = int(device.compute_capability)
+    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, sms, cc, smem_per_block)
     if cluster:  # a small batch: a cluster of CTAs per row
         cspec = ClusterSampleSpec(op, spec.dtype, spec.out_dtype, spec.vec, cluster)
         sampling_cluster.launch(stream, cspec, batch, vocab, args)
