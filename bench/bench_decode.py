@@ -9,7 +9,17 @@ import time
 import numpy as np
 
 import rtcinfer
-from bench.common import Table, copy_tbps, cupy, graph_time_us, header, peer, ratio, run_peer
+from bench.common import (
+    Table,
+    Tables,
+    copy_tbps,
+    cupy,
+    graph_time_us,
+    header,
+    peer,
+    ratio,
+    run_peer,
+)
 from rtcinfer.interop.dtypes import itemsize, numpy_dtype
 
 # label, batch, kv_len, num_qo_heads, num_kv_heads, page_size, kv dtype (head_dim 128, bf16 q)
@@ -118,7 +128,9 @@ def plan_row(table: Table, fi, torch, rng) -> None:
 
 
 def append_rows(table: Table, fi, torch, rng) -> None:
-    """append_paged_kv_cache, ours then FlashInfer's (on its own copies of the inputs)."""
+    """append_paged_kv_cache, ours then FlashInfer's (on its own copies of the inputs), beside a
+    device-to-device copy of the same bytes timed the same way (a small copy cannot reach the
+    large-copy ceiling either: launch latency dominates)."""
     cp = cupy()
     rows = []
     for label, batch, added, kv_len in (("append 256 x 1 token", 256, 1, 1024),
@@ -134,17 +146,21 @@ def append_rows(table: Table, fi, torch, rng) -> None:
         key, value = (random_cache((nnz, 8, HEAD_DIM), "bfloat16") for _ in range(2))
         dev = [cp.asarray(a) for a in (indices, indptr, last)]
         us = graph_time_us(lambda: rtcinfer.append_paged_kv_cache(key, value, bi, pos, cache, *dev))
+        src = cp.empty(key.nbytes + value.nbytes, dtype=np.uint8)
+        dst = cp.empty_like(src)
+        copy_us = graph_time_us(lambda: cp.copyto(dst, src))  # noqa: B023 - called at once
         tbps = 2 * (key.nbytes + value.nbytes) / us / 1e6  # read + write, like the copy ceiling
-        rows.append((label, us, tbps, (key, value, bi, pos, cache, *dev)))
-    for label, us, tbps, arrays in rows:
+        rows.append((label, us, tbps, copy_us, (key, value, bi, pos, cache, *dev)))
+    for label, us, tbps, copy_us, arrays in rows:
         theirs = None
         if fi is not None and torch is not None:
             t = [torch.from_dlpack(a).clone() for a in arrays]
             theirs = run_peer("flashinfer append", lambda: fi.append_paged_kv_cache(*t))
-        table.add(label, us, tbps, 100 * tbps / copy_tbps(), theirs, "", ratio(us, theirs))
+        table.add(label, us, tbps, 100 * tbps / copy_tbps(), copy_us, 100 * copy_us / us, theirs,
+                  ratio(us, theirs))  # fmt: skip
 
 
-def main() -> Table:
+def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
@@ -152,8 +168,13 @@ def main() -> Table:
     table = Table("batch decode (bf16 q, head_dim 128, page 16 unless noted)", columns)
     decode_rows(table, fi, torch, rng)
     plan_row(table, fi, torch, rng)
-    append_rows(table, fi, torch, rng)
-    return table
+    append = Table(
+        "append_paged_kv_cache (bf16, 8 kv heads, head_dim 128, page 16)",
+        ["case", "us", "TB/s", "% copy", "same-size copy us", "% of same-size copy",
+         "FlashInfer us", "vs FlashInfer"],
+    )  # fmt: skip
+    append_rows(append, fi, torch, rng)
+    return Tables([table, append])
 
 
 if __name__ == "__main__":

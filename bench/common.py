@@ -110,6 +110,13 @@ class Table:
         return f"### {self.title}\n\n" + head + "".join(f"| {' | '.join(r)} |\n" for r in self.rows)
 
 
+class Tables(list):
+    """Several tables from one bench module, printed one after the other."""
+
+    def markdown(self) -> str:
+        return "\n".join(t.markdown() for t in self)
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"

@@ -79,8 +79,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     float* __restrict__ lse,         // [B, Hq], strides (lse_stride_n, 1); may be null
     int64_t lse_stride_n,
     const int* __restrict__ plan,    // [HEADER_INTS] + [capacity][8] work items + page ids
-    float* __restrict__ partial_o,   // [capacity, Hq, HEAD_DIM]
-    float* __restrict__ partial_lse,  // [capacity, Hq]
+    float* __restrict__ partial_o,   // [Hq * gridDim.y, HEAD_DIM] (rows: see partial_row)
+    float* __restrict__ partial_lse,  // [Hq * gridDim.y]
     int* __restrict__ counters,      // [max_batch, gridDim.x], zero between launches
     int num_qo_heads, int group_size, int page_size, uint32_t div_magic, int div_shift,
     int window_left, float qk_scale, float soft_cap, float v_scale) {
@@ -315,6 +315,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   __syncthreads();
 
   const bool direct = merge_count == 1;
+  // Partials of this CTA column (query heads head0 .. head0 + heads) are contiguous rows
+  // [head0 * gridDim.y, (head0 + heads) * gridDim.y), item-major: the merge reads one block.
+  const int64_t partial_row = static_cast<int64_t>(head0) * gridDim.y;
   constexpr int VECS = HEAD_DIM / 4;
   for (int i = threadIdx.x; i < heads * VECS; i += THREADS) {
     const int h = i / VECS, d = (i % VECS) * 4;
@@ -339,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
       dst[2] = from_float<OT>(out.z), dst[3] = from_float<OT>(out.w);
       if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc.lse();
     } else {
-      const int64_t at = static_cast<int64_t>(item) * num_qo_heads + qh;
+      const int64_t at = partial_row + static_cast<int64_t>(item) * heads + h;
       *reinterpret_cast<float4*>(partial_o + at * HEAD_DIM + d) = out;
       if (d == 0) partial_lse[at] = acc.lse();
     }
@@ -358,38 +361,61 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   __syncthreads();
   if (!*last_s) return;
   __threadfence();
-  constexpr int BATCH = 16;  // partials loaded ahead of their merge
-  for (int i = threadIdx.x; i < heads * VECS; i += THREADS) {
-    const int h = i / VECS, d = (i % VECS) * 4;
-    const int64_t first = static_cast<int64_t>(merge_begin) * num_qo_heads + head0 + h;
-    AttentionState<4> acc;
-    acc.init();
-    for (int k0 = 0; k0 < merge_count; k0 += BATCH) {
-      float4 v[BATCH];
-      float s[BATCH];
+  // Merge the request's partials in chunk order: with M = max_k lse_k and w_k = 2^(lse_k - M),
+  // o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k); empty partials (lse = -inf) weigh
+  // 0. The partials pass through the ring (free again) a group at a time, every copy of a group
+  // in flight at once; the weights are independent, so no chain of dependent merges.
+  constexpr int ITEMS = (HEADS * VECS + THREADS - 1) / THREADS;  // (head, 4 dims) per thread
+  static_assert(RING_BYTES >= HEADS * (HEAD_DIM + 1) * 4, "one partial fits in the ring");
+  const int row_floats = heads * HEAD_DIM;  // one partial of this CTA's heads
+  const int group = RING_BYTES / ((row_floats + heads) * 4);
+  const float* po_s = reinterpret_cast<const float*>(ring);  // [group][heads][HEAD_DIM]
+  float* pl_s = reinterpret_cast<float*>(ring) + group * row_floats;  // [group][heads]
+  AttentionState<4> acc[ITEMS];
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        if (k0 + k < merge_count) {
-          const int64_t at = first + static_cast<int64_t>(k0 + k) * num_qo_heads;
-          v[k] = __ldcg(reinterpret_cast<const float4*>(partial_o + at * HEAD_DIM + d));
-          s[k] = __ldcg(partial_lse + at);
-        }
-      }
+  for (int j = 0; j < ITEMS; ++j) acc[j].init();
+  for (int k0 = 0; k0 < merge_count; k0 += group) {
+    const int n = min(group, merge_count - k0);
+    const int64_t first = partial_row + static_cast<int64_t>(merge_begin + k0) * heads;
+    const float* src = partial_o + first * HEAD_DIM;  // n partials, contiguous
+    for (int c = threadIdx.x; c < n * row_floats / 4; c += THREADS)
+      cp_async_16(ring_addr + 16 * c, src + 4 * c, true);
+    cp_async_commit();
+    for (int i = threadIdx.x; i < n * heads; i += THREADS) pl_s[i] = __ldcg(partial_lse + first + i);
+    cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        if (k0 + k < merge_count) {
-          AttentionState<4> part;
-          const float vals[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-          part.set_normalized(vals, s[k]);
-          acc.merge(part);
+    for (int j = 0; j < ITEMS; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (i < heads * VECS) {
+        const int h = i / VECS, d = (i % VECS) * 4;
+        float group_max = neg_inf();
+#pragma unroll 8
+        for (int k = 0; k < n; ++k) group_max = fmaxf(group_max, pl_s[k * heads + h]);
+        const float off = acc[j].rescale(group_max);
+#pragma unroll 4
+        for (int k = 0; k < n; ++k) {
+          const float w = fast_exp2(pl_s[k * heads + h] - off);  // 0 for an empty partial
+          const float4 v = *reinterpret_cast<const float4*>(po_s + (k * heads + h) * HEAD_DIM + d);
+          acc[j].d += w;  // an empty partial's o is 0 (written so), so w * v adds nothing
+          acc[j].o[0] = fmaf(w, v.x, acc[j].o[0]), acc[j].o[1] = fmaf(w, v.y, acc[j].o[1]);
+          acc[j].o[2] = fmaf(w, v.z, acc[j].o[2]), acc[j].o[3] = fmaf(w, v.w, acc[j].o[3]);
         }
       }
     }
-    acc.normalize();
-    const int qh = head0 + h;
-    OT* dst = o + request * o_stride_n + qh * o_stride_h + d;
+    __syncthreads();  // the next group overwrites the ring
+  }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dst[e] = from_float<OT>(acc.o[e]);
-    if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc.lse();
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = threadIdx.x + j * THREADS;
+    if (i < heads * VECS) {
+      const int h = i / VECS, d = (i % VECS) * 4;
+      acc[j].normalize();
+      const int qh = head0 + h;
+      OT* dst = o + request * o_stride_n + qh * o_stride_h + d;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[e] = from_float<OT>(acc[j].o[e]);
+      if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc[j].lse();
+    }
   }
 }

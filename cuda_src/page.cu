@@ -3,11 +3,11 @@
 //            K[page, p % ps, h] = append_key[t, h]; V likewise       (a byte copy of each row)
 //   seq_lens[b] = max(kv_indptr[b+1] - kv_indptr[b] - 1, 0) * page_size + kv_last_page_len[b]
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
-// append grid: flat over 16-byte units (VEC bytes when not aligned) of the rows (token, head);
-// each thread moves ITEMS units of K and of V, all loads issued before the stores; the new rows
-// are read once (evict-first loads).
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), ITEMS (units per thread),
-// THREADS (per CTA).
+// append grid: one thread per 16-byte unit (VEC bytes when not aligned) of the rows (token,
+// head) of K and of V; the new rows are read once (evict-first loads). One unit per thread, many
+// small CTAs, measured best: more units per thread (all loads before the stores) held more
+// registers and fewer copies in flight per SM.
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA).
 #include "paged_kv.cuh"
 
 // A copy unit as one machine word of VEC bytes (a struct of chars would live in VEC registers).
@@ -16,8 +16,7 @@ using Unit = Conditional<VEC == 16, uint4, Conditional<VEC == 8, uint2, Conditio
 constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 
-// At most 85 registers: three CTAs of THREADS per SM keep enough copies in flight.
-extern "C" __global__ void __launch_bounds__(THREADS, 3) append_kernel(
+extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
     const char* __restrict__ key,    // [nnz, H, D] at t * key_token + h * key_head (bytes)
     int64_t key_token, int64_t key_head,
     const char* __restrict__ value,  // [nnz, H, D]
@@ -32,32 +31,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3) append_kernel(
     int64_t units, int num_heads, uint32_t head_magic, int head_shift, int page_size,
     uint32_t page_magic, int page_shift) {
   const FastDiv head_div{head_magic, head_shift}, page_div{page_magic, page_shift};
-  const int64_t first = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  Unit k[ITEMS], v[ITEMS];
-  int64_t k_dst[ITEMS], v_dst[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int64_t u = first + i * stride;
-    if (u >= units) break;
-    const int64_t row = u / UNITS;
-    const int byte = int(u - row * UNITS) * VEC;
-    const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
-    k[i] = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
-    v[i] = __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
-    const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
-    const int page_in_request = page_div.div(p);
-    const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
-    const int slot = p - page_in_request * page_size;
-    k_dst[i] = page * kp + slot * kt + h * kh + byte;
-    v_dst[i] = page * vp + slot * vt + h * vh + byte;
-  }
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (first + i * stride >= units) break;
-    *reinterpret_cast<Unit*>(k_cache + k_dst[i]) = k[i];
-    *reinterpret_cast<Unit*>(v_cache + v_dst[i]) = v[i];
-  }
+  const int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (u >= units) return;
+  const int64_t row = u / UNITS;
+  const int byte = int(u - row * UNITS) * VEC;
+  const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
+  const Unit k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
+  const Unit v =
+      __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
+  const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
+  const int page_in_request = page_div.div(p);
+  const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
+  const int slot = p - page_in_request * page_size;
+  *reinterpret_cast<Unit*>(k_cache + page * kp + slot * kt + h * kh + byte) = k;
+  *reinterpret_cast<Unit*>(v_cache + page * vp + slot * vt + h * vh + byte) = v;
 }
 
 extern "C" __global__ void seq_lens_kernel(const int* __restrict__ kv_indptr,  // [B + 1]

@@ -25,7 +25,6 @@ from .interop.dtypes import itemsize
 from .plan import page as host_page
 
 THREADS = 256
-ITEMS = 4  # copy units per thread in append_kernel: their loads all issue before the stores
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,6 @@ class PageSpec:
         return jit.prelude(
             ROW_BYTES=self.row_bytes,
             VEC=self.vec,
-            ITEMS=ITEMS,
             THREADS=THREADS,
         )
 
@@ -96,10 +94,7 @@ def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
         units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
         np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
     )  # fmt: skip
-    # ITEMS units per thread keeps many loads in flight on large appends; a small append (one
-    # token per request) instead spreads one unit per thread over up to two CTAs per SM.
-    one_each = -(-units // THREADS)
-    grid = max(-(-one_each // ITEMS), min(one_each, 2 * jit.sm_count(key.device.id)))
+    grid = -(-units // THREADS)  # one copy unit per thread
     fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
 
 

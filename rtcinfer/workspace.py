@@ -2,10 +2,10 @@
 
 Device layout (each region 256-byte aligned):
 
-    plan       int32[HEADER + 8 * max_work + max_pages]  header | work items | page ids
-    counters   int32[max_batch * kv_blocks]               split-merge arrivals, zero at rest
-    lse        float32[max_work, num_qo_heads]            partial LSE of split work items
-    o          float32[max_work, num_qo_heads, head_dim]  partial outputs
+    plan       int32[HEADER + 8 * max_work + max_pages]   header | work items | page ids
+    counters   int32[max_batch * kv_blocks]                split-merge arrivals, zero at rest
+    lse        float32[num_qo_heads * max_work]            partial LSE of split work items
+    o          float32[num_qo_heads * max_work, head_dim]  partial outputs (rows: decode.cu)
 
 The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
 is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,

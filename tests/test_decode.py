@@ -112,6 +112,18 @@ def test_long_request_with_short_and_empty_ones():
     check_attention(o, lse, *batch.reference(), "bfloat16")
 
 
+@pytest.mark.parametrize("head_dim, group_size", [(128, 4), (128, 16), (256, 8), (64, 2)])
+@pytest.mark.parametrize("feature", [None, "window"])
+def test_merge_of_many_partials(head_dim, group_size, feature):
+    """One page per work item: a request merges up to 188 partials, more than the kernel stages
+    at once (11-47 per pass), and with a window most of them are empty (lse -inf)."""
+    rng = seeded("many", head_dim, group_size, feature)
+    batch = make_batch(rng, [3000, 1, 0, 700], head_dim=head_dim, group_size=group_size)
+    features = FEATURES.get(feature, {})
+    o, lse = run_batch(batch, fixed_split_size=1, **features)
+    check_attention(o, lse, *batch.reference(**features), "bfloat16")
+
+
 def _ulp_close(a, b, dtype_bits: int) -> None:
     """|a - b| <= one ulp of a dtype with `dtype_bits` mantissa bits, of the element or of the
     array's rms: P is rounded to 16 bits before the PV product, and split and unsplit runs round
