@@ -128,6 +128,28 @@ def _host_ints(name: str, x) -> np.ndarray:
     return as_int_array(name, to_numpy(x) if hasattr(x, "__dlpack__") else x)
 
 
+def _host_index_ints(name: str, x) -> np.ndarray:
+    """A host view of page ids in their own integer dtype (int32 stays int32: the plan buffer is
+    int32, so widening them would be a copy for nothing); range checks are the caller's."""
+    arr = np.asarray(to_numpy(x) if hasattr(x, "__dlpack__") else x)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        return as_int_array(name, arr)  # raises for a wrong dtype or shape; converts an empty []
+    return arr
+
+
+def _arg_key(args: tuple) -> tuple:
+    """plan()'s static arguments with their types: equal keys make the same Config (1 and 1.0
+    or True compare equal but are not the same argument)."""
+    return args + tuple(map(type, args))
+
+
+def _same_key(a: tuple, b: tuple | None) -> bool:
+    try:
+        return b is not None and bool(a == b)
+    except ValueError:  # an array argument (make_config rejects it with a clear error)
+        return False
+
+
 @dataclass(frozen=True)
 class _Launch:
     """Everything run() needs from the latest plan()."""
@@ -200,6 +222,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         buffer = as_cupy(workspace, "workspace") if workspace is not None else None
         self._ws = Workspace(self._device, buffer)
         self._cfg: Config | None = None
+        self._cfg_key: tuple | None = None  # plan()'s static arguments that made _cfg
         self._launch: _Launch | None = None
         self._jax = False
         self._read = None  # (event, stream ptr) of the latest run() on another stream
@@ -222,21 +245,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """
         import cupy
 
-        cfg = make_config(
-            num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
-            logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
-            rope_theta,
-        )  # fmt: skip
-        if cfg != self._cfg:
+        args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
+                rope_theta)  # fmt: skip
+        key = _arg_key(args)
+        cfg = self._cfg if _same_key(key, self._cfg_key) else make_config(*args)
+        if cfg is not self._cfg and cfg != self._cfg:
             num_sms, max_smem = device_limits(self._device)
             spec = cfg.spec(max_smem)
             fn, ctas = kernel(spec, self._device)
             self._cfg, self._kernel = cfg, (fn, spec, ctas, num_sms, cfg.scalars(), cfg.freq())
             if self._graph:  # the most work items an automatic split makes, or one per request
                 self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
+        self._cfg_key = key  # only once _cfg is the configuration these arguments make
         fn, spec, ctas, num_sms, scalars, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
-        kv_indices = _host_ints("indices", indices)
+        kv_indices = _host_index_ints("indices", indices)
         plan = plan_decode(
             kv_indptr, _host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,

@@ -160,7 +160,7 @@ class Config:
     def group_size(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
 
-    @property
+    @functools.cached_property
     def kv_blocks(self) -> int:
         """Second grid dimension: kv heads x query-head sub-groups (one CTA each)."""
         return self.num_kv_heads * -(

@@ -99,24 +99,26 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     work = buf[hdr:pages_at].reshape(w, 8)
-    start, end = plan.work_token_bounds()
     merge = plan.merge_indptr
-    if w == plan.batch_size:  # one item per request: no gathers
+    if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
         work[:, 0] = plan.work_request
+        work[:, 1] = 0
+        work[:, 2] = plan.kv_len
         work[:, 3] = plan.kv_len
         work[:, 4] = kv_indptr[:-1]
         work[:, 5] = merge[:-1]
         work[:, 6] = 1
     else:
+        start, end = plan.work_token_bounds()
         req = plan.work_request
         work[:, 0] = req
+        work[:, 1] = start
+        work[:, 2] = end
         work[:, 3] = plan.kv_len[req]
         work[:, 4] = kv_indptr[:-1][req]
         work[:, 5] = merge[:-1][req]
         work[:, 6] = (merge[1:] - merge[:-1])[req]
     work[:, 4] += pages_at
-    work[:, 1] = start
-    work[:, 2] = end
     work[:, 7] = 0
     buf[pages_at:n] = kv_indices
     return n
@@ -139,6 +141,7 @@ class Workspace:
         self._memory = None
         self._host: list[np.ndarray] = []
         self._pinned: list = []
+        self._host_ptrs: list[int] = []
         self._events: list = []
         self._pending = [False, False]
         self._next = 0
@@ -176,6 +179,7 @@ class Workspace:
             self._wait_uploads()
             self._pinned = [cupy.cuda.alloc_pinned_memory(4 * cap.plan_ints) for _ in range(2)]
             self._host = [np.frombuffer(m, np.int32, cap.plan_ints) for m in self._pinned]
+            self._host_ptrs = [m.ptr for m in self._pinned]
             self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
             self._pending = [False, False]
         self.capacity = cap
@@ -193,7 +197,7 @@ class Workspace:
             self._events[i].synchronize()  # the copy that last read this buffer is done
         host = self._host[i]
         n = fill(host)
-        runtime.memcpyAsync(self.base, host.ctypes.data, 4 * n, 1, stream.ptr)  # host->device
+        runtime.memcpyAsync(self.base, self._host_ptrs[i], 4 * n, 1, stream.ptr)  # host->device
         self._events[i].record(stream)
         self._pending[i] = True
         self.stream_ptr = stream.ptr

@@ -198,6 +198,18 @@ def test_out_and_lse_arguments_are_written_in_place():
     assert wrapper.run(batch.q_dev, batch.cache_dev) is not out  # o only
 
 
+def test_one_wrapper_across_configurations():
+    """plan() reuses its configuration only for identical arguments (1 and 1.0 differ)."""
+    rng = seeded("reconfigure")
+    batch = make_batch(rng, standard_lengths(16, rng))
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+    for features in ({}, FEATURES["window"], {}, dict(sm_scale=1), dict(sm_scale=1.0)):
+        o, lse = run_batch(batch, wrapper, **features)
+        check_attention(o, lse, *batch.reference(**features), "bfloat16")
+    with pytest.raises(TypeError):
+        batch.plan(wrapper, sm_scale=np.array([1.0, 2.0]))
+
+
 def test_run_validates_against_the_plan():
     import cupy
 
