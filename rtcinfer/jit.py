@@ -283,15 +283,23 @@ def _module(spec, device_id: int):
 def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: int = 0):
     """The loaded kernel `name` of `spec` on a device (default: the current one).
 
-    Compiles (or reads the disk cache) and loads once per (spec, device). A nonzero
-    `dynamic_smem` becomes the function's dynamic shared-memory limit: the default limit is 48 KB
-    less the static shared memory, so even a dynamic size below 48 KB may need it.
+    Compiles (or reads the disk cache) and loads once per (spec, device). `dynamic_smem` is the
+    dynamic shared memory the caller will launch with: the function's limit is raised to the
+    largest size asked for so far (the default limit is 48 KB less the static shared memory, so
+    even a size below 48 KB may need it), never lowered under an earlier caller.
     """
     import cupy
 
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
-    return _function(spec, name, device_id, dynamic_smem)
+    loaded = _function(spec, name, device_id)
+    if dynamic_smem > loaded.smem_limit:
+        from cupy_backends.cuda.api import driver
+
+        attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.funcSetAttribute(loaded.fn.ptr, attr, dynamic_smem)
+        loaded.smem_limit = dynamic_smem
+    return loaded.fn
 
 
 def preload(spec, device_id: int | None = None) -> None:
@@ -301,15 +309,15 @@ def preload(spec, device_id: int | None = None) -> None:
         get_function(spec, name, device_id)
 
 
-@functools.cache
-def _function(spec, name: str, device_id: int, dynamic_smem: int):
-    from cupy_backends.cuda.api import driver
+@dataclass
+class _Loaded:
+    fn: object  # cupy.cuda.Function
+    smem_limit: int = 0  # the dynamic shared-memory limit set on it (0: the default)
 
-    fn = _module(spec, device_id).get_function(name)
-    if dynamic_smem > 0:
-        attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.funcSetAttribute(fn.ptr, attr, dynamic_smem)
-    return fn
+
+@functools.cache
+def _function(spec, name: str, device_id: int) -> _Loaded:
+    return _Loaded(_module(spec, device_id).get_function(name))
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from typing import ClassVar
 from . import jit
 
 THREADS = 512
-SLICE_BYTES = 200 * 1024  # the dynamic shared memory every cluster kernel is allowed
+SLICE_BYTES = 200 * 1024  # the most dynamic shared memory (a CTA's slice) the path takes
 STATIC_BYTES = 16 * 1024  # room for the kernel's static shared memory (about 11.5 KB)
 CLUSTERS = (8, 4, 2)
 
@@ -68,8 +68,8 @@ def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capabi
 
 def launch(stream, spec: ClusterSampleSpec, batch: int, vocab: int, args: tuple) -> None:
     """cluster_sample_kernel over `batch` rows (args as sample_kernel's)."""
-    fn = jit.get_function(spec, "cluster_sample_kernel", dynamic_smem=SLICE_BYTES)
     smem = 4 * slice_elements(vocab, spec.cluster, spec.vec)
+    fn = jit.get_function(spec, "cluster_sample_kernel", dynamic_smem=smem)
     fn((batch * spec.cluster, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
 
 

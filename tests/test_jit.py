@@ -166,3 +166,30 @@ def test_parse_ptxas_log():
 
 def test_arch_of():
     assert jit.arch_of(90) == "sm_90a" and jit.arch_of("80") == "sm_80"
+
+
+def test_dynamic_smem_limit_only_rises(monkeypatch):
+    """get_function raises a kernel's dynamic shared-memory limit to the largest size asked for
+    and never lowers it, whatever order the callers come in."""
+    from cupy_backends.cuda.api import driver
+
+    class Module:
+        def get_function(self, name):
+            return type("Function", (), {"ptr": 1234})()
+
+    calls = []
+    monkeypatch.setattr(jit, "_module", lambda spec, device_id: Module())
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda ptr, attr, v: calls.append((ptr, v)))
+    jit._function.cache_clear()
+    try:
+        spec = ToySpec(value=77)
+        fn = jit.get_function(spec, "toy", 0)
+        assert calls == []  # no size asked for: the default limit stays
+        assert jit.get_function(spec, "toy", 0, dynamic_smem=80_000) is fn
+        jit.get_function(spec, "toy", 0, dynamic_smem=20_000)
+        jit.get_function(spec, "toy", 0, dynamic_smem=80_000)
+        assert calls == [(1234, 80_000)]
+        jit.get_function(spec, "toy", 0, dynamic_smem=150_000)
+        assert calls == [(1234, 80_000), (1234, 150_000)]
+    finally:
+        jit._function.cache_clear()
