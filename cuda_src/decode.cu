@@ -11,8 +11,9 @@
 // takes rows [w * WARP_TOKENS, +WARP_TOKENS) of every tile with its own softmax state; the four
 // states merge through shared memory at the end. Shared memory: the ring (the epilogue reuses
 // it), the padded q rows, RoPE frequencies, per-warp (m, d); the total is SMEM_BYTES.
-// A split item writes an fp32 partial (o, lse); the last CTA of its (request, kv head) - found
-// with an atomic counter that it then resets - merges all partials in chunk order.
+// A split item writes an fp32 partial (o, lse), its CTA column's partials contiguous; the last
+// CTA of its (request, kv head) - found with an atomic counter that it then resets - stages them
+// through the ring and merges them in chunk order.
 // fp8 KV: ldmatrix moves fp8 pairs as 16-bit units, so inside every 16-wide head_dim block the
 // thread's values are d = 4t..4t+3 (K: a permuted contraction order, the same for q) and V's
 // rows come out as d = 2g (logical row g) and 2g + 1 (row g + 8); cvt makes them fp16.
