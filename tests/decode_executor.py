@@ -57,7 +57,7 @@ def execute_decode_plan(
 ):
     """Run ``plan`` chunk by chunk and merge; returns (o [B, Hq, D], lse [B, Hq]) in float64.
 
-    for w: r = work_request[w]; [t0, t1) = tokens of chunk work_chunk[w]
+    for w: r = work_request[w]; [t0, t1) = work_token_bounds()[w] (pages t0 / ps .. ceil(t1 / ps))
            o_w, lse_w = decode_step_ref(q[r], K_r[t0:t1], V_r[t0:t1], arange(t0, t1),
                                         kv_len[r] - 1, ...)
     o[b], lse[b] = merge_state(... merge_state(part[i0], part[i0 + 1]) ..., part[i1 - 1])
@@ -81,9 +81,9 @@ def execute_decode_plan(
     starts, ends = plan.work_token_bounds()
     for w in range(plan.num_work):
         r = int(plan.work_request[w])
-        first = indptr[r] + int(plan.work_chunk[w]) * plan.chunk_pages
-        stop = min(first + plan.chunk_pages, indptr[r + 1])
-        t0, t1 = int(starts[w]), int(ends[w])
+        t0, t1 = int(starts[w]), int(ends[w])  # t0 is page-aligned in every plan
+        first = indptr[r] + t0 // page_size
+        stop = indptr[r] + -(-t1 // page_size)
         k = gather_pages_ref(k_cache, indices[first:stop], kv_layout, t1 - t0)
         v = gather_pages_ref(v_cache, indices[first:stop], kv_layout, t1 - t0)
         part_o[w], part_lse[w] = decode_step_ref(

@@ -302,3 +302,43 @@ def test_get_batch_indices_positions_errors():
         get_batch_indices_positions([0, 1, 3], [4, 1], 3)
     with pytest.raises(TypeError, match=r"seq_lens must have an integer dtype, got float64"):
         get_batch_indices_positions([0, 1], [4.0], 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pages=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    page_size=st.sampled_from([1, 5, 16]),
+    fraction=st.floats(0.01, 0.99),
+    data=st.data(),
+)
+def test_tail_split_plan(pages, page_size, fraction, data):
+    """tail_fraction: leading items [0, a) then trailing items [a, kv_len) of whole pages,
+    every leading item dispatched before any trailing one; only for one-item-per-request plans."""
+    b = len(pages)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    last = np.array([data.draw(st.integers(1, page_size)) if p else 0 for p in pages])
+    plan = plan_decode(indptr, last, page_size, 4, num_sms=1, ctas_per_sm=1,
+                       tail_fraction=fraction)  # fmt: skip
+    kv_len = np.maximum(np.array(pages) - 1, 0) * page_size + last
+    has_tail = np.array(pages) >= 2
+    assert plan.num_work == b + has_tail.sum() and plan.dispatch is not None
+    np.testing.assert_array_equal(np.sort(plan.dispatch), np.arange(plan.num_work))
+    start, end = plan.work_token_bounds()
+    for r in range(b):
+        items = range(plan.merge_indptr[r], plan.merge_indptr[r + 1])
+        assert all(plan.work_request[w] == r for w in items)
+        bounds = [(start[w], end[w]) for w in items]
+        assert bounds[0][0] == 0 and bounds[-1][1] == kv_len[r]
+        if has_tail[r]:
+            lead_end = bounds[0][1]
+            assert lead_end == bounds[1][0] and 0 < lead_end < kv_len[r]
+            assert lead_end % page_size == 0
+    order = plan.work_chunk[plan.dispatch]
+    assert (np.diff(order) >= 0).all()  # leading items (chunk 0) first, then the tails
+    capped = plan_decode(indptr, last, page_size, 4, num_sms=1, ctas_per_sm=1,
+                         tail_fraction=fraction, max_work=b)  # fmt: skip
+    assert capped.dispatch is None or capped.num_work <= b
+    splitting = plan_decode(indptr, last, page_size, 1, num_sms=64, ctas_per_sm=2,
+                            min_chunk_tokens=1, tail_fraction=fraction)  # fmt: skip
+    if splitting.num_work > b:
+        assert splitting.dispatch is None  # a split plan is left as it is
