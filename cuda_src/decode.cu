@@ -87,10 +87,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     int window_left, float qk_scale, float soft_cap, float v_scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.y;
-  // Work item: request, token range [begin, end), request length, page list, merge group and
-  // the item's place in it (its partial slot; the grid may run items out of merge order).
-  // Loaded before the count test so both loads overlap: the plan region holds an item for
-  // every grid row (padded rows are stale and unused).
+  // Work item: request, token range [begin, end), request length, page list, merge group.
+  // Loaded before the count test so both loads overlap: the plan region holds an item slot
+  // for every CTA of the grid (padded slots are stale and unused).
   const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
   const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
   if (item >= __ldg(plan)) return;
@@ -103,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   const int request = w0.x, q_pos = w0.w - 1;
   const int begin = window_left >= 0 ? max(w0.y, q_pos - window_left) : w0.y;
   const int end = w0.z;
-  const int merge_begin = w1.y, merge_count = w1.z, slot = w1.w;
+  const int merge_begin = w1.y, merge_count = w1.z;
   const int num_tiles = begin < end ? (end - begin + TILE - 1) / TILE : 0;
 
   unsigned char* ring = smem;
@@ -344,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
       dst[2] = from_float<OT>(out.z), dst[3] = from_float<OT>(out.w);
       if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc.lse();
     } else {
-      const int64_t at = partial_row + static_cast<int64_t>(slot) * heads + h;
+      const int64_t at = partial_row + static_cast<int64_t>(item) * heads + h;
       *reinterpret_cast<float4*>(partial_o + at * HEAD_DIM + d) = out;
       if (d == 0) partial_lse[at] = acc.lse();
     }

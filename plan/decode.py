@@ -32,9 +32,6 @@ class DecodePlan:
     [work_chunk[w] * chunk_pages, min((work_chunk[w] + 1) * chunk_pages, pages[r])) of its
     page list; request b owns work items merge_indptr[b]:merge_indptr[b + 1], in chunk order.
     A request with no pages still owns one work item (output 0, LSE -inf).
-    A tail-split plan (see plan_decode's tail_fraction) gives explicit token bounds instead of
-    uniform chunks, and a dispatch order: the GPU grid runs items dispatch[0], dispatch[1], ...
-    (None: in item order). Items keep their index for the merge whatever the dispatch order.
     Equality is identity (the fields are arrays); compare fields to compare plans.
     """
 
@@ -47,8 +44,6 @@ class DecodePlan:
     work_request: np.ndarray
     work_chunk: np.ndarray
     merge_indptr: np.ndarray
-    token_bounds: tuple[np.ndarray, np.ndarray] | None = None  # (start, end) int32[W], or None
-    dispatch: np.ndarray | None = None  # int32[W], a permutation of the items, or None
 
     @property
     def num_work(self) -> int:
@@ -65,10 +60,7 @@ class DecodePlan:
 
         start = work_chunk * chunk_tokens
         end = minimum(start + chunk_tokens, kv_len[work_request])
-        (or the explicit bounds of a tail-split plan)
         """
-        if self.token_bounds is not None:
-            return self.token_bounds
         start = self.work_chunk.astype(np.int64) * self.chunk_tokens
         end = np.minimum(start + self.chunk_tokens, self.kv_len[self.work_request])
         return start.astype(np.int32), end.astype(np.int32)
@@ -176,7 +168,6 @@ def plan_decode(
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     max_work: int | None = None,
-    tail_fraction: float = 0.0,
 ) -> DecodePlan:
     """Choose the chunking of every request; a chunk is a run of whole pages.
 
@@ -192,12 +183,6 @@ def plan_decode(
     (hence its float reduction order) depends on its own length only. ``disable_split_kv``
     takes precedence over it. ``max_work`` caps W (capacity of buffers captured in a CUDA
     graph): the search respects it, and a ValueError is raised when no chunking fits.
-
-    ``tail_fraction`` f > 0 (automatic mode only, when it gives one item per request): a request
-    of p >= 2 pages becomes a leading item of p - t pages and a trailing item of
-    t = clip(round(f * p), 1, p - 1) pages, and the grid runs every leading item before any
-    trailing one, so that CTAs freed early take the trailing items (unless W would exceed
-    max_work).
     """
     page_size = as_int("page_size", page_size, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -258,12 +243,6 @@ def plan_decode(
         work_chunk = np.arange(num_work, dtype=np.int32)
         work_chunk -= merge_indptr[work_request]
     kv_len32 = kv_len.astype(np.int32)
-    automatic = not disable_split_kv and fixed_split_size is None
-    if tail_fraction > 0 and automatic and num_work == batch_size:
-        tail = _tail_split(pages, kv_len32, page_size, float(tail_fraction), max_work)
-        if tail is not None:
-            return DecodePlan(batch_size, page_size, num_kv_heads, tail[0].shape[0] > batch_size,
-                              chunk, kv_len32, *tail)  # fmt: skip
     for arr in (kv_len32, work_request, work_chunk, merge_indptr):
         arr.flags.writeable = False
     return DecodePlan(
@@ -277,28 +256,3 @@ def plan_decode(
         work_chunk=work_chunk,
         merge_indptr=merge_indptr,
     )
-
-
-def _tail_split(pages, kv_len, page_size: int, fraction: float, max_work: int | None):
-    """(work_request, work_chunk, merge_indptr, (start, end), dispatch) of a tail-split plan,
-    or None when it would exceed max_work (see plan_decode)."""
-    batch_size = pages.shape[0]
-    has_tail = pages >= 2
-    tail = np.clip(np.rint(pages * fraction), 1, np.maximum(pages - 1, 1)).astype(np.int64)
-    lead_end = np.where(has_tail, (pages - tail) * page_size, kv_len).astype(np.int32)
-    items = 1 + has_tail.astype(np.int32)
-    merge_indptr = np.zeros(batch_size + 1, dtype=np.int32)
-    np.cumsum(items, out=merge_indptr[1:])
-    num_work = int(merge_indptr[-1])
-    if max_work is not None and num_work > max_work:
-        return None
-    work_request = np.repeat(np.arange(batch_size, dtype=np.int32), items)
-    work_chunk = np.arange(num_work, dtype=np.int32) - merge_indptr[work_request]
-    is_tail = work_chunk == 1
-    start = np.where(is_tail, lead_end[work_request], 0).astype(np.int32)
-    end = np.where(is_tail, kv_len[work_request], lead_end[work_request]).astype(np.int32)
-    lead = merge_indptr[:-1]
-    dispatch = np.concatenate([lead, lead[has_tail] + 1]).astype(np.int32)
-    for arr in (work_request, work_chunk, merge_indptr, start, end, dispatch):
-        arr.flags.writeable = False
-    return work_request, work_chunk, merge_indptr, (start, end), dispatch

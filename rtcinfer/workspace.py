@@ -7,11 +7,9 @@ Device layout (each region 256-byte aligned):
     lse        float32[num_qo_heads * max_work]            partial LSE of split work items
     o          float32[num_qo_heads * max_work, head_dim]  partial outputs (rows: decode.cu)
 
-The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; grid row i
-holds work item w = dispatch[i] (w = i without a dispatch order) as int32[8] = (request,
-token_begin, token_end, kv_len, page_begin, merge_begin, merge_count, w) where page_begin indexes
-the page ids inside the plan region and w is the item's partial slot: a request's partials are
-slots merge_begin .. merge_begin + merge_count - 1, in chunk order. A plan is packed into one of
+The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
+is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,
+0) where page_begin indexes the page ids inside the plan region. A plan is packed into one of
 two pinned host buffers and sent with one async copy; an event per buffer keeps a buffer from
 being rewritten while its copy may still be reading it.
 """
@@ -101,8 +99,6 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     work = buf[hdr:pages_at].reshape(w, 8)
-    if plan.dispatch is not None:  # grid order differs from item order: permute whole rows
-        work = np.empty((w, 8), dtype=np.int32)
     merge = plan.merge_indptr
     if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
         work[:, 0] = plan.work_request
@@ -123,9 +119,7 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work[:, 5] = merge[:-1][req]
         work[:, 6] = (merge[1:] - merge[:-1])[req]
     work[:, 4] += pages_at
-    work[:, 7] = np.arange(w, dtype=np.int32)  # the item's partial slot (its merge position)
-    if plan.dispatch is not None:
-        buf[hdr:pages_at].reshape(w, 8)[:] = work[plan.dispatch]
+    work[:, 7] = 0
     buf[pages_at:n] = kv_indices
     return n
 

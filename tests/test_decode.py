@@ -124,28 +124,6 @@ def test_merge_of_many_partials(head_dim, group_size, feature):
     check_attention(o, lse, *batch.reference(**features), "bfloat16")
 
 
-@pytest.mark.parametrize("feature", [None, "window"])
-def test_tail_split_plan(monkeypatch, feature):
-    """Items run out of merge order (every leading item, then the trailing ones): each partial
-    goes to its slot and the merge still reads them in chunk order."""
-    from rtcinfer import decode as decode_module
-
-    plan_decode = decode_module.plan_decode
-
-    def tail_plan(*args, **kwargs):
-        kwargs.update(num_sms=1, ctas_per_sm=1, tail_fraction=0.3)  # one item per request
-        return plan_decode(*args, **kwargs)
-
-    monkeypatch.setattr(decode_module, "plan_decode", tail_plan)
-    rng = seeded("tail", feature)
-    batch = make_batch(rng, [*standard_lengths(16, rng), 3000, 40])
-    features = FEATURES.get(feature, {})
-    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
-    o, lse = run_batch(batch, wrapper, **features)
-    assert wrapper._launch.grid[1] > len(batch.last)  # a trailing item for the long requests
-    check_attention(o, lse, *batch.reference(**features), "bfloat16")
-
-
 def _ulp_close(a, b, dtype_bits: int) -> None:
     """|a - b| <= one ulp of a dtype with `dtype_bits` mantissa bits, of the element or of the
     array's rms: P is rounded to 16 bits before the PV product, and split and unsplit runs round

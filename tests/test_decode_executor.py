@@ -41,7 +41,6 @@ PLANS = {  # planner keyword arguments, and whether the plan must split
     "fixed_split": (dict(num_sms=1, ctas_per_sm=1, fixed_split_size=3), True),
     "fills_gpu": (dict(num_sms=2, ctas_per_sm=2), False),
     "disabled": (dict(num_sms=132, ctas_per_sm=2, disable_split_kv=True), False),
-    "tail_split": (dict(num_sms=2, ctas_per_sm=2, tail_fraction=0.3), True),
 }
 
 
