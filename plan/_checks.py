@@ -14,8 +14,9 @@ import numpy as np
 INT32_MAX = np.iinfo(np.int32).max
 
 
-def as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
-    """Return ``value`` as an int64 array with ``ndim`` dimensions.
+def as_int_array(name: str, value, ndim: int = 1, widen: bool = True) -> np.ndarray:
+    """Return ``value`` as an int64 array with ``ndim`` dimensions (``widen=False``: in its own
+    integer dtype, without a copy).
 
     Raises TypeError for non-integer dtypes (floats, bools, objects) and ValueError for a
     wrong number of dimensions.
@@ -30,7 +31,7 @@ def as_int_array(name: str, value, ndim: int = 1) -> np.ndarray:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} has a value too large for int64: {int(arr.max())}")
-    return arr.astype(np.int64, copy=False)
+    return arr.astype(np.int64, copy=False) if widen else arr
 
 
 def as_int(name: str, value, minimum: int | None = None) -> int:

@@ -123,18 +123,10 @@ def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
     fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
 
 
-def _host_ints(name: str, x) -> np.ndarray:
-    """int64 host copy of an index array; a device array costs one device-to-host copy."""
-    return as_int_array(name, to_numpy(x) if hasattr(x, "__dlpack__") else x)
-
-
-def _host_index_ints(name: str, x) -> np.ndarray:
-    """A host view of page ids in their own integer dtype (int32 stays int32: the plan buffer is
-    int32, so widening them would be a copy for nothing); range checks are the caller's."""
-    arr = np.asarray(to_numpy(x) if hasattr(x, "__dlpack__") else x)
-    if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        return as_int_array(name, arr)  # raises for a wrong dtype or shape; converts an empty []
-    return arr
+def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
+    """Host copy of an index array, int64 (``widen=False``: its own integer dtype, as for page
+    ids, which the int32 plan buffer takes as they are); a device array costs one copy."""
+    return as_int_array(name, to_numpy(x) if hasattr(x, "__dlpack__") else x, widen=widen)
 
 
 def _arg_key(args: tuple) -> tuple:
@@ -260,7 +252,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg_key = key  # only once _cfg is the configuration these arguments make
         fn, spec, ctas, num_sms, scalars, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
-        kv_indices = _host_index_ints("indices", indices)
+        kv_indices = _host_ints("indices", indices, widen=False)
         plan = plan_decode(
             kv_indptr, _host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,

@@ -141,7 +141,6 @@ class Workspace:
         self._memory = None
         self._host: list[np.ndarray] = []
         self._pinned: list = []
-        self._host_ptrs: list[int] = []
         self._events: list = []
         self._pending = [False, False]
         self._next = 0
@@ -179,7 +178,6 @@ class Workspace:
             self._wait_uploads()
             self._pinned = [cupy.cuda.alloc_pinned_memory(4 * cap.plan_ints) for _ in range(2)]
             self._host = [np.frombuffer(m, np.int32, cap.plan_ints) for m in self._pinned]
-            self._host_ptrs = [m.ptr for m in self._pinned]
             self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
             self._pending = [False, False]
         self.capacity = cap
@@ -197,7 +195,7 @@ class Workspace:
             self._events[i].synchronize()  # the copy that last read this buffer is done
         host = self._host[i]
         n = fill(host)
-        runtime.memcpyAsync(self.base, self._host_ptrs[i], 4 * n, 1, stream.ptr)  # host->device
+        runtime.memcpyAsync(self.base, self._pinned[i].ptr, 4 * n, 1, stream.ptr)  # host->device
         self._events[i].record(stream)
         self._pending[i] = True
         self.stream_ptr = stream.ptr
