@@ -143,6 +143,17 @@ RTC_DEVICE float fast_rcp(float x) {
 constexpr float LOG2E = 1.4426950408889634f;
 
 // ---------------------------------------------------------------------------------------------
+// Synchronization
+
+// atomicAdd with acquire-release semantics at GPU scope: one instruction in place of a fence on
+// each side of a relaxed atomic. Returns the old value.
+RTC_DEVICE int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Asynchronous global -> shared copies (sm_80+): data in flight costs no registers.
 
 // Copies one Vec from global to shared memory: cp.async for 4, 8 or 16 bytes, else a plain

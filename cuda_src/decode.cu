@@ -1,72 +1,21 @@
-// Batch decode attention over a paged KV cache in one launch (split-KV merged in-kernel).
-//   s_j = q . k_j * qk_scale (+ ALiBi slope * (j - q_pos)) (soft cap: cap * tanh(s / cap))
-//   o = softmax(s) @ V * v_scale;  lse = log2(sum_j e^(s_j)); empty: o = 0, lse = -inf
+// Batch decode attention over a paged KV cache in one launch (split-KV merged in-kernel); the
+// math and its layout are in decode_body.cuh.
 // Grid: blockIdx.x = kv head x sub-group, blockIdx.y = work item (a chunk of one request's
 // tokens, from the plan): the CTAs of one item, reading neighbouring heads of the same pages,
 // are dispatched together, and items past the plan's count (a grid sized for a capacity) come
-// last and exit at once. The CTA holds the query heads of its kv head (GQA group, padded to HEADS =
-// 8 * HEAD_TILES; larger groups split into sub-groups of HEADS, one CTA each) as the N side of
-// mma.m16n8k16: S^T = K Q^T (16 tokens x 8 heads), O^T += V^T P^T.
-// Block: 4 warps. K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring; warp w
-// takes rows [w * WARP_TOKENS, +WARP_TOKENS) of every tile with its own softmax state; the four
-// states merge through shared memory at the end. Shared memory: the ring (the epilogue reuses
-// it), the padded q rows, RoPE frequencies, per-warp (m, d); the total is SMEM_BYTES.
-// A split item writes an fp32 partial (o, lse), its CTA column's partials contiguous; the last
-// CTA of its (request, kv head) - found with an atomic counter that it then resets - stages them
-// through the ring and merges them in chunk order.
-// fp8 KV: ldmatrix moves fp8 pairs as 16-bit units, so inside every 16-wide head_dim block the
-// thread's values are d = 4t..4t+3 (K: a permuted contraction order, the same for q) and V's
-// rows come out as d = 2g (logical row g) and 2g + 1 (row g + 8); cvt makes them fp16.
-// Prelude: QT, KVT, OT, HEAD_DIM, HEAD_TILES, POS_ENCODING, SOFT_CAP, STAGES, TOKEN_GROUPS,
-// KV_FP8 (0, 1 = e4m3, 2 = e5m2), SMEM_BYTES.
-#include "mma.cuh"
-#include "attention_state.cuh"
-#include "paged_kv.cuh"
+// last and exit at once.
+// K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring. Shared memory: the ring
+// (the epilogue and the split merge reuse it), the padded q rows, RoPE frequencies, per-warp
+// (m, d); the total is SMEM_BYTES.
+// A split item writes an fp32 partial (o, lse) to its slot; the partials of a CTA column
+// (query heads head0 .. head0 + heads) are contiguous rows: slot k, head h at row
+// head0 * slots + k * heads + h, so the merge reads one block. The last CTA of its (request,
+// kv head) - found with an atomic counter that it then resets - merges them in chunk order.
+#include "decode_body.cuh"
 
-enum PosEncoding { POS_NONE = 0, POS_ROPE_LLAMA = 1, POS_ALIBI = 2 };
-
-template <typename A, typename B>
-struct IsSame {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct IsSame<A, A> {
-  static constexpr bool value = true;
-};
-
-constexpr int WARPS = 4;
-constexpr int THREADS = 32 * WARPS;
-constexpr bool FP8 = KV_FP8 != 0;
-constexpr bool ROPE = POS_ENCODING == POS_ROPE_LLAMA;
-constexpr bool ALIBI = POS_ENCODING == POS_ALIBI;
-constexpr int ROW_BYTES = HEAD_DIM * (FP8 ? 1 : 2);
-constexpr int WARP_TOKENS = 16 * TOKEN_GROUPS;
-constexpr int TILE = WARPS * WARP_TOKENS;
-constexpr int BLOCKS = HEAD_DIM / 16;  // 16-wide head_dim blocks: k-steps of K Q^T, m-tiles of V^T P^T
-constexpr int HEADS = 8 * HEAD_TILES;  // query heads per CTA, padded
-constexpr int Q_STRIDE = HEAD_DIM + 16;  // q row in shared memory (elements): conflict-free reads
-constexpr int O_STRIDE = HEAD_DIM + 4;   // o row of the epilogue (floats)
-constexpr int HEADER_INTS = 4 + HEAD_DIM;  // plan: num_work, 3 spare, RoPE frequencies (hi, lo)
-constexpr __nv_fp8_interpretation_t FP8_KIND = KV_FP8 == 2 ? __NV_E5M2 : __NV_E4M3;
-using MT = Conditional<FP8, half, KVT>;  // tensor-core input type
-
-constexpr int TILE_BYTES = TILE * ROW_BYTES;
-constexpr int RING_BYTES = STAGES * 2 * TILE_BYTES;
-constexpr int Q_BYTES = HEADS * Q_STRIDE * 2;
-constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
-constexpr int STATE_BYTES = 2 * WARPS * HEADS * 4 + 16;
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
-static_assert(HEAD_TILES == 1 || HEAD_TILES == 2, "8 or 16 query heads per CTA");
-static_assert(BLOCKS * HEAD_TILES <= 16, "q fragments and accumulators fit in registers");
-static_assert(STAGES >= 2, "at least double buffering");
-static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
+constexpr int O_STRIDE = HEAD_DIM + 4;  // o row of the epilogue (floats)
 static_assert(WARPS * HEADS * O_STRIDE * 4 <= RING_BYTES, "epilogue fits in the ring");
 static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "host layout");
-
-using Loader = PagedTileLoader<TILE, ROW_BYTES, THREADS>;
-using State = AttentionState<2 * BLOCKS>;  // one query head: rows g, g + 8 of every d block
-
-#include "decode_fragments.cuh"
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     const QT* __restrict__ q,        // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
@@ -80,16 +29,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     float* __restrict__ lse,         // [B, Hq], strides (lse_stride_n, 1); may be null
     int64_t lse_stride_n,
     const int* __restrict__ plan,    // [HEADER_INTS] + [capacity][8] work items + page ids
-    float* __restrict__ partial_o,   // [Hq * gridDim.y, HEAD_DIM] (rows: see partial_row)
-    float* __restrict__ partial_lse,  // [Hq * gridDim.y]
-    int* __restrict__ counters,      // [max_batch, gridDim.x], zero between launches
-    int num_qo_heads, int group_size, int page_size, uint32_t div_magic, int div_shift,
-    int window_left, float qk_scale, float soft_cap, float v_scale) {
+    float* __restrict__ partial_o,   // [Hq * slots, HEAD_DIM] (rows: see above)
+    float* __restrict__ partial_lse,  // [Hq * slots]
+    int* __restrict__ counters,      // [2 + max_batch, gridDim.x], zero between launches
+    int slots, int num_qo_heads, int group_size, int page_size, uint32_t div_magic,
+    int div_shift, int window_left, float qk_scale, float soft_cap, float v_scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.y;
-  // Work item: request, token range [begin, end), request length, page list, merge group.
-  // Loaded before the count test so both loads overlap: the plan region holds an item slot
-  // for every CTA of the grid (padded slots are stale and unused).
+  // Work item: request, token range [begin, end), request length, page list, merge group,
+  // partial slot. Loaded before the count test so both loads overlap: the plan region holds
+  // an item for every CTA of the grid (padded slots are stale and unused).
   const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
   const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
   if (item >= __ldg(plan)) return;
@@ -102,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   const int request = w0.x, q_pos = w0.w - 1;
   const int begin = window_left >= 0 ? max(w0.y, q_pos - window_left) : w0.y;
   const int end = w0.z;
-  const int merge_begin = w1.y, merge_count = w1.z;
+  const int merge_begin = w1.y, merge_count = w1.z, slot = w1.w;
   const int num_tiles = begin < end ? (end - begin + TILE - 1) / TILE : 0;
 
   unsigned char* ring = smem;
@@ -133,49 +82,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   int pages[Loader::PASSES] = {};
   if (STAGES - 1 < num_tiles) loader.fetch_pages(pages, begin + (STAGES - 1) * TILE);
 
-  // q rows of the group (RoPE'd at q_pos), zero rows for the padding heads.
   const float2* freq = reinterpret_cast<const float2*>(plan + 4);
   if constexpr (ROPE)
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS) freq_s[i] = __ldg(freq + i);
-  for (int i = threadIdx.x; i < HEADS * HEAD_DIM / 2; i += THREADS) {
-    const int h = i / (HEAD_DIM / 2), d = i % (HEAD_DIM / 2);
-    float x0 = 0.f, x1 = 0.f;
-    if (h < heads) {
-      const QT* row = q + request * q_stride_n + (head0 + h) * q_stride_h;
-      x0 = to_float(row[d]);
-      x1 = to_float(row[d + HEAD_DIM / 2]);
-      if constexpr (ROPE) {
-        const float2 cs = rope_cos_sin(q_pos, __ldg(freq + d));
-        const float y0 = x0 * cs.x - x1 * cs.y, y1 = x1 * cs.x + x0 * cs.y;
-        x0 = y0, x1 = y1;
-      }
-    }
-    q_s[h * Q_STRIDE + d] = from_float<MT>(x0);
-    q_s[h * Q_STRIDE + d + HEAD_DIM / 2] = from_float<MT>(x1);
-  }
-  __syncthreads();
-  // Q^T B fragments live in registers for the whole kernel, except with RoPE: its rolled K
-  // loop reads them from shared memory (registers go to the rotation instead).
-  uint32_t qf[ROPE ? 1 : BLOCKS][HEAD_TILES][2];
-  if constexpr (!ROPE)
-#pragma unroll
-    for (int c = 0; c < BLOCKS; ++c)
-#pragma unroll
-      for (int nt = 0; nt < HEAD_TILES; ++nt) q_frag(qf[c][nt], q_s, c, nt, g, t);
-
-  // Per-thread constants of the logit hook: heads 8 nt + 2t + j of the group.
-  const float scale = (ALIBI || SOFT_CAP) ? qk_scale : qk_scale * LOG2E;
-  const float inv_cap = SOFT_CAP ? fast_rcp(soft_cap) : 0.f;
-  float slope[HEAD_TILES][2];
-#pragma unroll
-  for (int nt = 0; nt < HEAD_TILES; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      slope[nt][j] = ALIBI ? alibi_slope(head0 + 8 * nt + 2 * t + j, num_qo_heads) : 0.f;
-
+  QuerySide qs;
+  qs.load(q_s, q, q_stride_n, q_stride_h, request, head0, heads, q_pos, freq, g, t);
+  LogitHook hook;
+  hook.init(qk_scale, soft_cap, head0, num_qo_heads, t);
   State st[HEAD_TILES][2];
-#pragma unroll
-  for (int nt = 0; nt < HEAD_TILES; ++nt) st[nt][0].init(), st[nt][1].init();
+  init_states(st);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
@@ -185,238 +100,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
       loader.issue(pages, begin + next * TILE, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();
     if (next + 1 < num_tiles) loader.fetch_pages(pages, begin + (next + 1) * TILE);
-
-    const uint32_t kt = k_tile(tile % STAGES), vt = v_tile(tile % STAGES);
-    const int tile_begin = begin + tile * TILE;
-    float x[TOKEN_GROUPS][HEAD_TILES][4];  // S^T: (token g | g + 8) x (head 2t | 2t + 1)
-#pragma unroll
-    for (int tg = 0; tg < TOKEN_GROUPS; ++tg) {
-      const int row = warp * WARP_TOKENS + 16 * tg;
-#pragma unroll
-      for (int nt = 0; nt < HEAD_TILES; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) x[tg][nt][r] = 0.f;
-      if constexpr (ROPE) {  // blocks c and c + BLOCKS / 2 rotate together
-#pragma unroll 1
-        for (int c = 0; c < BLOCKS / 2; c += 2) {
-          uint32_t a[2][2][4];
-          load_k(a[0], kt, row, c, lane);
-          load_k(a[1], kt, row, c + BLOCKS / 2, lane);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            rope_k(a[0][i], a[1][i], c + i, tile_begin + row, g, t, freq_s);
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-              for (int nt = 0; nt < HEAD_TILES; ++nt) {
-                uint32_t b[2];
-                q_frag(b, q_s, c + i + half * BLOCKS / 2, nt, g, t);
-                float* s = x[tg][nt];
-                mma_16816<MT>(s[0], s[1], s[2], s[3], a[half][i], b[0], b[1]);
-              }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < BLOCKS; c += 2) {
-          uint32_t a[2][4];
-          load_k(a, kt, row, c, lane);
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int nt = 0; nt < HEAD_TILES; ++nt) {
-              float* s = x[tg][nt];
-              mma_16816<MT>(s[0], s[1], s[2], s[3], a[i], qf[c + i][nt][0], qf[c + i][nt][1]);
-            }
-        }
-      }
-      // Logit hook: scale, ALiBi, soft cap, base 2; tokens past the range are masked.
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int pos = tile_begin + row + g + 8 * (r / 2);
-#pragma unroll
-        for (int nt = 0; nt < HEAD_TILES; ++nt) {
-          float v = x[tg][nt][r] * scale;
-          if constexpr (ALIBI) v += slope[nt][r % 2] * static_cast<float>(pos - q_pos);
-          if constexpr (SOFT_CAP) v = soft_cap * tanhf(v * inv_cap);
-          if constexpr (ALIBI || SOFT_CAP) v *= LOG2E;
-          x[tg][nt][r] = pos < end ? v : neg_inf();
-        }
-      }
-    }
-
-    // Online softmax over the warp's tokens of this tile, then P^T fragments (movmatrix).
-    uint32_t p[TOKEN_GROUPS][HEAD_TILES][2];
-#pragma unroll
-    for (int nt = 0; nt < HEAD_TILES; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float mx = neg_inf();
-#pragma unroll
-        for (int tg = 0; tg < TOKEN_GROUPS; ++tg) mx = fmaxf(mx, fmaxf(x[tg][nt][j], x[tg][nt][j + 2]));
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        const float base = st[nt][j].rescale(mx);
-#pragma unroll
-        for (int tg = 0; tg < TOKEN_GROUPS; ++tg) {
-          x[tg][nt][j] = fast_exp2(x[tg][nt][j] - base);
-          x[tg][nt][j + 2] = fast_exp2(x[tg][nt][j + 2] - base);
-          st[nt][j].d += x[tg][nt][j] + x[tg][nt][j + 2];
-        }
-      }
-#pragma unroll
-      for (int tg = 0; tg < TOKEN_GROUPS; ++tg) {
-        p[tg][nt][0] = movmatrix_trans(pack2<MT>(x[tg][nt][0], x[tg][nt][1]));
-        p[tg][nt][1] = movmatrix_trans(pack2<MT>(x[tg][nt][2], x[tg][nt][3]));
-      }
-    }
-
-    // O^T += V^T P^T over the warp's tokens.
-#pragma unroll
-    for (int tg = 0; tg < TOKEN_GROUPS; ++tg) {
-      const int row = warp * WARP_TOKENS + 16 * tg;
-#pragma unroll
-      for (int c = 0; c < BLOCKS; c += 2) {
-        uint32_t a[2][4];
-        load_v(a, vt, row, c, lane);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int nt = 0; nt < HEAD_TILES; ++nt) {
-            State& h0 = st[nt][0];
-            State& h1 = st[nt][1];
-            const int e = 2 * (c + i);
-            mma_16816<MT>(h0.o[e], h1.o[e], h0.o[e + 1], h1.o[e + 1], a[i], p[tg][nt][0],
-                          p[tg][nt][1]);
-          }
-      }
-    }
+    attend_tile(st, qs, q_s, freq_s, hook, k_tile(tile % STAGES), v_tile(tile % STAGES),
+                begin + tile * TILE, end, q_pos, warp, lane, g, t);
   }
 
-  // Epilogue: merge the four warps' states per head through shared memory (ring reused).
+  // Epilogue: the ring is free once every copy has landed and every warp is done with it.
   cp_async_wait<0>();
   __syncthreads();
-  float* o_s = reinterpret_cast<float*>(ring);  // [WARPS][HEADS][O_STRIDE]
-#pragma unroll
-  for (int nt = 0; nt < HEAD_TILES; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      State& s = st[nt][j];
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) s.d += __shfl_xor_sync(0xffffffffu, s.d, off);
-      const int h = 8 * nt + 2 * t + j;
-      if (g == 0) m_s[warp * HEADS + h] = s.m, d_s[warp * HEADS + h] = s.d;
-      float* row = o_s + (warp * HEADS + h) * O_STRIDE;
-#pragma unroll
-      for (int c = 0; c < BLOCKS; ++c) {
-        row[o_dim(c, g, false)] = s.o[2 * c];
-        row[o_dim(c, g, true)] = s.o[2 * c + 1];
-      }
-    }
-  __syncthreads();
-
   const bool direct = merge_count == 1;
-  // Partials of this CTA column (query heads head0 .. head0 + heads) are contiguous rows
-  // [head0 * gridDim.y, (head0 + heads) * gridDim.y), item-major: the merge reads one block.
-  const int64_t partial_row = static_cast<int64_t>(head0) * gridDim.y;
-  constexpr int VECS = HEAD_DIM / 4;
-  for (int i = threadIdx.x; i < heads * VECS; i += THREADS) {
-    const int h = i / VECS, d = (i % VECS) * 4;
-    AttentionState<4> acc;
-    acc.init();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      AttentionState<4> part;
-      part.m = m_s[w * HEADS + h];
-      part.d = d_s[w * HEADS + h];
-      const float4 v = *reinterpret_cast<const float4*>(o_s + (w * HEADS + h) * O_STRIDE + d);
-      part.o[0] = v.x, part.o[1] = v.y, part.o[2] = v.z, part.o[3] = v.w;
-      acc.merge(part);
-    }
-    acc.normalize();
-    const int qh = head0 + h;
-    const float4 out = make_float4(acc.o[0] * v_scale, acc.o[1] * v_scale, acc.o[2] * v_scale,
-                                   acc.o[3] * v_scale);
-    if (direct) {
-      OT* dst = o + request * o_stride_n + qh * o_stride_h + d;
-      dst[0] = from_float<OT>(out.x), dst[1] = from_float<OT>(out.y);
-      dst[2] = from_float<OT>(out.z), dst[3] = from_float<OT>(out.w);
-      if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc.lse();
-    } else {
-      const int64_t at = partial_row + static_cast<int64_t>(item) * heads + h;
-      *reinterpret_cast<float4*>(partial_o + at * HEAD_DIM + d) = out;
-      if (d == 0) partial_lse[at] = acc.lse();
-    }
-  }
+  const int64_t partial_row = static_cast<int64_t>(head0) * slots;
+  const int64_t at = partial_row + static_cast<int64_t>(slot) * heads;
+  OT* o_row = o + request * o_stride_n + head0 * o_stride_h;
+  float* lse_row = lse != nullptr ? lse + request * lse_stride_n + head0 : nullptr;
+  const ItemSink sink{o_row, o_stride_h, lse_row, direct ? nullptr : partial_o + at * HEAD_DIM,
+                      partial_lse + at};
+  finish_item<1>(st, reinterpret_cast<float*>(ring), m_s, d_s, sink, heads, v_scale, warp, g, t);
   if (direct) return;
 
-  // Split item: publish the partial; the last of the request's items merges them all.
-  __threadfence();
-  __syncthreads();
+  // Split item: publish the partial; the last of the request's items merges them all. The
+  // barrier (end of finish_item) orders the CTA's partial writes before thread 0's release
+  // (acq_rel atomic); the last arrival's acquire orders every other item's partial before its
+  // reads.
   if (threadIdx.x == 0) {
-    int* counter = counters + request * gridDim.x + blockIdx.x;
-    const bool last = atomicAdd(counter, 1) == merge_count - 1;
+    int* counter = counters + (2 + request) * gridDim.x + blockIdx.x;
+    const bool last = atomic_add_acq_rel(counter, 1) == merge_count - 1;
     if (last) atomicExch(counter, 0);  // ready for the next launch
     *last_s = last;
   }
   __syncthreads();
   if (!*last_s) return;
-  __threadfence();
-  // Merge the request's partials in chunk order: with M = max_k lse_k and w_k = 2^(lse_k - M),
-  // o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k); empty partials (lse = -inf) weigh
-  // 0. The partials pass through the ring (free again) a group at a time, every copy of a group
-  // in flight at once; the weights are independent, so no chain of dependent merges.
-  constexpr int ITEMS = (HEADS * VECS + THREADS - 1) / THREADS;  // (head, 4 dims) per thread
-  static_assert(RING_BYTES >= HEADS * (HEAD_DIM + 1) * 4, "one partial fits in the ring");
-  const int row_floats = heads * HEAD_DIM;  // one partial of this CTA's heads
-  const int group = RING_BYTES / ((row_floats + heads) * 4);
-  const float* po_s = reinterpret_cast<const float*>(ring);  // [group][heads][HEAD_DIM]
-  float* pl_s = reinterpret_cast<float*>(ring) + group * row_floats;  // [group][heads]
-  AttentionState<4> acc[ITEMS];
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) acc[j].init();
-  for (int k0 = 0; k0 < merge_count; k0 += group) {
-    const int n = min(group, merge_count - k0);
-    const int64_t first = partial_row + static_cast<int64_t>(merge_begin + k0) * heads;
-    const float* src = partial_o + first * HEAD_DIM;  // n partials, contiguous
-    for (int c = threadIdx.x; c < n * row_floats / 4; c += THREADS)
-      cp_async_16(ring_addr + 16 * c, src + 4 * c, true);
-    cp_async_commit();
-    for (int i = threadIdx.x; i < n * heads; i += THREADS) pl_s[i] = __ldcg(partial_lse + first + i);
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      if (i < heads * VECS) {
-        const int h = i / VECS, d = (i % VECS) * 4;
-        float group_max = neg_inf();
-#pragma unroll 8
-        for (int k = 0; k < n; ++k) group_max = fmaxf(group_max, pl_s[k * heads + h]);
-        const float off = acc[j].rescale(group_max);
-#pragma unroll 4
-        for (int k = 0; k < n; ++k) {
-          const float w = fast_exp2(pl_s[k * heads + h] - off);  // 0 for an empty partial
-          const float4 v = *reinterpret_cast<const float4*>(po_s + (k * heads + h) * HEAD_DIM + d);
-          acc[j].d += w;  // an empty partial's o is 0 (written so), so w * v adds nothing
-          acc[j].o[0] = fmaf(w, v.x, acc[j].o[0]), acc[j].o[1] = fmaf(w, v.y, acc[j].o[1]);
-          acc[j].o[2] = fmaf(w, v.z, acc[j].o[2]), acc[j].o[3] = fmaf(w, v.w, acc[j].o[3]);
-        }
-      }
-    }
-    __syncthreads();  // the next group overwrites the ring
-  }
-#pragma unroll
-  for (int j = 0; j < ITEMS; ++j) {
-    const int i = threadIdx.x + j * THREADS;
-    if (i < heads * VECS) {
-      const int h = i / VECS, d = (i % VECS) * 4;
-      acc[j].normalize();
-      const int qh = head0 + h;
-      OT* dst = o + request * o_stride_n + qh * o_stride_h + d;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dst[e] = from_float<OT>(acc[j].o[e]);
-      if (lse != nullptr && d == 0) lse[request * lse_stride_n + qh] = acc[j].lse();
-    }
-  }
+  merge_partials<RING_BYTES>(ring, partial_o, partial_lse,
+                             partial_row + static_cast<int64_t>(merge_begin) * heads,
+                             merge_count, heads, o_row, o_stride_h, lse_row);
 }
