@@ -7,9 +7,9 @@
 // K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring. Shared memory: the ring
 // (the epilogue and the split merge reuse it), the padded q rows, RoPE frequencies, per-warp
 // (m, d); the total is SMEM_BYTES.
-// A split item writes an fp32 partial (o, lse) to its slot; the partials of a CTA column
-// (query heads head0 .. head0 + heads) are contiguous rows: slot k, head h at row
-// head0 * slots + k * heads + h, so the merge reads one block. The last CTA of its (request,
+// A split item writes an fp32 partial (o, lse); the partials of a CTA column (query heads
+// head0 .. head0 + heads) are contiguous rows: item k, head h at row
+// head0 * gridDim.y + k * heads + h, so the merge reads one block. The last CTA of its (request,
 // kv head) - found with an atomic counter that it then resets - merges them in chunk order.
 #include "decode_body.cuh"
 
@@ -29,15 +29,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     float* __restrict__ lse,         // [B, Hq], strides (lse_stride_n, 1); may be null
     int64_t lse_stride_n,
     const int* __restrict__ plan,    // [HEADER_INTS] + [capacity][8] work items + page ids
-    float* __restrict__ partial_o,   // [Hq * slots, HEAD_DIM] (rows: see above)
-    float* __restrict__ partial_lse,  // [Hq * slots]
-    int* __restrict__ counters,      // [2 + max_batch, gridDim.x], zero between launches
-    int slots, int num_qo_heads, int group_size, int page_size, uint32_t div_magic,
-    int div_shift, int window_left, float qk_scale, float soft_cap, float v_scale) {
+    float* __restrict__ partial_o,   // [Hq * gridDim.y, HEAD_DIM] (rows: see above)
+    float* __restrict__ partial_lse,  // [Hq * gridDim.y]
+    int* __restrict__ counters,      // [max_batch, gridDim.x], zero between launches
+    int num_qo_heads, int group_size, int page_size, uint32_t div_magic, int div_shift,
+    int window_left, float qk_scale, float soft_cap, float v_scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.y;
-  // Work item: request, token range [begin, end), request length, page list, merge group,
-  // partial slot. Loaded before the count test so both loads overlap: the plan region holds
+  // Work item: request, token range [begin, end), request length, page list, merge group.
+  // Loaded before the count test so both loads overlap: the plan region holds
   // an item for every CTA of the grid (padded slots are stale and unused).
   const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
   const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   const int request = w0.x, q_pos = w0.w - 1;
   const int begin = window_left >= 0 ? max(w0.y, q_pos - window_left) : w0.y;
   const int end = w0.z;
-  const int merge_begin = w1.y, merge_count = w1.z, slot = w1.w;
+  const int merge_begin = w1.y, merge_count = w1.z;
   const int num_tiles = begin < end ? (end - begin + TILE - 1) / TILE : 0;
 
   unsigned char* ring = smem;
@@ -108,8 +108,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   cp_async_wait<0>();
   __syncthreads();
   const bool direct = merge_count == 1;
-  const int64_t partial_row = static_cast<int64_t>(head0) * slots;
-  const int64_t at = partial_row + static_cast<int64_t>(slot) * heads;
+  const int64_t partial_row = static_cast<int64_t>(head0) * gridDim.y;
+  const int64_t at = partial_row + static_cast<int64_t>(item) * heads;
   OT* o_row = o + request * o_stride_n + head0 * o_stride_h;
   float* lse_row = lse != nullptr ? lse + request * lse_stride_n + head0 : nullptr;
   const ItemSink sink{o_row, o_stride_h, lse_row, direct ? nullptr : partial_o + at * HEAD_DIM,
@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   // (acq_rel atomic); the last arrival's acquire orders every other item's partial before its
   // reads.
   if (threadIdx.x == 0) {
-    int* counter = counters + (2 + request) * gridDim.x + blockIdx.x;
+    int* counter = counters + request * gridDim.x + blockIdx.x;
     const bool last = atomic_add_acq_rel(counter, 1) == merge_count - 1;
     if (last) atomicExch(counter, 0);  // ready for the next launch
     *last_s = last;

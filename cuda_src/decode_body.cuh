@@ -1,5 +1,5 @@
-// The attention math shared by the decode kernels (decode.cu: one CTA per work item;
-// decode_stream.cu: persistent CTAs pulling work items from a queue). One CTA holds the query
+// The attention math of the decode kernel (decode.cu), one piece per step of a work item:
+// the query side, one K/V tile, the epilogue, the split merge. One CTA holds the query
 // heads of its kv head (GQA group, padded to HEADS = 8 * HEAD_TILES; larger groups split into
 // sub-groups of HEADS) as the N side of mma.m16n8k16: S^T = K Q^T (16 tokens x 8 heads),
 // O^T += V^T P^T. Four warps; warp w takes rows [w * WARP_TOKENS, +WARP_TOKENS) of every K/V
@@ -228,12 +228,12 @@ RTC_DEVICE void attend_tile(State (&st)[HEAD_TILES][2], const QuerySide& qs, con
   }
 }
 
-// Where an item's result goes: the output row (merge_count == 1) or a partial slot.
+// Where an item's result goes: the output row (merge_count == 1) or its partial rows.
 struct ItemSink {
   OT* o;  // o + request * o_stride_n + head0 * o_stride_h
   int64_t o_stride_h;
   float* lse;  // lse + request * lse_stride_n + head0, or null
-  float* partial_o;  // partial rows of slot 0 of this CTA column (see decode.cu), or null
+  float* partial_o;  // the item's partial rows (head 0 first, see decode.cu), or null
   float* partial_lse;
 };
 

@@ -53,22 +53,13 @@ struct PagedTileLoader {
     chunk = threadIdx.x % CHUNKS;
   }
 
-  // Point the loader at another request's page list and token range end.
-  RTC_DEVICE void retarget(const int* ids, int end) { page_ids = ids, token_end = end; }
-
-  // Page ids of this thread's rows of the tile starting at token tile_begin (0 past the end)
-  // in page list `ids` of a range ending at `end`.
-  RTC_DEVICE void fetch_pages(int (&pages)[PASSES], int tile_begin, const int* ids,
-                              int end) const {
+  // Page ids of this thread's rows of the tile starting at token tile_begin (0 past the end).
+  RTC_DEVICE void fetch_pages(int (&pages)[PASSES], int tile_begin) const {
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int token = tile_begin + row0 + p * ROWS_PER_PASS;
-      pages[p] = token < end ? __ldg(ids + page_div.div(token)) : 0;
+      pages[p] = token < token_end ? __ldg(page_ids + page_div.div(token)) : 0;
     }
-  }
-
-  RTC_DEVICE void fetch_pages(int (&pages)[PASSES], int tile_begin) const {
-    fetch_pages(pages, tile_begin, page_ids, token_end);
   }
 
   // cp.async this thread's chunks of the tile into k_tile / v_tile (shared addresses).

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._checks import INT32_MAX, as_int, as_int_array, check_indptr, first_bad
-from .stream import stream_pieces
 
 # Smallest chunk the automatic split will make, in tokens (rounded up to whole pages).
 # A chunk carries fixed costs independent of its length: a CTA prologue (load q, fill the
@@ -23,9 +22,6 @@ from .stream import stream_pieces
 # percent; at 16-32 tokens it would rival the attention work itself. 256 also keeps at most
 # 512 chunks for a 128k-token request, which bounds the merge fan-in.
 MIN_CHUNK_TOKENS = 256
-# Smallest piece of a streamed plan (plan/stream.py), in tokens rounded up to whole pages: the
-# last pieces of the queue, which even out when the persistent CTAs finish.
-STREAM_UNIT_TOKENS = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,11 +30,8 @@ class DecodePlan:
 
     Work item w covers request r = work_request[w], pages
     [work_chunk[w] * chunk_pages, min((work_chunk[w] + 1) * chunk_pages, pages[r])) of its
-    page list, or in a streamed plan the tokens [work_start[w], work_end[w]); it writes partial
-    slot work_slot[w], and request b's slots merge_indptr[b]:merge_indptr[b + 1] merge in
-    chunk order. A request with no pages still owns one work item (output 0, LSE -inf).
-    A streamed plan (stream=True) is a queue for persistent CTAs (plan/stream.py): items in
-    queue order, chunks of varying size, work_chunk the chunk's index within its request.
+    page list; request b owns work items merge_indptr[b]:merge_indptr[b + 1], in chunk order.
+    A request with no pages still owns one work item (output 0, LSE -inf).
     Equality is identity (the fields are arrays); compare fields to compare plans.
     """
 
@@ -51,10 +44,6 @@ class DecodePlan:
     work_request: np.ndarray
     work_chunk: np.ndarray
     merge_indptr: np.ndarray
-    work_slot: np.ndarray
-    stream: bool = False
-    work_start: np.ndarray | None = None
-    work_end: np.ndarray | None = None
 
     @property
     def num_work(self) -> int:
@@ -71,10 +60,7 @@ class DecodePlan:
 
         start = work_chunk * chunk_tokens
         end = minimum(start + chunk_tokens, kv_len[work_request])
-        (a streamed plan stores them: work_start, work_end)
         """
-        if self.work_start is not None:
-            return self.work_start, self.work_end
         start = self.work_chunk.astype(np.int64) * self.chunk_tokens
         end = np.minimum(start + self.chunk_tokens, self.kv_len[self.work_request])
         return start.astype(np.int32), end.astype(np.int32)
@@ -182,8 +168,6 @@ def plan_decode(
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     max_work: int | None = None,
-    stream_slots: int | None = None,
-    window_left: int = -1,
 ) -> DecodePlan:
     """Choose the chunking of every request; a chunk is a run of whole pages.
 
@@ -191,8 +175,6 @@ def plan_decode(
         W(c) = sum_b max(1, ceil(pages_b / c))             # work items for chunk c
         disable_split_kv        -> c = max_b pages_b       (W == B)
         fixed_split_size        -> c = fixed_split_size    (per-request, batch invariant)
-        B * num_kv_heads >= 3/4 slots, stream_slots given, no empty request
-                                -> a streamed plan (plan/stream.py)
         B * num_kv_heads >= slots -> c = max_b pages_b     (the batch fills the GPU)
         else c = min {c >= ceil(min_chunk_tokens / page_size) : W(c) * num_kv_heads <= slots}
 
@@ -201,8 +183,6 @@ def plan_decode(
     (hence its float reduction order) depends on its own length only. ``disable_split_kv``
     takes precedence over it. ``max_work`` caps W (capacity of buffers captured in a CUDA
     graph): the search respects it, and a ValueError is raised when no chunking fits.
-    ``stream_slots``: persistent CTAs per kv head when the caller has the streaming kernel
-    (None: it has not); ``window_left`` lets a streamed plan skip pages before the window.
     """
     page_size = as_int("page_size", page_size, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -213,9 +193,6 @@ def plan_decode(
         fixed_split_size = as_int("fixed_split_size", fixed_split_size, minimum=1)
     if max_work is not None:
         max_work = as_int("max_work", max_work, minimum=1)
-    if stream_slots is not None:
-        stream_slots = as_int("stream_slots", stream_slots, minimum=1)
-    window_left = as_int("window_left", window_left, minimum=-1)
     if not isinstance(disable_split_kv, (bool, np.bool_)):
         raise TypeError(f"disable_split_kv must be a bool, got {disable_split_kv!r}")
 
@@ -231,13 +208,6 @@ def plan_decode(
     max_pages = int(pm1.max()) + 1 if batch_size else 1
     slots = num_sms * ctas_per_sm
 
-    automatic = not disable_split_kv and fixed_split_size is None
-    if automatic and stream_slots is not None and 4 * batch_size * num_kv_heads >= 3 * slots:
-        if int(kv_len.min()) > 0:  # an empty request has no tile for the streaming kernel
-            streamed = _streamed(pages, kv_len, page_size, num_kv_heads, stream_slots,
-                                 window_left, max_work)  # fmt: skip
-            if streamed is not None:
-                return streamed
     if disable_split_kv:
         chunk = max_pages
     elif fixed_split_size is not None:
@@ -273,8 +243,7 @@ def plan_decode(
         work_chunk = np.arange(num_work, dtype=np.int32)
         work_chunk -= merge_indptr[work_request]
     kv_len32 = kv_len.astype(np.int32)
-    work_slot = np.arange(num_work, dtype=np.int32)
-    for arr in (kv_len32, work_request, work_chunk, merge_indptr, work_slot):
+    for arr in (kv_len32, work_request, work_chunk, merge_indptr):
         arr.flags.writeable = False
     return DecodePlan(
         batch_size=batch_size,
@@ -286,35 +255,4 @@ def plan_decode(
         work_request=work_request,
         work_chunk=work_chunk,
         merge_indptr=merge_indptr,
-        work_slot=work_slot,
-    )
-
-
-def _streamed(pages, kv_len, page_size, num_kv_heads, stream_slots, window_left, max_work):
-    """The streamed plan of a batch that fills the GPU, or None when it needs more work items
-    than max_work."""
-    unit = -(-STREAM_UNIT_TOKENS // page_size)
-    request, start, end, slot, merge_indptr = stream_pieces(
-        pages, kv_len, page_size, stream_slots, unit, window_left
-    )
-    if max_work is not None and request.shape[0] > max_work:
-        return None
-    chunk = slot - merge_indptr[request]
-    kv_len32 = kv_len.astype(np.int32)
-    for arr in (kv_len32, request, chunk, merge_indptr, slot, start, end):
-        arr.flags.writeable = False
-    return DecodePlan(
-        batch_size=int(pages.shape[0]),
-        page_size=page_size,
-        num_kv_heads=num_kv_heads,
-        split_kv=request.shape[0] > pages.shape[0],
-        chunk_pages=int(pages.max()),
-        kv_len=kv_len32,
-        work_request=request,
-        work_chunk=chunk,
-        merge_indptr=merge_indptr,
-        work_slot=slot,
-        stream=True,
-        work_start=start,
-        work_end=end,
     )

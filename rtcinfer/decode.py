@@ -9,7 +9,6 @@ kernel (tensor cores for every group size).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -91,7 +90,7 @@ def single_decode_with_kv_cache(
         Out((hq,), "float32"),
         Out((w, hq, d), "float32"),  # scratch: partial outputs of split work items
         Out((w, hq), "float32"),  # scratch: their LSE
-        Out((3, cfg.kv_blocks), "int32"),  # scratch: queue, exit and merge counters
+        Out((1, cfg.kv_blocks), "int32"),  # scratch: merge counters
     ]
     ins = [("q", q), ("k", k), ("v", v), ("plan", to_device(q, host))]
     scales = _scales(k_scale, v_scale)
@@ -117,21 +116,11 @@ def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
     args = (
         q.data.ptr, 0, q.strides[0] // q.itemsize, k.data.ptr, *strides[0], v.data.ptr,
         *strides[1], o.data.ptr, 0, cfg.head_dim, lse.data.ptr, 0, plan.data.ptr,
-        part_o.data.ptr, part_lse.data.ptr, counters.data.ptr, np.int32(work), *cfg.scalars(),
+        part_o.data.ptr, part_lse.data.ptr, counters.data.ptr, *cfg.scalars(),
         np.float32(cfg.sm_scale * scales[0]), np.float32(cfg.logits_soft_cap),
         np.float32(scales[1]),
     )  # fmt: skip
     fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
-
-
-def _stream_kernel(spec, ctas: int, device: int):
-    """(function, spec) of the streaming (persistent) variant of a decode kernel, or None when
-    it would keep fewer CTAs resident per SM than the one-CTA-per-item kernel."""
-    stream = dataclasses.replace(spec, stream=True)
-    if stream.smem_bytes > device_limits(device)[1]:
-        return None
-    fn, stream_ctas = kernel(stream, device)
-    return (fn, stream) if stream_ctas >= ctas else None
 
 
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
@@ -227,7 +216,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg: Config | None = None
         self._cfg_key: tuple | None = None  # plan()'s static arguments that made _cfg
         self._launch: _Launch | None = None
-        self._stream = None  # (function, spec) of the persistent kernel, when it is used
         self._jax = False
         self._read = None  # (event, stream ptr) of the latest run() on another stream
 
@@ -259,20 +247,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             spec = cfg.spec(max_smem)
             fn, ctas = kernel(spec, self._device)
             self._cfg, self._kernel = cfg, (fn, spec, ctas, num_sms, cfg.scalars(), cfg.freq())
-            self._stream = None if self._graph else _stream_kernel(spec, ctas, self._device)
             if self._graph:  # the most work items an automatic split makes, or one per request
                 self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
         self._cfg_key = key  # only once _cfg is the configuration these arguments make
         fn, spec, ctas, num_sms, scalars, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
         kv_indices = _host_ints("indices", indices, widen=False)
-        streaming = self._stream
         plan = plan_decode(
             kv_indptr, _host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv, max_work=self._max_work if self._graph else None,
-            stream_slots=None if streaming is None else num_sms * ctas // cfg.kv_blocks,
-            window_left=cfg.window_left,
         )  # fmt: skip
         if plan.num_work > MAX_GRID_Y:
             raise ValueError(
@@ -313,9 +297,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 self._ws.last_upload().synchronize()
         ws = self._ws
         items = self._max_work if self._graph else plan.num_work
-        if plan.stream:  # persistent CTAs: as many per kv head as are resident at once
-            fn, spec = streaming
-            items = num_sms * ctas // cfg.kv_blocks
         self._launch = _Launch(
             fn, (cfg.kv_blocks, items, 1), spec.smem_bytes,
             (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),
@@ -407,8 +388,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q.data.ptr, q.strides[0] // qi, q.strides[1] // qi, k.data.ptr, *strides[0], v_ptr,
             *strides[1], o.data.ptr, o.strides[0] // oi, o.strides[1] // oi,
             0 if lse is None else lse.data.ptr, 0 if lse is None else lse.strides[0] // 4,
-            *st.pointers, np.int32(self._ws.capacity.max_work), *st.scalars,
-            np.float32(st.cfg.sm_scale * scales[0]),
+            *st.pointers, *st.scalars, np.float32(st.cfg.sm_scale * scales[0]),
             np.float32(st.cfg.logits_soft_cap), np.float32(scales[1]),
         )  # fmt: skip
         st.fn(st.grid, (THREADS, 1, 1), args, shared_mem=st.smem, stream=stream)

@@ -39,12 +39,8 @@ class DecodeSpec:
     soft_cap: bool
     stages: int
     token_groups: int  # 16-token groups per warp per tile
-    stream: bool = False  # persistent CTAs pulling work items from a queue (decode_stream.cu)
+    source: ClassVar[str] = "decode.cu"
     kernels: ClassVar[tuple[str, ...]] = ("decode_kernel",)
-
-    @property
-    def source(self) -> str:
-        return "decode_stream.cu" if self.stream else "decode.cu"
 
     @property
     def tile(self) -> int:
@@ -52,14 +48,12 @@ class DecodeSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: ring, q rows, RoPE frequencies, per-warp (m, d) + flag; the
-        stream kernel adds its epilogue region (two passes over head_dim) and item records."""
+        """Dynamic shared memory: ring, q rows, RoPE frequencies, per-warp (m, d) + flag."""
         heads = 8 * self.head_tiles
         ring = self.stages * 2 * self.tile * self.head_dim * itemsize(self.kv_dtype)
         q_rows = heads * (self.head_dim + 16) * 2
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
-        stream = 4 * heads * (self.head_dim // 2 + 4) * 4 + 4 * 32 + 16 if self.stream else 0
-        return ring + q_rows + freq + 2 * 4 * heads * 4 + 16 + stream
+        return ring + q_rows + freq + 2 * 4 * heads * 4 + 16
 
     def prelude(self) -> str:
         kv_fp8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}.get(self.kv_dtype, 0)

@@ -3,15 +3,13 @@
 Device layout (each region 256-byte aligned):
 
     plan       int32[HEADER + 8 * max_work + max_pages]   header | work items | page ids
-    counters   int32[(2 + max_batch) * kv_blocks]          work queue heads, exits, split-merge
-                                                           arrivals; zero at rest
+    counters   int32[max_batch * kv_blocks]                split-merge arrivals, zero at rest
     lse        float32[num_qo_heads * max_work]            partial LSE of split work items
     o          float32[num_qo_heads * max_work, head_dim]  partial outputs (rows: decode.cu)
 
 The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
 is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,
-slot) where page_begin indexes the page ids inside the plan region and slot is the partial
-output the item writes when its request is split (merge_count > 1). A plan is packed into one of
+0) where page_begin indexes the page ids inside the plan region. A plan is packed into one of
 two pinned host buffers and sent with one async copy; an event per buffer keeps a buffer from
 being rewritten while its copy may still be reading it.
 """
@@ -50,7 +48,7 @@ class Capacity:
         """Byte offset of every region, and "end" (the bytes needed)."""
         sizes = {
             "plan": 4 * self.plan_ints,
-            "counters": 4 * (2 + self.max_batch) * self.kv_blocks,
+            "counters": 4 * self.max_batch * self.kv_blocks,
             "lse": 4 * self.max_work * self.num_qo_heads,
             "o": 4 * self.max_work * self.num_qo_heads * self.head_dim,
         }
@@ -102,7 +100,7 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     work = buf[hdr:pages_at].reshape(w, 8)
     merge = plan.merge_indptr
-    if w == plan.batch_size and not plan.stream:  # one item per request, in request order
+    if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
         work[:, 0] = plan.work_request
         work[:, 1] = 0
         work[:, 2] = plan.kv_len
@@ -121,7 +119,7 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work[:, 5] = merge[:-1][req]
         work[:, 6] = (merge[1:] - merge[:-1])[req]
     work[:, 4] += pages_at
-    work[:, 7] = plan.work_slot
+    work[:, 7] = 0
     buf[pages_at:n] = kv_indices
     return n
 

@@ -94,21 +94,16 @@ def test_capacity_regions_are_aligned_and_disjoint():
 
 
 @pytest.mark.parametrize("split", [dict(num_sms=132, ctas_per_sm=2), dict(fixed_split_size=3),
-                                   dict(disable_split_kv=True),
-                                   dict(num_sms=4, ctas_per_sm=2, stream_slots=4)])  # fmt: skip
+                                   dict(disable_split_kv=True)])  # fmt: skip
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_packed_plan_reads_back(split, page_size):
     """Walk the packed buffer as decode_kernel does: every request's tokens are covered once,
-    in chunk order, with the right page ids, merge groups and partial slots."""
+    in chunk order, with the right page ids and merge groups."""
     rng = np.random.default_rng(page_size)
-    streamed = "stream_slots" in split
     lengths = [0, 1, page_size, page_size + 1, 513, 5000, 0]
-    if streamed:  # a streamed plan needs every request non-empty
-        lengths = [1, page_size, page_size + 1, 513, 5000, 77]
     indptr, indices, last, _ = page_table_for(lengths, page_size, rng)
     kwargs = {"num_sms": 132, "ctas_per_sm": 2, **split}
     plan = plan_decode(indptr, last, page_size, 2, **kwargs)
-    assert plan.stream == streamed
     freq = rope_frequencies(64, 1.0, 1e4)
     buf = np.full(header_ints(64) + 8 * plan.num_work + len(indices) + 5, -7, dtype=np.int32)
     used = pack_plan(buf, plan, indptr.astype(np.int64), indices, 64, freq)
@@ -116,18 +111,16 @@ def test_packed_plan_reads_back(split, page_size):
     np.testing.assert_array_equal(buf[4 : header_ints(64)].view(np.float32), freq.reshape(-1))
     items = buf[header_ints(64) : header_ints(64) + 8 * plan.num_work].reshape(-1, 8)
     covered = {b: [] for b in range(len(lengths))}
-    slot_item = {int(s): w for w, s in enumerate(items[:, 7])}
-    assert sorted(slot_item) == list(range(plan.num_work))
-    for req, begin, end, kv_len, page_begin, merge_begin, merge_count, slot in items:
-        assert kv_len == lengths[req]
-        assert merge_begin <= slot < merge_begin + merge_count
-        group = [slot_item[s] for s in range(merge_begin, merge_begin + merge_count)]
-        assert all(items[group, 0] == req)
+    for w, (req, begin, end, kv_len, page_begin, merge_begin, merge_count, zero) in enumerate(
+        items
+    ):
+        assert kv_len == lengths[req] and zero == 0
+        assert merge_begin <= w < merge_begin + merge_count
+        assert all(items[merge_begin : merge_begin + merge_count, 0] == req)
         for token in range(begin, end):
             page = buf[page_begin + token // page_size]
             assert page == indices[indptr[req] + token // page_size]
-        covered[req].append((slot, begin, end))
-    covered = {b: [r[1:] for r in sorted(ranges)] for b, ranges in covered.items()}
+        covered[req].append((begin, end))
     for b, ranges in covered.items():
         assert ranges[0][0] == 0 and ranges[-1][1] == lengths[b]
         assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
