@@ -13,7 +13,6 @@
 // kv head) - found with an atomic counter that it then resets - merges them in chunk order.
 #include "decode_body.cuh"
 
-constexpr int O_STRIDE = HEAD_DIM + 4;  // o row of the epilogue (floats)
 static_assert(WARPS * HEADS * O_STRIDE * 4 <= RING_BYTES, "epilogue fits in the ring");
 static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "host layout");
 
@@ -114,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   float* lse_row = lse != nullptr ? lse + request * lse_stride_n + head0 : nullptr;
   const ItemSink sink{o_row, o_stride_h, lse_row, direct ? nullptr : partial_o + at * HEAD_DIM,
                       partial_lse + at};
-  finish_item<1>(st, reinterpret_cast<float*>(ring), m_s, d_s, sink, heads, v_scale, warp, g, t);
+  finish_item(st, reinterpret_cast<float*>(ring), m_s, d_s, sink, heads, v_scale, warp, g, t);
   if (direct) return;
 
   // Split item: publish the partial; the last of the request's items merges them all. The
@@ -129,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   }
   __syncthreads();
   if (!*last_s) return;
-  merge_partials<RING_BYTES>(ring, partial_o, partial_lse,
-                             partial_row + static_cast<int64_t>(merge_begin) * heads,
-                             merge_count, heads, o_row, o_stride_h, lse_row);
+  merge_partials(ring, partial_o, partial_lse,
+                 partial_row + static_cast<int64_t>(merge_begin) * heads, merge_count, heads,
+                 o_row, o_stride_h, lse_row);
 }

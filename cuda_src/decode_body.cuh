@@ -238,15 +238,13 @@ struct ItemSink {
 };
 
 // Epilogue of an item: the four warps' states of each head merged through shared memory
-// (o_s: [WARPS][HEADS][DIMS + 4] floats, DIMS = HEAD_DIM / PASSES per pass; m_s, d_s:
-// [WARPS][HEADS]), normalized, scaled by v_scale and written to the sink. The caller makes
-// o_s free (barrier) before the call; the call ends with a barrier.
-template <int PASSES>
+// (o_s: [WARPS][HEADS][O_STRIDE] floats; m_s, d_s: [WARPS][HEADS]), normalized, scaled by
+// v_scale and written to the sink. The caller makes o_s free (barrier) before the call; the
+// call ends with a barrier.
+constexpr int O_STRIDE = HEAD_DIM + 4;  // o row of the epilogue (floats)
 RTC_DEVICE void finish_item(State (&st)[HEAD_TILES][2], float* o_s, float* m_s, float* d_s,
                             const ItemSink& sink, int heads, float v_scale, int warp, int g,
                             int t) {
-  constexpr int CB = BLOCKS / PASSES, DIMS = 16 * CB, STRIDE = DIMS + 4, PVECS = DIMS / 4;
-  static_assert(BLOCKS % PASSES == 0, "whole head_dim blocks per pass");
 #pragma unroll
   for (int nt = 0; nt < HEAD_TILES; ++nt)
 #pragma unroll
@@ -254,49 +252,40 @@ RTC_DEVICE void finish_item(State (&st)[HEAD_TILES][2], float* o_s, float* m_s, 
       State& s = st[nt][j];
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) s.d += __shfl_xor_sync(0xffffffffu, s.d, off);
-      if (g == 0) m_s[warp * HEADS + 8 * nt + 2 * t + j] = s.m, d_s[warp * HEADS + 8 * nt + 2 * t + j] = s.d;
+      const int h = 8 * nt + 2 * t + j;
+      if (g == 0) m_s[warp * HEADS + h] = s.m, d_s[warp * HEADS + h] = s.d;
+      float* row = o_s + (warp * HEADS + h) * O_STRIDE;
+#pragma unroll
+      for (int c = 0; c < BLOCKS; ++c) {
+        row[o_dim(c, g, false)] = s.o[2 * c];
+        row[o_dim(c, g, true)] = s.o[2 * c + 1];
+      }
     }
+  __syncthreads();
+  for (int i = threadIdx.x; i < heads * VECS; i += THREADS) {
+    const int h = i / VECS, d = (i % VECS) * 4;
+    AttentionState<4> acc;
+    acc.init();
 #pragma unroll
-  for (int pass = 0; pass < PASSES; ++pass) {
-    if (pass > 0) __syncthreads();  // the previous pass has read o_s
-#pragma unroll
-    for (int nt = 0; nt < HEAD_TILES; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float* row = o_s + (warp * HEADS + 8 * nt + 2 * t + j) * STRIDE;
-#pragma unroll
-        for (int c = 0; c < CB; ++c) {
-          const int cc = pass * CB + c;
-          row[o_dim(c, g, false)] = st[nt][j].o[2 * cc];
-          row[o_dim(c, g, true)] = st[nt][j].o[2 * cc + 1];
-        }
-      }
-    __syncthreads();
-    for (int i = threadIdx.x; i < heads * PVECS; i += THREADS) {
-      const int h = i / PVECS, dl = (i % PVECS) * 4, d = pass * DIMS + dl;
-      AttentionState<4> acc;
-      acc.init();
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        AttentionState<4> part;
-        part.m = m_s[w * HEADS + h];
-        part.d = d_s[w * HEADS + h];
-        const float4 v = *reinterpret_cast<const float4*>(o_s + (w * HEADS + h) * STRIDE + dl);
-        part.o[0] = v.x, part.o[1] = v.y, part.o[2] = v.z, part.o[3] = v.w;
-        acc.merge(part);
-      }
-      acc.normalize();
-      const float4 out = make_float4(acc.o[0] * v_scale, acc.o[1] * v_scale,
-                                     acc.o[2] * v_scale, acc.o[3] * v_scale);
-      if (sink.partial_o == nullptr) {
-        OT* dst = sink.o + h * sink.o_stride_h + d;
-        dst[0] = from_float<OT>(out.x), dst[1] = from_float<OT>(out.y);
-        dst[2] = from_float<OT>(out.z), dst[3] = from_float<OT>(out.w);
-        if (sink.lse != nullptr && d == 0) sink.lse[h] = acc.lse();
-      } else {
-        *reinterpret_cast<float4*>(sink.partial_o + h * HEAD_DIM + d) = out;
-        if (d == 0) sink.partial_lse[h] = acc.lse();
-      }
+    for (int w = 0; w < WARPS; ++w) {
+      AttentionState<4> part;
+      part.m = m_s[w * HEADS + h];
+      part.d = d_s[w * HEADS + h];
+      const float4 v = *reinterpret_cast<const float4*>(o_s + (w * HEADS + h) * O_STRIDE + d);
+      part.o[0] = v.x, part.o[1] = v.y, part.o[2] = v.z, part.o[3] = v.w;
+      acc.merge(part);
+    }
+    acc.normalize();
+    const float4 out = make_float4(acc.o[0] * v_scale, acc.o[1] * v_scale, acc.o[2] * v_scale,
+                                   acc.o[3] * v_scale);
+    if (sink.partial_o == nullptr) {
+      OT* dst = sink.o + h * sink.o_stride_h + d;
+      dst[0] = from_float<OT>(out.x), dst[1] = from_float<OT>(out.y);
+      dst[2] = from_float<OT>(out.z), dst[3] = from_float<OT>(out.w);
+      if (sink.lse != nullptr && d == 0) sink.lse[h] = acc.lse();
+    } else {
+      *reinterpret_cast<float4*>(sink.partial_o + h * HEAD_DIM + d) = out;
+      if (d == 0) sink.partial_lse[h] = acc.lse();
     }
   }
   __syncthreads();
@@ -305,20 +294,19 @@ RTC_DEVICE void finish_item(State (&st)[HEAD_TILES][2], float* o_s, float* m_s, 
 // Merge `count` partials of this CTA's heads (contiguous rows from `first`: partial k, head h
 // at row first + k * heads + h) in order and write the output row. With M = max_k lse_k and
 // w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k); empty partials
-// (lse = -inf) weigh 0. The partials pass through `stage` (shared memory, STAGE_BYTES) a group
-// at a time, every copy of a group in flight at once; the weights are independent, so there
-// is no chain of dependent merges. Barriers inside; the caller makes `stage` free first.
-template <int STAGE_BYTES>
-RTC_DEVICE void merge_partials(unsigned char* stage, const float* partial_o,
+// (lse = -inf) weigh 0. The partials pass through the ring (RING_BYTES) a group at a
+// time, every copy of a group in flight at once; the weights are independent, so there is no
+// chain of dependent merges. Barriers inside; the caller makes the ring free first.
+RTC_DEVICE void merge_partials(unsigned char* ring, const float* partial_o,
                                const float* partial_lse, int64_t first, int count, int heads,
                                OT* o, int64_t o_stride_h, float* lse) {
   constexpr int ITEMS = (HEADS * VECS + THREADS - 1) / THREADS;  // (head, 4 dims) per thread
-  static_assert(STAGE_BYTES >= HEADS * (HEAD_DIM + 1) * 4, "one partial fits in the stage");
+  static_assert(RING_BYTES >= HEADS * (HEAD_DIM + 1) * 4, "one partial fits in the ring");
   const int row_floats = heads * HEAD_DIM;  // one partial of this CTA's heads
-  const int group = STAGE_BYTES / ((row_floats + heads) * 4);
-  const uint32_t stage_addr = smem_addr(stage);
-  const float* po_s = reinterpret_cast<const float*>(stage);  // [group][heads][HEAD_DIM]
-  float* pl_s = reinterpret_cast<float*>(stage) + group * row_floats;  // [group][heads]
+  const int group = RING_BYTES / ((row_floats + heads) * 4);
+  const uint32_t ring_addr = smem_addr(ring);
+  const float* po_s = reinterpret_cast<const float*>(ring);  // [group][heads][HEAD_DIM]
+  float* pl_s = reinterpret_cast<float*>(ring) + group * row_floats;  // [group][heads]
   AttentionState<4> acc[ITEMS];
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) acc[j].init();
@@ -327,7 +315,7 @@ RTC_DEVICE void merge_partials(unsigned char* stage, const float* partial_o,
     const int64_t at = first + static_cast<int64_t>(k0) * heads;
     const float* src = partial_o + at * HEAD_DIM;  // n partials, contiguous
     for (int c = threadIdx.x; c < n * row_floats / 4; c += THREADS)
-      cp_async_16(stage_addr + 16 * c, src + 4 * c, true);
+      cp_async_16(ring_addr + 16 * c, src + 4 * c, true);
     cp_async_commit();
     for (int i = threadIdx.x; i < n * heads; i += THREADS) pl_s[i] = __ldcg(partial_lse + at + i);
     cp_async_wait<0>();
@@ -351,7 +339,7 @@ RTC_DEVICE void merge_partials(unsigned char* stage, const float* partial_o,
         }
       }
     }
-    __syncthreads();  // the next group overwrites the stage
+    __syncthreads();  // the next group overwrites the ring
   }
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
