@@ -78,20 +78,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_ker
     const float floor = bt.all ? Policy::lowest() : Policy::from_key(bt.key);
     bool on_list = false;
     if (floor > Policy::lowest() || vocab <= CAP) {
-      float mass;
-      const int n = gather(rows, g, mem.bmax, floor, mem, mass);
-      if (lane == 0) {
-        sh.list_n[w] = n;
-        sh.seg[1][w] = mass;
-      }
-      __syncthreads();
-      on_list = true;
-      float list_mass = 0.f;
-#pragma unroll 1
-      for (int i = 0; i < WARPS; ++i) {
-        on_list &= sh.list_n[i] >= 0;
-        list_mass += sh.seg[1][i];
-      }
+      float list_mass;
+      on_list = gather_list(rows, g, mem.bmax, floor, mem, sh, list_mass);
       if (BY_MASS) on_list &= list_mass >= fmaxf(top_p, 0.f) * S;
     }
     const ListSource<Policy> list{mem.vals, mem.ids, sh.list_n};

@@ -323,3 +323,27 @@ RTC_DEVICE int gather(const Src& src, const Steps& g, const float* bmax, float f
   mass = warp_sum(part);
   return n;
 }
+
+// The block's candidate list: every warp gathers its values >= floor (gather above) and posts
+// its count and mass to sh.list_n / sh.seg[1]. Returns whether every warp's region held its
+// values (the list is the whole row above the floor) and sets `list_mass` to their sum.
+// Contains a barrier.
+template <class Src>
+RTC_DEVICE bool gather_list(const Src& src, const Steps& g, const float* bmax, float floor,
+                            const ListMemory& mem, RowShared& sh, float& list_mass) {
+  float mass;
+  const int n = gather(src, g, bmax, floor, mem, mass);
+  if (lane_id() == 0) {
+    sh.list_n[warp_id()] = n;
+    sh.seg[1][warp_id()] = mass;  // slot 1: segment masses of the list
+  }
+  __syncthreads();
+  bool complete = true;
+  list_mass = 0.f;
+#pragma unroll 1
+  for (int i = 0; i < WARPS; ++i) {
+    complete &= sh.list_n[i] >= 0;
+    list_mass += sh.seg[1][i];
+  }
+  return complete;
+}

@@ -203,20 +203,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   }
   bool on_list = false;
   if (OP != PLAIN && (floor > 0.f || vocab <= CAP)) {
-    float mass;
-    const int n = gather(rows, g, mem.bmax, floor, mem, mass);
-    if (lane == 0) {
-      sh.list_n[w] = n;
-      sh.seg[1][w] = mass;  // slot 1: segment masses of the list
-    }
-    __syncthreads();
-    on_list = true;
-    float list_mass = 0.f;
-#pragma unroll 1
-    for (int i = 0; i < WARPS; ++i) {
-      on_list &= sh.list_n[i] >= 0;
-      list_mass += sh.seg[1][i];
-    }
+    float list_mass;
+    on_list = gather_list(rows, g, mem.bmax, floor, mem, sh, list_mass);
     // mass(p >= floor) >= P: every value below the floor has at least P above it
     if (need_mass) on_list &= list_mass >= f.P;
   }

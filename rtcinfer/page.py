@@ -58,6 +58,16 @@ def _int32(name: str, x) -> None:
         raise TypeError(f"{name}: device index arrays must be int32, got {dtype_name(x)}")
 
 
+def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
+    """Device int32 indptr [B + 1] with a per-request int32 array [B]; returns B."""
+    _int32(indptr_name, indptr)
+    _int32(rows_name, rows)
+    batch = rows.shape[0]
+    if tuple(indptr.shape) != (batch + 1,):
+        raise ValueError(f"{indptr_name} must have shape ({batch + 1},), got {tuple(indptr.shape)}")
+    return batch
+
+
 def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
     key, value, batch_indices, positions = ins[:4]
     kv_indices, kv_indptr = ins[-2:]
@@ -161,11 +171,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     """
     if not _on_device(kv_indptr):
         return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
-    _int32("kv_indptr", kv_indptr)
-    _int32("kv_last_page_len", kv_last_page_len)
-    batch = kv_last_page_len.shape[0]
-    if tuple(kv_indptr.shape) != (batch + 1,):
-        raise ValueError(f"kv_indptr must have shape ({batch + 1},), got {tuple(kv_indptr.shape)}")
+    batch = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len)
     ins = [("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)]
     return run(_seq_lens_launch, ins, [Out((batch,), "int32")], page_size=int(page_size))
 
@@ -184,13 +190,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     entries past append_indptr[-1] (a padded nnz) are -1. Host arrays use NumPy."""
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
-    _int32("append_indptr", append_indptr)
-    _int32("seq_lens", seq_lens)
-    batch = seq_lens.shape[0]
-    if tuple(append_indptr.shape) != (batch + 1,):
-        raise ValueError(
-            f"append_indptr must have shape ({batch + 1},), got {tuple(append_indptr.shape)}"
-        )
+    _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
     nnz = int(nnz)
     ins = [("append_indptr", append_indptr), ("seq_lens", seq_lens)]
     outs = [Out((nnz,), "int32"), Out((nnz,), "int32")]
