@@ -40,7 +40,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   // an item for every CTA of the grid (padded slots are stale and unused).
   const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
   const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
-  if (item >= __ldg(plan)) return;
+  const int2 header = __ldg(reinterpret_cast<const int2*>(plan));  // num_work, lookahead
+  if (item >= header.x) return;
+  // Tiles in flight ahead of the one computed: STAGES - 1, or 1 when the plan asks (header
+  // word 1; see workspace.py), which ends a single wave of long rows sooner.
+  const int look = header.y == 1 ? 1 : STAGES - 1;
   const int subgroups = (group_size + HEADS - 1) / HEADS;
   const int kv_head = blockIdx.x / subgroups, sub = blockIdx.x % subgroups;
   const int head0 = kv_head * group_size + sub * HEADS;  // first query head of this CTA
@@ -63,7 +67,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   auto k_tile = [&](int stage) { return ring_addr + stage * 2 * TILE_BYTES; };
   auto v_tile = [&](int stage) { return ring_addr + stage * 2 * TILE_BYTES + TILE_BYTES; };
 
-  // Prologue: page ids of the first STAGES - 1 tiles (loads in parallel), then their copies.
+  // Prologue: page ids of the first `look` tiles (loads in parallel), then their copies; a
+  // commit group per stage either way, so the loop's group count does not depend on `look`.
   Loader loader;
   loader.init(k_cache + kv_head * k_head, k_page, k_token, v_cache + kv_head * v_head, v_page,
               v_token, plan + w1.x, FastDiv{div_magic, div_shift}, page_size, end);
@@ -71,15 +76,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     int pages[STAGES - 1][Loader::PASSES];
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-      if (s < num_tiles) loader.fetch_pages(pages[s], begin + s * TILE);
+      if (s < look && s < num_tiles) loader.fetch_pages(pages[s], begin + s * TILE);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < num_tiles) loader.issue(pages[s], begin + s * TILE, k_tile(s), v_tile(s));
+      if (s < look && s < num_tiles)
+        loader.issue(pages[s], begin + s * TILE, k_tile(s), v_tile(s));
       cp_async_commit();
     }
   }
   int pages[Loader::PASSES] = {};
-  if (STAGES - 1 < num_tiles) loader.fetch_pages(pages, begin + (STAGES - 1) * TILE);
+  if (look < num_tiles) loader.fetch_pages(pages, begin + look * TILE);
 
   const float2* freq = reinterpret_cast<const float2*>(plan + 4);
   if constexpr (ROPE)
@@ -92,9 +98,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   init_states(st);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<STAGES - 2>();
+    if (look == STAGES - 1)  // the groups of the `look - 1` newer tiles may still be in flight
+      cp_async_wait<STAGES - 2>();
+    else
+      cp_async_wait<0>();
     __syncthreads();  // tile landed for everyone; the stage refilled below is no longer read
-    const int next = tile + STAGES - 1;
+    const int next = tile + look;
     if (next < num_tiles)
       loader.issue(pages, begin + next * TILE, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();

@@ -112,6 +112,42 @@ def test_long_request_with_short_and_empty_ones():
     check_attention(o, lse, *batch.reference(), "bfloat16")
 
 
+LOOKAHEAD_CASES = {  # pages of at least one tile and items of at least 64 tiles on average
+    "bf16_page64": (dict(page_size=64), [9000, 8191, 4100, 0, 8257], None),
+    "bf16_page128_hnd_window": (
+        dict(page_size=128, layout="HND", group_size=8),
+        [9000, 8191, 5000, 1, 8257],
+        "window",
+    ),
+    "e4m3_page128_rope": (
+        dict(page_size=128, kv_dtype="float8_e4m3fn"),
+        [20000, 16385, 9000, 0, 8300],
+        "rope",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOKAHEAD_CASES))
+def test_long_rows_with_one_tile_in_flight(case):
+    """Whole long requests in pages of at least one tile: the plan asks the kernel for one K/V
+    tile in flight ahead of the one computed (header word 1) instead of its ring's depth - 1."""
+    import cupy
+
+    kwargs, lengths, feature = LOOKAHEAD_CASES[case]
+    rng = seeded("lookahead", case)
+    batch = make_batch(rng, lengths, **kwargs)
+    features = FEATURES.get(feature, {})
+    scales = dict(k_scale=0.5, v_scale=2.0) if "kv_dtype" in kwargs else {}
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
+    o, lse = run_batch(batch, wrapper, disable_split_kv=True, **scales, **features)
+    header = cupy.ndarray(
+        (2,), cupy.int32, cupy.cuda.MemoryPointer(
+            cupy.cuda.UnownedMemory(wrapper._ws.pointer("plan"), 8, wrapper), 0)
+    ).get()  # fmt: skip
+    assert header.tolist() == [len(lengths), 1]
+    check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
+
+
 @pytest.mark.parametrize("head_dim, group_size", [(128, 4), (128, 16), (256, 8), (64, 2)])
 @pytest.mark.parametrize("feature", [None, "window"])
 def test_merge_of_many_partials(head_dim, group_size, feature):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import rtcinfer
+from rtcinfer.decode import LONG_ITEM_TILES, _lookahead
 from rtcinfer.decode_kernel import decode_spec, make_config, rope_frequencies
 from rtcinfer.plan.decode import plan_decode
 from rtcinfer.workspace import Capacity, header_ints, pack_plan
@@ -124,3 +125,28 @@ def test_packed_plan_reads_back(split, page_size):
     for b, ranges in covered.items():
         assert ranges[0][0] == 0 and ranges[-1][1] == lengths[b]
         assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+
+
+@pytest.mark.parametrize(
+    "page_size, lengths, split, expect",
+    [
+        (64, [4096] * 4, dict(disable_split_kv=True), 1),  # 64 tiles of 64 tokens each
+        (64, [4096] * 3 + [4032], dict(disable_split_kv=True), 0),  # one tile short on average
+        (32, [8192] * 4, dict(disable_split_kv=True), 0),  # a tile spans two pages
+        (128, [8192, 8192, 0], dict(disable_split_kv=True), 1),
+        (64, [8192] * 2, dict(num_sms=132, ctas_per_sm=2), 0),  # split into short chunks
+        (64, [], dict(disable_split_kv=True), 0),
+    ],
+)  # fmt: skip
+def test_lookahead_rule(page_size, lengths, split, expect):
+    """One tile in flight ahead only for pages of at least a tile and long items:
+    sum(kv_len) >= LONG_ITEM_TILES * tile * num_work."""
+    rng = np.random.default_rng(0)
+    indptr, _, last, _ = page_table_for(lengths, page_size, rng)
+    plan = plan_decode(indptr, last, page_size, 8, **{"num_sms": 132, "ctas_per_sm": 2, **split})
+    assert LONG_ITEM_TILES == 64
+    assert _lookahead(plan, 64) == expect
+    buf = np.zeros(header_ints(64) + 8 * plan.num_work + int(indptr[-1]), dtype=np.int32)
+    pack_plan(buf, plan, indptr.astype(np.int64), np.zeros(int(indptr[-1]), np.int32), 64,
+              None, expect)  # fmt: skip
+    assert buf[:2].tolist() == [plan.num_work, expect]
