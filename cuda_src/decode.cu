@@ -4,7 +4,8 @@
 // tokens, from the plan): the CTAs of one item, reading neighbouring heads of the same pages,
 // are dispatched together, and items past the plan's count (a grid sized for a capacity) come
 // last and exit at once.
-// K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring. Shared memory: the ring
+// K/V tiles of TILE tokens stream through a STAGES-deep cp.async ring, LOOK of them in flight
+// ahead of the one computed (STAGES - 1, or the spec's LOOKAHEAD). Shared memory: the ring
 // (the epilogue and the split merge reuse it), the padded q rows, RoPE frequencies, per-warp
 // (m, d); the total is SMEM_BYTES.
 // A split item writes an fp32 partial (o, lse); the partials of a CTA column (query heads
@@ -15,6 +16,8 @@
 
 static_assert(WARPS * HEADS * O_STRIDE * 4 <= RING_BYTES, "epilogue fits in the ring");
 static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "host layout");
+constexpr int LOOK = LOOKAHEAD > 0 ? LOOKAHEAD : STAGES - 1;
+static_assert(LOOK >= 1 && LOOK <= STAGES - 1, "the ring holds the tiles in flight");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
     const QT* __restrict__ q,        // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
@@ -40,11 +43,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   // an item for every CTA of the grid (padded slots are stale and unused).
   const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
   const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
-  const int2 header = __ldg(reinterpret_cast<const int2*>(plan));  // num_work, lookahead
-  if (item >= header.x) return;
-  // Tiles in flight ahead of the one computed: STAGES - 1, or 1 when the plan asks (header
-  // word 1; see workspace.py), which ends a single wave of long rows sooner.
-  const int look = header.y == 1 ? 1 : STAGES - 1;
+  if (item >= __ldg(plan)) return;
   const int subgroups = (group_size + HEADS - 1) / HEADS;
   const int kv_head = blockIdx.x / subgroups, sub = blockIdx.x % subgroups;
   const int head0 = kv_head * group_size + sub * HEADS;  // first query head of this CTA
@@ -67,25 +66,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   auto k_tile = [&](int stage) { return ring_addr + stage * 2 * TILE_BYTES; };
   auto v_tile = [&](int stage) { return ring_addr + stage * 2 * TILE_BYTES + TILE_BYTES; };
 
-  // Prologue: page ids of the first `look` tiles (loads in parallel), then their copies; a
-  // commit group per stage either way, so the loop's group count does not depend on `look`.
+  // Prologue: page ids of the first LOOK tiles (loads in parallel), then their copies; a
+  // commit group per stage either way, so the loop counts groups the same.
   Loader loader;
   loader.init(k_cache + kv_head * k_head, k_page, k_token, v_cache + kv_head * v_head, v_page,
               v_token, plan + w1.x, FastDiv{div_magic, div_shift}, page_size, end);
   {
-    int pages[STAGES - 1][Loader::PASSES];
+    int pages[LOOK][Loader::PASSES];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < look && s < num_tiles) loader.fetch_pages(pages[s], begin + s * TILE);
+    for (int s = 0; s < LOOK; ++s)
+      if (s < num_tiles) loader.fetch_pages(pages[s], begin + s * TILE);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < look && s < num_tiles)
-        loader.issue(pages[s], begin + s * TILE, k_tile(s), v_tile(s));
+      if (s < LOOK && s < num_tiles) loader.issue(pages[s], begin + s * TILE, k_tile(s), v_tile(s));
       cp_async_commit();
     }
   }
   int pages[Loader::PASSES] = {};
-  if (look < num_tiles) loader.fetch_pages(pages, begin + look * TILE);
+  if (LOOK < num_tiles) loader.fetch_pages(pages, begin + LOOK * TILE);
 
   const float2* freq = reinterpret_cast<const float2*>(plan + 4);
   if constexpr (ROPE)
@@ -98,12 +96,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   init_states(st);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    if (look == STAGES - 1)  // the groups of the `look - 1` newer tiles may still be in flight
-      cp_async_wait<STAGES - 2>();
-    else
-      cp_async_wait<0>();
+    cp_async_wait<LOOK - 1>();  // the newer tiles' groups may still be in flight
     __syncthreads();  // tile landed for everyone; the stage refilled below is no longer read
-    const int next = tile + look;
+    const int next = tile + LOOK;
     if (next < num_tiles)
       loader.issue(pages, begin + next * TILE, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();

@@ -10,7 +10,7 @@
 // thread's values are d = 4t..4t+3 (K: a permuted contraction order, the same for q) and V's
 // rows come out as d = 2g (logical row g) and 2g + 1 (row g + 8); cvt makes them fp16.
 // Prelude: QT, KVT, OT, HEAD_DIM, HEAD_TILES, POS_ENCODING, SOFT_CAP, STAGES, TOKEN_GROUPS,
-// KV_FP8 (0, 1 = e4m3, 2 = e5m2), SMEM_BYTES.
+// KV_FP8 (0, 1 = e4m3, 2 = e5m2), LOOKAHEAD (0: STAGES - 1), SMEM_BYTES.
 #pragma once
 #include "mma.cuh"
 #include "attention_state.cuh"

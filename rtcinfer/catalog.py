@@ -4,7 +4,7 @@ sampler, which needs sm_90, for sm_90a only)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import activation, cascade, decode_kernel, norm, page, rope
 from .renorm import RenormSpec
@@ -80,7 +80,7 @@ def shipped_specs() -> list:
 def decode_specs() -> list:
     """Every compile-time branch of the decode kernel once: q fp16/bf16, KV 16-bit/e4m3/e5m2,
     head_dim 64/128/256, one or two head tiles, NONE/ROPE_LLAMA/ALIBI, soft cap, 2-4 token
-    groups per warp and the 2-stage pipeline (small shared memory)."""
+    groups per warp, the 2-stage pipeline (small shared memory) and one tile in flight."""
     spec = decode_kernel.decode_spec
     return [
         spec("bfloat16", "bfloat16", "bfloat16", 128, 4),
@@ -90,6 +90,7 @@ def decode_specs() -> list:
         spec("bfloat16", "float8_e4m3fn", "bfloat16", 128, 8),
         spec("float16", "float8_e5m2", "float16", 256, 16, "ROPE_LLAMA", True),
         spec("bfloat16", "float8_e4m3fn", "bfloat16", 64, 5, "ALIBI"),
+        replace(spec("bfloat16", "bfloat16", "bfloat16", 128, 4), lookahead=1),
     ]
 
 

@@ -10,7 +10,7 @@ kernel (tensor cores for every group size).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -128,11 +128,12 @@ LONG_ITEM_TILES = 64
 
 
 def _lookahead(plan, tile: int) -> int:
-    """The kernel's copy lookahead for a plan (workspace.py's header word 1): 1 (one tile in
-    flight ahead of the one computed) when every tile lies in one page (page_size >= tile) and
-    the items are long (sum(kv_len) >= LONG_ITEM_TILES * tile * num_work), else 0 (the ring's
-    depth - 1). Measured on an H200: 1 is 1-2% faster on such rows (32 x 8192 tokens, pages
-    of 64: 240.5 vs 243.0 us) and 1-2% slower on short or multi-page tiles."""
+    """The copy lookahead a plan's kernel is compiled with (DecodeSpec.lookahead): 1 (one K/V
+    tile in flight ahead of the one computed) when every tile lies in one page
+    (page_size >= tile) and the items are long (sum(kv_len) >= LONG_ITEM_TILES * tile *
+    num_work), else 0 (the ring's depth - 1). Measured on an H200: 1 is 1-2% faster on such
+    rows (32 x 8192 tokens, pages of 64: 246.2 vs 248.9 us) and 1-2% slower on short items or
+    tiles across pages."""
     if plan.page_size < tile or plan.num_work == 0:
         return 0
     return int(int(plan.kv_len.sum()) >= LONG_ITEM_TILES * tile * plan.num_work)
@@ -304,15 +305,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._ws.reserve(need, stream, grow=not self._graph)
             if self._read is not None and self._read[1] != stream.ptr:
                 stream.wait_event(self._read[0])  # a run() elsewhere may still read the plan
-            look = _lookahead(plan, spec.tile)
             self._ws.upload(
-                lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq, look),
+                lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq),
                 stream,
             )
             if self._jax:
                 self._ws.last_upload().synchronize()
         ws = self._ws
         items = self._max_work if self._graph else plan.num_work
+        if not self._graph and _lookahead(plan, spec.tile):  # a graph keeps one kernel
+            fn = kernel(replace(spec, lookahead=1), self._device)[0]
         self._launch = _Launch(
             fn, (cfg.kv_blocks, items, 1), spec.smem_bytes,
             (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),

@@ -39,6 +39,7 @@ class DecodeSpec:
     soft_cap: bool
     stages: int
     token_groups: int  # 16-token groups per warp per tile
+    lookahead: int = 0  # K/V tiles in flight ahead of the one computed; 0: stages - 1
     source: ClassVar[str] = "decode.cu"
     kernels: ClassVar[tuple[str, ...]] = ("decode_kernel",)
 
@@ -68,6 +69,7 @@ class DecodeSpec:
             STAGES=self.stages,
             TOKEN_GROUPS=self.token_groups,
             KV_FP8=kv_fp8,
+            LOOKAHEAD=self.lookahead,
             SMEM_BYTES=self.smem_bytes,
         )
 

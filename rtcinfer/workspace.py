@@ -7,9 +7,7 @@ Device layout (each region 256-byte aligned):
     lse        float32[num_qo_heads * max_work]            partial LSE of split work items
     o          float32[num_qo_heads * max_work, head_dim]  partial outputs (rows: decode.cu)
 
-The plan header is [num_work, lookahead, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]
-(lookahead 1: the kernel keeps one K/V tile in flight ahead of the one it computes instead of
-its ring's depth - 1; 0: the default); work item w
+The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
 is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,
 0) where page_begin indexes the page ids inside the plan region. A plan is packed into one of
 two pinned host buffers and sent with one async copy; an event per buffer keeps a buffer from
@@ -87,10 +85,7 @@ class Capacity:
         )
 
 
-def pack_plan(
-    buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq,
-    lookahead: int = 0,
-):  # fmt: skip
+def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq):
     """Write a DecodePlan into the int32 host buffer `buf` (layout above); returns ints used.
 
     kv_indptr: int64[B + 1] (validated); kv_indices: ints [kv_indptr[-1]]; freq: float32
@@ -100,7 +95,7 @@ def pack_plan(
     w = plan.num_work
     pages_at = hdr + 8 * w
     n = pages_at + kv_indices.shape[0]
-    buf[:4] = (w, lookahead, 0, 0)
+    buf[:4] = (w, 0, 0, 0)
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     work = buf[hdr:pages_at].reshape(w, 8)

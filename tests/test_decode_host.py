@@ -146,7 +146,3 @@ def test_lookahead_rule(page_size, lengths, split, expect):
     plan = plan_decode(indptr, last, page_size, 8, **{"num_sms": 132, "ctas_per_sm": 2, **split})
     assert LONG_ITEM_TILES == 64
     assert _lookahead(plan, 64) == expect
-    buf = np.zeros(header_ints(64) + 8 * plan.num_work + int(indptr[-1]), dtype=np.int32)
-    pack_plan(buf, plan, indptr.astype(np.int64), np.zeros(int(indptr[-1]), np.int32), 64,
-              None, expect)  # fmt: skip
-    assert buf[:2].tolist() == [plan.num_work, expect]
