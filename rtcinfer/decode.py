@@ -27,7 +27,7 @@ from .decode_kernel import (
 from .interop import Out, as_cupy, dtype_name, run
 from .interop.arrays import device_of, framework, to_device, to_numpy
 from .interop.dtypes import FP8_DTYPES
-from .plan._checks import INT32_MAX, as_int_array
+from .plan._checks import INT32_MAX, as_int_array, first_bad
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, header_ints, pack_plan
 
@@ -142,7 +142,9 @@ def _lookahead(plan, tile: int) -> int:
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     """Host copy of an index array, int64 (``widen=False``: its own integer dtype, as for page
     ids, which the int32 plan buffer takes as they are); a device array costs one copy."""
-    return as_int_array(name, to_numpy(x) if hasattr(x, "__dlpack__") else x, widen=widen)
+    if type(x) is not np.ndarray and hasattr(x, "__dlpack__"):
+        x = to_numpy(x)
+    return as_int_array(name, x, widen=widen)
 
 
 def _arg_key(args: tuple) -> tuple:
@@ -286,9 +288,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
         max_page = -1
         if num_pages:
-            max_page = int(kv_indices.max())
-            if (low := int(kv_indices.min())) < 0 or max_page > INT32_MAX:
-                i = int(np.argmin(kv_indices) if low < 0 else np.argmax(kv_indices))
+            # One reduction: seen as unsigned (of at least 32 bits), a negative id is larger
+            # than any valid one.
+            ids = kv_indices if kv_indices.itemsize >= 4 else kv_indices.astype(np.int32)
+            max_page = int(ids.view(ids.dtype.str.replace("i", "u")).max())
+            if max_page > INT32_MAX:
+                i = first_bad((kv_indices < 0) | (kv_indices > INT32_MAX))
                 raise ValueError(f"indices[{i}] ({int(kv_indices[i])}) is not a valid page id")
         if self._graph:
             if plan.batch_size > self._max_batch or num_pages > self._max_pages:

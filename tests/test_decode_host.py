@@ -146,3 +146,65 @@ def test_lookahead_rule(page_size, lengths, split, expect):
     plan = plan_decode(indptr, last, page_size, 8, **{"num_sms": 132, "ctas_per_sm": 2, **split})
     assert LONG_ITEM_TILES == 64
     assert _lookahead(plan, 64) == expect
+
+
+@pytest.fixture
+def host_wrapper(monkeypatch):
+    """A decode wrapper whose plan() runs without a GPU: device queries, the kernel and the
+    upload are stubbed (the host validation and planning are what is tested)."""
+    import cupy
+
+    from rtcinfer import decode
+    from rtcinfer.workspace import Workspace
+
+    class Device:
+        id = 0
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return False
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+    monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(decode, "kernel", lambda spec, device: (spec, 2))
+    monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: None)
+    monkeypatch.setattr(Workspace, "upload", lambda self, fill, stream: None)
+    monkeypatch.setattr(Workspace, "pointer", lambda self, region: 0)
+    Device.ptr = 0
+    return decode.BatchDecodeWithPagedKVCacheWrapper()
+
+
+@pytest.mark.parametrize(
+    "dtype, bad, value",
+    [(np.int32, 1, -2), (np.int64, 2, 2**31), (np.int64, 0, -1), (np.int16, 3, -7)],
+)
+def test_plan_rejects_page_ids_outside_int32(host_wrapper, dtype, bad, value):
+    indices = np.arange(4, dtype=dtype)
+    indices[bad] = value
+    with pytest.raises(ValueError, match=rf"indices\[{bad}\] \({value}\) is not a valid page id"):
+        host_wrapper.plan([0, 4], indices, [16], 8, 2, 128, 16, q_data_type="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64, np.uint16])
+def test_plan_records_the_largest_page_id(host_wrapper, dtype):
+    indices = np.array([5, 900, 3, 2**15 - 1], dtype=dtype)
+    host_wrapper.plan([0, 1, 4], indices, [7, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    assert host_wrapper._launch.max_page == 2**15 - 1
+
+
+def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
+    """Pages of 64 and 8192-token requests: the spec compiled with lookahead 1 (CUDA graphs
+    aside); short requests keep the default kernel."""
+    lengths = [8192] * 40
+    indptr = np.arange(41) * 128
+    host_wrapper.plan(indptr, np.arange(indptr[-1]), [64] * 40, 32, 8, 128, 64,
+                      q_data_type="bfloat16")  # fmt: skip
+    assert host_wrapper._launch.fn.lookahead == 1 and len(lengths) == 40
+    host_wrapper.plan([0, 1], [0], [64], 32, 8, 128, 64, q_data_type="bfloat16")
+    assert host_wrapper._launch.fn.lookahead == 0
