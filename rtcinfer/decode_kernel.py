@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -102,9 +102,15 @@ def heads_per_cta(group_size: int, head_dim: int) -> int:
 
 
 def specs_for(num_qo_heads, num_kv_heads, head_dim, dtypes=("bfloat16", "float16")):
-    """The decode kernels a model uses (warmup): plain attention, KV in the model dtype."""
+    """The decode kernels a model uses (warmup): plain attention, KV in the model dtype, with
+    the ring's lookahead and with one tile ahead (what plan() picks for long rows in large
+    pages, see decode._lookahead), so that neither compiles while serving."""
     group = num_qo_heads // num_kv_heads
-    return [decode_spec(d, d, d, head_dim, group) for d in dtypes]
+    specs = []
+    for d in dtypes:
+        spec = decode_spec(d, d, d, head_dim, group)
+        specs += [spec, replace(spec, lookahead=1)]
+    return specs
 
 
 def fast_div(d: int) -> tuple[int, int]:

@@ -20,20 +20,20 @@ def test_help(capsys):
 def test_warmup_list_clear(cache_dir, capsys):
     assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
     out = capsys.readouterr().out
-    assert "done: 8 modules (8 compiled, 0 cached)" in out and "[8/8]" in out
+    assert "done: 9 modules (9 compiled, 0 cached)" in out and "[9/9]" in out
     assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
-    assert "(0 compiled, 8 cached)" in capsys.readouterr().out
+    assert "(0 compiled, 9 cached)" in capsys.readouterr().out
 
     assert cli.main(["list-modules"]) == 0
     out = capsys.readouterr().out
-    assert "8 modules in" in out and "NormSpec(op='rmsnorm'" in out and "sm_80" in out
+    assert "9 modules in" in out and "NormSpec(op='rmsnorm'" in out and "sm_80" in out
 
     assert cli.main(["show-config"]) == 0
     out = capsys.readouterr().out
-    assert "nvrtc" in out and "8 modules" in out and str(cache_dir) in out
+    assert "nvrtc" in out and "9 modules" in out and str(cache_dir) in out
 
     assert cli.main(["clear-cache"]) == 0
-    assert "removed 8 modules" in capsys.readouterr().out
+    assert "removed 9 modules" in capsys.readouterr().out
     assert not list(cache_dir.rglob("*.rtci"))
 
 
