@@ -47,7 +47,7 @@ class DecodeSpec:
     def tile(self) -> int:
         return 4 * 16 * self.token_groups
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: ring, q rows, RoPE frequencies, per-warp (m, d) + flag."""
         heads = 8 * self.head_tiles
