@@ -66,10 +66,10 @@ class DecodePlan:
         return start.astype(np.int32), end.astype(np.int32)
 
 
-def _check_last_page_len(last: np.ndarray, pages: np.ndarray, pm1: np.ndarray, page_size: int):
+def _check_last_page_len(last: np.ndarray, pages: np.ndarray, has: np.ndarray, page_size: int):
     """Require 1 <= last <= page_size where a request has pages, and last == 0 where not.
 
-    has = pages - pm1                     # 1 if the request has pages, else 0
+    has = min(pages, 1)                   # 1 if the request has pages, else 0
     ok = 0 <= last - has <= has * (page_size - 1)
     """
     if last.shape != pages.shape:
@@ -77,7 +77,6 @@ def _check_last_page_len(last: np.ndarray, pages: np.ndarray, pm1: np.ndarray, p
             f"kv_last_page_len must have shape ({pages.shape[0]},) to match kv_indptr, "
             f"got {last.shape}"
         )
-    has = pages - pm1
     offset = (last - has).view(np.uint64)  # negative values wrap to huge ones
     if offset.shape[0] and (offset > has.view(np.uint64) * (page_size - 1)).any():
         bad = (last < has) | (last > has * page_size)
@@ -97,9 +96,9 @@ def _pages_and_lens(kv_indptr, kv_last_page_len, page_size: int):
     indptr = as_int_array("kv_indptr", kv_indptr)
     last = as_int_array("kv_last_page_len", kv_last_page_len)
     pages = check_indptr("kv_indptr", indptr)
-    pm1 = np.maximum(pages, 1)
-    pm1 -= 1
-    _check_last_page_len(last, pages, pm1, page_size)
+    has = np.minimum(pages, 1)  # pages >= 0 (checked)
+    pm1 = pages - has
+    _check_last_page_len(last, pages, has, page_size)
     kv_len = pm1 * page_size
     kv_len += last
     # kv_len <= pages * page_size <= kv_indptr[-1] * page_size: scan only when that can overflow

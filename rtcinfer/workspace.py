@@ -85,6 +85,22 @@ class Capacity:
         )
 
 
+_WHOLE = np.zeros((0, 8), dtype=np.int32)
+
+
+def _whole_requests(batch: int) -> np.ndarray:
+    """The constant columns of a plan of one item per request: item b = (b, 0, -, -, -, b, 1, 0)
+    for b < batch (a read-only view of one table, grown by doubling; the caller copies it)."""
+    global _WHOLE
+    if _WHOLE.shape[0] < batch:
+        rows = np.zeros((max(batch, 2 * _WHOLE.shape[0]), 8), dtype=np.int32)
+        rows[:, 0] = rows[:, 5] = np.arange(rows.shape[0], dtype=np.int32)
+        rows[:, 6] = 1
+        rows.flags.writeable = False
+        _WHOLE = rows
+    return _WHOLE[:batch]
+
+
 def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq):
     """Write a DecodePlan into the int32 host buffer `buf` (layout above); returns ints used.
 
@@ -101,13 +117,10 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     work = buf[hdr:pages_at].reshape(w, 8)
     merge = plan.merge_indptr
     if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
-        work[:, 0] = plan.work_request
-        work[:, 1] = 0
+        work[:] = _whole_requests(w)  # (b, 0, ., ., ., b, 1, 0)
         work[:, 2] = plan.kv_len
         work[:, 3] = plan.kv_len
-        work[:, 4] = kv_indptr[:-1]
-        work[:, 5] = merge[:-1]
-        work[:, 6] = 1
+        first_page = kv_indptr[:-1]
     else:
         start, end = plan.work_token_bounds()
         req = plan.work_request
@@ -115,11 +128,11 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work[:, 1] = start
         work[:, 2] = end
         work[:, 3] = plan.kv_len[req]
-        work[:, 4] = kv_indptr[:-1][req]
         work[:, 5] = merge[:-1][req]
         work[:, 6] = (merge[1:] - merge[:-1])[req]
-    work[:, 4] += pages_at
-    work[:, 7] = 0
+        work[:, 7] = 0
+        first_page = kv_indptr[:-1][req]
+    np.add(first_page, pages_at, out=work[:, 4], casting="unsafe")
     buf[pages_at:n] = kv_indices
     return n
 
