@@ -208,3 +208,24 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 1 and len(lengths) == 40
     host_wrapper.plan([0, 1], [0], [64], 32, 8, 128, 64, q_data_type="bfloat16")
     assert host_wrapper._launch.fn.lookahead == 0
+
+
+def test_whole_request_plans_pack_the_same_after_a_larger_one():
+    """The constant columns of one-item-per-request plans come from one growing table: a
+    small plan packed after a large one holds exactly its own items."""
+    rng = np.random.default_rng(3)
+    packed = {}
+    for batch in (5, 300, 7, 300, 5):
+        lengths = [int(x) for x in rng.integers(0, 200, batch)]
+        indptr, indices, last, _ = page_table_for(lengths, 16, rng)
+        plan = plan_decode(indptr, last, 16, 8, num_sms=1, ctas_per_sm=1)
+        assert plan.num_work == batch
+        buf = np.full(header_ints(64) + 8 * batch + len(indices), -7, dtype=np.int32)
+        pack_plan(buf, plan, indptr.astype(np.int64), indices, 64, None)
+        items = buf[header_ints(64) : header_ints(64) + 8 * batch].reshape(batch, 8)
+        b = np.arange(batch)
+        expect = np.stack([b, 0 * b, lengths, lengths, header_ints(64) + 8 * batch + indptr[:-1],
+                           b, 1 + 0 * b, 0 * b], axis=1)  # fmt: skip
+        np.testing.assert_array_equal(items, expect)
+        packed.setdefault(batch, items.copy())
+        np.testing.assert_array_equal(items[:, [0, 1, 5, 6, 7]], packed[batch][:, [0, 1, 5, 6, 7]])
