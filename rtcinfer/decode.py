@@ -190,7 +190,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     contents are not used. Every launch argument then stays the same across plans, so a graph
     captured around run() replays correctly after a new plan() with the same configuration.
     The work-item capacity, set by the first plan(), is max(max batch, what the automatic
-    split uses); a fixed_split_size plan must fit in it.
+    split uses); a fixed_split_size plan must fit in it. Without graphs, plan() may pick a
+    variant of the kernel (one K/V tile in flight ahead, for long requests in pages of at
+    least a tile, see _lookahead); with them it keeps one kernel.
 
     Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
     upload (an event, no host sync). JAX: XLA's stream is not ordered with ours, so once the
