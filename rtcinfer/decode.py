@@ -19,7 +19,6 @@ from .decode_kernel import (
     THREADS,
     Config,
     check_cache_view,
-    device_limits,
     kernel,
     make_config,
     token_head,
@@ -27,6 +26,7 @@ from .decode_kernel import (
 from .interop import Out, as_cupy, dtype_name, run
 from .interop.arrays import device_of, framework, to_device, to_numpy
 from .interop.dtypes import FP8_DTYPES
+from .jit import device_limits
 from .plan._checks import INT32_MAX, as_int_array, first_bad
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, header_ints, pack_plan

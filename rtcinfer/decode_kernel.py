@@ -128,15 +128,6 @@ def rope_frequencies(head_dim: int, rope_scale: float, rope_theta: float) -> np.
 
 
 @functools.cache
-def device_limits(device_id: int) -> tuple[int, int]:
-    """(SM count, opt-in shared memory per block) of a device."""
-    from cupy_backends.cuda.api import runtime
-
-    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
-    return jit.sm_count(device_id), smem
-
-
-@functools.cache
 def kernel(spec: DecodeSpec, device_id: int):
     """(loaded kernel, resident CTAs per SM for the planner) on a device."""
     from cupy_backends.cuda.api import driver

@@ -329,6 +329,15 @@ def sm_count(device_id: int) -> int:
 
 
 @functools.cache
+def device_limits(device_id: int) -> tuple[int, int]:
+    """(SM count, opt-in shared memory per block) of a device."""
+    from cupy_backends.cuda.api import runtime
+
+    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+    return sm_count(device_id), smem
+
+
+@functools.cache
 def occupancy(fn, threads: int, dynamic_smem: int = 0) -> int:
     """CTAs of a loaded kernel that fit on one SM at once (for persistent grids)."""
     from cupy_backends.cuda.api import driver

@@ -25,7 +25,6 @@ from typing import ClassVar
 import numpy as np
 
 from . import jit, sampling_cluster
-from .decode_kernel import device_limits
 from .interop import Out, dtype_name, framework, run
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
@@ -79,7 +78,7 @@ def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
         return
     _, _, stride, _ = leading_rows(probs, "probs")  # the vocabulary axis must be contiguous
     device = probs.device
-    sms, smem_per_block = device_limits(device.id)
+    sms, smem_per_block = jit.device_limits(device.id)
     spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out), sms)
     spec = replace(spec, vec=fit_vec(spec.vec, probs.itemsize, [probs.data.ptr], [stride]))
     flag = outs[1] if len(outs) > 1 else 0
