@@ -1,12 +1,19 @@
 // Paged KV-cache bookkeeping on the device.
 //   append:  b = batch_indices[t], p = positions[t], page = kv_indices[kv_indptr[b] + p / ps]
 //            K[page, p % ps, h] = append_key[t, h]; V likewise       (a byte copy of each row)
+//            rows with b < 0 or p < 0 (the padding written below) are skipped
 //   seq_lens[b] = max(kv_indptr[b+1] - kv_indptr[b] - 1, 0) * page_size + kv_last_page_len[b]
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
 // append grid: one thread per 16-byte unit (VEC bytes when not aligned) of the rows (token,
 // head) of K and of V; the new rows are read once (evict-first loads). One unit per thread, many
 // small CTAs, measured best: more units per thread (all loads before the stores) held more
 // registers and fewer copies in flight per SM.
+// The page id is two dependent reads behind batch_indices[t] (kv_indptr[b], then kv_indices),
+// and in a small append that chain, not the bytes, sets the time (256 x 1 tokens: ~0.9 us over
+// a copy of the same bytes, ~0.1 us without the two reads). kv_indptr is read speculatively at
+// the request a uniform append (the same number of tokens per request) puts token t in, beside
+// batch_indices[t]: one dependent read less when the guess is right (1000 x 1 tokens: 6.59 ->
+// 6.21 us), an extra read of kv_indptr[b] after b arrives when it is not.
 // Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA).
 #include "paged_kv.cuh"
 
@@ -29,8 +36,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
     const int* __restrict__ kv_indices,  // [pages]
     const int* __restrict__ kv_indptr,   // [B + 1]
     int64_t units, int num_heads, uint32_t head_magic, int head_shift, int page_size,
-    uint32_t page_magic, int page_shift) {
+    uint32_t page_magic, int page_shift,
+    uint32_t guess_magic, int guess_shift,  // t / max(nnz / B, 1): token t's request if uniform
+    int last_request) {                     // max(B - 1, 0), where the guess is clamped
   const FastDiv head_div{head_magic, head_shift}, page_div{page_magic, page_shift};
+  const FastDiv guess_div{guess_magic, guess_shift};
   const int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (u >= units) return;
   const int64_t row = u / UNITS;
@@ -40,8 +50,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
   const Unit v =
       __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
   const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
+  const int guess = min(guess_div.div(t), last_request);
+  const int first_if_guessed = __ldg(kv_indptr + guess);
+  if (b < 0 || p < 0) return;  // padding
+  const int first = b == guess ? first_if_guessed : __ldg(kv_indptr + b);
   const int page_in_request = page_div.div(p);
-  const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
+  const int64_t page = __ldg(kv_indices + first + page_in_request);
   const int slot = p - page_in_request * page_size;
   *reinterpret_cast<Unit*>(k_cache + page * kp + slot * kt + h * kh + byte) = k;
   *reinterpret_cast<Unit*>(v_cache + page * vp + slot * vt + h * vh + byte) = v;

@@ -98,11 +98,14 @@ def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
     page_size = token_head(caches[0][0].shape, caches[0][0].strides, kv_layout)[0][0]
     head_magic, head_shift = fast_div(num_heads)
     page_magic, page_shift = fast_div(page_size)
+    batch = kv_indptr.shape[0] - 1
+    guess_magic, guess_shift = fast_div(max(nnz // max(batch, 1), 1))  # tokens per request
     args = (
         key.data.ptr, *src[:2], value.data.ptr, *src[2:], batch_indices, positions,
         caches[0][1], *strides[:3], caches[1][1], *strides[3:], kv_indices, kv_indptr,
         units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
         np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
+        np.uint32(guess_magic), np.int32(guess_shift), np.int32(max(batch - 1, 0)),
     )  # fmt: skip
     grid = -(-units // THREADS)  # one copy unit per thread
     fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
@@ -115,9 +118,12 @@ def append_paged_kv_cache(
     """Write new tokens into a paged KV cache in place (math in the module docstring).
 
     append_key, append_value: [nnz, H, D] in the cache's dtype (fp8 caches take fp8 rows);
-    batch_indices, positions: int32 [nnz] (see get_batch_indices_positions); paged_kv_cache:
+    batch_indices, positions: int32 [nnz] (see get_batch_indices_positions), rows with a
+    negative entry (its padding past append_indptr[-1]) are skipped; paged_kv_cache:
     [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND) or a (k, v) pair;
-    kv_indices, kv_indptr: int32, the table that already includes the new tokens.
+    kv_indices, kv_indptr [B + 1], kv_last_page_len [B]: int32, the table that already includes
+    the new tokens. The device does not check 0 <= p < seq_len of request b: a position outside
+    its request writes outside the request's pages.
     Returns the cache (for JAX, whose arrays are immutable, the updated copy).
     """
     if kv_layout not in KV_LAYOUTS:
@@ -139,8 +145,10 @@ def append_paged_kv_cache(
     nnz = append_key.shape[0]
     index = [("batch_indices", batch_indices), ("positions", positions)]
     table = [("kv_indices", kv_indices), ("kv_indptr", kv_indptr)]
-    for name, x in index + table + [("kv_last_page_len", kv_last_page_len)]:
+    for name, x in index:
         _int32(name, x)
+    _int32("kv_indices", kv_indices)
+    _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len)
     if append_value.shape[0] != nnz or any(x.shape[0] != nnz for _, x in index):
         raise ValueError(
             f"append_key ({nnz}), append_value ({append_value.shape[0]}), batch_indices "

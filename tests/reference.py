@@ -500,7 +500,8 @@ def append_paged_kv_cache_ref(
         b, p = batch_indices[t], positions[t]
         page = kv_indices[kv_indptr[b] + p // page_size];  slot = p % page_size
         K[page, slot] = append_key[t];  V[page, slot] = append_value[t]   (HND: [page, :, slot])
-    The table must already include the new tokens: 0 <= p < seq_len of request b.
+    The table must already include the new tokens: 0 <= p < seq_len of request b. Rows with
+    b < 0 or p < 0 (the padding get_batch_indices_positions writes) are skipped.
     """
     if isinstance(paged_kv_cache, (tuple, list)):
         out = tuple(np.array(c, copy=True) for c in paged_kv_cache)
@@ -520,6 +521,8 @@ def append_paged_kv_cache_ref(
         )
     for t in range(keys.shape[0]):
         b, p = int(batch_indices[t]), int(positions[t])
+        if b < 0 or p < 0:
+            continue
         num_pages = int(indptr[b + 1] - indptr[b])
         seq_len = (num_pages - 1) * page_size + int(last[b]) if num_pages else 0
         if not 0 <= p < seq_len:

@@ -99,6 +99,32 @@ def test_append_bandwidth_shapes_run(rng):
         np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
 
 
+@pytest.mark.parametrize("added", [1, 3])
+def test_append_skips_padding_and_takes_tokens_in_any_order(rng, added):
+    """Uniform appends (the kernel guesses token t's request as t // added) in order, shuffled
+    (the guess mostly wrong) and padded past append_indptr[-1] with (-1, -1) rows, which write
+    nothing: the cache equals the reference append bit for bit every time."""
+    lengths = [37, 16, 5, 64, 1 + added, 300]
+    append_indptr = np.arange(len(lengths) + 1, dtype=np.int32) * added
+    nnz = int(append_indptr[-1])
+    for order in ("in order", "shuffled", "padded"):
+        batch = make_batch(rng, lengths)
+        rows = nnz + 5 if order == "padded" else nnz
+        bi, pos = host_page.get_batch_indices_positions(append_indptr, lengths, rows)
+        keys, values = (random_values(rng, (rows, 2, 128), "bfloat16") for _ in range(2))
+        if order == "shuffled":
+            perm = rng.permutation(rows)
+            bi, pos, keys, values = bi[perm], pos[perm], keys[perm], values[perm]
+        assert (bi[nnz:] == -1).all() and (pos[nnz:] == -1).all()
+        expected = ref.append_paged_kv_cache_ref(
+            keys, values, bi, pos, batch.cache, batch.indices, batch.indptr, batch.last
+        )
+        table = [to_gpu(x) for x in (batch.indices, batch.indptr, batch.last)]
+        rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values), to_gpu(bi), to_gpu(pos),
+                                       batch.cache_dev, *table)  # fmt: skip
+        np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
+
+
 def test_append_rejects_mismatched_rows(rng):
     batch = make_batch(rng, [10, 3])
     keys = to_gpu(random_values(rng, (2, 2, 128), "bfloat16"))
@@ -109,3 +135,6 @@ def test_append_rejects_mismatched_rows(rng):
     with pytest.raises(TypeError, match="int32"):
         rtcinfer.append_paged_kv_cache(keys, keys, idx.astype(np.int64), idx, batch.cache_dev,
                                        *table)  # fmt: skip
+    with pytest.raises(ValueError, match=r"kv_indptr must have shape \(3,\), got \(2,\)"):
+        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, batch.cache_dev, table[0],
+                                       table[1][:2], table[2])  # fmt: skip

@@ -239,6 +239,10 @@ def test_append_known_slots_and_copy_semantics():
     np.testing.assert_array_equal(out[1, 1, 1, 0], [-3.0, -4.0])  # position 4 -> slot 1
     np.testing.assert_array_equal(out[0, 0, 0, 0], [5.0, 6.0])  # request 1 -> page 0
     assert np.count_nonzero(out) == 12
+    padded = append_paged_kv_cache_ref(
+        keys, -keys, [0, -1, 1], [3, -1, 0], cache, indices, indptr, last
+    )  # a padding row (-1, -1) writes nothing
+    assert np.count_nonzero(padded) == 8 and (padded[1, :, 1] == 0).all()  # slot 1 of page 1
     with pytest.raises(ValueError, match=r"positions\[0\] \(5\) is outside request 0 \(seq_len 5"):
         append_paged_kv_cache_ref(keys[:1], keys[:1], [0], [5], cache, indices, indptr, last)
 
