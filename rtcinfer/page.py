@@ -3,6 +3,7 @@
     append:  b, p = batch_indices[t], positions[t]
              page = kv_indices[kv_indptr[b] + p // page_size];  slot = p % page_size
              K[page, slot, h] = append_key[t, h];  V[page, slot, h] = append_value[t, h]  (NHD)
+             (a row with b < 0 or p < 0, padding, is skipped)
     get_seq_lens: max(pages_b - 1, 0) * page_size + kv_last_page_len[b]
     get_batch_indices_positions: (b, seq_lens[b] - append_indptr[b + 1] + t) for each token t
 
@@ -122,8 +123,8 @@ def append_paged_kv_cache(
     negative entry (its padding past append_indptr[-1]) are skipped; paged_kv_cache:
     [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND) or a (k, v) pair;
     kv_indices, kv_indptr [B + 1], kv_last_page_len [B]: int32, the table that already includes
-    the new tokens. The device does not check 0 <= p < seq_len of request b: a position outside
-    its request writes outside the request's pages.
+    the new tokens. The device does not check b < B or p < seq_len of request b: such a row
+    writes outside the request's pages.
     Returns the cache (for JAX, whose arrays are immutable, the updated copy).
     """
     if kv_layout not in KV_LAYOUTS:
