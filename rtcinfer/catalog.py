@@ -80,7 +80,8 @@ def shipped_specs() -> list:
 def decode_specs() -> list:
     """Every compile-time branch of the decode kernel once: q fp16/bf16, KV 16-bit/e4m3/e5m2,
     head_dim 64/128/256, one or two head tiles, NONE/ROPE_LLAMA/ALIBI, soft cap, 2-4 token
-    groups per warp, the 2-stage pipeline (small shared memory) and one tile in flight."""
+    groups per warp, the 2-stage pipeline (small shared memory), one tile in flight and the
+    half-tile fp8 kernels plan() picks for whole-request plans."""
     spec = decode_kernel.decode_spec
     return [
         spec("bfloat16", "bfloat16", "bfloat16", 128, 4),
@@ -91,6 +92,8 @@ def decode_specs() -> list:
         spec("float16", "float8_e5m2", "float16", 256, 16, "ROPE_LLAMA", True),
         spec("bfloat16", "float8_e4m3fn", "bfloat16", 64, 5, "ALIBI"),
         replace(spec("bfloat16", "bfloat16", "bfloat16", 128, 4), lookahead=1),
+        decode_kernel.half_tiles(spec("bfloat16", "float8_e4m3fn", "bfloat16", 128, 8)),
+        decode_kernel.half_tiles(spec("bfloat16", "float8_e5m2", "bfloat16", 64, 4)),
     ]
 
 

@@ -95,6 +95,12 @@ def decode_spec(
     )
 
 
+def half_tiles(spec: DecodeSpec) -> DecodeSpec:
+    """The kernel with tiles of half the tokens (16 KB of K + V per stage, twice the CTAs per
+    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._use_half_tiles)."""
+    return replace(spec, token_groups=spec.token_groups // 2)
+
+
 def heads_per_cta(group_size: int, head_dim: int) -> int:
     """Query heads one CTA holds: 8, or 16 for larger groups (not at head_dim 256, where 16
     heads of fp32 accumulators would not fit in registers); bigger groups split across CTAs."""

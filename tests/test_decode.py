@@ -147,6 +147,41 @@ def test_long_rows_with_one_tile_in_flight(case):
     check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
 
 
+HALF_TILE_CASES = {  # kwargs of make_batch, lengths, feature, plan options
+    "e4m3_d128": (
+        dict(kv_dtype="float8_e4m3fn"), [1, 15, 16, 17, 513, 0, 4000], None,
+        dict(disable_split_kv=True),
+    ),
+    "e5m2_d64_hnd_group5": (
+        dict(kv_dtype="float8_e5m2", head_dim=64, group_size=5, layout="HND", page_size=1),
+        [300, 0, 257, 2, 1100], "alibi_cap_window", dict(disable_split_kv=True),
+    ),
+    "e4m3_auto_40_requests": (  # 40 requests x 8 kv heads fill the GPU: no split
+        dict(kv_dtype="float8_e4m3fn", num_kv_heads=8, group_size=4, page_size=16),
+        [int(n) for n in np.random.default_rng(7).integers(0, 3000, 40)], "window", {},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HALF_TILE_CASES))
+def test_fp8_whole_requests_with_half_tiles(case):
+    """fp8 KV in a plan of one item per request: plan() picks the kernel with tiles of half
+    the tokens (decode_kernel.half_tiles), which must match the reference like the default."""
+    import cupy
+
+    from rtcinfer.decode_kernel import half_tiles
+
+    kwargs, lengths, feature, options = HALF_TILE_CASES[case]
+    batch = make_batch(seeded("half", case), lengths, **kwargs)
+    features = FEATURES.get(feature, {})
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
+    o, lse = run_batch(batch, wrapper, **options, **scales, **features)
+    assert wrapper._launch.grid[1] == len(lengths)  # one work item per request
+    assert wrapper._launch.fn is kernel(half_tiles(wrapper._kernel[1]), cupy.cuda.Device().id)[0]
+    check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
+
+
 @pytest.mark.parametrize("head_dim, group_size", [(128, 4), (128, 16), (256, 8), (64, 2)])
 @pytest.mark.parametrize("feature", [None, "window"])
 def test_merge_of_many_partials(head_dim, group_size, feature):

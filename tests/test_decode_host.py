@@ -209,6 +209,31 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 0
 
 
+@pytest.mark.parametrize(
+    "lengths, kv_dtype, options, halved",
+    [
+        ([1024] * 256, "float8_e4m3fn", {}, True),  # 2048 CTAs: one item per request
+        ([100, 5000], "float8_e5m2", dict(disable_split_kv=True), True),
+        ([32768], "float8_e4m3fn", {}, False),  # split: keeps the larger tile
+        ([1024] * 256, "float8_e4m3fn", dict(fixed_split_size=128), False),  # batch-invariant
+        ([1024] * 256, "bfloat16", {}, False),  # 16-bit KV: one tile size
+    ],
+)  # fmt: skip
+def test_plan_picks_half_tiles_for_fp8_whole_requests(host_wrapper, lengths, kv_dtype,
+                                                      options, halved):  # fmt: skip
+    """fp8 KV in a plan of one item per request runs tiles of half the tokens; split plans,
+    fixed_split_size plans and 16-bit KV keep the default tile."""
+    indptr, indices, last, _ = page_table_for(lengths, 16, np.random.default_rng(0))
+    host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16",
+                      kv_data_type=kv_dtype, **options)  # fmt: skip
+    spec = host_wrapper._kernel[1]
+    assert host_wrapper._launch.fn.token_groups == (spec.token_groups // 2 if halved else
+                                                    spec.token_groups)  # fmt: skip
+    assert host_wrapper._launch.smem == host_wrapper._launch.fn.smem_bytes
+    if halved:
+        assert spec.token_groups == 2 and host_wrapper._launch.fn.tile == 64
+
+
 def test_whole_request_plans_pack_the_same_after_a_larger_one():
     """The constant columns of one-item-per-request plans come from one growing table: a
     small plan packed after a large one holds exactly its own items."""
