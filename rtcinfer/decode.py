@@ -141,17 +141,17 @@ def _lookahead(plan, tile: int) -> int:
 
 
 def _use_half_tiles(plan, spec, fixed_split_size) -> bool:
-    """Whether a plan runs the kernel with tiles of half the tokens (DecodeSpec.token_groups
-    halved: 16 KB of K + V per stage, twice the CTAs per SM): fp8 KV in a plan of whole
-    requests. Measured on an H200 (head_dim 128, page 16): 256 x 1024 tokens 146 -> 136 us,
+    """Whether a plan runs the kernel with tiles of half the tokens (half_tiles: 16 KB of K + V
+    per stage, twice the CTAs per SM): fp8 KV in a plan of whole requests, where the halved
+    kernel exists. Measured on an H200 (head_dim 128, page 16): 256 x 1024 tokens 146 -> 136 us,
     64 x 4096 134 -> 132; split plans keep the larger tile (1 x 32768: 26.4 -> 28.0, the extra
     CTAs per SM double the partials to merge). Not with fixed_split_size, whose results must not
     depend on the batch (the tile sets the order of the float reduction)."""
     return (
         spec.kv_dtype in FP8_DTYPES
-        and spec.token_groups > 1
         and fixed_split_size is None
         and plan.num_work == plan.batch_size
+        and half_tiles(spec) is not None
     )
 
 

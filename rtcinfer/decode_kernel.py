@@ -47,14 +47,24 @@ class DecodeSpec:
     def tile(self) -> int:
         return 4 * 16 * self.token_groups
 
+    @property
+    def ring_bytes(self) -> int:
+        """The K/V ring: stages x (K + V) tiles."""
+        return self.stages * 2 * self.tile * self.head_dim * itemsize(self.kv_dtype)
+
+    @property
+    def epilogue_fits(self) -> bool:
+        """Whether the epilogue's fp32 rows (4 warps x heads x (head_dim + 4)), which reuse the
+        ring, fit in it (decode.cu asserts it at compile time)."""
+        return 4 * 8 * self.head_tiles * (self.head_dim + 4) * 4 <= self.ring_bytes
+
     @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: ring, q rows, RoPE frequencies, per-warp (m, d) + flag."""
         heads = 8 * self.head_tiles
-        ring = self.stages * 2 * self.tile * self.head_dim * itemsize(self.kv_dtype)
         q_rows = heads * (self.head_dim + 16) * 2
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
-        return ring + q_rows + freq + 2 * 4 * heads * 4 + 16
+        return self.ring_bytes + q_rows + freq + 2 * 4 * heads * 4 + 16
 
     def prelude(self) -> str:
         kv_fp8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}.get(self.kv_dtype, 0)
@@ -95,10 +105,15 @@ def decode_spec(
     )
 
 
-def half_tiles(spec: DecodeSpec) -> DecodeSpec:
+def half_tiles(spec: DecodeSpec) -> DecodeSpec | None:
     """The kernel with tiles of half the tokens (16 KB of K + V per stage, twice the CTAs per
-    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._use_half_tiles)."""
-    return replace(spec, token_groups=spec.token_groups // 2)
+    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._use_half_tiles).
+    None when the tile cannot be halved or the halved ring would not hold the epilogue (a
+    2-stage ring on a GPU with less shared memory, 16 heads per CTA)."""
+    if spec.token_groups < 2:
+        return None
+    half = replace(spec, token_groups=spec.token_groups // 2)
+    return half if half.epilogue_fits else None
 
 
 def heads_per_cta(group_size: int, head_dim: int) -> int:

@@ -4,13 +4,15 @@ and the packed plan, read back the way decode_kernel reads it."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import rtcinfer
+from rtcinfer import jit
 from rtcinfer.decode import LONG_ITEM_TILES, _lookahead
-from rtcinfer.decode_kernel import decode_spec, make_config, rope_frequencies
+from rtcinfer.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
 from rtcinfer.plan.decode import plan_decode
 from rtcinfer.workspace import Capacity, header_ints, pack_plan
 
@@ -67,6 +69,38 @@ def test_spec_fits_shared_memory(kv_dtype, head_dim, group_size):
         assert spec.head_tiles == (1 if group_size <= 8 or head_dim == 256 else 2)
         tile_bytes = spec.tile * head_dim * (1 if kv_dtype != "bfloat16" else 2) * 2
         assert tile_bytes <= 64 * 1024
+
+
+SMEM_LIMITS = (227 * 1024, 163 * 1024, 99 * 1024)  # H100/H200, A100, sm_86/sm_89
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group_size", [1, 4, 8, 16])
+def test_every_kernel_and_its_half_tile_variant_holds_its_epilogue(kv_dtype, head_dim,
+                                                                   group_size):  # fmt: skip
+    """The epilogue reuses the ring (a compile-time assert in decode.cu): every spec
+    decode_spec makes satisfies it, and half_tiles offers only variants that do."""
+    for limit in SMEM_LIMITS:
+        if limit < 128 * 1024 and kv_dtype == "bfloat16" and head_dim == 256:
+            continue  # no kernel: two 64-token stages of 512-byte rows need 128 KB
+        spec = decode_spec("bfloat16", kv_dtype, "bfloat16", head_dim, group_size, max_smem=limit)
+        assert spec.epilogue_fits
+        half = half_tiles(spec)
+        if half is not None:
+            assert half.epilogue_fits and half.tile == spec.tile // 2
+            assert half.smem_bytes < spec.smem_bytes <= limit
+
+
+def test_half_tiles_refuses_a_ring_too_small_for_the_epilogue():
+    """fp8, head_dim 128, 16 heads per CTA on a 99 KB GPU: 2 stages, and half tiles would leave
+    a 32 KB ring for a 33 KB epilogue, which decode.cu rejects at compile time."""
+    spec = decode_spec("bfloat16", "float8_e4m3fn", "bfloat16", 128, 16, max_smem=99 * 1024)
+    assert spec.stages == 2 and spec.token_groups == 2 and half_tiles(spec) is None
+    halved = replace(spec, token_groups=1)
+    assert not halved.epilogue_fits
+    with pytest.raises(jit.CompileError, match="epilogue fits in the ring"):
+        jit.compile_spec(halved, "sm_90a")
 
 
 def test_spec_that_cannot_fit_says_so():
