@@ -204,7 +204,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     CUDA graphs: use_cuda_graph=True fixes capacities from the lengths of
     paged_kv_indptr_buffer (max batch + 1) and paged_kv_indices_buffer (max pages), whose
     contents are not used. Every launch argument then stays the same across plans, so a graph
-    captured around run() replays correctly after a new plan() with the same configuration.
+    captured around run() replays correctly after a new plan() with the same configuration and
+    at most the captured batch size (rows past the batch are left alone); plan() refuses a
+    larger batch once a run() has been captured.
     The work-item capacity, set by the first plan(), is max(max batch, what the automatic
     split uses); a fixed_split_size plan must fit in it. Without graphs, plan() may pick a
     variant of the kernel (one K/V tile in flight ahead, for long requests in pages of at
@@ -255,6 +257,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._launch: _Launch | None = None
         self._jax = False
         self._read = None  # (event, stream ptr) of the latest run() on another stream
+        self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -319,6 +322,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(
                     f"batch of {plan.batch_size} requests and {num_pages} pages exceeds the "
                     f"CUDA-graph capacity ({self._max_batch} requests, {self._max_pages} pages)"
+                )
+            if self._captured is not None and plan.batch_size > self._captured:
+                raise ValueError(
+                    f"batch of {plan.batch_size} requests, but run() was captured into a CUDA "
+                    f"graph with {self._captured}: a replay would read q and write o past "
+                    "their rows (plan the captured batch size, padded if need be)"
                 )
             sizes = (self._max_batch, self._max_work, self._max_pages)
         else:
@@ -429,6 +438,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError("q and lse must be contiguous in their last dimension")
         if st.grid[1] == 0:
             return
+        if self._graph and stream.is_capturing():  # later plans must fit the captured rows
+            batch = st.o_shape[0]
+            self._captured = batch if self._captured is None else min(self._captured, batch)
         self._order(stream)
         qi, oi = q.itemsize, o.itemsize
         args = (

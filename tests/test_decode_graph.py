@@ -66,6 +66,28 @@ def test_cupy_graph_replays_after_replan():
             check_attention(out[:n], lse[:n], o_ref, lse_ref, "bfloat16")
 
 
+def test_replan_beyond_the_captured_batch_is_refused():
+    """A graph captured with 4 of the capacity's 6 requests holds q and o of 4 rows: a plan of
+    6 would make its replays read and write past them, so plan() refuses it (4 still plans)."""
+    import cupy
+
+    rng, batch = _pool(5)
+    wrapper = _graph_wrapper(batch)
+    four = batch.with_table([700, 3, 0, 1], rng)
+    q = batch.q_dev[:4]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        four.plan(wrapper)
+        wrapper.run(q, batch.cache_dev)  # compile and load outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        wrapper.run(q, batch.cache_dev)
+        stream.end_capture()
+        with pytest.raises(ValueError, match="captured into a CUDA graph with 4"):
+            batch.plan(wrapper)
+        four.plan(wrapper)
+
+
 def test_torch_graph_replays_after_replan():
     torch = pytest.importorskip("torch")
     rng, batch = _pool(2)

@@ -243,6 +243,29 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 0
 
 
+def test_graph_plan_refuses_a_batch_larger_than_the_captured_one(host_wrapper):
+    """Under CUDA graphs plan() takes up to the capacity until a run() is captured, then at
+    most the captured batch (the GPU test captures; here the record of it is set directly)."""
+    from rtcinfer import decode
+
+    wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(7, np.int32),
+        paged_kv_indices_buffer=np.zeros(100, np.int32),
+    )  # fmt: skip
+    indptr, indices, last, _ = page_table_for([30, 0, 17, 5, 64, 2], 16, np.random.default_rng(0))
+
+    def plan(n):
+        wrapper.plan(indptr[: n + 1], indices[: indptr[n]], last[:n], 8, 2, 128, 16,
+                     q_data_type="bfloat16")  # fmt: skip
+
+    plan(6)
+    wrapper._captured = 4
+    plan(4)
+    plan(2)
+    with pytest.raises(ValueError, match="5 requests, but run\\(\\) was captured .* with 4"):
+        plan(5)
+
+
 @pytest.mark.parametrize(
     "lengths, kv_dtype, options, halved",
     [
