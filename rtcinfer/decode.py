@@ -434,8 +434,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              arr.itemsize, arr.strides[-1])  # fmt: skip
             strides.append((page, token, head))
         lse = outs[1] if len(outs) > 1 else None
-        if q.strides[2] != q.itemsize or (lse is not None and lse.strides[1] != 4):
-            raise ValueError("q and lse must be contiguous in their last dimension")
+        if (
+            q.strides[2] != q.itemsize
+            or o.strides[2] != o.itemsize
+            or (lse is not None and lse.strides[1] != 4)
+        ):
+            raise ValueError(
+                f"q, out and lse must be contiguous in their last dimension, got strides (bytes) "
+                f"q {q.strides}, out {o.strides}, lse {None if lse is None else lse.strides}"
+            )
         if st.grid[1] == 0:
             return
         if self._graph and stream.is_capturing():  # later plans must fit the captured rows

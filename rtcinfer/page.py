@@ -90,9 +90,14 @@ def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
     vec = 16
     while vec > 1 and (row_bytes % vec or any(v % vec for v in pointers + src + strides)):
         vec //= 2
-    for arr in (key, value):
-        if arr.shape[2] > 1 and arr.strides[2] != arr.itemsize:
-            raise ValueError(f"append_key/value: head_dim must be contiguous, got {arr.strides}")
+    cache_names = ("paged_kv_cache",) * 2 if len(outs) == 1 else ("k_cache", "v_cache")
+    named = [("append_key", key), ("append_value", value)]
+    named += [(name, arr) for name, (arr, _) in zip(cache_names, caches, strict=True)]
+    for name, arr in named:
+        if arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
+            raise ValueError(
+                f"{name}: head_dim must be contiguous, got strides {arr.strides} (bytes)"
+            )
     fn = jit.get_function(PageSpec(row_bytes, vec), "append_kernel")
     units_per_row = row_bytes // vec
     units = nnz * num_heads * units_per_row
@@ -133,6 +138,14 @@ def append_paged_kv_cache(
     caches = list(paged_kv_cache) if pair else [paged_kv_cache]
     dtype = dtype_name(caches[0])
     inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
+    if pair and (
+        len(caches) != 2
+        or any(len(c.shape) != 4 or dtype_name(c) != dtype for c in caches)
+        or tuple(caches[0].shape) != tuple(caches[1].shape)
+    ):
+        shapes = [(tuple(c.shape), dtype_name(c)) for c in caches]
+        raise ValueError(f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one shape "
+                         f"and dtype, got {shapes}")  # fmt: skip
     if not pair and (len(caches[0].shape) != 5 or caches[0].shape[1] != 2):
         raise ValueError(f"paged_kv_cache must be [pages, 2, ...], got {tuple(caches[0].shape)}")
     (_, num_heads), _ = token_head(tuple(inner), (0, 0, 0), kv_layout)

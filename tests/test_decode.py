@@ -299,6 +299,11 @@ def test_run_validates_against_the_plan():
     misaligned = shifted[1:].reshape(batch.cache_dev.shape)  # 2 bytes off a 16-byte boundary
     with pytest.raises(ValueError, match="16-byte aligned"):
         wrapper.run(batch.q_dev, misaligned)
+    out = cupy.empty((2, 8, 256), dtype=batch.q_dev.dtype)[..., ::2]  # every other element
+    with pytest.raises(ValueError, match="contiguous in their last dimension"):
+        wrapper.run(batch.q_dev, batch.cache_dev, out=out)
+    with pytest.raises(ValueError, match="contiguous in their last dimension"):
+        wrapper.run(batch.q_dev, batch.cache_dev, out=cupy.empty_like(batch.q_dev)[..., ::-1])
     with pytest.raises(ValueError, match="must be a multiple of num_kv_heads"):
         wrapper.plan(batch.indptr, batch.indices, batch.last, 9, 2, 128, 16)
     with pytest.raises(ValueError, match=r"kv_last_page_len\[0\]"):

@@ -138,3 +138,12 @@ def test_append_rejects_mismatched_rows(rng):
     with pytest.raises(ValueError, match=r"kv_indptr must have shape \(3,\), got \(2,\)"):
         rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, batch.cache_dev, table[0],
                                        table[1][:2], table[2])  # fmt: skip
+    import cupy
+
+    wide = cupy.zeros(batch.cache_dev.shape[:-1] + (256,), dtype=batch.cache_dev.dtype)
+    with pytest.raises(ValueError, match="paged_kv_cache: head_dim must be contiguous"):
+        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, wide[..., ::2], *table)
+    k_cache, v_cache = batch.cache_dev[:, 0], batch.cache_dev[:, 1]
+    with pytest.raises(ValueError, match="pair must be two"):
+        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, (k_cache, v_cache[:1, ..., :64]),
+                                       *table)  # fmt: skip
