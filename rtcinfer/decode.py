@@ -332,7 +332,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             sizes = (self._max_batch, self._max_work, self._max_pages)
         else:
             sizes = (plan.batch_size, plan.num_work, num_pages)
-        need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim)
+        partials = sizes[1] if self._graph or plan.split_kv else 0  # a graph may split later
+        need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
         with cupy.cuda.Device(self._device):
             stream = cupy.cuda.get_current_stream()
             self._ws.reserve(need, stream, grow=not self._graph)

@@ -2,10 +2,13 @@
 
 Device layout (each region 256-byte aligned):
 
-    plan       int32[HEADER + 8 * max_work + max_pages]   header | work items | page ids
-    counters   int32[max_batch * kv_blocks]                split-merge arrivals, zero at rest
-    lse        float32[num_qo_heads * max_work]            partial LSE of split work items
-    o          float32[num_qo_heads * max_work, head_dim]  partial outputs (rows: decode.cu)
+    plan       int32[HEADER + 8 * max_work + max_pages]       header | work items | page ids
+    counters   int32[max_batch * kv_blocks]                    split-merge arrivals, zero at rest
+    lse        float32[num_qo_heads * partial_work]            partial LSE of split work items
+    o          float32[num_qo_heads * partial_work, head_dim]  partial outputs (rows: decode.cu)
+
+partial_work is at least the grid's item count when a plan splits (decode.cu strides the
+partial rows by it) and may be 0 for a plan of whole requests, which writes no partials.
 
 The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
 is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,
@@ -39,6 +42,7 @@ class Capacity:
     num_qo_heads: int
     kv_blocks: int  # kv heads x query-head subgroups: the grid's second dimension
     head_dim: int
+    partial_work: int  # items with room for partials: >= the grid's items if a plan splits
 
     @property
     def plan_ints(self) -> int:
@@ -49,8 +53,8 @@ class Capacity:
         sizes = {
             "plan": 4 * self.plan_ints,
             "counters": 4 * self.max_batch * self.kv_blocks,
-            "lse": 4 * self.max_work * self.num_qo_heads,
-            "o": 4 * self.max_work * self.num_qo_heads * self.head_dim,
+            "lse": 4 * self.partial_work * self.num_qo_heads,
+            "o": 4 * self.partial_work * self.num_qo_heads * self.head_dim,
         }
         out, at = {}, 0
         for name, size in sizes.items():
@@ -59,18 +63,25 @@ class Capacity:
         out["end"] = at
         return out
 
+    def same_heads(self, other: Capacity) -> bool:
+        return (self.num_qo_heads, self.kv_blocks, self.head_dim) == (
+            other.num_qo_heads, other.kv_blocks, other.head_dim)  # fmt: skip
+
     def covers(self, other: Capacity) -> bool:
+        """Whether this layout serves `other`: the same heads and every count at least its."""
         return (
-            self.num_qo_heads == other.num_qo_heads
-            and self.kv_blocks == other.kv_blocks
-            and self.head_dim == other.head_dim
+            self.same_heads(other)
             and self.max_batch >= other.max_batch
             and self.max_work >= other.max_work
             and self.max_pages >= other.max_pages
+            and self.partial_work >= other.partial_work
         )
 
     def grown(self, need: Capacity) -> Capacity:
-        """A capacity covering `need`, at least doubling any dimension that must grow."""
+        """A capacity covering `need`, at least doubling any count that must grow; after a
+        change of heads, `need` itself (the old counts belong to another layout)."""
+        if not self.same_heads(need):
+            return need
 
         def grow(have: int, want: int) -> int:
             return have if have >= want else max(want, 2 * have)
@@ -82,6 +93,7 @@ class Capacity:
             need.num_qo_heads,
             need.kv_blocks,
             need.head_dim,
+            grow(self.partial_work, need.partial_work),
         )
 
 
@@ -137,6 +149,19 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     return n
 
 
+def user_base(ptr: int, nbytes: int, need: int, cap: Capacity) -> int:
+    """Where the layout starts in a caller's buffer of `nbytes` at `ptr`: the first ALIGN-byte
+    boundary (the kernel reads the plan as int4 and the partials as float4); raises when the
+    rest is smaller than `need`."""
+    base = _align(ptr)
+    if nbytes - (base - ptr) < need:
+        raise ValueError(
+            f"workspace: {nbytes} bytes at address {ptr:#x} ({base - ptr} skipped to align it "
+            f"to {ALIGN} bytes) is too small for this plan, which needs {need} bytes ({cap})"
+        )
+    return base
+
+
 class Workspace:
     """Device buffer with a Capacity layout, plus the pinned double buffer of the upload.
 
@@ -173,12 +198,7 @@ class Workspace:
         if self.capacity is not None:
             cupy.cuda.Device(self.device_id).synchronize()
         if self.user is not None:
-            if self.user.nbytes < nbytes:
-                raise ValueError(
-                    f"workspace: {self.user.nbytes} bytes is too small for this plan, which "
-                    f"needs {nbytes} bytes ({cap})"
-                )
-            self.base = int(self.user.data.ptr)
+            self.base = user_base(int(self.user.data.ptr), self.user.nbytes, nbytes, cap)
         else:
             self._memory = None
             with cupy.cuda.Device(self.device_id):

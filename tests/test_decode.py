@@ -182,6 +182,24 @@ def test_fp8_whole_requests_with_half_tiles(case):
     check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
 
 
+def test_a_small_workspace_serves_plans_of_whole_requests():
+    """A plan with one item per request writes no partials, so a caller's workspace needs room
+    for the plan only: 256 KB serves 300 requests (their partials would take 2.4 MB), and a
+    split plan that does not fit says so."""
+    import cupy
+
+    rng = seeded("small workspace")
+    batch = make_batch(rng, [int(n) for n in rng.integers(0, 300, 300)], num_kv_heads=8,
+                       head_dim=64)  # fmt: skip
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(cupy.empty(256 << 10, np.uint8))
+    o, lse = run_batch(batch, wrapper)
+    assert wrapper._launch.grid[1] == 300  # one item per request
+    check_attention(o, lse, *batch.reference(), "bfloat16")
+    long = make_batch(rng, [20000], num_kv_heads=8, head_dim=64)
+    with pytest.raises(ValueError, match="workspace: 262144 bytes .* is too small"):
+        long.plan(wrapper)
+
+
 @pytest.mark.parametrize("head_dim, group_size", [(128, 4), (128, 16), (256, 8), (64, 2)])
 @pytest.mark.parametrize("feature", [None, "window"])
 def test_merge_of_many_partials(head_dim, group_size, feature):

@@ -117,15 +117,42 @@ def test_rope_frequencies_are_split_exactly():
 
 def test_capacity_regions_are_aligned_and_disjoint():
     cap = Capacity(max_batch=7, max_work=33, max_pages=101, num_qo_heads=12, kv_blocks=3,
-                   head_dim=64)  # fmt: skip
+                   head_dim=64, partial_work=33)  # fmt: skip
     off = cap.offsets()
     names = ["plan", "counters", "lse", "o", "end"]
     assert [off[n] % 256 for n in names] == [0] * 5
     assert off["counters"] >= 4 * cap.plan_ints and off["o"] - off["lse"] >= 4 * 33 * 12
     assert off["end"] - off["o"] >= 4 * 33 * 12 * 64
-    grown = cap.grown(Capacity(8, 20, 500, 12, 3, 64))
-    assert (grown.max_batch, grown.max_work, grown.max_pages) == (14, 33, 500)
+    grown = cap.grown(Capacity(8, 20, 500, 12, 3, 64, 0))
+    assert (grown.max_batch, grown.max_work, grown.max_pages, grown.partial_work) == (
+        14, 33, 500, 33)  # fmt: skip
     assert grown.covers(cap) and not cap.covers(grown)
+
+
+def test_whole_request_capacity_has_no_partials():
+    """A plan without splits writes no partials: 4096 requests x 64 heads x 128 dims fit in
+    a 128 MiB workspace (the partials alone would take 128 MiB)."""
+    whole = Capacity(4096, 4096, 4096 * 64, 64, 8, 128, 0)
+    assert whole.offsets()["end"] < 2 << 20
+    split = Capacity(4096, 4096, 4096 * 64, 64, 8, 128, 4096)
+    assert split.offsets()["end"] > 128 << 20
+    assert split.covers(whole) and not whole.covers(split)
+
+
+def test_capacity_after_a_change_of_heads_starts_afresh():
+    big = Capacity(4096, 4096, 1 << 20, 64, 8, 128, 4096)
+    small = Capacity(8, 8, 100, 32, 8, 64, 8)
+    assert big.grown(small) == small and not big.covers(small)
+
+
+def test_a_caller_workspace_is_used_from_its_first_aligned_byte():
+    from rtcinfer.workspace import user_base
+
+    cap = Capacity(1, 1, 1, 8, 2, 128, 0)
+    assert user_base(0x7F0000000100, 4096, 4096, cap) == 0x7F0000000100
+    assert user_base(0x7F0000000101, 4096, 3800, cap) == 0x7F0000000200
+    with pytest.raises(ValueError, match=r"4096 bytes at address 0x7f0000000101 \(255 skipped"):
+        user_base(0x7F0000000101, 4096, 4000, cap)
 
 
 @pytest.mark.parametrize("split", [dict(num_sms=132, ctas_per_sm=2), dict(fixed_split_size=3),
@@ -241,6 +268,18 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 1
     host_wrapper.plan([0, 1], [0], [64], 32, 8, 128, 64, q_data_type="bfloat16")
     assert host_wrapper._launch.fn.lookahead == 0
+
+
+def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):
+    from rtcinfer.workspace import Workspace
+
+    needs = []
+    monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: needs.append(need))
+    for lengths in ([1024] * 256, [32768]):  # whole requests, then one split request
+        indptr, indices, last, _ = page_table_for(lengths, 16, np.random.default_rng(0))
+        host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16")
+    assert needs[0].partial_work == 0 and needs[0].max_work == 256
+    assert needs[1].partial_work == needs[1].max_work == host_wrapper._launch.grid[1] > 1
 
 
 def test_graph_plan_refuses_a_batch_larger_than_the_captured_one(host_wrapper):
