@@ -23,6 +23,10 @@ from ._checks import INT32_MAX, as_int, as_int_array, check_indptr, first_bad
 # 512 chunks for a 128k-token request, which bounds the merge fan-in.
 MIN_CHUNK_TOKENS = 256
 
+# Longest request: the kernel indexes tokens in int32, including those of a last tile past the
+# end (a tile is at most 256 tokens) and a window's start, so lengths keep 2^16 of headroom.
+MAX_KV_LEN = INT32_MAX - (1 << 16)
+
 
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
@@ -101,9 +105,13 @@ def _pages_and_lens(kv_indptr, kv_last_page_len, page_size: int):
     _check_last_page_len(last, pages, has, page_size)
     kv_len = pm1 * page_size
     kv_len += last
-    # kv_len <= pages * page_size <= kv_indptr[-1] * page_size: scan only when that can overflow
-    if int(indptr[-1]) * page_size > INT32_MAX and int(kv_len.max()) > INT32_MAX:
-        raise ValueError(f"a request length ({int(kv_len.max())} tokens) does not fit in int32")
+    # kv_len <= pages * page_size <= kv_indptr[-1] * page_size: scan only when that can exceed
+    if int(indptr[-1]) * page_size > MAX_KV_LEN and int(kv_len.max()) > MAX_KV_LEN:
+        b = int(kv_len.argmax())
+        raise ValueError(
+            f"request {b} has {int(kv_len[b])} tokens; at most {MAX_KV_LEN} (2^31 - 2^16 - 1) "
+            "are supported"
+        )
     return pages, pm1, kv_len
 
 

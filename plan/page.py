@@ -55,6 +55,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     total = int(indptr[-1])
     if nnz < total:
         raise ValueError(f"nnz ({nnz}) must be >= append_indptr[-1] ({total})")
+    if lens.size and int(lens.max()) > INT32_MAX:
+        b = int(lens.argmax())
+        raise ValueError(f"seq_lens[{b}] ({int(lens[b])}) does not fit in int32")
     short = lens < counts
     if short.any():
         b = first_bad(short)

@@ -155,6 +155,10 @@ def _use_half_tiles(plan, spec, fixed_split_size) -> bool:
     )
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     """Host copy of an index array, int64 (``widen=False``: its own integer dtype, as for page
     ids, which the int32 plan buffer takes as they are); a device array costs one copy."""
@@ -273,10 +277,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         indptr [B + 1], indices [indptr[-1]], last_page_len [B]: integer arrays, host (no sync)
         or device (one device-to-host copy each). Page ids are checked against the cache in
-        run(). fixed_split_size (pages per chunk) makes results batch-invariant.
+        run(). fixed_split_size (pages per chunk) makes results batch-invariant; -1, as in
+        FlashInfer, means None.
         """
         import cupy
 
+        if _is_int(fixed_split_size) and fixed_split_size == -1:
+            fixed_split_size = None
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
                 rope_theta)  # fmt: skip
@@ -298,6 +305,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv, max_work=self._max_work if self._graph else None,
         )  # fmt: skip
+        if plan.batch_size > MAX_GRID_Y:
+            raise ValueError(
+                f"a batch of {plan.batch_size} requests exceeds the grid limit ({MAX_GRID_Y} "
+                "work items, at least one per request): plan it in parts"
+            )
         if plan.num_work > MAX_GRID_Y:
             raise ValueError(
                 f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): use a larger "

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import jit
 from .interop.dtypes import FP8_DTYPES, itemsize, normalize
-from .plan._checks import as_int
+from .plan._checks import INT32_MAX, as_int
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 KV_LAYOUTS = ("NHD", "HND")
@@ -225,6 +225,8 @@ def make_config(
             f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {pos_encoding_mode!r}"
         )
     window_left = as_int("window_left", window_left, minimum=-1)
+    if window_left > INT32_MAX:
+        raise ValueError(f"window_left must be -1 or fit in int32, got {window_left}")
     cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
     if cap < 0 or not math.isfinite(cap):
         raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")

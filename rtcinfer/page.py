@@ -24,6 +24,7 @@ from .interop import Out, dtype_name, run
 from .interop.arrays import framework
 from .interop.dtypes import itemsize
 from .plan import page as host_page
+from .plan._checks import as_int
 
 THREADS = 256
 
@@ -194,8 +195,9 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     if not _on_device(kv_indptr):
         return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
     batch = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len)
+    page_size = as_int("page_size", page_size, minimum=1)
     ins = [("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)]
-    return run(_seq_lens_launch, ins, [Out((batch,), "int32")], page_size=int(page_size))
+    return run(_seq_lens_launch, ins, [Out((batch,), "int32")], page_size=page_size)
 
 
 def _positions_launch(stream, ins, outs, *, nnz: int):

@@ -41,6 +41,7 @@ def test_config_defaults():
         (dict(head_dim=96), ValueError, "head_dim must be one of .* got 96"),
         (dict(pos_encoding_mode="ROPE"), ValueError, "pos_encoding_mode must be one of"),
         (dict(window_left=-2), ValueError, "window_left must be >= -1, got -2"),
+        (dict(window_left=2**31), ValueError, "window_left must be -1 or fit in int32"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None or >= 0"),
         (dict(q_dtype="float32"), TypeError, "q_data_type must be one of"),
         (dict(kv_dtype="float16"), TypeError, r"kv_data_type must be q's dtype \(bfloat16\)"),
@@ -268,6 +269,25 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 1
     host_wrapper.plan([0, 1], [0], [64], 32, 8, 128, 64, q_data_type="bfloat16")
     assert host_wrapper._launch.fn.lookahead == 0
+
+
+def test_fixed_split_size_minus_one_means_none(host_wrapper):
+    indptr, indices, last, _ = page_table_for([32768, 5], 16, np.random.default_rng(0))
+    grids = []
+    for fixed in (None, -1, np.int64(-1), 16):
+        host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16",
+                          fixed_split_size=fixed)  # fmt: skip
+        grids.append(host_wrapper._launch.grid)
+    assert grids[0] == grids[1] == grids[2] != grids[3]
+    with pytest.raises(ValueError, match="fixed_split_size must be >= 1, got -2"):
+        host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, fixed_split_size=-2)
+
+
+def test_a_batch_beyond_the_grid_says_to_plan_in_parts(host_wrapper):
+    batch = 65536
+    with pytest.raises(ValueError, match="a batch of 65536 requests exceeds the grid limit"):
+        host_wrapper.plan(np.zeros(batch + 1, np.int32), np.zeros(0, np.int32),
+                          np.zeros(batch, np.int32), 8, 8, 128, 16)  # fmt: skip
 
 
 def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):

@@ -22,6 +22,8 @@ def test_seq_lens_and_positions_match_numpy(rng):
     indptr = np.array([0, 3, 3, 7, 8], dtype=np.int32)
     last = np.array([5, 0, 16, 1], dtype=np.int32)
     seq_lens = rtcinfer.get_seq_lens(to_gpu(indptr), to_gpu(last), 16)
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        rtcinfer.get_seq_lens(to_gpu(indptr), to_gpu(last), 0)
     want = host_page.get_seq_lens(indptr, last, 16)
     np.testing.assert_array_equal(to_host(seq_lens), want)
     assert isinstance(rtcinfer.get_seq_lens(indptr, last, 16), np.ndarray)  # host path

@@ -235,8 +235,12 @@ KW = dict(num_sms=8, ctas_per_sm=1)
         ([0, 2], [1], 4, {"num_sms": 1.5}, TypeError, r"num_sms must be an integer, got 1.5"),
         ([0, 2], [1], 4, {"max_work": 0}, ValueError, r"max_work must be >= 1, got 0"),
         ([0, 2], [1], 4, {"disable_split_kv": 1}, TypeError, r"disable_split_kv must be a bool"),
+        (  # 2^31 - 1 tokens: a last tile past the end would wrap in the kernel's int32
+            [0, 1, 2**24], [3, 128], 128, {}, ValueError,
+            r"request 1 has 2147483520 tokens; at most 2147418111",
+        ),
     ],
-)
+)  # fmt: skip
 def test_validation_errors_name_the_value(indptr, last, page_size, kw, exc, message):
     args = {"num_kv_heads": 2, **KW, **kw}
     with pytest.raises(exc, match=message):
@@ -302,3 +306,5 @@ def test_get_batch_indices_positions_errors():
         get_batch_indices_positions([0, 1, 3], [4, 1], 3)
     with pytest.raises(TypeError, match=r"seq_lens must have an integer dtype, got float64"):
         get_batch_indices_positions([0, 1], [4.0], 1)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] \(2147483653\) does not fit in int32"):
+        get_batch_indices_positions([0, 1, 2], [2**31 + 5, 3], 2)
