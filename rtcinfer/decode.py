@@ -218,10 +218,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
     requests, see _use_half_tiles); with them it keeps one kernel.
 
     Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
-    upload (an event, no host sync). JAX: XLA's stream is not ordered with ours, so once the
-    wrapper has seen JAX arrays every plan() waits on the host for its upload; inside jax.jit
-    use use_cuda_graph=True (XLA may replay a recorded launch). One run() at a time per
-    wrapper: the merge counters are shared.
+    upload and the next upload waits for that run (events, no host sync); a plan() on another
+    stream than the previous one synchronizes the device once. JAX: XLA's stream is not
+    ordered with ours, so once the wrapper has seen JAX arrays every plan() waits on the host
+    for its upload; inside jax.jit use use_cuda_graph=True (XLA may replay a recorded launch).
+    One run() at a time per wrapper: the merge counters are shared.
     """
 
     def __init__(
@@ -260,7 +261,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._cfg_key: tuple | None = None  # plan()'s static arguments that made _cfg
         self._launch: _Launch | None = None
         self._jax = False
-        self._read = None  # (event, stream ptr) of the latest run() on another stream
+        # stream ptr -> event after the latest run() there, for streams other than the upload's;
+        # _unwaited: those recorded since the last plan(), which its upload must wait for
+        self._run_events: dict[int, object] = {}
+        self._unwaited: set[int] = set()
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
 
     @property
@@ -348,9 +352,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
         with cupy.cuda.Device(self._device):
             stream = cupy.cuda.get_current_stream()
+            if self._ws.stream_ptr not in (None, stream.ptr):
+                # The plan moves to another stream: runs on the old one were not recorded, and
+                # the new upload must not overtake them (a rare switch, so a device sync).
+                cupy.cuda.Device(self._device).synchronize()
+                self._unwaited.clear()
             self._ws.reserve(need, stream, grow=not self._graph)
-            if self._read is not None and self._read[1] != stream.ptr:
-                stream.wait_event(self._read[0])  # a run() elsewhere may still read the plan
+            for ptr in self._unwaited:  # runs elsewhere may still read the plan
+                if ptr != stream.ptr:
+                    stream.wait_event(self._run_events[ptr])
+            self._unwaited.clear()
             self._ws.upload(
                 lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq),
                 stream,
@@ -474,15 +485,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _order(self, stream) -> None:
         """Order a run on a stream other than the upload's after the upload, and the next
-        upload after this run (events; skipped while the stream is being captured)."""
+        upload after this run (an event per such stream; skipped while it is being captured)."""
         import cupy
 
         if stream.ptr == self._ws.stream_ptr or stream.is_capturing():
             return
         stream.wait_event(self._ws.last_upload())
-        event = self._read[0] if self._read else cupy.cuda.Event(block=False, disable_timing=True)
+        event = self._run_events.get(stream.ptr)
+        if event is None:
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            self._run_events[stream.ptr] = event
         event.record(stream)
-        self._read = (event, stream.ptr)
+        self._unwaited.add(stream.ptr)
 
 
 def _launch_decode(stream, ins, outs, *, wrapper, scales):

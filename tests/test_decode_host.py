@@ -271,6 +271,64 @@ def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     assert host_wrapper._launch.fn.lookahead == 0
 
 
+def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
+    """The ordering plan() and run() set up between streams, with recording fakes: an upload
+    waits for the latest run on each other stream since the previous plan (not just the
+    last one), and moving the plan to another stream synchronizes the device."""
+    import cupy
+
+    from rtcinfer.workspace import Workspace
+
+    log = []
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def wait_event(self, event):
+            log.append(("wait", self.ptr, event.on))
+
+        def is_capturing(self):
+            return False
+
+    class Event:
+        def __init__(self, **kwargs):
+            self.on = None
+
+        def record(self, stream):
+            self.on = stream.ptr
+
+    current = [Stream(1)]
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current[0])
+    monkeypatch.setattr(cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy.cuda.Device, "synchronize", lambda self: log.append(("sync",)),
+                        raising=False)  # fmt: skip
+
+    def upload(self, fill, stream):
+        self.stream_ptr = stream.ptr
+
+    monkeypatch.setattr(Workspace, "upload", upload)
+    monkeypatch.setattr(Workspace, "last_upload", lambda self: Event())
+    w = host_wrapper
+
+    def plan(ptr):
+        current[0] = Stream(ptr)
+        w.plan([0, 1], [0], [5], 8, 2, 128, 16, q_data_type="bfloat16")
+
+    plan(1)
+    w._order(Stream(2))
+    w._order(Stream(3))
+    w._order(Stream(1))  # the upload's own stream: ordered already
+    log.clear()
+    plan(1)
+    assert sorted(log) == [("wait", 1, 2), ("wait", 1, 3)]
+    log.clear()
+    plan(1)  # nothing ran since
+    assert log == []
+    plan(2)  # the plan moves to stream 2
+    assert log == [("sync",)]
+
+
 def test_fixed_split_size_minus_one_means_none(host_wrapper):
     indptr, indices, last, _ = page_table_for([32768, 5], 16, np.random.default_rng(0))
     grids = []
