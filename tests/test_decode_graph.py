@@ -78,10 +78,10 @@ def test_replan_beyond_the_captured_batch_is_refused():
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         four.plan(wrapper)
-        wrapper.run(q, batch.cache_dev)  # compile and load outside the capture
+        out = wrapper.run(q, batch.cache_dev)  # compile and load outside the capture
         stream.synchronize()
         stream.begin_capture()
-        wrapper.run(q, batch.cache_dev)
+        wrapper.run(q, batch.cache_dev, out=out)
         stream.end_capture()
         with pytest.raises(ValueError, match="captured into a CUDA graph with 4"):
             batch.plan(wrapper)
