@@ -4,6 +4,7 @@ and the packed plan, read back the way decode_kernel reads it."""
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import replace
 
 import numpy as np
@@ -327,6 +328,68 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     assert log == []
     plan(2)  # the plan moves to stream 2
     assert log == [("sync",)]
+
+
+class _FakeArray:
+    """Shape, byte strides, item size and address: what the launch code reads of an array."""
+
+    def __init__(self, shape, itemsize, strides=None, ptr=1 << 20):
+        self.shape, self.itemsize, self.size = shape, itemsize, math.prod(shape)
+        if strides is None:
+            strides, step = [], itemsize
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+class _FakeStream:
+    def __init__(self, ptr, capturing=False):
+        self.ptr, self.capturing = ptr, capturing
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
+    """run()'s launch step on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page 16);
+    returns the recorded kernel calls."""
+    calls = []
+    wrapper._launch = replace(wrapper._launch, fn=lambda *args, **kw: calls.append(args))
+    wrapper._ws.stream_ptr = 5  # the plan's stream: run() on it needs no event
+    q = _FakeArray((2, 8, 128), 2)
+    cache = _FakeArray((4, 2, 16, 2, 128), 2)
+    o = _FakeArray((2, 8, 128), 2, out_strides)
+    wrapper._run(_FakeStream(5, capturing), [q, cache], [o], (1.0, 1.0))
+    return calls
+
+
+def test_run_launches_on_contiguous_rows_and_rejects_a_strided_out(host_wrapper):
+    host_wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    assert len(_launch_with_fakes(host_wrapper)) == 1
+    with pytest.raises(
+        ValueError, match=r"contiguous in their last dimension.* out \(4096, 512, 4\)"
+    ):
+        _launch_with_fakes(host_wrapper, out_strides=(4096, 512, 4))
+    with pytest.raises(ValueError, match="contiguous in their last dimension"):
+        _launch_with_fakes(host_wrapper, out_strides=(2048, 256, -2))
+
+
+def test_a_captured_run_records_its_batch(host_wrapper):
+    from rtcinfer import decode
+
+    wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(7, np.int32),
+        paged_kv_indices_buffer=np.zeros(100, np.int32),
+    )  # fmt: skip
+    wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    _launch_with_fakes(wrapper)
+    assert wrapper._captured is None  # an eager run
+    assert len(_launch_with_fakes(wrapper, capturing=True)) == 1
+    assert wrapper._captured == 2
+    with pytest.raises(ValueError, match="captured into a CUDA graph with 2"):
+        wrapper.plan([0, 1, 2, 3], [0, 1, 2], [5, 16, 3], 8, 2, 128, 16, q_data_type="bfloat16")
 
 
 def test_fixed_split_size_minus_one_means_none(host_wrapper):
