@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -39,3 +41,48 @@ def test_the_table_shapes_must_match():
     indices, indptr, last = _table()
     with pytest.raises(ValueError, match=r"kv_indptr must have shape \(2,\), got \(3,\)"):
         rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, cache, indices, indptr, last[:1])
+
+
+class _FakeArray:
+    """Shape, byte strides, item size and address: what the launch code reads of an array."""
+
+    def __init__(self, shape, itemsize, strides=None, ptr=1 << 20):
+        self.shape, self.itemsize = shape, itemsize
+        if strides is None:
+            strides, step = [], itemsize
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+def _append_with_fakes(monkeypatch, cache_strides=None, nnz=6, batch=3):
+    """The append launch step on fake arrays (bf16, 2 heads, d 128, pages of 16); returns the
+    recorded kernel arguments."""
+    from rtcinfer import jit, page
+
+    calls = []
+    monkeypatch.setattr(jit, "get_function", lambda spec, name: lambda *a, **k: calls.append(a))
+    key, value = _FakeArray((nnz, 2, 128), 2), _FakeArray((nnz, 2, 128), 2)
+    index = [_FakeArray((nnz,), 4), _FakeArray((nnz,), 4)]
+    cache = _FakeArray((10, 2, 16, 2, 128), 2, cache_strides)
+    table = [_FakeArray((10,), 4), _FakeArray((batch + 1,), 4)]
+    page._append_launch(None, [key, value, *index, cache, *table], [cache], kv_layout="NHD",
+                        row_bytes=256)  # fmt: skip
+    return calls[0][2]
+
+
+def test_append_launch_guesses_the_request_of_a_uniform_append(monkeypatch):
+    from rtcinfer.decode_kernel import fast_div
+
+    args = _append_with_fakes(monkeypatch, nnz=6, batch=3)  # 2 tokens per request
+    assert tuple(int(a) for a in args[-3:]) == (*fast_div(2), 2)
+    args = _append_with_fakes(monkeypatch, nnz=2, batch=5)  # fewer tokens than requests
+    assert tuple(int(a) for a in args[-3:]) == (*fast_div(1), 4)
+
+
+def test_append_launch_refuses_a_cache_with_a_strided_head_dim(monkeypatch):
+    strides = (2 * 16 * 2 * 256 * 2, 16 * 2 * 256 * 2, 2 * 256 * 2, 256 * 2, 4)
+    with pytest.raises(ValueError, match="paged_kv_cache: head_dim must be contiguous"):
+        _append_with_fakes(monkeypatch, cache_strides=strides)
