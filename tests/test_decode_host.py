@@ -4,7 +4,6 @@ and the packed plan, read back the way decode_kernel reads it."""
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +16,7 @@ from rtcinfer.decode_kernel import decode_spec, half_tiles, make_config, rope_fr
 from rtcinfer.plan.decode import plan_decode
 from rtcinfer.workspace import Capacity, header_ints, pack_plan
 
+from .fakes import FakeArray
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -330,20 +330,6 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     assert log == [("sync",)]
 
 
-class _FakeArray:
-    """Shape, byte strides, item size and address: what the launch code reads of an array."""
-
-    def __init__(self, shape, itemsize, strides=None, ptr=1 << 20):
-        self.shape, self.itemsize, self.size = shape, itemsize, math.prod(shape)
-        if strides is None:
-            strides, step = [], itemsize
-            for n in reversed(shape):
-                strides.insert(0, step)
-                step *= n
-        self.strides = tuple(strides)
-        self.data = types.SimpleNamespace(ptr=ptr)
-
-
 class _FakeStream:
     def __init__(self, ptr, capturing=False):
         self.ptr, self.capturing = ptr, capturing
@@ -358,9 +344,9 @@ def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
     calls = []
     wrapper._launch = replace(wrapper._launch, fn=lambda *args, **kw: calls.append(args))
     wrapper._ws.stream_ptr = 5  # the plan's stream: run() on it needs no event
-    q = _FakeArray((2, 8, 128), 2)
-    cache = _FakeArray((4, 2, 16, 2, 128), 2)
-    o = _FakeArray((2, 8, 128), 2, out_strides)
+    q = FakeArray((2, 8, 128), 2)
+    cache = FakeArray((4, 2, 16, 2, 128), 2)
+    o = FakeArray((2, 8, 128), 2, out_strides)
     wrapper._run(_FakeStream(5, capturing), [q, cache], [o], (1.0, 1.0))
     return calls
 

@@ -1,13 +1,14 @@
-"""append_paged_kv_cache argument checks that run before any device work (no GPU needed)."""
+"""append_paged_kv_cache without a GPU: the argument checks that run before any device work,
+and the launch step on fake arrays."""
 
 from __future__ import annotations
-
-import types
 
 import numpy as np
 import pytest
 
 import rtcinfer
+
+from .fakes import FakeArray
 
 
 def _table():
@@ -43,20 +44,6 @@ def test_the_table_shapes_must_match():
         rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, cache, indices, indptr, last[:1])
 
 
-class _FakeArray:
-    """Shape, byte strides, item size and address: what the launch code reads of an array."""
-
-    def __init__(self, shape, itemsize, strides=None, ptr=1 << 20):
-        self.shape, self.itemsize = shape, itemsize
-        if strides is None:
-            strides, step = [], itemsize
-            for n in reversed(shape):
-                strides.insert(0, step)
-                step *= n
-        self.strides = tuple(strides)
-        self.data = types.SimpleNamespace(ptr=ptr)
-
-
 def _append_with_fakes(monkeypatch, cache_strides=None, nnz=6, batch=3):
     """The append launch step on fake arrays (bf16, 2 heads, d 128, pages of 16); returns the
     recorded kernel arguments."""
@@ -64,10 +51,10 @@ def _append_with_fakes(monkeypatch, cache_strides=None, nnz=6, batch=3):
 
     calls = []
     monkeypatch.setattr(jit, "get_function", lambda spec, name: lambda *a, **k: calls.append(a))
-    key, value = _FakeArray((nnz, 2, 128), 2), _FakeArray((nnz, 2, 128), 2)
-    index = [_FakeArray((nnz,), 4), _FakeArray((nnz,), 4)]
-    cache = _FakeArray((10, 2, 16, 2, 128), 2, cache_strides)
-    table = [_FakeArray((10,), 4), _FakeArray((batch + 1,), 4)]
+    key, value = FakeArray((nnz, 2, 128), 2), FakeArray((nnz, 2, 128), 2)
+    index = [FakeArray((nnz,), 4), FakeArray((nnz,), 4)]
+    cache = FakeArray((10, 2, 16, 2, 128), 2, cache_strides)
+    table = [FakeArray((10,), 4), FakeArray((batch + 1,), 4)]
     page._append_launch(None, [key, value, *index, cache, *table], [cache], kv_layout="NHD",
                         row_bytes=256)  # fmt: skip
     return calls[0][2]

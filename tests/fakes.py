@@ -1,0 +1,20 @@
+"""Stand-ins for device objects, so the launch code can be driven on a machine without a GPU."""
+
+from __future__ import annotations
+
+import math
+import types
+
+
+class FakeArray:
+    """Shape, byte strides, item size and address: what the launch code reads of an array."""
+
+    def __init__(self, shape, itemsize, strides=None, ptr=1 << 20):
+        self.shape, self.itemsize, self.size = shape, itemsize, math.prod(shape)
+        if strides is None:
+            strides, step = [], itemsize
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.data = types.SimpleNamespace(ptr=ptr)
