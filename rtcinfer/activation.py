@@ -10,7 +10,7 @@ import numpy as np
 from . import jit
 from .interop import Out, dtype_name, run
 from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .layout import fit_vec, leading_rows, widest_vec
+from .layout import common_rows, fit_vec, widest_vec
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 THREADS, UNROLL = 128, 2
@@ -37,8 +37,7 @@ class ActivationSpec:
 def _launch(stream, ins, outs, *, spec: ActivationSpec):
     (x,), (y,) = ins, outs
     d = y.shape[-1]
-    rows, n1, xs0, xs1 = leading_rows(x, "input")
-    _, _, ys0, ys1 = leading_rows(y, "out")
+    rows, n1, ((xs0, xs1), (ys0, ys1)) = common_rows([x, y], ["input", "out"])
     if rows == 0 or d == 0:
         return
     vec = fit_vec(spec.vec, itemsize(spec.dtype), [x.data.ptr, y.data.ptr], [xs0, xs1, ys0, ys1, d])

@@ -9,32 +9,50 @@ def leading_rows(arr, name: str) -> tuple[int, int, int, int]:
     Row r starts at element (r // n1) * s0 + (r % n1) * s1. The last dimension must have unit
     stride. Leading dimensions that are contiguous with each other are merged first.
     """
-    shape, item = tuple(arr.shape), arr.itemsize
-    strides = [s // item for s in arr.strides]
-    if not shape:
-        raise ValueError(f"{name}: expected at least 1 dimension, got a 0-d array")
-    if 0 in shape:
-        return 0, 1, 0, 0
-    if shape[-1] > 1 and strides[-1] != 1:
-        raise ValueError(
-            f"{name}: the last dimension must be contiguous (stride 1), got strides {strides}"
-        )
-    dims = [(n, s) for n, s in zip(shape[:-1], strides[:-1], strict=True) if n != 1]
-    merged: list[list[int]] = []
-    for n, s in dims:
-        if merged and merged[-1][1] == s * n:
-            merged[-1] = [merged[-1][0] * n, s]
+    rows, n1, ((s0, s1),) = common_rows([arr], [name])
+    return rows, n1, s0, s1
+
+
+def common_rows(arrays, names) -> tuple[int, int, list[tuple[int, int]]]:
+    """leading_rows for arrays with the same leading dims (their last dims may differ), folded
+    the same way for all, since a kernel takes one n1: (rows, n1, [(s0, s1) per array]).
+
+    A leading dimension merges into the one before it only where it does so in every array.
+    """
+    shape = tuple(arrays[0].shape)
+    for arr, name in zip(arrays, names, strict=True):
+        if not arr.shape:
+            raise ValueError(f"{name}: expected at least 1 dimension, got a 0-d array")
+        if tuple(arr.shape[:-1]) != shape[:-1]:
+            raise ValueError(f"{names}: leading dimensions differ: {[a.shape for a in arrays]}")
+    if 0 in shape or any(0 in arr.shape for arr in arrays):
+        return 0, 1, [(0, 0)] * len(arrays)
+    strides = [[s // arr.itemsize for s in arr.strides] for arr in arrays]
+    for arr, name, st in zip(arrays, names, strides, strict=True):
+        if arr.shape[-1] > 1 and st[-1] != 1:
+            raise ValueError(
+                f"{name}: the last dimension must be contiguous (stride 1), got strides {st}"
+            )
+    merged: list[tuple[int, list[int]]] = []  # (count, stride in each array)
+    for i, n in enumerate(shape[:-1]):
+        if n == 1:
+            continue
+        st = [s[i] for s in strides]
+        if merged and all(prev == x * n for prev, x in zip(merged[-1][1], st, strict=True)):
+            merged[-1] = (merged[-1][0] * n, st)
         else:
-            merged.append([n, s])
+            merged.append((n, st))
     if len(merged) > 2:
+        what = names[0] if len(names) == 1 else f"{', '.join(names)} together"
         raise ValueError(
-            f"{name}: leading dimensions {shape[:-1]} with strides {strides[:-1]} do not fold "
+            f"{what}: leading dimensions {shape[:-1]} with strides "
+            f"{[s[:-1] for s in strides] if len(names) > 1 else strides[0][:-1]} do not fold "
             f"into two strided levels; pass a contiguous array"
         )
     while len(merged) < 2:
-        merged.append([1, 0])
-    (n0, s0), (n1, s1) = merged
-    return n0 * n1, n1, s0, s1
+        merged.append((1, [0] * len(arrays)))
+    (n0, st0), (n1, st1) = merged
+    return n0 * n1, n1, list(zip(st0, st1, strict=True))
 
 
 def fit_vec(vec: int, itemsize: int, pointers, strides) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 from . import jit
 from .interop import Out, dtype_name, run
 from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .layout import fit_vec, leading_rows, widest_vec
+from .layout import common_rows, fit_vec, widest_vec
 
 MAX_SMEM = 200 * 1024  # a row must fit in shared memory (Hopper and Ampere allow ~227 KB)
 OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm")
@@ -71,11 +71,10 @@ def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
     x, residual, y = (outs[0], outs[1], outs[0]) if fused else (ins[0], ins[0], outs[0])
     weight = ins[2] if fused else ins[1]
     bias = ins[2] if spec.op == "layernorm" else weight
-    rows, n1, xs0, xs1 = leading_rows(x, "input")
+    rows, n1, layouts = common_rows([x, residual, y], ["input", "residual", "out"])
     if rows == 0:
         return
-    _, _, rs0, rs1 = leading_rows(residual, "residual")
-    _, _, ys0, ys1 = leading_rows(y, "out")
+    (xs0, xs1), (rs0, rs1), (ys0, ys1) = layouts
     vec = fit_vec(
         spec.vec,
         itemsize(spec.dtype),

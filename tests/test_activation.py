@@ -30,6 +30,17 @@ def test_large_batch_and_strided_input(rng):
     assert_close(rtcinfer.silu_and_mul(view), ref.silu_and_mul_ref(x[:, 1024:]), "bfloat16")
 
 
+def test_strided_input_with_a_dense_out_and_the_reverse(rng):
+    """Input and out fold their leading dims differently; the kernel's one row split must fit
+    both."""
+    big = randn(rng, (2, 4, 2 * 512), "float16")
+    y = rtcinfer.gelu_and_mul(upload(big)[:, :3])
+    assert_close(y, ref.gelu_and_mul_ref(big[:, :3]), "float16")
+    out = poisoned((2, 4, 512), "float16")
+    rtcinfer.silu_and_mul(upload(big[:, :3].copy()), out=out[:, 1:])
+    assert_close(out[:, 1:], ref.silu_and_mul_ref(big[:, :3]), "float16")
+
+
 def test_errors(rng):
     with pytest.raises(ValueError, match="must be even"):
         rtcinfer.silu_and_mul(upload(randn(rng, (4, 7), "bfloat16")))

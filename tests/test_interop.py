@@ -95,6 +95,45 @@ def test_leading_rows_errors():
         layout.leading_rows(FakeArray((2, 3, 5, 64), (10000, 1000, 100, 1)), "x")
 
 
+def _row_offsets(arr) -> np.ndarray:
+    """Element offset of every row (all leading indices, row-major) of a NumPy view."""
+    lead = np.indices(arr.shape[:-1]).reshape(len(arr.shape) - 1, -1).T
+    steps = np.array([s // arr.itemsize for s in arr.strides[:-1]])
+    return lead @ steps if len(steps) else np.zeros(1, np.int64)
+
+
+@pytest.mark.parametrize(
+    "make_x, make_out",
+    [
+        (lambda b: b[:, :3], lambda b: np.empty((2, 3, 8), b.dtype)),  # strided in, dense out
+        (lambda b: np.empty((2, 3, 8), b.dtype), lambda b: b[:, :3]),  # dense in, strided out
+        (lambda b: b[:, 1:], lambda b: b[:, :3][::-1]),  # both strided, one reversed
+        (lambda b: b[:, :3], lambda b: b[:, 1:]),
+    ],
+)  # fmt: skip
+def test_common_rows_fold_every_array_the_same_way(make_x, make_out):
+    """The row split (n1) is shared by all arrays of a launch, so it must be right for each:
+    row r of array a starts at (r // n1) * s0_a + (r % n1) * s1_a."""
+    base = np.zeros((2, 4, 8), np.float16)
+    x, out = make_x(base), make_out(base)
+    rows, n1, layouts = layout.common_rows([x, out], ["input", "out"])
+    assert rows == 6
+    r = np.arange(rows)
+    for arr, (s0, s1) in zip((x, out), layouts, strict=True):
+        np.testing.assert_array_equal((r // n1) * s0 + (r % n1) * s1, _row_offsets(arr))
+
+
+def test_common_rows_errors_name_the_arrays():
+    a = np.zeros((2, 3, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="leading dimensions differ"):
+        layout.common_rows([a, a[:1]], ["input", "out"])
+    x = a[:, :, :4]  # dims 0 and 1 merge, 1 and 2 do not
+    out = np.zeros((2, 5, 4, 8), np.float32)[:, :3]  # dims 1 and 2 merge, 0 and 1 do not
+    assert layout.leading_rows(x, "input")[0] == layout.leading_rows(out, "out")[0] == 24
+    with pytest.raises(ValueError, match="input, out together: .* do not fold"):
+        layout.common_rows([x, out], ["input", "out"])
+
+
 def test_vector_width():
     assert layout.widest_vec(4096, 2) == 8 and layout.widest_vec(4096, 4) == 4
     assert layout.widest_vec(1001, 2) == 1 and layout.widest_vec(4100, 2) == 4

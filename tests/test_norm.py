@@ -36,6 +36,28 @@ def test_rmsnorm_fp32_weight_and_strided_rows(rng, dtype):
     assert_close(y, ref.rmsnorm_ref(big[:, :, 4096:], w, 1e-5), dtype)
 
 
+def test_inputs_and_outputs_that_fold_differently(rng):
+    """x = big[:, :3] folds into two levels, its dense out into one; the kernel takes one row
+    split for both (a dense out once got rows at the input's offsets). The fused op with a
+    strided residual writes only its own rows of the buffer around it."""
+    big = randn(rng, (2, 4, 1024), "bfloat16")
+    w = randn(rng, (1024,), "bfloat16")
+    y = rtcinfer.rmsnorm(upload(big)[:, :3], upload(w))
+    assert_close(y, ref.rmsnorm_ref(big[:, :3], w, 1e-6), "bfloat16")
+    out = upload(np.zeros((2, 4, 1024), np.float32).astype(big.dtype))
+    rtcinfer.rmsnorm(upload(big[:, :3].copy()), upload(w), out=out[:, 1:])
+    assert_close(out[:, 1:], ref.rmsnorm_ref(big[:, :3], w, 1e-6), "bfloat16")
+    assert (to_host(out[:, 0]) == 0).all()
+    x, r = randn(rng, (2, 3, 1024), "bfloat16"), randn(rng, (2, 4, 1024), "bfloat16")
+    rd = upload(r)
+    xd = upload(x)
+    rtcinfer.fused_add_rmsnorm(xd, rd[:, 1:], upload(w), 1e-6)
+    expect_out, expect_res = ref.fused_add_rmsnorm_ref(x, r[:, 1:], w, 1e-6, "bfloat16")
+    np.testing.assert_array_equal(to_host(rd[:, 1:]), expect_res)
+    np.testing.assert_array_equal(to_host(rd[:, 0]), r[:, 0].astype(np.float64))
+    assert_close(xd, expect_out, "bfloat16")
+
+
 def test_misaligned_rows_fall_back_to_narrow_vectors(rng):
     big = randn(rng, (9, 4097), "bfloat16")
     x = upload(big)[:, 1:]  # 2-byte aligned rows of 4096
