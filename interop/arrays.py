@@ -25,6 +25,18 @@ def dtype_name(x) -> str:
     return normalize(x.dtype)
 
 
+def dense(x, name: str, output: bool = False):
+    """A CuPy array `x` as a C-contiguous one, for a kernel that takes it as a bare pointer:
+    an input is copied when it is not (on the current stream), an output raises."""
+    if x is None or x.flags.c_contiguous:
+        return x
+    if output:
+        raise ValueError(f"{name}: must be contiguous (written densely), got strides {x.strides}")
+    import cupy
+
+    return cupy.ascontiguousarray(x)
+
+
 def _describe(x) -> str:
     shape = tuple(getattr(x, "shape", ()))
     return f"{type(x).__module__}.{type(x).__qualname__} of shape {shape}"

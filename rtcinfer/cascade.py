@@ -17,6 +17,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, widest_vec
 from .plan._checks import INT32_MAX
@@ -73,7 +74,8 @@ def _launch(stream, ins, outs, *, spec: MergeSpec, num_a: int):
         a_v, *_elem_strides(a_v)[:3], a_s, *_elem_strides(a_s),
         b_v, *_elem_strides(b_v)[:2], b_s, *_elem_strides(b_s)[:2],
         o_v, *_elem_strides(o_v)[:2], o_s, *_elem_strides(o_s),
-        0 if mask is None else mask, np.int32(rows), np.int32(h), np.int32(d), np.int32(num_a),
+        0 if mask is None else dense(mask, "mask"), np.int32(rows), np.int32(h), np.int32(d),
+        np.int32(num_a),
     )  # fmt: skip
     grid = -(-rows * 32 // THREADS)
     fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)

@@ -21,7 +21,7 @@ import numpy as np
 from . import jit
 from .decode_kernel import KV_LAYOUTS, fast_div, token_head
 from .interop import Out, dtype_name, run
-from .interop.arrays import framework
+from .interop.arrays import dense, framework
 from .interop.dtypes import itemsize
 from .plan import page as host_page
 from .plan._checks import as_int
@@ -71,8 +71,9 @@ def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
 
 
 def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
-    key, value, batch_indices, positions = ins[:4]
-    kv_indices, kv_indptr = ins[-2:]
+    key, value = ins[:2]
+    batch_indices, positions = dense(ins[2], "batch_indices"), dense(ins[3], "positions")
+    kv_indices, kv_indptr = dense(ins[-2], "kv_indices"), dense(ins[-1], "kv_indptr")
     nnz, num_heads = key.shape[0], key.shape[1]
     if nnz == 0 or num_heads == 0:
         return
@@ -179,7 +180,7 @@ def append_paged_kv_cache(
 
 
 def _seq_lens_launch(stream, ins, outs, *, page_size: int):
-    kv_indptr, last = ins
+    kv_indptr, last = dense(ins[0], "kv_indptr"), dense(ins[1], "kv_last_page_len")
     batch = last.shape[0]
     if batch:
         fn = jit.get_function(INDEX_SPEC, "seq_lens_kernel")
@@ -201,7 +202,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
 
 
 def _positions_launch(stream, ins, outs, *, nnz: int):
-    append_indptr, seq_lens = ins
+    append_indptr, seq_lens = dense(ins[0], "append_indptr"), dense(ins[1], "seq_lens")
     if nnz:
         fn = jit.get_function(INDEX_SPEC, "batch_indices_positions_kernel")
         args = (append_indptr, seq_lens, *outs, np.int32(seq_lens.shape[0]), np.int32(nnz))

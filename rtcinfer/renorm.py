@@ -13,6 +13,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 
@@ -56,7 +57,7 @@ def _launch(stream, ins, outs, *, op: str, k: int, p: float):
     _, _, ys, _ = leading_rows(y, "out")
     spec = renorm_spec(op, dtype_name(x), vocab, rows, jit.sm_count(x.device.id))
     spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, [x.data.ptr, y.data.ptr], [xs, ys]))
-    arr = ins[1] if len(ins) > 1 else None
+    arr = dense(ins[1], "top_k" if op != "top_p_renorm" else "top_p") if len(ins) > 1 else None
     smem = row_smem_bytes(spec.threads)
     fn = jit.get_function(spec, "renorm_kernel", dynamic_smem=smem)
     args = (

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import jit, sampling_cluster
 from .interop import Out, dtype_name, framework, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 from .philox import Generator, kernel_inputs
@@ -71,8 +72,8 @@ def sample_spec(op: str, dtype: str, vocab: int, batch: int = 1, out_dtype: str 
 
 
 def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
-    a = dict(zip(names, ins, strict=True))
-    probs, out = a["probs"], outs[0]
+    a = {n: x if n == "probs" else dense(x, n) for n, x in zip(names, ins, strict=True)}
+    probs, out = a["probs"], dense(outs[0], "out", output=True)
     batch, (_, vocab) = out.shape[0], probs.shape
     if batch == 0:
         return

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, leading_rows, widest_vec
 
@@ -49,7 +50,7 @@ def _launch(stream, ins, outs, *, scalar: float):
     if vec != spec.vec:
         spec = softmax_spec(spec.dtype, vocab, vec)
     fn = jit.get_function(spec, "softmax_kernel")
-    temperature = ins[1] if len(ins) > 1 else 0
+    temperature = dense(ins[1], "temperature") if len(ins) > 1 else 0
     args = (logits, np.int64(stride), probs, np.int64(vocab), np.int32(vocab), temperature,
             np.float32(scalar))  # fmt: skip
     fn((rows, 1, 1), (spec.threads, 1, 1), args, stream=stream)

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, row_threads, widest_vec
 from .philox import kernel_inputs
@@ -39,7 +40,10 @@ def speculative_spec(dtype: str, vocab: int, batch: int = 1, sm_count: int = 132
 def _launch(stream, ins, outs, *, names: tuple, accumulate: bool, seed: int, offset: int):
     a = dict(zip(names, ins, strict=True))
     draft, ids, target = a["draft_probs"], a["draft_token_ids"], a["target_probs"]
-    tokens, accepted, emitted = outs
+    tokens = outs[0]
+    accepted, emitted = (
+        dense(x, n, output=True) for x, n in zip(outs[1:], ("accepted", "emitted"), strict=True)
+    )
     batch, n, vocab = draft.shape
     if batch == 0:
         return
@@ -50,7 +54,7 @@ def _launch(stream, ins, outs, *, names: tuple, accumulate: bool, seed: int, off
     vec = fit_vec(spec.vec, draft.itemsize, [draft.data.ptr, target.data.ptr], [vocab])
     if vec != spec.vec:
         spec = speculative_spec(spec.dtype, vocab, batch, jit.sm_count(draft.device.id), vec)
-    seeds, offsets = a.get("seed"), a.get("offset")
+    seeds, offsets = dense(a.get("seed"), "seed"), dense(a.get("offset"), "offset")
     fn = jit.get_function(spec, "chain_speculative_kernel")
     args = (
         draft, ids if ids.dtype == np.int32 else 0, ids if ids.dtype == np.int64 else 0, target,

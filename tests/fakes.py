@@ -18,3 +18,8 @@ class FakeArray:
                 step *= n
         self.strides = tuple(strides)
         self.data = types.SimpleNamespace(ptr=ptr)
+        dense, step = True, itemsize
+        for n, stride in zip(reversed(shape), reversed(self.strides), strict=True):
+            dense = dense and (n == 1 or stride == step)
+            step *= n
+        self.flags = types.SimpleNamespace(c_contiguous=dense)

@@ -63,6 +63,21 @@ def test_merge_state_in_place(rng, dtype, masked):
     check(v_dev, s_dev, v_ref, s_ref, dtype)
 
 
+def test_merge_state_in_place_with_a_strided_mask(rng):
+    """The kernel reads the mask as a dense array: a strided view (every other row) is made
+    dense first, so exactly its rows are merged."""
+    shape = (6, 2, 64)
+    (v, s), (v_o, s_o) = states(rng, shape, "float32", empty=0), states(rng, shape, "float32")
+    full = np.array([1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0], dtype=bool)
+    mask = full[::2]  # rows 0, 2, 4, 5 of the six
+    v_dev, s_dev = to_gpu(v), to_gpu(s)
+    rtcinfer.merge_state_in_place(v_dev, s_dev, to_gpu(v_o), to_gpu(s_o), mask=to_gpu(full)[::2])
+    v_ref, s_ref = ref.merge_state_ref(v, s, v_o, s_o)
+    v_ref = np.where(mask[:, None, None], v_ref, v.astype(np.float64))
+    s_ref = np.where(mask[:, None], s_ref, s.astype(np.float64))
+    check(v_dev, s_dev, v_ref, s_ref, "float32")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_states", [0, 1, 5, 40])
 def test_merge_states(rng, dtype, num_states):

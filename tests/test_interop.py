@@ -134,6 +134,18 @@ def test_common_rows_errors_name_the_arrays():
         layout.common_rows([x, out], ["input", "out"])
 
 
+def test_dense_keeps_contiguous_arrays_and_refuses_strided_outputs():
+    from rtcinfer.interop.arrays import dense
+
+    from .fakes import FakeArray as Fake
+
+    contiguous, strided = Fake((4, 3), 4), Fake((4,), 4, strides=(8,))
+    assert dense(contiguous, "x") is contiguous and dense(None, "x") is None
+    assert dense(Fake((1, 3), 4, strides=(999, 4)), "x", output=True) is not None  # size-1 dim
+    with pytest.raises(ValueError, match=r"out: must be contiguous .* strides \(8,\)"):
+        dense(strided, "out", output=True)
+
+
 def test_vector_width():
     assert layout.widest_vec(4096, 2) == 8 and layout.widest_vec(4096, 4) == 4
     assert layout.widest_vec(1001, 2) == 1 and layout.widest_vec(4100, 2) == 4

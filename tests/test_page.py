@@ -26,6 +26,9 @@ def test_seq_lens_and_positions_match_numpy(rng):
         rtcinfer.get_seq_lens(to_gpu(indptr), to_gpu(last), 0)
     want = host_page.get_seq_lens(indptr, last, 16)
     np.testing.assert_array_equal(to_host(seq_lens), want)
+    strided = to_gpu(np.stack([last, -last], axis=1))[:, 0]  # every other int: made dense
+    np.testing.assert_array_equal(to_host(rtcinfer.get_seq_lens(to_gpu(indptr), strided, 16)),
+                                  want)  # fmt: skip
     assert isinstance(rtcinfer.get_seq_lens(indptr, last, 16), np.ndarray)  # host path
     append_indptr = np.array([0, 2, 2, 7, 8], dtype=np.int32)
     nnz = 11  # padded: 3 entries past append_indptr[-1]

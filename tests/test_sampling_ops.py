@@ -262,6 +262,14 @@ def test_jax_arrays_and_jit(rng):
     assert isinstance(out, jax.Array)
 
 
+def test_a_strided_out_is_refused(rng):
+    cp = cupy()
+    probs = cp.asarray(probs_rows(rng, 4, 100))
+    out = cp.empty((4, 2), np.int32)[:, 0]
+    with pytest.raises(ValueError, match="out: must be contiguous"):
+        rtcinfer.sampling_from_probs(probs, seed=1, out=out)
+
+
 def test_host_arrays_are_refused(rng):
     with pytest.raises(TypeError, match="host numpy.ndarray"):
         rtcinfer.sampling_from_probs(probs_rows(rng, 2, 10))
