@@ -128,5 +128,7 @@ def _view(buf):
     size = dtype.itemsize
     for n in buf.shape:
         size *= n
-    memory = cupy.cuda.UnownedMemory(buf.ptr, size, None)
+    # An empty buffer may come as a null pointer, whose device CuPy cannot look up.
+    device = cupy.cuda.runtime.getDevice() if buf.ptr == 0 else -1
+    memory = cupy.cuda.UnownedMemory(buf.ptr, size, None, device)
     return cupy.ndarray(buf.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))

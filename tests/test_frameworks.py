@@ -111,6 +111,22 @@ def test_jax_eager_and_jit(rng):
     assert_close(np.asarray(k2), ref.rope_ref(k, pos, 128, False, inv), "bfloat16")
 
 
+def test_jax_empty_inputs(rng):
+    """XLA may hand an empty buffer over as a null pointer: merge_states of zero states per
+    row (v = 0, s = -inf) and a decode of a request with no tokens run like the CuPy path."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    v, s = rtcinfer.merge_states(jnp.zeros((3, 0, 2, 64), jnp.float32),
+                                 jnp.zeros((3, 0, 2), jnp.float32))  # fmt: skip
+    assert (np.asarray(v) == 0).all() and np.isneginf(np.asarray(s)).all()
+    q = jnp.asarray(randn(rng, (8, 128), "bfloat16"))
+    k = jnp.zeros((0, 2, 128), jnp.bfloat16)
+    o, lse = rtcinfer.single_decode_with_kv_cache(q, k, k, return_lse=True)
+    assert (np.asarray(o).astype(np.float32) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
 def test_jax_rejects_out():
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":
