@@ -92,6 +92,8 @@ def _check_state(v, s, name: str, ndim: int):
         )
     if dtype_name(s) != "float32":
         raise TypeError(f"{name}: s must be float32, got {dtype_name(s)}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"{name}: head_dim must be at least 1, got v {tuple(v.shape)}")
     return dtype
 
 
@@ -106,7 +108,10 @@ def merge_state(v_a, s_a, v_b, s_b):
     """
     dtype = _check_state(v_a, s_a, "a", 3)
     if _check_state(v_b, s_b, "b", 3) != dtype or tuple(v_b.shape) != tuple(v_a.shape):
-        raise ValueError(f"v_a {tuple(v_a.shape)} and v_b {tuple(v_b.shape)} must match")
+        raise ValueError(
+            f"v_a ({dtype} {tuple(v_a.shape)}) and v_b ({dtype_name(v_b)} {tuple(v_b.shape)}) "
+            "must match in shape and dtype"
+        )
     shape = tuple(v_a.shape)
     return run(
         _launch,
@@ -123,7 +128,10 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     JAX, whose arrays are immutable)."""
     dtype = _check_state(v, s, "v", 3)
     if _check_state(v_other, s_other, "v_other", 3) != dtype or v_other.shape != v.shape:
-        raise ValueError(f"v {tuple(v.shape)} and v_other {tuple(v_other.shape)} must match")
+        raise ValueError(
+            f"v ({dtype} {tuple(v.shape)}) and v_other ({dtype_name(v_other)} "
+            f"{tuple(v_other.shape)}) must match in shape and dtype"
+        )
     ins = [("v", v), ("s", s), ("v_other", v_other), ("s_other", s_other)]
     if mask is not None:
         if tuple(mask.shape) != tuple(v.shape[:1]) or dtype_name(mask) not in ("bool", "uint8"):

@@ -65,7 +65,8 @@ def single_decode_with_kv_cache(
     (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
     page = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
     pages = -(-kv_len // page)
-    scale = (1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale) * (q_scale or 1.0)
+    scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
+    scale *= 1.0 if q_scale is None else q_scale  # 0 is a scale, as in FlashInfer
     cfg = make_config(
         q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
         logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,

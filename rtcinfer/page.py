@@ -216,7 +216,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
     _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
-    nnz = int(nnz)
+    nnz = as_int("nnz", nnz, minimum=0)
     ins = [("append_indptr", append_indptr), ("seq_lens", seq_lens)]
     outs = [Out((nnz,), "int32"), Out((nnz,), "int32")]
     return run(_positions_launch, ins, outs, nnz=nnz)

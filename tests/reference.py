@@ -314,7 +314,7 @@ def decode_features(
 ) -> dict:  # fmt: skip
     """Keyword arguments of ``decode_step_ref`` with FlashInfer's defaults filled in.
 
-    sm_scale = (sm_scale or 1 / sqrt(head_dim)) * (q_scale or 1)
+    sm_scale = (sm_scale or 1 / sqrt(head_dim)) * (1 if q_scale is None else q_scale)
     cap, k_scale, v_scale, rope_scale, rope_theta: None -> 0, 1, 1, 1, 1e4
     """
     sm = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

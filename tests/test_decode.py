@@ -355,6 +355,12 @@ def test_single_decode_features():
                   window_left=1000, logits_soft_cap=4.0, rope_theta=5e5)  # fmt: skip
     o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), **kwargs)
     assert_close(o, ref.single_decode_ref(q, k, v, **kwargs), "float16")
+    # q_scale 0 (not None): every logit is 0, so o is the mean of v over the window
+    zero = dict(q_scale=0.0, window_left=99)
+    o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), **zero)
+    assert_close(o, ref.single_decode_ref(q, k, v, **zero), "float16")
+    mean = v[-100:].astype(np.float64).mean(axis=0).repeat(4, axis=0)  # 4 query heads per kv head
+    assert_close(o, mean, "float16")
 
 
 def test_memcheck_subset():
