@@ -192,6 +192,8 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     """Tokens per request: max(pages - 1, 0) * page_size + kv_last_page_len, int32 [B].
 
     Host arrays give a NumPy array; int32 device arrays a device array of their framework.
+    The host version checks the table and that every length fits in int32; the device version
+    reads the table where it lies and does not (a check there would cost a synchronization).
     """
     if not _on_device(kv_indptr):
         return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
@@ -212,7 +214,10 @@ def _positions_launch(stream, ins, outs, *, nnz: int):
 def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     """(batch_indices, positions), int32 [nnz], of every appended token (CSR to COO):
     b owns tokens append_indptr[b]:append_indptr[b + 1], at positions ending at seq_lens[b];
-    entries past append_indptr[-1] (a padded nnz) are -1. Host arrays use NumPy."""
+    entries past append_indptr[-1] (a padded nnz) are -1. Host arrays use NumPy, and are
+    checked (seq_lens[b] covers the appended tokens, nnz >= append_indptr[-1]); device arrays
+    are not: a seq_lens[b] shorter than its append gives negative positions, which
+    append_paged_kv_cache skips as padding."""
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
     _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
