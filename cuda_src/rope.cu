@@ -10,9 +10,10 @@
 // streams the rows with UNROLL 16-byte loads in flight; the partner half of a non-interleaved
 // pair comes from another lane by warp shuffle, so in-place needs no barrier. CTAs stride over
 // items; the host makes rows_per_item the whole token unless tokens are too few to fill the GPU.
-// Angles are exact to fp32 rounding at any position: the frequency in turns per position is a
-// double-float (hi, lo) computed in fp64 once per CTA into shared memory, the product pos * f
-// is split with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
+// Angles are exact to fp32 rounding for positions below 2^24 (a position is taken as a float,
+// as in FlashInfer): the frequency in turns per position is a double-float (hi, lo) computed in
+// fp64 once per CTA into shared memory, the product pos * f is split with an FMA and reduced to
+// [-1/2, 1/2] turns before sincospif.
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE.
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import jit
 from .interop import Out, dtype_name, run
+from .interop.arrays import dense
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .layout import fit_vec, widest_vec
 
@@ -92,12 +93,14 @@ def _head_strides(arr, num_heads: int, head_dim: int) -> tuple[int, int]:
 def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
     q_out, k_out = outs
     q, k = (q_out, k_out) if spec.inplace else (ins[0], ins[1])
-    extra = ins[2:]
+    names = ("cos_sin_cache",) if spec.mode == "cos_sin_cache" else ()
+    names = (("pos_ids",) if spec.pos_from == "pos_ids" else ("indptr", "offsets")) + names
+    extra = [dense(x, n) for x, n in zip(ins[2:], names, strict=True)]  # read as dense arrays
     nnz = q.shape[0]
-    if nnz == 0:
+    hq = q.size // (nnz * head_dim) if nnz else 0
+    hk = k.size // (nnz * head_dim) if nnz else 0
+    if hq + hk == 0:
         return
-    hq = q.size // (nnz * head_dim)
-    hk = k.size // (nnz * head_dim)
     strides = [
         *_head_strides(q, hq, head_dim),
         *_head_strides(k, hk, head_dim),
@@ -155,13 +158,21 @@ def _rope(q, k, positions, mode, inplace, rotary_dim, interleave, params, out=No
     dtype = dtype_name(q)
     if dtype not in FLOAT_DTYPES or dtype_name(k) != dtype:
         raise TypeError(f"q and k must share a float dtype, got {dtype} and {dtype_name(k)}")
-    head_dim = head_dim or q.shape[-1]
     if len(q.shape) not in (2, 3) or len(k.shape) != len(q.shape):
         raise ValueError(f"q and k must be [nnz, heads, head_dim], got {q.shape} and {k.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] % head_dim or k.shape[-1] % head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
-    if len(q.shape) == 3 and k.shape[-1] != head_dim:
-        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} and {k.shape[-1]}")
+    head_dim = q.shape[-1] if head_dim is None else head_dim
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be at least 1, got {head_dim}")
+    if len(q.shape) == 3:  # [nnz, heads, head_dim]
+        rows_fit = q.shape[-1] == k.shape[-1] == head_dim
+    else:  # [nnz, heads * head_dim]
+        rows_fit = q.shape[-1] % head_dim == 0 and k.shape[-1] % head_dim == 0
+    if q.shape[0] != k.shape[0] or not rows_fit:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [nnz, heads, {head_dim}] or "
+            f"[nnz, heads * {head_dim}] with the same nnz"
+        )
+    _check_positions(positions, q.shape[0])
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, {head_dim}]")
@@ -182,6 +193,22 @@ def _rope(q, k, positions, mode, inplace, rotary_dim, interleave, params, out=No
         outs = [Out(tuple(x.shape), dtype, g) for x, g in zip((q, k), given, strict=True)]
     ins = [("q", q), ("k", k), *positions]
     return run(_launch, ins, outs, spec=spec, head_dim=head_dim, params=params)
+
+
+def _check_positions(positions, nnz: int) -> None:
+    """pos_ids / positions [nnz]; indptr [B + 1] and offsets [B] with B >= 1 when nnz > 0."""
+    (first, a), *rest = positions
+    if first == "indptr":
+        offsets = rest[0][1]
+        if len(a.shape) != 1 or len(offsets.shape) != 1 or a.shape[0] != offsets.shape[0] + 1:
+            raise ValueError(
+                f"indptr and offsets must be [B + 1] and [B], got {tuple(a.shape)} and "
+                f"{tuple(offsets.shape)}"
+            )
+        if nnz and not offsets.shape[0]:
+            raise ValueError(f"{nnz} tokens need at least one request in indptr / offsets")
+    elif tuple(a.shape) != (nnz,):
+        raise ValueError(f"{first}: expected shape ({nnz},), got {tuple(a.shape)}")
 
 
 def _ragged(indptr, offsets):

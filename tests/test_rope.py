@@ -118,6 +118,28 @@ def test_large_batch(rng):
     assert_close(k_out, ref.rope_ref(k, pos, 128, False, inv), "bfloat16", "k")
 
 
+def test_strided_positions_and_cache(rng):
+    """pos_ids, indptr / offsets and the cos/sin table are read as dense arrays: strided views
+    of them are made dense first."""
+    nnz, d = 40, 64
+    q, k = randn(rng, (nnz, 2, d), "float16"), randn(rng, (nnz, 1, d), "float16")
+    pos = rng.integers(0, 1000, (nnz, 2)).astype(np.int32)  # column 0 is the positions
+    q_out, k_out = rtcinfer.apply_rope_pos_ids(upload(q), upload(k), upload(pos)[:, 0])
+    inv = ref.rope_inv_freq(d)
+    assert_close(q_out, ref.rope_ref(q, pos[:, 0], d, False, inv), "float16", "q")
+    assert_close(k_out, ref.rope_ref(k, pos[:, 0], d, False, inv), "float16", "k")
+    wide = rng.standard_normal((1000, 2 * d)).astype(np.float32)  # the table is wide[:, :d]
+    q_out, _ = rtcinfer.apply_rope_with_cos_sin_cache(
+        upload(pos)[:, 0], upload(q), upload(k), d, upload(wide)[:, :d]
+    )
+    assert_close(q_out, ref.rope_cos_sin_cache_ref(q, pos[:, 0], wide[:, :d]), "float16", "q")
+    indptr = upload(np.array([0, -1, 15, -1, 40], np.int32))[::2]  # [0, 15, 40], strided
+    offsets = upload(np.array([7, -1, 100], np.int32))[::2]  # [7, 100]
+    q_out, _ = rtcinfer.apply_rope(upload(q), upload(k), indptr, offsets)
+    ragged = np.concatenate([7 + np.arange(15), 100 + np.arange(25)])
+    assert_close(q_out, ref.rope_ref(q, ragged, d, False, inv), "float16", "q")
+
+
 def test_errors(rng):
     q, k = upload(randn(rng, (4, 2, 64), "bfloat16")), upload(randn(rng, (4, 2, 64), "bfloat16"))
     with pytest.raises(ValueError, match="rotary_dim"):
