@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-import shutil
+import re
 import sys
 import time
 from importlib import metadata
@@ -12,16 +13,29 @@ from importlib import metadata
 from . import __version__, catalog, jit
 
 
+class GpuUnusable(RuntimeError):
+    """A CUDA driver is installed but the GPU cannot be used (too old a driver, ...)."""
+
+
 def gpu_arch() -> str | None:
-    """Compile target of the current GPU, or None when no GPU is visible."""
+    """Compile target of the current GPU; None without CuPy, a CUDA driver or a device. A driver
+    that is there but fails (older than the CUDA runtime, ...) raises GpuUnusable."""
     try:
         import cupy
 
-        if not cupy.cuda.is_available():
+        runtime = cupy.cuda.runtime
+        if runtime.driverGetVersion() == 0:  # no driver installed: no GPU
+            return None
+    except Exception:  # noqa: BLE001 - no CuPy (or no CUDA runtime) means no GPU either
+        return None
+    try:
+        if runtime.getDeviceCount() == 0:
             return None
         return jit.arch_of(cupy.cuda.Device().compute_capability)
-    except Exception:  # noqa: BLE001 - no CuPy or no driver both mean "no GPU"
-        return None
+    except runtime.CUDARuntimeError as e:
+        if "cudaErrorNoDevice" in str(e):
+            return None
+        raise GpuUnusable(f"CUDA cannot use this machine's GPU: {e}") from e
 
 
 def _version(dist: str) -> str:
@@ -31,9 +45,21 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _cache_entries():
+# What the cache writes: entries (and their temp files, and dumped sources) in one folder per
+# arch, and the sources of failed compiles in failed/. Nothing else in the folder is ours.
+_OURS = re.compile(r"\w+-[0-9a-f]{24}\.(rtci|cu|rtci\w*\.tmp)")
+
+
+def _cache_files(pattern: str = "*") -> list:
     root = jit.cache_dir()
-    return sorted(root.rglob("*.rtci")) if root.exists() else []
+    if not root.is_dir():
+        return []
+    files = [*root.glob(f"sm_*/{pattern}"), *root.glob(f"failed/{pattern}")]
+    return sorted(p for p in files if p.is_file() and _OURS.fullmatch(p.name))
+
+
+def _cache_entries():
+    return _cache_files("*.rtci")
 
 
 def _size(n: int) -> str:
@@ -62,7 +88,11 @@ def show_config(args) -> int:
         rows += [("nvrtc", jit.nvrtc_version()), ("cuda headers", jit.header_dir())]
     except Exception as e:  # noqa: BLE001 - report, don't fail
         rows.append(("nvrtc", f"unavailable ({e})"))
-    arch = gpu_arch()
+    try:
+        arch = gpu_arch()
+    except GpuUnusable as e:
+        arch = None
+        rows.append(("gpu", f"unusable: {e}"))
     if arch:
         import cupy
 
@@ -74,7 +104,7 @@ def show_config(args) -> int:
             ("SMs", str(jit.sm_count(dev.id))),
             ("driver", str(cupy.cuda.runtime.driverGetVersion())),
         ]
-    else:
+    elif not any(k == "gpu" for k, _ in rows):
         rows.append(("gpu", "none visible"))
     entries = _cache_entries()
     total = sum(p.stat().st_size for p in entries)
@@ -103,8 +133,11 @@ def list_modules(args) -> int:
 
 
 def warmup(args) -> int:
+    if args.arch is not None and not re.fullmatch(r"sm_\d+a?", args.arch):
+        raise ValueError(f"--arch must look like sm_90a or sm_80, got {args.arch!r}")
     arch = args.arch or gpu_arch() or "sm_90a"
     specs = catalog.model_specs(args.model, args.dtype)
+    os.environ.pop("RTCINFER_NO_COMPILE", None)  # warming up is compiling
     print(f"warming up {len(specs)} modules for {args.model} ({args.dtype}) on {arch}")
     start, compiled = time.perf_counter(), 0
     for i, spec in enumerate(specs, 1):
@@ -122,10 +155,14 @@ def warmup(args) -> int:
 
 
 def clear_cache(args) -> int:
+    """Delete what the cache wrote (see _OURS), then its folders if that left them empty."""
     root = jit.cache_dir()
     n = len(_cache_entries())
-    if root.exists():
-        shutil.rmtree(root)
+    for path in _cache_files():
+        path.unlink(missing_ok=True)
+    for folder in [*root.glob("sm_*"), root / "failed"] if root.is_dir() else []:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
     print(f"removed {n} modules from {root}")
     return 0
 
@@ -156,7 +193,11 @@ def main(argv=None) -> int:
         "clear-cache": clear_cache,
         "demo": demo,
     }[args.command]
-    return command(args)
+    try:
+        return command(args)
+    except (GpuUnusable, jit.CompileError, jit.CacheMissError, OSError, ValueError) as e:
+        print(f"rtcinfer {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

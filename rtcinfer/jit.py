@@ -14,7 +14,9 @@ import os
 import re
 import shlex
 import tempfile
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -50,7 +52,8 @@ class Compiled:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RTCINFER_CACHE_DIR", "~/.cache/rtcinfer")).expanduser()
+    """RTCINFER_CACHE_DIR (an empty value counts as unset), else ~/.cache/rtcinfer; absolute."""
+    return Path(os.environ.get("RTCINFER_CACHE_DIR") or "~/.cache/rtcinfer").expanduser().absolute()
 
 
 @functools.cache
@@ -174,19 +177,42 @@ def read_entry(path: Path) -> tuple[dict, bytes] | None:
     return (meta, cubin) if cubin.startswith(b"\x7fELF") else None
 
 
+@functools.cache
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_entry(path: Path, meta: dict, cubin: bytes) -> None:
-    """Atomic: a temp file in the same folder, then os.replace."""
+    """Atomic: a temp file in the same folder, then os.replace; readable as a plain file would
+    be (0666 less the umask: a cache warmed by one user serves another). Best effort: a cache
+    that cannot be written (read-only, removed meanwhile) warns and the CUBIN is used anyway."""
     header = json.dumps(meta).encode()
     payload = header + cubin
     blob = _MAGIC + hashlib.sha256(payload).digest() + len(header).to_bytes(4, "little") + payload
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        warnings.warn(f"rtcinfer: kernel cache not written ({e})", RuntimeWarning, stacklevel=3)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -219,14 +245,14 @@ def _nvrtc(source: str, name: str, options: list[str]) -> tuple[bytes | None, st
     try:
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)  # written by NVRTC: never a shared bytes object
         nvrtc.nvrtcGetProgramLog(prog, log)
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None, log.decode(errors="replace").rstrip("\0")
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return cubin, log.decode(errors="replace").rstrip("\0")
+        return bytes(cubin), log.decode(errors="replace").rstrip("\0")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -249,8 +275,11 @@ def compile_spec(spec, arch: str) -> Compiled:
     seconds = time.perf_counter() - start
     if cubin is None:
         dump = cache_dir() / "failed" / f"{path.stem}.cu"
-        dump.parent.mkdir(parents=True, exist_ok=True)
-        dump.write_text(source)
+        try:
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            dump.write_text(source)
+        except OSError:  # the compiler's log matters more than the dumped source
+            dump = Path(tempfile.gettempdir()) / "(source not written)"
         raise CompileError(spec, log, dump)
     meta = {
         "spec": repr(spec),
@@ -292,13 +321,19 @@ def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: in
 
     if device_id is None:
         device_id = cupy.cuda.runtime.getDevice()
-    loaded = _function(spec, name, device_id)
-    if dynamic_smem > loaded.smem_limit:
-        from cupy_backends.cuda.api import driver
+    key = (spec, name, device_id)
+    loaded = _FUNCTIONS.get(key)
+    if loaded is None or dynamic_smem > loaded.smem_limit:
+        with _LOCK:  # threads asking together: one compile and load, a limit that only rises
+            loaded = _FUNCTIONS.get(key)
+            if loaded is None:
+                loaded = _FUNCTIONS[key] = _Loaded(_module(spec, device_id).get_function(name))
+            if dynamic_smem > loaded.smem_limit:
+                from cupy_backends.cuda.api import driver
 
-        attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.funcSetAttribute(loaded.fn.ptr, attr, dynamic_smem)
-        loaded.smem_limit = dynamic_smem
+                attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                driver.funcSetAttribute(loaded.fn.ptr, attr, dynamic_smem)
+                loaded.smem_limit = dynamic_smem
     return loaded.fn
 
 
@@ -315,9 +350,8 @@ class _Loaded:
     smem_limit: int = 0  # the dynamic shared-memory limit set on it (0: the default)
 
 
-@functools.cache
-def _function(spec, name: str, device_id: int) -> _Loaded:
-    return _Loaded(_module(spec, device_id).get_function(name))
+_FUNCTIONS: dict[tuple, _Loaded] = {}  # (spec, kernel name, device) -> loaded function
+_LOCK = threading.Lock()
 
 
 @functools.cache

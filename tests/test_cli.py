@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rtcinfer import cli, jit
@@ -65,3 +67,37 @@ def test_demo_on_gpu(cache_dir, capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and out.count(" ok ") >= 4
+
+
+def test_clear_cache_deletes_only_what_the_cache_wrote(cache_dir, capsys):
+    cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"])
+    (cache_dir / "notes.txt").write_text("keep")
+    (cache_dir / "data").mkdir()
+    (cache_dir / "data" / "kernel.cu").write_text("keep")
+    (cache_dir / "sm_80" / "README").write_text("keep")
+    orphan = cache_dir / "sm_80" / "NormSpec-0123456789abcdef01234567.rtci8x_k2q.tmp"
+    orphan.write_bytes(b"half written")
+    capsys.readouterr()
+    assert cli.main(["clear-cache"]) == 0
+    assert "removed 9 modules" in capsys.readouterr().out
+    left = sorted(str(p.relative_to(cache_dir)) for p in cache_dir.rglob("*") if p.is_file())
+    assert left == ["data/kernel.cu", "notes.txt", "sm_80/README"]
+
+
+def test_an_empty_cache_variable_means_the_default(monkeypatch):
+    monkeypatch.setenv("RTCINFER_CACHE_DIR", "")
+    assert jit.cache_dir() == Path("~/.cache/rtcinfer").expanduser()
+    monkeypatch.setenv("RTCINFER_CACHE_DIR", "relative/cache")
+    assert jit.cache_dir().is_absolute()
+
+
+def test_errors_are_messages_with_exit_code_one(cache_dir, capsys):
+    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "90a"]) == 1
+    err = capsys.readouterr().err
+    assert "rtcinfer warmup: error: --arch must look like sm_90a" in err and "Traceback" not in err
+
+
+def test_warmup_compiles_even_with_no_compile_set(cache_dir, monkeypatch, capsys):
+    monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")
+    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
+    assert "(9 compiled, 0 cached)" in capsys.readouterr().out

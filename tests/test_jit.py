@@ -164,6 +164,57 @@ def test_parse_ptxas_log():
     }
 
 
+def test_entries_are_readable_by_others_and_writes_are_best_effort(cache_dir, toy_sources,
+                                                                   monkeypatch):  # fmt: skip
+    """An entry gets a plain file's mode (0666 less the umask), so a cache warmed by one user
+    serves another; a cache that cannot be written warns, and the CUBIN is used anyway."""
+    import os
+    import stat
+
+    first = jit.compile_spec(ToySpec(value=5), "sm_90a")
+    assert stat.S_IMODE(os.stat(first.path).st_mode) == 0o666 & ~jit._umask()
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(jit.tempfile, "mkstemp", refuse)
+    with pytest.warns(RuntimeWarning, match="kernel cache not written .* Permission denied"):
+        second = jit.compile_spec(ToySpec(value=6), "sm_90a")
+    assert second.cubin.startswith(b"\x7fELF") and not second.path.exists()
+
+
+def test_threads_asking_together_compile_and_load_once(monkeypatch):
+    """The first calls of a kernel from several threads: one load, one function for all."""
+    import threading
+    import time as time_module
+
+    loads = []
+
+    class Module:
+        def get_function(self, name):
+            return type("Function", (), {"ptr": 99})()
+
+    def slow_module(spec, device_id):
+        loads.append(spec)
+        time_module.sleep(0.05)
+        return Module()
+
+    monkeypatch.setattr(jit, "_module", slow_module)
+    jit._FUNCTIONS.clear()
+    try:
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(jit.get_function(ToySpec(value=3),
+                                                                               "toy", 0)))
+                   for _ in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(loads) == 1 and len(got) == 8 and all(f is got[0] for f in got)
+    finally:
+        jit._FUNCTIONS.clear()
+
+
 def test_arch_of():
     assert jit.arch_of(90) == "sm_90a" and jit.arch_of("80") == "sm_80"
 
@@ -180,7 +231,7 @@ def test_dynamic_smem_limit_only_rises(monkeypatch):
     calls = []
     monkeypatch.setattr(jit, "_module", lambda spec, device_id: Module())
     monkeypatch.setattr(driver, "funcSetAttribute", lambda ptr, attr, v: calls.append((ptr, v)))
-    jit._function.cache_clear()
+    jit._FUNCTIONS.clear()
     try:
         spec = ToySpec(value=77)
         fn = jit.get_function(spec, "toy", 0)
@@ -192,4 +243,4 @@ def test_dynamic_smem_limit_only_rises(monkeypatch):
         jit.get_function(spec, "toy", 0, dynamic_smem=150_000)
         assert calls == [(1234, 80_000), (1234, 150_000)]
     finally:
-        jit._function.cache_clear()
+        jit._FUNCTIONS.clear()
