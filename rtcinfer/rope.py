@@ -326,19 +326,13 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
 
 
 def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
-    """What a model's attention uses: ragged positions, in place, full rotary dim (warmup)."""
+    """What a model's attention uses (warmup): full rotary dim, theta or Llama 3.1 frequencies,
+    ragged positions in place, and one position per token in place or into new arrays."""
+    forms = [("indptr", True), ("pos_ids", True), ("pos_ids", False)]
     return [
-        RopeSpec(
-            d,
-            "int32",
-            head_dim,
-            head_dim,
-            False,
-            mode,
-            "indptr",
-            True,
-            rope_vec(d, head_dim, head_dim, False),
-        )
+        RopeSpec(d, "int32", head_dim, head_dim, False, mode, pos_from, inplace,
+                 rope_vec(d, head_dim, head_dim, False))  # fmt: skip
         for d in dtypes
         for mode in ("theta", "llama31")
+        for pos_from, inplace in forms
     ]
