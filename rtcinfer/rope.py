@@ -330,8 +330,17 @@ def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
     ragged positions in place, and one position per token in place or into new arrays."""
     forms = [("indptr", True), ("pos_ids", True), ("pos_ids", False)]
     return [
-        RopeSpec(d, "int32", head_dim, head_dim, False, mode, pos_from, inplace,
-                 rope_vec(d, head_dim, head_dim, False))  # fmt: skip
+        RopeSpec(
+            d,
+            "int32",
+            head_dim,
+            head_dim,
+            False,
+            mode,
+            pos_from,
+            inplace,
+            rope_vec(d, head_dim, head_dim, False),
+        )  # fmt: skip
         for d in dtypes
         for mode in ("theta", "llama31")
         for pos_from, inplace in forms
