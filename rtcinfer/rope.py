@@ -329,19 +329,12 @@ def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
     """What a model's attention uses (warmup): full rotary dim, theta or Llama 3.1 frequencies,
     ragged positions in place, and one position per token in place or into new arrays."""
     forms = [("indptr", True), ("pos_ids", True), ("pos_ids", False)]
-    return [
-        RopeSpec(
-            d,
-            "int32",
-            head_dim,
-            head_dim,
-            False,
-            mode,
-            pos_from,
-            inplace,
-            rope_vec(d, head_dim, head_dim, False),
-        )  # fmt: skip
-        for d in dtypes
-        for mode in ("theta", "llama31")
-        for pos_from, inplace in forms
-    ]
+    specs = []
+    for d in dtypes:
+        vec = rope_vec(d, head_dim, head_dim, False)
+        for mode in ("theta", "llama31"):
+            for pos_from, inplace in forms:
+                specs.append(
+                    RopeSpec(d, "int32", head_dim, head_dim, False, mode, pos_from, inplace, vec)
+                )
+    return specs
