@@ -84,16 +84,27 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h",
+            "cuda_fp8.hpp")  # fmt: skip
+
+
 @functools.cache
 def _toolchain_fingerprint() -> str:
-    """The package version, the runtime headers kernels include and the NVRTC library beside
-    them, by size and mtime: cheap enough that a warm cache never loads NVRTC."""
+    """The package version, the contents of the runtime headers kernels include (~1 ms to
+    hash) and the NVRTC libraries' names and sizes: the same toolchain reinstalled, copied or
+    moved keeps its cache, and a warm cache never loads NVRTC. NVRTC is found beside the
+    headers (cuda13 wheel), in the cuda_nvrtc wheel (cuda12), or else asked for its version."""
     root = Path(header_dir())
-    files = [root / n for n in ("cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h")]
-    libs = sorted(root.parent.glob("lib*/*nvrtc*"))
-    parts = [__version__] + [f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files]
-    parts += [f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in libs]
-    if not libs:  # NVRTC lives elsewhere: ask it
+    digest = hashlib.blake2b(digest_size=16)
+    for name in _HEADERS:
+        path = root / name
+        if path.exists():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    libs = sorted(
+        [*root.parent.glob("lib*/*nvrtc*"), *root.parent.parent.glob("cuda_nvrtc/lib*/*nvrtc*")]
+    )
+    parts = [__version__, digest.hexdigest(), *(f"{f.name}:{f.stat().st_size}" for f in libs)]
+    if not libs:
         parts.append(nvrtc_version())
     return "|".join(parts)
 
@@ -149,8 +160,10 @@ def spec_name(spec) -> str:
 
 
 def _entry_path(spec, source: str, options: list[str], arch: str) -> Path:
+    include = f"-I{header_dir()}"  # where the headers lie is not part of the key; what they hold is
+    keyed = ["-I<cuda headers>" if o == include else o for o in options]
     key = hashlib.sha256(
-        "\0".join([source, *options, arch, _toolchain_fingerprint()]).encode()
+        "\0".join([source, *keyed, arch, _toolchain_fingerprint()]).encode()
     ).hexdigest()
     return cache_dir() / arch / f"{type(spec).__name__}-{key[:24]}.rtci"
 

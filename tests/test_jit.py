@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -80,6 +81,32 @@ def test_key_covers_spec_arch_and_flags(cache_dir, toy_sources, monkeypatch):
     assert jit.compile_spec(ToySpec(), "sm_80").path != base
     monkeypatch.setenv("RTCINFER_NVRTC_FLAGS", "-DEXTRA=1")
     assert jit.compile_spec(ToySpec(), "sm_90a").path != base
+
+
+def test_key_follows_header_contents_not_their_place(cache_dir, toy_sources, tmp_path,
+                                                     monkeypatch):  # fmt: skip
+    """The same headers copied elsewhere (a reinstall, a moved venv) keep the key; a changed
+    header changes it."""
+
+    def key_with_headers(folder):
+        monkeypatch.setattr(jit, "header_dir", lambda: str(folder))
+        jit._toolchain_fingerprint.cache_clear()
+        source = jit.expand_source(ToySpec())
+        return jit._entry_path(ToySpec(), source, jit.compile_options("sm_90a"), "sm_90a")
+
+    original = jit.header_dir()
+    try:
+        copies = [tmp_path / "a" / "include", tmp_path / "b" / "include"]
+        for copy in copies:  # the fingerprinted headers are all the key reads
+            copy.mkdir(parents=True)
+            for name in jit._HEADERS:
+                shutil.copy2(Path(original) / name, copy / name)
+        first, moved = key_with_headers(copies[0]), key_with_headers(copies[1])
+        assert first == moved
+        (copies[1] / "cuda_fp16.hpp").write_text("// another version\n")
+        assert key_with_headers(copies[1]) != first
+    finally:
+        jit._toolchain_fingerprint.cache_clear()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
