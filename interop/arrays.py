@@ -34,6 +34,11 @@ def dense(x, name: str, output: bool = False):
         raise ValueError(f"{name}: must be contiguous (written densely), got strides {x.strides}")
     import cupy
 
+    if cupy.cuda.get_current_stream().is_capturing():  # a copy's buffer would not outlive it
+        raise ValueError(
+            f"{name}: a strided array cannot be made dense inside a CUDA-graph capture; pass "
+            f"a contiguous one (strides {x.strides})"
+        )
     return cupy.ascontiguousarray(x)
 
 

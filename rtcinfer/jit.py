@@ -88,12 +88,25 @@ _HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cud
             "cuda_fp8.hpp")  # fmt: skip
 
 
+def _sample_digest(path: Path, chunk: int = 1 << 16) -> str:
+    """Size and a hash of three 64 KB slices (start, middle, end) of a large file: another
+    build of a library differs there, and reading 192 KB costs well under a millisecond."""
+    size = path.stat().st_size
+    digest = hashlib.blake2b(digest_size=8)
+    with path.open("rb") as f:
+        for at in (0, max(0, size // 2 - chunk // 2), max(0, size - chunk)):
+            f.seek(at)
+            digest.update(f.read(chunk))
+    return f"{size}:{digest.hexdigest()}"
+
+
 @functools.cache
 def _toolchain_fingerprint() -> str:
     """The package version, the contents of the runtime headers kernels include (~1 ms to
-    hash) and the NVRTC libraries' names and sizes: the same toolchain reinstalled, copied or
-    moved keeps its cache, and a warm cache never loads NVRTC. NVRTC is found beside the
-    headers (cuda13 wheel), in the cuda_nvrtc wheel (cuda12), or else asked for its version."""
+    hash) and the NVRTC libraries' names, sizes and sampled contents: the same toolchain
+    reinstalled, copied or moved keeps its cache, and a warm cache never loads NVRTC. NVRTC is
+    found beside the headers (cuda13 wheel), in the cuda_nvrtc wheel (cuda12), or else asked
+    for its version."""
     root = Path(header_dir())
     digest = hashlib.blake2b(digest_size=16)
     for name in _HEADERS:
@@ -103,7 +116,7 @@ def _toolchain_fingerprint() -> str:
     libs = sorted(
         [*root.parent.glob("lib*/*nvrtc*"), *root.parent.parent.glob("cuda_nvrtc/lib*/*nvrtc*")]
     )
-    parts = [__version__, digest.hexdigest(), *(f"{f.name}:{f.stat().st_size}" for f in libs)]
+    parts = [__version__, digest.hexdigest(), *(f"{f.name}:{_sample_digest(f)}" for f in libs)]
     if not libs:
         parts.append(nvrtc_version())
     return "|".join(parts)

@@ -146,6 +146,22 @@ def test_dense_keeps_contiguous_arrays_and_refuses_strided_outputs():
         dense(strided, "out", output=True)
 
 
+def test_dense_refuses_to_copy_inside_a_graph_capture(monkeypatch):
+    """A copy made during capture would be replayed into a buffer freed after the launch."""
+    import cupy
+
+    from rtcinfer.interop.arrays import dense
+
+    from .fakes import FakeArray as Fake
+
+    capturing = type("Stream", (), {"is_capturing": lambda self: True})()
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: capturing)
+    with pytest.raises(ValueError, match="mask: a strided array cannot be made dense inside"):
+        dense(Fake((4,), 1, strides=(2,)), "mask")
+    contiguous = Fake((4,), 1)
+    assert dense(contiguous, "mask") is contiguous  # nothing to copy: fine while capturing
+
+
 def test_vector_width():
     assert layout.widest_vec(4096, 2) == 8 and layout.widest_vec(4096, 4) == 4
     assert layout.widest_vec(1001, 2) == 1 and layout.widest_vec(4100, 2) == 4
