@@ -9,6 +9,8 @@ import pytest
 from rtcinfer import interop, layout, rmsnorm
 from rtcinfer.interop import dtypes
 
+from .fakes import FakeArray
+
 
 @pytest.mark.parametrize(
     "given,name",
@@ -64,13 +66,9 @@ def test_torch_cpu_tensor_is_refused():
         interop.as_cupy(torch.zeros(3), "input")
 
 
-class FakeArray:
-    def __init__(self, shape, strides, itemsize=2):
-        self.shape, self.strides, self.itemsize = (
-            shape,
-            tuple(s * itemsize for s in strides),
-            itemsize,
-        )
+def _fake(shape, strides, itemsize=2):
+    """A fake array with strides given in elements."""
+    return FakeArray(shape, itemsize, tuple(s * itemsize for s in strides))
 
 
 @pytest.mark.parametrize(
@@ -85,14 +83,14 @@ class FakeArray:
     ],
 )
 def test_leading_rows(shape, strides, expected):
-    assert layout.leading_rows(FakeArray(shape, strides), "x") == expected
+    assert layout.leading_rows(_fake(shape, strides), "x") == expected
 
 
 def test_leading_rows_errors():
     with pytest.raises(ValueError, match="x: the last dimension must be contiguous"):
-        layout.leading_rows(FakeArray((4, 64), (1, 4)), "x")
+        layout.leading_rows(_fake((4, 64), (1, 4)), "x")
     with pytest.raises(ValueError, match="do not fold into two strided levels"):
-        layout.leading_rows(FakeArray((2, 3, 5, 64), (10000, 1000, 100, 1)), "x")
+        layout.leading_rows(_fake((2, 3, 5, 64), (10000, 1000, 100, 1)), "x")
 
 
 def _row_offsets(arr) -> np.ndarray:
@@ -137,11 +135,9 @@ def test_common_rows_errors_name_the_arrays():
 def test_dense_keeps_contiguous_arrays_and_refuses_strided_outputs():
     from rtcinfer.interop.arrays import dense
 
-    from .fakes import FakeArray as Fake
-
-    contiguous, strided = Fake((4, 3), 4), Fake((4,), 4, strides=(8,))
+    contiguous, strided = FakeArray((4, 3), 4), FakeArray((4,), 4, strides=(8,))
     assert dense(contiguous, "x") is contiguous and dense(None, "x") is None
-    assert dense(Fake((1, 3), 4, strides=(999, 4)), "x", output=True) is not None  # size-1 dim
+    assert dense(FakeArray((1, 3), 4, strides=(999, 4)), "x", output=True) is not None  # size-1 dim
     with pytest.raises(ValueError, match=r"out: must be contiguous .* strides \(8,\)"):
         dense(strided, "out", output=True)
 
@@ -152,13 +148,11 @@ def test_dense_refuses_to_copy_inside_a_graph_capture(monkeypatch):
 
     from rtcinfer.interop.arrays import dense
 
-    from .fakes import FakeArray as Fake
-
     capturing = type("Stream", (), {"is_capturing": lambda self: True})()
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: capturing)
     with pytest.raises(ValueError, match="mask: a strided array cannot be made dense inside"):
-        dense(Fake((4,), 1, strides=(2,)), "mask")
-    contiguous = Fake((4,), 1)
+        dense(FakeArray((4,), 1, strides=(2,)), "mask")
+    contiguous = FakeArray((4,), 1)
     assert dense(contiguous, "mask") is contiguous  # nothing to copy: fine while capturing
 
 

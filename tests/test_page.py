@@ -88,6 +88,18 @@ def test_append_then_decode(case):
     check_attention(o, lse, *after_batch.reference(), batch.q_dtype)
 
 
+def _append_matches_reference(batch, keys, values, bi, pos):
+    """append_paged_kv_cache of host rows into the batch's device cache (NHD, 5-D) equals the
+    float64 reference append, bit for bit."""
+    expected = ref.append_paged_kv_cache_ref(
+        keys, values, bi, pos, batch.cache, batch.indices, batch.indptr, batch.last
+    )
+    table = [to_gpu(x) for x in (batch.indices, batch.indptr, batch.last)]
+    rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values), to_gpu(bi), to_gpu(pos),
+                                   batch.cache_dev, *table)  # fmt: skip
+    np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
+
+
 def test_append_bandwidth_shapes_run(rng):
     """The bench shapes (256 x 1 and 16 x 1024 tokens) run and write the right rows."""
     for lengths, added in (([100] * 256, 1), ([1100] * 16, 1024)):
@@ -95,13 +107,7 @@ def test_append_bandwidth_shapes_run(rng):
         append_indptr = np.arange(len(lengths) + 1, dtype=np.int32) * added
         bi, pos = host_page.get_batch_indices_positions(append_indptr, lengths, append_indptr[-1])
         keys = random_values(rng, (int(append_indptr[-1]), 8, 128), "bfloat16")
-        expected = ref.append_paged_kv_cache_ref(
-            keys, keys, bi, pos, batch.cache, batch.indices, batch.indptr, batch.last
-        )
-        table = [to_gpu(x) for x in (batch.indices, batch.indptr, batch.last)]
-        rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(keys), to_gpu(bi), to_gpu(pos),
-                                       batch.cache_dev, *table)  # fmt: skip
-        np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
+        _append_matches_reference(batch, keys, keys, bi, pos)
 
 
 @pytest.mark.parametrize("added", [1, 3])
@@ -121,13 +127,7 @@ def test_append_skips_padding_and_takes_tokens_in_any_order(rng, added):
             perm = rng.permutation(rows)
             bi, pos, keys, values = bi[perm], pos[perm], keys[perm], values[perm]
         assert (bi[nnz:] == -1).all() and (pos[nnz:] == -1).all()
-        expected = ref.append_paged_kv_cache_ref(
-            keys, values, bi, pos, batch.cache, batch.indices, batch.indptr, batch.last
-        )
-        table = [to_gpu(x) for x in (batch.indices, batch.indptr, batch.last)]
-        rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values), to_gpu(bi), to_gpu(pos),
-                                       batch.cache_dev, *table)  # fmt: skip
-        np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
+        _append_matches_reference(batch, keys, values, bi, pos)
 
 
 def test_append_rejects_mismatched_rows(rng):
