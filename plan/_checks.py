@@ -7,7 +7,7 @@ offending value in the message.
 
 from __future__ import annotations
 
-import numbers
+import operator
 
 import numpy as np
 
@@ -35,11 +35,17 @@ def as_int_array(name: str, value, ndim: int = 1, widen: bool = True) -> np.ndar
 
 
 def as_int(name: str, value, minimum: int | None = None) -> int:
-    """Return ``value`` as a Python int, rejecting bools, floats and values below minimum."""
+    """Return ``value`` as a Python int (anything integral: NumPy integers, 0-d integer arrays
+    and tensors), rejecting bools, floats and values below minimum."""
     if type(value) is not int:  # fast path for plain ints; bool is a subclass, so not here
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-        value = int(value)
+        try:
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+            ) from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

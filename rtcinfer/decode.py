@@ -28,7 +28,7 @@ from .interop import Out, as_cupy, dtype_name, run
 from .interop.arrays import device_of, framework, to_device, to_numpy
 from .interop.dtypes import FP8_DTYPES
 from .jit import device_limits
-from .plan._checks import INT32_MAX, as_int_array, first_bad
+from .plan._checks import INT32_MAX, as_int, as_int_array, first_bad
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, header_ints, pack_plan
 
@@ -154,10 +154,6 @@ def _use_half_tiles(plan, spec, fixed_split_size) -> bool:
         and plan.num_work == plan.batch_size
         and half_tiles(spec) is not None
     )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
@@ -287,7 +283,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """
         import cupy
 
-        if _is_int(fixed_split_size) and fixed_split_size == -1:
+        if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,

@@ -13,7 +13,6 @@ Host arrays (NumPy, lists) take the NumPy versions in rtcinfer.plan.page; device
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,17 +49,6 @@ class PageSpec:
 
 
 INDEX_SPEC = PageSpec(16, 16)  # the module that serves the two index kernels
-
-
-def _count(name: str, value) -> int:
-    """A non-negative integer from anything integral (a 0-d integer tensor included)."""
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _on_device(x) -> bool:
@@ -233,7 +221,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
     _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
-    nnz = _count("nnz", nnz)
+    nnz = as_int("nnz", nnz, minimum=0)
     ins = [("append_indptr", append_indptr), ("seq_lens", seq_lens)]
     outs = [Out((nnz,), "int32"), Out((nnz,), "int32")]
     return run(_positions_launch, ins, outs, nnz=nnz)

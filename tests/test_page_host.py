@@ -76,11 +76,14 @@ def test_append_launch_refuses_a_cache_with_a_strided_head_dim(monkeypatch):
 
 
 def test_nnz_is_any_integral_value():
-    from rtcinfer.page import _count
+    from rtcinfer.plan._checks import as_int
 
-    assert _count("nnz", 7) == 7 and _count("nnz", np.int64(3)) == 3
-    assert _count("nnz", np.array(5)) == 5  # a 0-d integer array, as a tensor's [-1] gives
+    def count(value):
+        return as_int("nnz", value, minimum=0)
+
+    assert count(7) == 7 and count(np.int64(3)) == 3
+    assert count(np.array(5)) == 5  # a 0-d integer array, as a tensor's [-1] gives
     with pytest.raises(TypeError, match="nnz must be an integer, got 5.7"):
-        _count("nnz", 5.7)
+        count(5.7)
     with pytest.raises(ValueError, match="nnz must be >= 0, got -1"):
-        _count("nnz", -1)
+        count(-1)
