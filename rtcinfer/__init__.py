@@ -7,7 +7,6 @@ from .cascade import merge_state, merge_state_in_place, merge_states  # noqa: E4
 from .decode import (  # noqa: E402
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
-    single_decode_with_kv_cache,
 )
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
@@ -21,6 +20,7 @@ from .page import (  # noqa: E402
     get_batch_indices_positions,
     get_seq_lens,
 )
+from .single_decode import single_decode_with_kv_cache  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",

@@ -1,4 +1,4 @@
-"""Decode attention: one query token per request over its KV cache (FlashInfer's names).
+"""Batch decode over a paged KV cache, plan() then run() (FlashInfer's names).
 
     s_j = q . k_j * sm_scale * k_scale (+ ALiBi slope * (j - (kv_len - 1)), then soft cap)
     o = softmax(s) @ V * v_scale;  lse = log2(sum_j exp(s_j))  (o = 0, lse = -inf if empty)
@@ -9,120 +9,30 @@ kernel (tensor cores for every group size).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .decode_kernel import (
-    KV_LAYOUTS,
     THREADS,
     Config,
     check_cache_view,
+    check_layout,
     half_tiles,
     kernel,
+    kv_scales,
     make_config,
     token_head,
 )
 from .interop import Out, as_cupy, dtype_name, run
-from .interop.arrays import device_of, framework, to_device, to_numpy
+from .interop.arrays import device_of, framework, to_numpy
 from .interop.dtypes import FP8_DTYPES
 from .jit import device_limits
 from .plan._checks import INT32_MAX, as_int, as_int_array, first_bad
 from .plan.decode import plan_decode
-from .workspace import Capacity, Workspace, header_ints, pack_plan
+from .workspace import Capacity, Workspace, pack_plan
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
-
-
-def _scales(k_scale, v_scale) -> tuple[float, float]:
-    return (1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
-
-
-def _check_layout(kv_layout) -> None:
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-
-
-def single_decode_with_kv_cache(
-    q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False, q_scale=None,
-    k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
-    rope_scale=None, rope_theta=None, return_lse=False,
-):  # fmt: skip
-    """Decode attention of one request (math above; sm_scale is further multiplied by q_scale).
-
-    q: [Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any strides with a
-    contiguous head_dim; D in (64, 128, 256). ROPE_LLAMA rotates q at kv_len - 1 and key j at j.
-    Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
-    The work list is built on the host and uploaded as a small input array.
-    """
-    _check_layout(kv_layout)
-    if len(q.shape) != 2 or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
-        raise ValueError(
-            f"expected q [Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
-    page = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
-    pages = -(-kv_len // page)
-    scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
-    scale *= 1.0 if q_scale is None else q_scale  # 0 is a scale, as in FlashInfer
-    cfg = make_config(
-        q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
-        logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,
-    )  # fmt: skip
-    if dtype_name(v) != dtype_name(k) or k.shape[2] != cfg.head_dim:
-        raise ValueError(
-            f"k and v must share dtype and head_dim: q head_dim {cfg.head_dim}, k "
-            f"{dtype_name(k)} {tuple(k.shape)}, v {dtype_name(v)} {tuple(v.shape)}"
-        )
-    device = 0 if framework(q) == "jax" else max(device_of(q), 0)
-    num_sms, max_smem = device_limits(device)
-    spec = cfg.spec(max_smem)
-    indptr = np.array([0, pages], dtype=np.int64)
-    last = np.array([kv_len - (pages - 1) * page if pages else 0], dtype=np.int64)
-    plan = plan_decode(
-        indptr, last, page, cfg.kv_blocks, num_sms=num_sms, ctas_per_sm=kernel(spec, device)[1]
-    )
-    host = np.zeros(header_ints(cfg.head_dim) + 8 * plan.num_work + pages, dtype=np.int32)
-    pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
-    w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
-    outs = [
-        Out((hq, d), cfg.o_dtype),
-        Out((hq,), "float32"),
-        Out((w, hq, d), "float32"),  # scratch: partial outputs of split work items
-        Out((w, hq), "float32"),  # scratch: their LSE
-        Out((1, cfg.kv_blocks), "int32"),  # scratch: merge counters
-    ]
-    ins = [("q", q), ("k", k), ("v", v), ("plan", to_device(q, host))]
-    scales = _scales(k_scale, v_scale)
-    result = run(_single_launch, ins, outs, cfg=cfg, layout=kv_layout, scales=scales, work=w)
-    return (result[0], result[1]) if return_lse else result[0]
-
-
-def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
-    from cupy_backends.cuda.api import runtime
-
-    q, k, v, plan = ins
-    o, lse, part_o, part_lse, counters = outs
-    spec = cfg.spec(device_limits(q.device.id)[1])
-    fn = kernel(spec, q.device.id)[0]
-    strides = []
-    for name, arr in (("k", k), ("v", v)):
-        dims, (token, head) = token_head(arr.shape, arr.strides, layout)
-        check_cache_view(name, arr.data.ptr, dims, (token, head), arr.itemsize, arr.strides[2])
-        strides.append((cfg.page_size * token, token, head))
-    if q.strides[1] != q.itemsize:
-        raise ValueError(f"q: head_dim must be contiguous, got strides {q.strides}")
-    runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
-    args = (
-        q.data.ptr, 0, q.strides[0] // q.itemsize, k.data.ptr, *strides[0], v.data.ptr,
-        *strides[1], o.data.ptr, 0, cfg.head_dim, lse.data.ptr, 0, plan.data.ptr,
-        part_o.data.ptr, part_lse.data.ptr, counters.data.ptr, *cfg.scalars(),
-        np.float32(cfg.sm_scale * scales[0]), np.float32(cfg.logits_soft_cap),
-        np.float32(scales[1]),
-    )  # fmt: skip
-    fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
 
 
 # Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
@@ -141,19 +51,17 @@ def _lookahead(plan, tile: int) -> int:
     return int(int(plan.kv_len.sum()) >= LONG_ITEM_TILES * tile * plan.num_work)
 
 
-def _use_half_tiles(plan, spec, fixed_split_size) -> bool:
-    """Whether a plan runs the kernel with tiles of half the tokens (half_tiles: 16 KB of K + V
-    per stage, twice the CTAs per SM): fp8 KV in a plan of whole requests, where the halved
-    kernel exists. Measured on an H200 (head_dim 128, page 16): 256 x 1024 tokens 146 -> 136 us,
-    64 x 4096 134 -> 132; split plans keep the larger tile (1 x 32768: 26.4 -> 28.0, the extra
-    CTAs per SM double the partials to merge). Not with fixed_split_size, whose results must not
-    depend on the batch (the tile sets the order of the float reduction)."""
-    return (
-        spec.kv_dtype in FP8_DTYPES
-        and fixed_split_size is None
-        and plan.num_work == plan.batch_size
-        and half_tiles(spec) is not None
-    )
+def _half_tile_kernel(plan, spec, fixed_split_size):
+    """The kernel with tiles of half the tokens (half_tiles: 16 KB of K + V per stage, twice
+    the CTAs per SM) when a plan should run it, else None: fp8 KV in a plan of whole requests,
+    where the halved kernel exists. Measured on an H200 (head_dim 128, page 16): 256 x 1024
+    tokens 146 -> 136 us, 64 x 4096 134 -> 132; split plans keep the larger tile (1 x 32768:
+    26.4 -> 28.0, the extra CTAs per SM double the partials to merge). Not with
+    fixed_split_size, whose results must not depend on the batch (the tile sets the order of
+    the float reduction)."""
+    if spec.kv_dtype not in FP8_DTYPES or fixed_split_size is not None:
+        return None
+    return half_tiles(spec) if plan.num_work == plan.batch_size else None
 
 
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
@@ -212,7 +120,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     split uses); a fixed_split_size plan must fit in it. Without graphs, plan() may pick a
     variant of the kernel (one K/V tile in flight ahead, for long requests in pages of at
     least a tile, see _lookahead; tiles of half the tokens for fp8 KV in plans of whole
-    requests, see _use_half_tiles); with them it keeps one kernel.
+    requests, see _half_tile_kernel); with them it keeps one kernel.
 
     Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
     upload and the next upload waits for that run (events, no host sync); a plan() on another
@@ -229,7 +137,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ):  # fmt: skip
         import cupy
 
-        _check_layout(kv_layout)
+        check_layout(kv_layout)
         self._kv_layout = kv_layout
         self._graph = bool(use_cuda_graph)
         self._device = device_of(workspace) if workspace is not None else cupy.cuda.Device().id
@@ -370,8 +278,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         variant = spec  # a graph keeps one kernel
         if not self._graph and _lookahead(plan, spec.tile):
             variant = replace(spec, lookahead=1)
-        elif not self._graph and _use_half_tiles(plan, spec, fixed_split_size):
-            variant = half_tiles(spec)
+        elif not self._graph:
+            variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
         if variant is not spec:
             fn = kernel(variant, self._device)[0]
         self._launch = _Launch(
@@ -403,7 +311,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if framework(q) == "jax" and not self._jax:
             self._jax = True
             self._ws.last_upload().synchronize()
-        scales = _scales(k_scale, v_scale)
+        scales = kv_scales(k_scale, v_scale)
         result = run(_launch_decode, [("q", q), *caches], outs, wrapper=self, scales=scales)
         if return_lse:
             return result
@@ -513,8 +421,4 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         )  # fmt: skip
 
 
-__all__ = [
-    "BatchDecodeWithPagedKVCacheWrapper",
-    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-    "single_decode_with_kv_cache",
-]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"]

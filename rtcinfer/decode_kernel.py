@@ -105,9 +105,19 @@ def decode_spec(
     )
 
 
+def check_layout(kv_layout) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def kv_scales(k_scale, v_scale) -> tuple[float, float]:
+    """run()'s k_scale and v_scale as floats (None: 1)."""
+    return (1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+
+
 def half_tiles(spec: DecodeSpec) -> DecodeSpec | None:
     """The kernel with tiles of half the tokens (16 KB of K + V per stage, twice the CTAs per
-    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._use_half_tiles).
+    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._half_tile_kernel).
     None when the tile cannot be halved or the halved ring would not hold the epilogue (a
     2-stage ring on a GPU with less shared memory, 16 heads per CTA)."""
     if spec.token_groups < 2:
