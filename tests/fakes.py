@@ -23,3 +23,17 @@ class FakeArray:
             dense = dense and (n == 1 or stride == step)
             step *= n
         self.flags = types.SimpleNamespace(c_contiguous=dense)
+
+
+class FakeStream:
+    """A stream pointer, whether it is being captured, and the event waits it was asked for
+    (appended to `log` as ("wait", ptr, the event's `on`))."""
+
+    def __init__(self, ptr, capturing=False, log=None):
+        self.ptr, self.capturing, self.log = ptr, capturing, log
+
+    def is_capturing(self):
+        return self.capturing
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.ptr, event.on))

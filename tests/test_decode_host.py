@@ -16,7 +16,7 @@ from rtcinfer.decode_kernel import decode_spec, half_tiles, make_config, rope_fr
 from rtcinfer.plan.decode import plan_decode
 from rtcinfer.workspace import Capacity, header_ints, pack_plan
 
-from .fakes import FakeArray
+from .fakes import FakeArray, FakeStream
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -282,15 +282,8 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
 
     log = []
 
-    class Stream:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-        def wait_event(self, event):
-            log.append(("wait", self.ptr, event.on))
-
-        def is_capturing(self):
-            return False
+    def stream(ptr):
+        return FakeStream(ptr, log=log)
 
     class Event:
         def __init__(self, **kwargs):
@@ -299,7 +292,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
         def record(self, stream):
             self.on = stream.ptr
 
-    current = [Stream(1)]
+    current = [stream(1)]
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current[0])
     monkeypatch.setattr(cupy.cuda, "Event", Event)
     monkeypatch.setattr(cupy.cuda.Device, "synchronize", lambda self: log.append(("sync",)),
@@ -313,13 +306,13 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     w = host_wrapper
 
     def plan(ptr):
-        current[0] = Stream(ptr)
+        current[0] = stream(ptr)
         w.plan([0, 1], [0], [5], 8, 2, 128, 16, q_data_type="bfloat16")
 
     plan(1)
-    w._order(Stream(2))
-    w._order(Stream(3))
-    w._order(Stream(1))  # the upload's own stream: ordered already
+    w._order(stream(2))
+    w._order(stream(3))
+    w._order(stream(1))  # the upload's own stream: ordered already
     log.clear()
     plan(1)
     assert sorted(log) == [("wait", 1, 2), ("wait", 1, 3)]
@@ -328,14 +321,6 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     assert log == []
     plan(2)  # the plan moves to stream 2
     assert log == [("sync",)]
-
-
-class _FakeStream:
-    def __init__(self, ptr, capturing=False):
-        self.ptr, self.capturing = ptr, capturing
-
-    def is_capturing(self):
-        return self.capturing
 
 
 def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
@@ -347,7 +332,7 @@ def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
     q = FakeArray((2, 8, 128), 2)
     cache = FakeArray((4, 2, 16, 2, 128), 2)
     o = FakeArray((2, 8, 128), 2, out_strides)
-    wrapper._run(_FakeStream(5, capturing), [q, cache], [o], (1.0, 1.0))
+    wrapper._run(FakeStream(5, capturing), [q, cache], [o], (1.0, 1.0))
     return calls
 
 
