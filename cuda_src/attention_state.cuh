@@ -2,7 +2,9 @@
 //   x_j = s_j * log2(e) (scaled logits),  m = max_j x_j,  d = sum_j 2^(x_j - m),
 //   o = sum_j 2^(x_j - m) v_j;   output = o / d,   lse = m + log2(d) = log2(sum_j e^(s_j)).
 // The empty state (no key seen: m = -inf, d = 0, o = 0) is the identity of merge, and every
-// exponent is taken against offset() so that -inf - -inf never produces a NaN.
+// exponent is taken against offset() so that -inf - -inf never produces a NaN. A NaN (or a
+// +inf logit or LSE, whose exponent is inf - inf) lands in d and stays there: such a row
+// comes out as o = NaN, lse = NaN, never as the empty state (fmaxf alone would drop it).
 // N is how many elements of the output row this thread holds (its share of the row).
 #pragma once
 
@@ -58,12 +60,13 @@ struct AttentionState {
     for (int i = 0; i < N; ++i) o[i] = empty ? 0.f : v[i];
   }
 
-  // o <- o / d (0 for the empty state).
+  // o <- o / d (0 for the empty state, NaN where d is NaN).
   RTC_DEVICE void normalize() {
-    const float inv = d > 0.f ? fast_rcp(d) : 0.f;  // rcp.approx: no division subroutine
+    const float inv = d > 0.f ? fast_rcp(d) : d == 0.f ? 0.f : d;  // rcp.approx: no division
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] *= inv;
   }
 
-  RTC_DEVICE float lse() const { return d > 0.f ? m + log2f(d) : neg_inf(); }
+  // m + log2(d): -inf for the empty state, NaN where d is NaN.
+  RTC_DEVICE float lse() const { return d > 0.f ? m + log2f(d) : d == 0.f ? neg_inf() : d; }
 };

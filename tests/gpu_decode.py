@@ -98,6 +98,36 @@ def make_batch(
     )  # fmt: skip
 
 
+def poisoned_cache(batch: Batch, window_left: int = -1):
+    """The batch's device cache (5-D or tuple form) with NaN in every slot that holds no token a
+    decode may read: slots past each request's last-page length, pages of no request, and
+    with window_left >= 0 the tokens before the window. fp8 NaN is the byte 0x7F."""
+    num_pages = cache_pages(batch.cache, batch.layout)
+    live = np.zeros((num_pages, batch.page_size), dtype=bool)
+    for b in range(len(batch.last)):
+        pages = batch.indices[batch.indptr[b] : batch.indptr[b + 1]]
+        kv_len = max(len(pages) - 1, 0) * batch.page_size + int(batch.last[b]) if len(pages) else 0
+        first = max(kv_len - 1 - window_left, 0) if window_left >= 0 else 0
+        tokens = np.arange(first, kv_len)
+        live[pages[tokens // batch.page_size], tokens % batch.page_size] = True
+    page, slot = np.nonzero(~live)
+
+    def poison(x: np.ndarray) -> np.ndarray:  # [pages, (2,) NHD or HND inner dims]
+        x = x.copy()
+        raw = x.view(np.uint8) if x.dtype.name in FP8_DTYPES else x
+        nan = 0x7F if raw is not x else np.nan
+        lead = (page, slice(None)) if x.ndim == 5 else (page,)
+        if batch.layout == "NHD":
+            raw[(*lead, slot)] = nan
+        else:
+            raw[(*lead, slice(None), slot)] = nan
+        return x
+
+    if isinstance(batch.cache, tuple):
+        return tuple(to_gpu(poison(c)) for c in batch.cache)
+    return to_gpu(poison(batch.cache))
+
+
 def run_batch(batch: Batch, wrapper=None, k_scale=None, v_scale=None, **plan_kwargs):
     """(o, lse) of plan + run with a fresh (or the given) wrapper."""
     wrapper = wrapper or rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)

@@ -86,6 +86,32 @@ def test_merge_states(rng, dtype, num_states):
     check(out_v, out_s, *ref.merge_states_ref(v, s), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_or_inf_state_gives_nan(rng, dtype):
+    """A state with s = NaN or s = +inf (2^(inf - inf)), or a finite s with v = NaN, makes its
+    row NaN as in the reference, never the empty state (s = -inf) that a later merge would
+    drop; the other rows are unaffected."""
+    v, s = states(rng, (5, 4, 2, 64), dtype, empty=0)
+    s[0, 1, 0] = np.nan
+    s[1, 2, 1] = np.inf
+    s[2, :, 0] = -np.inf
+    s[2, 3, 0] = np.nan  # NaN among empty states
+    v[3, 0, 1, 7] = np.nan
+    out_v, out_s = (to_host(x) for x in rtcinfer.merge_states(to_gpu(v), to_gpu(s)))
+    v_ref, s_ref = ref.merge_states_ref(v, s)
+    nan_rows = [(0, 0), (1, 1), (2, 0)]
+    for n, h in nan_rows:
+        assert np.isnan(s_ref[n, h]) and np.isnan(out_s[n, h]), (n, h, out_s[n, h])
+        assert np.isnan(out_v[n, h]).all(), (n, h)
+    assert np.isfinite(out_s[3, 1]) and np.isnan(out_v[3, 1, 7])
+    assert np.isnan(v_ref[3, 1, 7])
+    keep = np.ones((5, 2), dtype=bool)
+    for n, h in [*nan_rows, (3, 1)]:
+        keep[n, h] = False
+    assert_close(out_v[keep], v_ref[keep], dtype, "v")
+    assert_close(out_s[keep], s_ref[keep], "float32", "s", tol=1e-5)
+
+
 def test_strided_states(rng):
     big_v, big_s = states(rng, (8, 2, 5, 2 * 128), "bfloat16")
     v, s = big_v[::2, :, 1:4, 128:], big_s[::2, :, 1:4]  # every dimension strided

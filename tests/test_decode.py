@@ -23,6 +23,7 @@ from .checks import assert_close, to_host
 from .gpu_decode import (
     check_attention,
     make_batch,
+    poisoned_cache,
     random_values,
     run_batch,
     standard_lengths,
@@ -112,6 +113,38 @@ def test_long_request_with_short_and_empty_ones():
     batch = make_batch(rng, [32768, 1, 0, 700, 16], group_size=4)
     o, lse = run_batch(batch)
     check_attention(o, lse, *batch.reference(), "bfloat16")
+
+
+STALE_CASES = {  # kwargs of make_batch, features, plan options
+    "bf16_split": (dict(num_kv_heads=2), {}, {}),
+    "fp16_hnd_tuple_window_rope": (
+        dict(layout="HND", form="tuple", q_dtype="float16", page_size=128),
+        FEATURES["rope_cap_window"], {},
+    ),
+    "e4m3_window": (dict(kv_dtype="float8_e4m3fn"), FEATURES["window"], {}),
+    "e5m2_hnd_whole_requests": (
+        dict(kv_dtype="float8_e5m2", layout="HND", group_size=8), {},
+        dict(disable_split_kv=True),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(STALE_CASES))
+def test_stale_cache_slots_never_reach_the_output(case):
+    """NaN in every slot no live token holds (a page's unused tail, unreferenced pages, tokens
+    before the window): the kernel must neither read them nor multiply them by a zero
+    probability, so the output matches the reference on the clean cache."""
+    kwargs, features, options = STALE_CASES[case]
+    rng = seeded("stale", case)
+    page_size = kwargs.get("page_size", 16)
+    lengths = [*standard_lengths(page_size, rng), 5000]
+    batch = make_batch(rng, lengths, **kwargs)
+    scales = dict(k_scale=0.5, v_scale=2.0) if "kv_dtype" in kwargs else {}
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
+    batch.plan(wrapper, **features, **options)
+    cache = poisoned_cache(batch, features.get("window_left", -1))
+    o, lse = wrapper.run(batch.q_dev, cache, return_lse=True, **scales)
+    check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
 
 
 LOOKAHEAD_CASES = {  # pages of at least one tile and items of at least 64 tiles on average
