@@ -8,17 +8,13 @@
 // head) of K and of V; the new rows are read once (evict-first loads). One unit per thread, many
 // small CTAs, measured best: more units per thread (all loads before the stores) held more
 // registers and fewer copies in flight per SM.
-// The page id is two dependent reads behind batch_indices[t] (kv_indptr[b], then kv_indices);
-// without them a small append takes a same-size copy's time. The reads are split by role:
-// every thread issues its K and V reads first, waiting for nothing, while thread i of the CTA
-// resolves the CTA's i-th token to (page, slot) in shared memory; after one barrier each thread
-// stores its unit. kv_indptr is read speculatively at the request a uniform append (the same
-// number of tokens per request) puts token t in, beside batch_indices[t], as volatile asm and
-// without branches: as a plain read the compiler folded it into kv_indptr[b] (the same address
-// when the guess is right, so a read that waits for b), and it sank the K/V reads below the
-// padding test. Against that kernel (three dependent reads before the stores, now two) the
-// outputs are identical and the times equal within 1-2% (256 x 1 tokens 5.2 us, 16 x 1024
-// 35.7 vs 36.0): the order of the reads is not where the gap to a copy comes from.
+// The page id is two dependent reads behind batch_indices[t] (kv_indptr[b], then kv_indices),
+// and in a small append they, not the bytes, are the gap to a same-size copy (256 x 1 tokens:
+// ~1 us over a 4.2 us copy, ~0.1 us without them). Two ways around the chain were measured and
+// left out (bench/RESULTS.md, 2026-12-01): reading kv_indptr speculatively at the request of a
+// uniform append, which the compiler folded back into kv_indptr[b]; and, forcing that read and
+// the K/V reads ahead of everything, a kernel whose CTAs resolve each token's page once in
+// shared memory (two dependent reads instead of three): equal times.
 // Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA).
 #include "paged_kv.cuh"
 
@@ -27,13 +23,6 @@ using Unit = Conditional<VEC == 16, uint4, Conditional<VEC == 8, uint2, Conditio
              uint32_t, Conditional<VEC == 2, uint16_t, uint8_t>>>>;
 constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
-
-// A read the compiler may neither move nor merge with another read of the same array.
-RTC_DEVICE int load_index_now(const int* p) {
-  int x;
-  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(p));
-  return x;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
     const char* __restrict__ key,    // [nnz, H, D] at t * key_token + h * key_head (bytes)
@@ -48,45 +37,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
     const int* __restrict__ kv_indices,  // [pages]
     const int* __restrict__ kv_indptr,   // [B + 1]
     int64_t units, int num_heads, uint32_t head_magic, int head_shift, int page_size,
-    uint32_t page_magic, int page_shift,
-    uint32_t guess_magic, int guess_shift,  // t / max(nnz / B, 1): token t's request if uniform
-    int last_request) {                     // max(B - 1, 0), where the guess is clamped
-  // The CTA's tokens [t_first, t_last] (at most THREADS: a unit of every row is in the CTA):
-  // page_s[i], slot_s[i] for token t_first + i, page -1 for padding.
-  __shared__ int64_t page_s[THREADS];
-  __shared__ int slot_s[THREADS];
+    uint32_t page_magic, int page_shift) {
   const FastDiv head_div{head_magic, head_shift}, page_div{page_magic, page_shift};
-  const FastDiv guess_div{guess_magic, guess_shift};
-  const int64_t u0 = blockIdx.x * int64_t(THREADS), u = u0 + threadIdx.x;
-  const bool mine = u < units;  // this thread has a unit (the last CTA may be partly empty)
-  const int64_t row = (mine ? u : u0) / UNITS;
-  const int byte = int((mine ? u : u0) - row * UNITS) * VEC;
+  const int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (u >= units) return;
+  const int64_t row = u / UNITS;
+  const int byte = int(u - row * UNITS) * VEC;
   const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
-  Unit k = {}, v = {};
-  if (mine) {
-    k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
-    v = __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
-  }
-  const int t_first = head_div.div(int(u0 / UNITS));
-  const int t_last = head_div.div(int((min(u0 + THREADS, units) - 1) / UNITS));
-  if (threadIdx.x <= t_last - t_first) {
-    const int token = t_first + threadIdx.x;
-    const int b = __ldg(batch_indices + token), p = __ldg(positions + token);
-    const int guess = min(guess_div.div(token), last_request);
-    const int first_if_guessed = load_index_now(kv_indptr + guess);
-    // Without branches (the compiler would sink the speculative read below one); padding
-    // (b < 0 or p < 0) reads no more and gets page -1.
-    const bool live = b >= 0 && p >= 0;
-    const int first = b == guess || !live ? first_if_guessed : __ldg(kv_indptr + b);
-    const int page_in_request = page_div.div(max(p, 0));
-    page_s[threadIdx.x] = live ? __ldg(kv_indices + first + page_in_request) : int64_t(-1);
-    slot_s[threadIdx.x] = p - page_in_request * page_size;
-  }
-  __syncthreads();
-  if (!mine) return;
-  const int64_t page = page_s[t - t_first];
-  const int slot = slot_s[t - t_first];
-  if (page < 0) return;
+  const Unit k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
+  const Unit v =
+      __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
+  const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
+  if (b < 0 || p < 0) return;  // padding
+  const int page_in_request = page_div.div(p);
+  const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
+  const int slot = p - page_in_request * page_size;
   *reinterpret_cast<Unit*>(k_cache + page * kp + slot * kt + h * kh + byte) = k;
   *reinterpret_cast<Unit*>(v_cache + page * vp + slot * vt + h * vh + byte) = v;
 }

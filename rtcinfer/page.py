@@ -106,14 +106,11 @@ def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
     page_size = token_head(caches[0][0].shape, caches[0][0].strides, kv_layout)[0][0]
     head_magic, head_shift = fast_div(num_heads)
     page_magic, page_shift = fast_div(page_size)
-    batch = kv_indptr.shape[0] - 1
-    guess_magic, guess_shift = fast_div(max(nnz // max(batch, 1), 1))  # tokens per request
     args = (
         key.data.ptr, *src[:2], value.data.ptr, *src[2:], batch_indices, positions,
         caches[0][1], *strides[:3], caches[1][1], *strides[3:], kv_indices, kv_indptr,
         units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
         np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
-        np.uint32(guess_magic), np.int32(guess_shift), np.int32(max(batch - 1, 0)),
     )  # fmt: skip
     grid = -(-units // THREADS)  # one copy unit per thread
     fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)

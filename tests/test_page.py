@@ -112,9 +112,8 @@ def test_append_bandwidth_shapes_run(rng):
 
 @pytest.mark.parametrize("added", [1, 3])
 def test_append_skips_padding_and_takes_tokens_in_any_order(rng, added):
-    """Uniform appends (the kernel guesses token t's request as t // added) in order, shuffled
-    (the guess mostly wrong) and padded past append_indptr[-1] with (-1, -1) rows, which write
-    nothing: the cache equals the reference append bit for bit every time."""
+    """Uniform appends in order, shuffled and padded past append_indptr[-1] with (-1, -1) rows,
+    which write nothing: the cache equals the reference append bit for bit every time."""
     lengths = [37, 16, 5, 64, 1 + added, 300]
     append_indptr = np.arange(len(lengths) + 1, dtype=np.int32) * added
     nnz = int(append_indptr[-1])

@@ -60,15 +60,6 @@ def _append_with_fakes(monkeypatch, cache_strides=None, nnz=6, batch=3):
     return calls[0][2]
 
 
-def test_append_launch_guesses_the_request_of_a_uniform_append(monkeypatch):
-    from rtcinfer.decode_kernel import fast_div
-
-    args = _append_with_fakes(monkeypatch, nnz=6, batch=3)  # 2 tokens per request
-    assert tuple(int(a) for a in args[-3:]) == (*fast_div(2), 2)
-    args = _append_with_fakes(monkeypatch, nnz=2, batch=5)  # fewer tokens than requests
-    assert tuple(int(a) for a in args[-3:]) == (*fast_div(1), 4)
-
-
 def test_append_launch_refuses_a_cache_with_a_strided_head_dim(monkeypatch):
     strides = (2 * 16 * 2 * 256 * 2, 16 * 2 * 256 * 2, 2 * 256 * 2, 256 * 2, 4)
     with pytest.raises(ValueError, match="paged_kv_cache: head_dim must be contiguous"):
