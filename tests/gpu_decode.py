@@ -106,7 +106,7 @@ def poisoned_cache(batch: Batch, window_left: int = -1):
     live = np.zeros((num_pages, batch.page_size), dtype=bool)
     for b in range(len(batch.last)):
         pages = batch.indices[batch.indptr[b] : batch.indptr[b + 1]]
-        kv_len = max(len(pages) - 1, 0) * batch.page_size + int(batch.last[b]) if len(pages) else 0
+        kv_len = (len(pages) - 1) * batch.page_size + int(batch.last[b]) if len(pages) else 0
         first = max(kv_len - 1 - window_left, 0) if window_left >= 0 else 0
         tokens = np.arange(first, kv_len)
         live[pages[tokens // batch.page_size], tokens % batch.page_size] = True

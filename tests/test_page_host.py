@@ -44,9 +44,10 @@ def test_the_table_shapes_must_match():
         rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, cache, indices, indptr, last[:1])
 
 
-def _append_with_fakes(monkeypatch, cache_strides=None, nnz=6, batch=3):
-    """The append launch step on fake arrays (bf16, 2 heads, d 128, pages of 16); returns the
-    recorded kernel arguments."""
+def _append_with_fakes(monkeypatch, cache_strides=None):
+    """The append launch step on fake arrays (6 tokens of 3 requests, bf16, 2 heads, d 128,
+    pages of 16); returns the recorded kernel arguments."""
+    nnz, batch = 6, 3
     from rtcinfer import jit, page
 
     calls = []
