@@ -12,6 +12,7 @@ import operator
 import numpy as np
 
 INT32_MAX = np.iinfo(np.int32).max
+INT64_MAX = np.iinfo(np.int64).max
 
 
 def as_int_array(name: str, value, ndim: int = 1, widen: bool = True) -> np.ndarray:
@@ -21,6 +22,8 @@ def as_int_array(name: str, value, ndim: int = 1, widen: bool = True) -> np.ndar
     Raises TypeError for non-integer dtypes (floats, bools, objects) and ValueError for a
     wrong number of dimensions.
     """
+    if type(value) is np.ndarray and value.dtype.kind == "i" and value.ndim == ndim:
+        return value.astype(np.int64, copy=False) if widen else value  # the common case
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind == "f" and arr.size == 0:
@@ -58,12 +61,21 @@ def first_bad(mask: np.ndarray) -> int:
 
 def check_indptr(name: str, indptr: np.ndarray) -> np.ndarray:
     """Check that ``indptr`` (int64, 1-D) starts at 0 and never decreases; return its diff."""
+    return indptr_counts(name, indptr)[0]
+
+
+def indptr_counts(name: str, indptr: np.ndarray) -> tuple[np.ndarray, int]:
+    """check_indptr's checks; returns (counts = diff(indptr), max(counts), 0 if empty).
+
+    One reduction does both: seen as uint64, a negative count is larger than any valid one.
+    """
     if indptr.shape[0] < 1:
         raise ValueError(f"{name} must have at least one entry (batch_size + 1), got shape (0,)")
     if indptr[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(indptr[0])}")
     counts = indptr[1:] - indptr[:-1]
-    if counts.shape[0] and counts.min() < 0:
+    most = int(np.maximum.reduce(counts.view(np.uint64))) if counts.shape[0] else 0
+    if most > INT64_MAX:
         i = first_bad(counts < 0)
         raise ValueError(
             f"{name} must be non-decreasing, got {name}[{i}] = {int(indptr[i])} > "
@@ -71,4 +83,4 @@ def check_indptr(name: str, indptr: np.ndarray) -> np.ndarray:
         )
     if indptr[-1] > INT32_MAX:
         raise ValueError(f"{name}[-1] ({int(indptr[-1])}) does not fit in int32")
-    return counts
+    return counts, most

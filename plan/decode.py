@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import INT32_MAX, as_int, as_int_array, check_indptr, first_bad
+from ._checks import INT32_MAX, as_int, as_int_array, first_bad, indptr_counts
 
 # Smallest chunk the automatic split will make, in tokens (rounded up to whole pages).
 # A chunk carries fixed costs independent of its length: a CTA prologue (load q, fill the
@@ -70,39 +70,46 @@ class DecodePlan:
         return start.astype(np.int32), end.astype(np.int32)
 
 
-def _check_last_page_len(last: np.ndarray, pages: np.ndarray, has: np.ndarray, page_size: int):
-    """Require 1 <= last <= page_size where a request has pages, and last == 0 where not.
+def _check_last_page_len(last: np.ndarray, pages: np.ndarray, page_size: int):
+    """Require 1 <= last <= page_size where a request has pages, and last == 0 where not;
+    return has = min(pages, 1) (the int 1 when every request has pages).
 
-    has = min(pages, 1)                   # 1 if the request has pages, else 0
-    ok = 0 <= last - has <= has * (page_size - 1)
+    0 <= last - has <= has * (page_size - 1): one unsigned reduction
+    checks 0 <= last - has <= page_size - 1 (negative values wrap to huge ones); requests
+    without pages (counted apart, as they are rare) must further have last == 0.
     """
     if last.shape != pages.shape:
         raise ValueError(
             f"kv_last_page_len must have shape ({pages.shape[0]},) to match kv_indptr, "
             f"got {last.shape}"
         )
-    offset = (last - has).view(np.uint64)  # negative values wrap to huge ones
-    if offset.shape[0] and (offset > has.view(np.uint64) * (page_size - 1)).any():
-        bad = (last < has) | (last > has * page_size)
-        b = first_bad(bad)
-        if has[b]:
-            raise ValueError(
-                f"kv_last_page_len[{b}] ({int(last[b])}) must be in [1, page_size "
-                f"({page_size})] for a request with {int(pages[b])} pages"
-            )
+    batch = pages.shape[0]
+    empty = batch - np.count_nonzero(pages)
+    has = np.minimum(pages, 1) if empty else 1
+    if not batch:
+        return has
+    worst = int(np.maximum.reduce((last - has).view(np.uint64)))
+    if worst <= page_size - 1 and not (empty and last[pages == 0].any()):
+        return has
+    bad = (last < has) | (last > has * page_size)
+    b = first_bad(bad)
+    if pages[b]:
         raise ValueError(
-            f"kv_last_page_len[{b}] ({int(last[b])}) must be 0 for a request with no pages"
+            f"kv_last_page_len[{b}] ({int(last[b])}) must be in [1, page_size "
+            f"({page_size})] for a request with {int(pages[b])} pages"
         )
+    raise ValueError(
+        f"kv_last_page_len[{b}] ({int(last[b])}) must be 0 for a request with no pages"
+    )
 
 
 def _pages_and_lens(kv_indptr, kv_last_page_len, page_size: int):
-    """Validate the page-table header; return (pages, max(pages - 1, 0), kv_len), int64[B]."""
+    """Validate the page-table header; return (pages, max(pages - 1, 0), kv_len), int64[B],
+    and max(pages) (0 for an empty batch)."""
     indptr = as_int_array("kv_indptr", kv_indptr)
     last = as_int_array("kv_last_page_len", kv_last_page_len)
-    pages = check_indptr("kv_indptr", indptr)
-    has = np.minimum(pages, 1)  # pages >= 0 (checked)
-    pm1 = pages - has
-    _check_last_page_len(last, pages, has, page_size)
+    pages, max_pages = indptr_counts("kv_indptr", indptr)
+    pm1 = pages - _check_last_page_len(last, pages, page_size)
     kv_len = pm1 * page_size
     kv_len += last
     # kv_len <= pages * page_size <= kv_indptr[-1] * page_size: scan only when that can exceed
@@ -112,7 +119,7 @@ def _pages_and_lens(kv_indptr, kv_last_page_len, page_size: int):
             f"request {b} has {int(kv_len[b])} tokens; at most {MAX_KV_LEN} (2^31 - 2^16 - 1) "
             "are supported"
         )
-    return pages, pm1, kv_len
+    return pages, pm1, kv_len, max_pages
 
 
 def validate_page_table(
@@ -163,6 +170,21 @@ def _search_chunk(pm1: np.ndarray, lo: int, hi: int, budget: int) -> int:
     return lo
 
 
+_IOTA = np.zeros(0, dtype=np.int32)  # arange(n), read-only, grown by doubling
+_ZEROS = np.zeros(0, dtype=np.int32)
+
+
+def _whole_requests(batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(work_request, work_chunk, merge_indptr) of one item per request: arange(batch),
+    zeros(batch), arange(batch + 1), as read-only views of shared tables."""
+    global _IOTA, _ZEROS
+    if _IOTA.shape[0] < batch + 1:
+        n = max(batch + 1, 2 * _IOTA.shape[0])
+        _IOTA, _ZEROS = np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+        _IOTA.flags.writeable = _ZEROS.flags.writeable = False
+    return _IOTA[:batch], _ZEROS[:batch], _IOTA[: batch + 1]
+
+
 def plan_decode(
     kv_indptr,
     kv_last_page_len,
@@ -203,7 +225,7 @@ def plan_decode(
     if not isinstance(disable_split_kv, (bool, np.bool_)):
         raise TypeError(f"disable_split_kv must be a bool, got {disable_split_kv!r}")
 
-    pages, pm1, kv_len = _pages_and_lens(kv_indptr, kv_last_page_len, page_size)
+    pages, pm1, kv_len, max_pages = _pages_and_lens(kv_indptr, kv_last_page_len, page_size)
     batch_size = int(pages.shape[0])
     if max_work is not None and batch_size > max_work:
         raise ValueError(
@@ -212,7 +234,7 @@ def plan_decode(
         )
     # ceil(p / c) == 1 + (p - 1) // c for p >= 1, and a request without pages gets 1 item too,
     # so with pm1 = max(p - 1, 0) every request needs 1 + pm1 // c work items.
-    max_pages = int(pm1.max()) + 1 if batch_size else 1
+    max_pages = max(max_pages, 1)  # = max(pm1) + 1
     slots = num_sms * ctas_per_sm
 
     if disable_split_kv:
@@ -236,9 +258,7 @@ def plan_decode(
         chunk = _search_chunk(pm1, lo, max_pages, budget)
 
     if chunk >= max_pages:  # one work item per request
-        work_request = np.arange(batch_size, dtype=np.int32)
-        work_chunk = np.zeros(batch_size, dtype=np.int32)
-        merge_indptr = np.arange(batch_size + 1, dtype=np.int32)
+        work_request, work_chunk, merge_indptr = _whole_requests(batch_size)
         num_work = batch_size
     else:
         nchunks = pm1 // chunk
@@ -249,9 +269,10 @@ def plan_decode(
         work_request = np.repeat(np.arange(batch_size, dtype=np.int32), nchunks)
         work_chunk = np.arange(num_work, dtype=np.int32)
         work_chunk -= merge_indptr[work_request]
+        for arr in (work_request, work_chunk, merge_indptr):
+            arr.flags.writeable = False
     kv_len32 = kv_len.astype(np.int32)
-    for arr in (kv_len32, work_request, work_chunk, merge_indptr):
-        arr.flags.writeable = False
+    kv_len32.flags.writeable = False
     return DecodePlan(
         batch_size=batch_size,
         page_size=page_size,

@@ -33,6 +33,7 @@ from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, pack_plan
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
+_UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item size
 
 
 # Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
@@ -85,9 +86,10 @@ def _same_key(a: tuple, b: tuple | None) -> bool:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Launch:
-    """Everything run() needs from the latest plan()."""
+    """Everything run() needs from the latest plan() (not frozen: a frozen dataclass costs a
+    microsecond more to build, and plan() builds one every step)."""
 
     fn: object
     grid: tuple
@@ -171,6 +173,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._run_events: dict[int, object] = {}
         self._unwaited: set[int] = set()
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
+        self._reserved = None  # Capacity fields of the latest reserve(), and its pointers
+        self._pointers = ()
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -234,7 +238,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # One reduction: seen as unsigned (of at least 32 bits), a negative id is larger
             # than any valid one.
             ids = kv_indices if kv_indices.itemsize >= 4 else kv_indices.astype(np.int32)
-            max_page = int(ids.view(ids.dtype.str.replace("i", "u")).max())
+            max_page = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
             if max_page > INT32_MAX:
                 i = first_bad((kv_indices < 0) | (kv_indices > INT32_MAX))
                 raise ValueError(f"indices[{i}] ({int(kv_indices[i])}) is not a valid page id")
@@ -254,7 +258,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             sizes = (plan.batch_size, plan.num_work, num_pages)
         partials = sizes[1] if self._graph or plan.split_kv else 0  # a graph may split later
-        need = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
+        fields = (*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
         with cupy.cuda.Device(self._device):
             stream = cupy.cuda.get_current_stream()
             if self._ws.stream_ptr not in (None, stream.ptr):
@@ -262,7 +266,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 # the new upload must not overtake them (a rare switch, so a device sync).
                 cupy.cuda.Device(self._device).synchronize()
                 self._unwaited.clear()
-            self._ws.reserve(need, stream, grow=not self._graph)
+            if fields != self._reserved:  # the layout (and its pointers) follow the capacity
+                self._reserved = None
+                self._ws.reserve(Capacity(*fields), stream, grow=not self._graph)
+                self._pointers = tuple(map(self._ws.pointer, ("plan", "o", "lse", "counters")))
+                self._reserved = fields
             for ptr in self._unwaited:  # runs elsewhere may still read the plan
                 if ptr != stream.ptr:
                     stream.wait_event(self._run_events[ptr])
@@ -273,7 +281,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
             if self._jax:
                 self._ws.last_upload().synchronize()
-        ws = self._ws
         items = self._max_work if self._graph else plan.num_work
         variant = spec  # a graph keeps one kernel
         if not self._graph and _lookahead(plan, spec.tile):
@@ -286,8 +293,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fn, (cfg.kv_blocks, items, 1), variant.smem_bytes,
             (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),
             (plan.batch_size, cfg.num_qo_heads), cfg, max_page,
-            (ws.pointer("plan"), ws.pointer("o"), ws.pointer("lse"), ws.pointer("counters")),
-            scalars,
+            self._pointers, scalars,
         )  # fmt: skip
 
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse=False, k_scale=None,

@@ -19,6 +19,7 @@ being rewritten while its copy may still be reading it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,7 +124,8 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     w = plan.num_work
     pages_at = hdr + 8 * w
     n = pages_at + kv_indices.shape[0]
-    buf[:4] = (w, 0, 0, 0)
+    buf[0] = w
+    buf[1:4] = 0
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     work = buf[hdr:pages_at].reshape(w, 8)
@@ -147,6 +149,14 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     np.add(first_page, pages_at, out=work[:, 4], casting="unsafe")
     buf[pages_at:n] = kv_indices
     return n
+
+
+@functools.cache
+def _runtime():
+    """CuPy's CUDA runtime module (imported on first use: this module loads without CuPy)."""
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
 
 
 def user_base(ptr: int, nbytes: int, need: int, cap: Capacity) -> int:
@@ -191,8 +201,8 @@ class Workspace:
         ):
             return
         import cupy
-        from cupy_backends.cuda.api import runtime
 
+        runtime = _runtime()
         cap = self.capacity.grown(need) if grow and self.capacity is not None else need
         nbytes = cap.offsets()["end"]
         if self.capacity is not None:
@@ -220,8 +230,7 @@ class Workspace:
 
     def upload(self, fill, stream) -> None:
         """fill(int32 host buffer) -> ints written; one async copy of them to the plan region."""
-        from cupy_backends.cuda.api import runtime
-
+        runtime = _runtime()
         i = self._next
         self._next ^= 1
         if self._pending[i]:
