@@ -74,9 +74,10 @@ def _check_last_page_len(last: np.ndarray, pages: np.ndarray, page_size: int):
     """Require 1 <= last <= page_size where a request has pages, and last == 0 where not;
     return has = min(pages, 1) (the int 1 when every request has pages).
 
-    0 <= last - has <= has * (page_size - 1): one unsigned reduction
-    checks 0 <= last - has <= page_size - 1 (negative values wrap to huge ones); requests
-    without pages (counted apart, as they are rare) must further have last == 0.
+        0 <= last - has <= has * (page_size - 1)
+
+    One unsigned reduction checks last - has <= page_size - 1 (a negative value wraps to a huge
+    one); requests without pages, counted apart as they are rare, must also have last == 0.
     """
     if last.shape != pages.shape:
         raise ValueError(
@@ -174,7 +175,7 @@ _IOTA = np.zeros(0, dtype=np.int32)  # arange(n), read-only, grown by doubling
 _ZEROS = np.zeros(0, dtype=np.int32)
 
 
-def _whole_requests(batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _one_item_per_request(batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(work_request, work_chunk, merge_indptr) of one item per request: arange(batch),
     zeros(batch), arange(batch + 1), as read-only views of shared tables."""
     global _IOTA, _ZEROS
@@ -258,7 +259,7 @@ def plan_decode(
         chunk = _search_chunk(pm1, lo, max_pages, budget)
 
     if chunk >= max_pages:  # one work item per request
-        work_request, work_chunk, merge_indptr = _whole_requests(batch_size)
+        work_request, work_chunk, merge_indptr = _one_item_per_request(batch_size)
         num_work = batch_size
     else:
         nchunks = pm1 // chunk

@@ -173,8 +173,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._run_events: dict[int, object] = {}
         self._unwaited: set[int] = set()
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
-        self._reserved = None  # Capacity fields of the latest reserve(), and its pointers
-        self._pointers = ()
+        self._reserved = None  # the Capacity fields of the latest reserve()
+        self._pointers = ()  # that layout's plan, o, lse and counters addresses
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

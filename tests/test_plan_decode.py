@@ -218,6 +218,15 @@ KW = dict(num_sms=8, ctas_per_sm=1)
         ([0, 2, 3], [4, 0], 4, {}, ValueError, r"kv_last_page_len\[1\] \(0\) must be in \[1"),
         ([0, 2, 2], [4, 3], 4, {}, ValueError, r"kv_last_page_len\[1\] \(3\) must be 0"),
         ([0, 2, 2], [4, -1], 4, {}, ValueError, r"kv_last_page_len\[1\] \(-1\) must be 0"),
+        ([0, 2, 2], [4, 4], 4, {}, ValueError, r"kv_last_page_len\[1\] \(4\) must be 0"),
+        (  # NumPy int32 arrays take the fast path of the checks
+            np.array([0, 3, 2], np.int32), np.array([1, 1], np.int32), 4, {}, ValueError,
+            r"kv_indptr\[1\] = 3 > kv_indptr\[2\] = 2",
+        ),
+        (
+            np.array([0, 2, 2], np.int32), np.array([4, 2], np.int32), 4, {}, ValueError,
+            r"kv_last_page_len\[1\] \(2\) must be 0",
+        ),
         ([0, 2], [1, 1], 4, {}, ValueError, r"must have shape \(1,\) .* got \(2,\)"),
         ([0.0, 2.0], [1], 4, {}, TypeError, r"kv_indptr must have an integer dtype, got float64"),
         (
