@@ -152,13 +152,16 @@ def validate_page_table(
 def _search_chunk(pm1: np.ndarray, lo: int, hi: int, budget: int) -> int:
     """Smallest chunk c in [lo, hi] with W(c) = B + sum(pm1 // c) <= budget (pm1 = pages - 1).
 
-    W is non-increasing in c, and W(hi) <= budget is guaranteed by the caller. With
-    S = sum(pm1), S / c - B < sum(pm1 // c) <= S / c, so the smallest fitting c lies in
+    W is non-increasing in c, and W(hi) <= budget is guaranteed by the caller. One request:
+    pm1 // c <= budget - 1 exactly when c >= pm1 // budget + 1. More: with S = sum(pm1),
+    S / c - B < sum(pm1 // c) <= S / c, so the smallest fitting c lies in
     [S // budget + 1, ceil(S / (budget - B))]; the bisection runs on that (much narrower) range.
     """
     base = pm1.shape[0]
     total = int(pm1.sum())
     lo = min(max(lo, total // budget + 1), hi)
+    if base == 1:
+        return lo
     if budget > base:
         hi = max(lo, min(hi, -(-total // (budget - base))))
     buf = np.empty_like(pm1)
@@ -264,12 +267,12 @@ def plan_decode(
     else:
         nchunks = pm1 // chunk
         nchunks += 1
-        merge_indptr = np.zeros(batch_size + 1, dtype=np.int32)
-        np.cumsum(nchunks, out=merge_indptr[1:])
+        merge_indptr = np.empty(batch_size + 1, dtype=np.int32)
+        merge_indptr[0] = 0
+        merge_indptr[1:] = nchunks.cumsum()
         num_work = int(merge_indptr[-1])
-        work_request = np.repeat(np.arange(batch_size, dtype=np.int32), nchunks)
-        work_chunk = np.arange(num_work, dtype=np.int32)
-        work_chunk -= merge_indptr[work_request]
+        work_request = np.repeat(_one_item_per_request(batch_size)[0], nchunks)
+        work_chunk = _one_item_per_request(num_work)[0] - merge_indptr[work_request]
         for arr in (work_request, work_chunk, merge_indptr):
             arr.flags.writeable = False
     kv_len32 = kv_len.astype(np.int32)
