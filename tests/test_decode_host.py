@@ -190,6 +190,26 @@ def test_packed_plan_reads_back(split, page_size):
         assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
 
 
+def test_packed_token_ranges_of_the_longest_request_stay_in_int32():
+    """A request of MAX_KV_LEN tokens in large pages, split: every packed item's range is
+    inside the request (start + chunk would pass 2^31 in int32 for the last chunks)."""
+    from rtcinfer.plan.decode import MAX_KV_LEN
+
+    page_size = 1 << 20
+    pages = -(-MAX_KV_LEN // page_size)
+    indptr = np.array([0, pages], dtype=np.int64)
+    last = np.array([MAX_KV_LEN - (pages - 1) * page_size])
+    plan = plan_decode(indptr, last, page_size, 1, fixed_split_size=pages - 1,
+                       num_sms=132, ctas_per_sm=2)  # fmt: skip
+    assert plan.num_work == 2
+    buf = np.zeros(header_ints(64) + 8 * plan.num_work + pages, dtype=np.int32)
+    pack_plan(buf, plan, indptr, np.arange(pages, dtype=np.int32), 64, None)
+    items = buf[header_ints(64) : header_ints(64) + 16].reshape(2, 8)
+    chunk = (pages - 1) * page_size
+    np.testing.assert_array_equal(items[:, 1:4], [[0, chunk, MAX_KV_LEN],
+                                                  [chunk, MAX_KV_LEN, MAX_KV_LEN]])  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "page_size, lengths, split, expect",
     [
