@@ -152,16 +152,17 @@ def validate_page_table(
 def _search_chunk(pm1: np.ndarray, lo: int, hi: int, budget: int) -> int:
     """Smallest chunk c in [lo, hi] with W(c) = B + sum(pm1 // c) <= budget (pm1 = pages - 1).
 
-    W is non-increasing in c, and W(hi) <= budget is guaranteed by the caller. One request:
-    pm1 // c <= budget - 1 exactly when c >= pm1 // budget + 1. More: with S = sum(pm1),
-    S / c - B < sum(pm1 // c) <= S / c, so the smallest fitting c lies in
-    [S // budget + 1, ceil(S / (budget - B))]; the bisection runs on that (much narrower) range.
+    W is non-increasing in c, hi = max(pm1) + 1, and W(hi) = B <= budget.
+    Requests of one length p (closed form):
+        B * (p // c) <= budget - B  <=>  c >= p // ((budget - B) // B + 1) + 1
+    Else, with S = sum(pm1), S / c - B < sum(pm1 // c) <= S / c, so the smallest fitting c lies
+    in [S // budget + 1, ceil(S / (budget - B))]; the bisection runs on that (much narrower) range.
     """
     base = pm1.shape[0]
     total = int(pm1.sum())
+    if total == base * (hi - 1):  # every pm1 <= hi - 1, so all equal hi - 1
+        return min(max(lo, (hi - 1) // ((budget - base) // base + 1) + 1), hi)
     lo = min(max(lo, total // budget + 1), hi)
-    if base == 1:
-        return lo
     if budget > base:
         hi = max(lo, min(hi, -(-total // (budget - base))))
     buf = np.empty_like(pm1)

@@ -111,6 +111,33 @@ def test_plan_properties(inputs):
             assert plan.chunk_pages >= floor
 
 
+def test_chunk_search_finds_the_smallest_fitting_chunk():
+    """_search_chunk against a scan of every chunk, on small random batches (whose sums often
+    equal B times one length), repeated and uniform lengths (the closed form) and long ones."""
+    from rtcinfer.plan.decode import _search_chunk
+
+    rng = np.random.default_rng(7)
+    for case in range(3000):
+        top = (8, 60, 600)[case % 3]
+        pm1 = rng.integers(0, top + 1, int(rng.integers(1, 7)))
+        if case % 5 == 0:
+            pm1[:] = pm1[0]  # one length
+        pm1 = np.tile(pm1, int(rng.integers(1, 4)))
+        hi = int(pm1.max()) + 1
+        lo = min(int(rng.integers(1, 4)), hi) if case % 2 else int(rng.integers(1, hi + 1))
+        budget = pm1.shape[0] + int(rng.integers(0, 3 * top // 2 + 2))
+        fits = [c for c in range(lo, hi + 1) if pm1.shape[0] + int((pm1 // c).sum()) <= budget]
+        assert _search_chunk(pm1, lo, hi, budget) == fits[0], (pm1, lo, budget)
+
+
+def test_chunk_search_on_lengths_whose_sum_matches_a_uniform_batch():
+    from rtcinfer.plan.decode import _search_chunk
+
+    pm1 = np.array([5, 3, 7], dtype=np.int64)  # sum 15 = 3 * pm1[0], not uniform
+    fits = [c for c in range(1, 9) if 3 + int((pm1 // c).sum()) <= 4]
+    assert _search_chunk(pm1, 1, 8, 4) == fits[0] == 6
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.integers(0, 400), min_size=1, max_size=12),
