@@ -1,6 +1,6 @@
 """Batch decode over a paged KV cache, plan() then run() (FlashInfer's names).
 
-    s_j = q . k_j * sm_scale * k_scale (+ ALiBi slope * (j - (kv_len - 1)), then soft cap)
+    s_j = q . k_j * sm_scale * q_scale * k_scale (+ ALiBi slope * (j - (kv_len - 1)), then cap)
     o = softmax(s) @ V * v_scale;  lse = log2(sum_j exp(s_j))  (o = 0, lse = -inf if empty)
 
 ``use_tensor_cores`` is accepted for drop-in compatibility and has no effect: there is one
@@ -185,13 +185,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
         q_data_type="float16", kv_data_type=None, o_data_type=None, sm_scale=None,
         rope_scale=None, rope_theta=None, fixed_split_size=None, disable_split_kv=False,
+        non_blocking=True,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, choose the split-KV work list, upload it (one copy).
 
         indptr [B + 1], indices [indptr[-1]], last_page_len [B]: integer arrays, host (no sync)
         or device (one device-to-host copy each). Page ids are checked against the cache in
         run(). fixed_split_size (pages per chunk) makes results batch-invariant; -1, as in
-        FlashInfer, means None.
+        FlashInfer, means None. non_blocking is accepted for drop-in compatibility: host arrays
+        never wait for the device and device arrays are always copied, whatever its value.
         """
         import cupy
 
@@ -296,17 +298,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._pointers, scalars,
         )  # fmt: skip
 
-    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse=False, k_scale=None,
-            v_scale=None):  # fmt: skip
+    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
+            lse=None, return_lse=False, enable_pdl=None, window_left=None):  # fmt: skip
         """o [B, Hq, D] (and lse [B, Hq] float32, base 2, when return_lse) for q [B, Hq, D].
 
         paged_kv_cache: [pages, 2, page_size, Hkv, D] (NHD) / [pages, 2, Hkv, page_size, D]
         (HND), or a (k, v) pair of [pages, page_size, Hkv, D] / [pages, Hkv, page_size, D]; any
         strides with a contiguous, 16-byte aligned head_dim. out / lse: optional outputs.
+        q_scale multiplies sm_scale as k_scale does (FlashInfer's calibration scales, None: 1);
+        window_left may repeat the plan's value (None: the plan's); enable_pdl is accepted for
+        drop-in compatibility and has no effect (no programmatic dependent launch).
         """
         st = self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
+        if window_left is not None and window_left != st.cfg.window_left:
+            raise ValueError(
+                f"run(window_left={window_left!r}) differs from the plan's window_left "
+                f"({st.cfg.window_left}): pass None or plan() again"
+            )
         five_d = not isinstance(paged_kv_cache, (tuple, list))
         caches = [("paged_kv_cache", paged_kv_cache)] if five_d else [
             ("k_cache", paged_kv_cache[0]), ("v_cache", paged_kv_cache[1])]  # fmt: skip
@@ -317,7 +327,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if framework(q) == "jax" and not self._jax:
             self._jax = True
             self._ws.last_upload().synchronize()
-        scales = kv_scales(k_scale, v_scale)
+        scales = kv_scales(k_scale, v_scale, q_scale)
         result = run(_launch_decode, [("q", q), *caches], outs, wrapper=self, scales=scales)
         if return_lse:
             return result

@@ -110,9 +110,11 @@ def check_layout(kv_layout) -> None:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
 
 
-def kv_scales(k_scale, v_scale) -> tuple[float, float]:
-    """run()'s k_scale and v_scale as floats (None: 1)."""
-    return (1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+def kv_scales(k_scale, v_scale, q_scale=None) -> tuple[float, float]:
+    """The calibration scales as (logit factor q_scale * k_scale, v_scale), floats (None: 1;
+    0 is a scale, as in FlashInfer)."""
+    as_float = lambda x: 1.0 if x is None else float(x)  # noqa: E731
+    return as_float(q_scale) * as_float(k_scale), as_float(v_scale)
 
 
 def half_tiles(spec: DecodeSpec) -> DecodeSpec | None:

@@ -51,7 +51,6 @@ def single_decode_with_kv_cache(
     page = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
     pages = -(-kv_len // page)
     scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
-    scale *= 1.0 if q_scale is None else q_scale  # 0 is a scale, as in FlashInfer
     cfg = make_config(
         q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
         logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,
@@ -80,7 +79,7 @@ def single_decode_with_kv_cache(
         Out((1, cfg.kv_blocks), "int32"),  # scratch: merge counters
     ]
     ins = [("q", q), ("k", k), ("v", v), ("plan", to_device(q, host))]
-    scales = kv_scales(k_scale, v_scale)
+    scales = kv_scales(k_scale, v_scale, q_scale)
     result = run(_single_launch, ins, outs, cfg=cfg, layout=kv_layout, scales=scales, work=w)
     return (result[0], result[1]) if return_lse else result[0]
 

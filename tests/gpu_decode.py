@@ -128,12 +128,13 @@ def poisoned_cache(batch: Batch, window_left: int = -1):
     return to_gpu(poison(batch.cache))
 
 
-def run_batch(batch: Batch, wrapper=None, k_scale=None, v_scale=None, **plan_kwargs):
-    """(o, lse) of plan + run with a fresh (or the given) wrapper."""
+def run_batch(batch: Batch, wrapper=None, k_scale=None, v_scale=None, run_kwargs=None,
+              **plan_kwargs):  # fmt: skip
+    """(o, lse) of plan + run with a fresh (or the given) wrapper; run_kwargs go to run()."""
     wrapper = wrapper or rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
     batch.plan(wrapper, **plan_kwargs)
     return wrapper.run(batch.q_dev, batch.cache_dev, return_lse=True, k_scale=k_scale,
-                       v_scale=v_scale)  # fmt: skip
+                       v_scale=v_scale, **(run_kwargs or {}))  # fmt: skip
 
 
 def check_attention(o, lse, o_ref, lse_ref, dtype: str, lse_tol: float = 1e-3) -> None:

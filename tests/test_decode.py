@@ -108,6 +108,20 @@ def test_fp8_kv(kv_dtype, head_dim, group_size, q_dtype, feature):
     check_attention(o, lse, *batch.reference(k_scale=0.5, v_scale=2.0, **features), q_dtype)
 
 
+def test_run_takes_flashinfer_run_arguments():
+    """q_scale multiplies the logits like k_scale (fp8 and 16-bit KV); enable_pdl and the
+    plan's own window_left are accepted; plan() takes non_blocking."""
+    rng = seeded("run arguments")
+    for kv_dtype in ("bfloat16", "float8_e4m3fn"):
+        batch = make_batch(rng, [700, 1, 0, 33], kv_dtype=kv_dtype)
+        features = FEATURES["alibi_cap_window"]
+        run_kwargs = dict(q_scale=0.25, enable_pdl=True, window_left=features["window_left"])
+        o, lse = run_batch(batch, k_scale=2.0, v_scale=0.5, run_kwargs=run_kwargs,
+                           non_blocking=False, **features)  # fmt: skip
+        expect = batch.reference(q_scale=0.25, k_scale=2.0, v_scale=0.5, **features)
+        check_attention(o, lse, *expect, "bfloat16")
+
+
 def test_long_request_with_short_and_empty_ones():
     rng = seeded("long")
     batch = make_batch(rng, [32768, 1, 0, 700, 16], group_size=4)

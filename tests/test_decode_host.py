@@ -343,6 +343,23 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     assert log == [("sync",)]
 
 
+def test_calibration_scales_fold_into_two_factors():
+    from rtcinfer.decode_kernel import kv_scales
+
+    assert kv_scales(None, None) == (1.0, 1.0)
+    assert kv_scales(3, 2, 0.5) == (1.5, 2.0)
+    assert kv_scales(0, None, None) == (0.0, 1.0)  # 0 is a scale
+    assert kv_scales(None, None, np.float32(2)) == (2.0, 1.0)
+
+
+def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
+    host_wrapper.plan([0, 1], [0], [5], 8, 2, 128, 16, q_data_type="bfloat16", window_left=64,
+                      non_blocking=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"run\(window_left=32\) differs from the plan's "
+                                         r"window_left \(64\)"):  # fmt: skip
+        host_wrapper.run(None, None, window_left=32)
+
+
 def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
     """run()'s launch step on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page 16);
     returns the recorded kernel calls."""
