@@ -59,15 +59,19 @@ class DecodePlan:
         """Tokens per full chunk: chunk_pages * page_size."""
         return self.chunk_pages * self.page_size
 
-    def work_token_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Token range [start, end) of each work item within its request, int32[W] each.
+    def work_token_bounds(self, start=None, end=None) -> tuple[np.ndarray, np.ndarray]:
+        """Token range [start, end) of each work item within its request, int32[W] each
+        (written into `start` / `end` when given, e.g. columns of the packed plan).
 
         start = work_chunk * chunk_tokens
-        end = minimum(start + chunk_tokens, kv_len[work_request])
+        end = start + minimum(kv_len[work_request] - start, chunk_tokens)   (no int32 overflow)
         """
-        start = self.work_chunk.astype(np.int64) * self.chunk_tokens
-        end = np.minimum(start + self.chunk_tokens, self.kv_len[self.work_request])
-        return start.astype(np.int32), end.astype(np.int32)
+        chunk = min(self.chunk_tokens, INT32_MAX)  # start < kv_len < 2^31 where work_chunk > 0
+        start = np.multiply(self.work_chunk, chunk, out=start)
+        end = np.subtract(self.kv_len[self.work_request], start, out=end)
+        np.minimum(end, chunk, out=end)
+        end += start
+        return start, end
 
 
 def _check_last_page_len(last: np.ndarray, pages: np.ndarray, page_size: int):

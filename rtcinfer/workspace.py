@@ -135,15 +135,11 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work[:, 2] = plan.kv_len
         work[:, 3] = plan.kv_len
         first_page = kv_indptr[:-1]
-    else:  # token range [start, start + min(kv_len - start, chunk)), start < kv_len in int32
+    else:
         req = plan.work_request
-        kv_len = plan.kv_len[req]
         work[:, 0] = req
-        start = np.multiply(plan.work_chunk, plan.chunk_tokens, out=work[:, 1])
-        end = np.subtract(kv_len, start, out=work[:, 2])
-        np.minimum(end, plan.chunk_tokens, out=end)
-        end += start
-        work[:, 3] = kv_len
+        plan.work_token_bounds(work[:, 1], work[:, 2])
+        work[:, 3] = plan.kv_len[req]
         work[:, 5] = merge[:-1][req]
         work[:, 6] = (merge[1:] - merge[:-1])[req]
         work[:, 7] = 0
