@@ -5,12 +5,10 @@
 // Each thread issues 2 * UNROLL independent 16-byte loads before the first use.
 // Prelude: ACT (Activation), T, VEC, THREADS, UNROLL.
 
-enum Activation { SILU = 0, GELU = 1, GELU_TANH = 2 };
-
 RTC_DEVICE float activate(float a) {
-  if constexpr (ACT == SILU) {
+  if constexpr (ACT == Activation::SILU) {
     return a / (1.f + expf(-a));
-  } else if constexpr (ACT == GELU) {
+  } else if constexpr (ACT == Activation::GELU) {
     return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
   } else {
     const float inner = 0.7978845608028654f * (a + 0.044715f * a * a * a);
@@ -20,12 +18,19 @@ RTC_DEVICE float activate(float a) {
 
 using TVec = Vec<T, VEC>;
 
-extern "C" __global__ void __launch_bounds__(THREADS) act_and_mul_kernel(
-    const T* __restrict__ x,  // [n0, n1, 2 * d], row strides (xs0, xs1)
-    int64_t xs0, int64_t xs1,
-    T* __restrict__ out,      // [n0, n1, d], row strides (os0, os1)
-    int64_t os0, int64_t os1,
-    int n1, int d) {
+struct ActivationParams {
+  const T* x;  // [n0, n1, 2 * d], row strides (xs0, xs1)
+  T* out;      // [n0, n1, d], row strides (os0, os1)
+  int64_t xs0, xs1, os0, os1;
+  int n1, d;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    act_and_mul_kernel(const __grid_constant__ ActivationParams p) {
+  const T* __restrict__ x = p.x;
+  T* __restrict__ out = p.out;
+  const int n1 = p.n1, d = p.d;
+  const int64_t xs0 = p.xs0, xs1 = p.xs1, os0 = p.os0, os1 = p.os1;
   const int row = blockIdx.x;
   const T* gate = x + int64_t(row / n1) * xs0 + int64_t(row % n1) * xs1;
   const T* up = gate + d;

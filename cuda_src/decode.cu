@@ -19,30 +19,52 @@ static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "ho
 constexpr int LOOK = LOOKAHEAD > 0 ? LOOKAHEAD : STAGES - 1;
 static_assert(LOOK >= 1 && LOOK <= STAGES - 1, "the ring holds the tiles in flight");
 
-extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
-    const QT* __restrict__ q,        // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
-    int64_t q_stride_n, int64_t q_stride_h,
-    const char* __restrict__ k_cache,  // K(page, slot, head) at page * k_page + slot * k_token
-    int64_t k_page, int64_t k_token, int64_t k_head,  //   + head * k_head bytes (NHD/HND)
-    const char* __restrict__ v_cache,  // V, likewise
-    int64_t v_page, int64_t v_token, int64_t v_head,
-    OT* __restrict__ o,              // [B, Hq, HEAD_DIM], strides (o_stride_n, o_stride_h, 1)
-    int64_t o_stride_n, int64_t o_stride_h,
-    float* __restrict__ lse,         // [B, Hq], strides (lse_stride_n, 1); may be null
-    int64_t lse_stride_n,
-    const int* __restrict__ plan,    // [HEADER_INTS] + [capacity][8] work items + page ids
-    float* __restrict__ partial_o,   // [Hq * gridDim.y, HEAD_DIM] (rows: see above)
-    float* __restrict__ partial_lse,  // [Hq * gridDim.y]
-    int* __restrict__ counters,      // [max_batch, gridDim.x], zero between launches
-    int num_qo_heads, int group_size, int page_size, uint32_t div_magic, int div_shift,
-    int window_left, float qk_scale, float soft_cap, float v_scale) {
+// A work item of the plan (rtcinfer/workspace.py writes them by these names): a chunk of one
+// request's tokens and the request's merge group.
+struct alignas(16) DecodeWorkItem {
+  int request;      // batch row
+  int token_begin;  // the chunk: tokens [token_begin, token_end) of the request
+  int token_end;
+  int kv_len;       // the request's length (its query sits at position kv_len - 1)
+  int page_ids;     // where the request's page ids start in the plan (ints)
+  int merge_begin;  // the request's first item (its partials are merged in item order)
+  int merge_count;  // items of the request; 1: the chunk is the whole request, written directly
+  int unused;
+};
+
+struct DecodeParams {
+  const QT* q;             // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
+  const char* k_cache;     // K(page, slot, head) at page * k_page + slot * k_token
+  const char* v_cache;     //   + head * k_head bytes (NHD/HND); V likewise
+  OT* o;                   // [B, Hq, HEAD_DIM], strides (o_stride_n, o_stride_h, 1)
+  float* lse;              // [B, Hq], strides (lse_stride_n, 1); may be null
+  const int* plan;         // [HEADER_INTS] + DecodeWorkItem[capacity] + page ids
+  float* partial_o;        // [Hq * gridDim.y, HEAD_DIM] (rows: see above)
+  float* partial_lse;      // [Hq * gridDim.y]
+  int* counters;           // [max_batch, gridDim.x], zero between launches
+  int64_t q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
+  int64_t k_page, k_token, k_head, v_page, v_token, v_head;
+  int num_qo_heads, group_size, page_size;
+  uint32_t div_magic;      // n / page_size == (umulhi(n, div_magic) + n) >> div_shift
+  int div_shift;
+  int window_left;         // keys older than q_pos - window_left are masked; -1: none
+  float qk_scale;          // sm_scale * q_scale * k_scale
+  float soft_cap;          // 0: none
+  float v_scale;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+    decode_kernel(const __grid_constant__ DecodeParams p) {
+  const QT* __restrict__ q = p.q;
+  const int* __restrict__ plan = p.plan;
+  float* __restrict__ partial_o = p.partial_o;
+  float* __restrict__ partial_lse = p.partial_lse;
+  const int num_qo_heads = p.num_qo_heads, group_size = p.group_size, window_left = p.window_left;
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.y;
-  // Work item: request, token range [begin, end), request length, page list, merge group.
-  // Loaded before the count test so both loads overlap: the plan region holds
+  // The work item, loaded before the count test so both loads overlap: the plan region holds
   // an item for every CTA of the grid (padded slots are stale and unused).
-  const int4* items = reinterpret_cast<const int4*>(plan + HEADER_INTS) + 2 * item;
-  const int4 w0 = __ldg(items), w1 = __ldg(items + 1);
+  const DecodeWorkItem w = reinterpret_cast<const DecodeWorkItem*>(plan + HEADER_INTS)[item];
   if (item >= __ldg(plan)) return;
   const int subgroups = (group_size + HEADS - 1) / HEADS;
   const int kv_head = blockIdx.x / subgroups, sub = blockIdx.x % subgroups;
@@ -50,10 +72,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   const int heads = min(HEADS, group_size - sub * HEADS);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-  const int request = w0.x, q_pos = w0.w - 1;
-  const int begin = window_left >= 0 ? max(w0.y, q_pos - window_left) : w0.y;
-  const int end = w0.z;
-  const int merge_begin = w1.y, merge_count = w1.z;
+  const int request = w.request, q_pos = w.kv_len - 1;
+  const int begin = window_left >= 0 ? max(w.token_begin, q_pos - window_left) : w.token_begin;
+  const int end = w.token_end;
+  const int merge_begin = w.merge_begin, merge_count = w.merge_count;
   const int num_tiles = begin < end ? (end - begin + TILE - 1) / TILE : 0;
 
   unsigned char* ring = smem;
@@ -69,8 +91,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   // Prologue: page ids of the first LOOK tiles (loads in parallel), then their copies; a
   // commit group per stage either way, so the loop counts groups the same.
   Loader loader;
-  loader.init(k_cache + kv_head * k_head, k_page, k_token, v_cache + kv_head * v_head, v_page,
-              v_token, plan + w1.x, FastDiv{div_magic, div_shift}, page_size, end);
+  loader.init(p.k_cache + kv_head * p.k_head, p.k_page, p.k_token,
+              p.v_cache + kv_head * p.v_head, p.v_page, p.v_token, plan + w.page_ids,
+              FastDiv{p.div_magic, p.div_shift}, p.page_size, end);
   {
     int pages[LOOK][Loader::PASSES];
 #pragma unroll
@@ -89,9 +112,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   if constexpr (ROPE)
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS) freq_s[i] = __ldg(freq + i);
   QuerySide qs;
-  qs.load(q_s, q, q_stride_n, q_stride_h, request, head0, heads, q_pos, freq, g, t);
+  qs.load(q_s, q, p.q_stride_n, p.q_stride_h, request, head0, heads, q_pos, freq, g, t);
   LogitHook hook;
-  hook.init(qk_scale, soft_cap, head0, num_qo_heads, t);
+  hook.init(p.qk_scale, p.soft_cap, head0, num_qo_heads, t);
   State st[HEAD_TILES][2];
   init_states(st);
 
@@ -113,11 +136,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   const bool direct = merge_count == 1;
   const int64_t partial_row = static_cast<int64_t>(head0) * gridDim.y;
   const int64_t at = partial_row + static_cast<int64_t>(item) * heads;
-  OT* o_row = o + request * o_stride_n + head0 * o_stride_h;
-  float* lse_row = lse != nullptr ? lse + request * lse_stride_n + head0 : nullptr;
-  const ItemSink sink{o_row, o_stride_h, lse_row, direct ? nullptr : partial_o + at * HEAD_DIM,
+  OT* o_row = p.o + request * p.o_stride_n + head0 * p.o_stride_h;
+  float* lse_row = p.lse != nullptr ? p.lse + request * p.lse_stride_n + head0 : nullptr;
+  const ItemSink sink{o_row, p.o_stride_h, lse_row, direct ? nullptr : partial_o + at * HEAD_DIM,
                       partial_lse + at};
-  finish_item(st, reinterpret_cast<float*>(ring), m_s, d_s, sink, heads, v_scale, warp, g, t);
+  finish_item(st, reinterpret_cast<float*>(ring), m_s, d_s, sink, heads, p.v_scale, warp, g, t);
   if (direct) return;
 
   // Split item: publish the partial; the last of the request's items merges them all. The
@@ -125,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   // (acq_rel atomic); the last arrival's acquire orders every other item's partial before its
   // reads.
   if (threadIdx.x == 0) {
-    int* counter = counters + request * gridDim.x + blockIdx.x;
+    int* counter = p.counters + request * gridDim.x + blockIdx.x;
     const bool last = atomic_add_acq_rel(counter, 1) == merge_count - 1;
     if (last) atomicExch(counter, 0);  // ready for the next launch
     *last_s = last;
@@ -134,5 +157,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_kernel(
   if (!*last_s) return;
   merge_partials(ring, partial_o, partial_lse,
                  partial_row + static_cast<int64_t>(merge_begin) * heads, merge_count, heads,
-                 o_row, o_stride_h, lse_row);
+                 o_row, p.o_stride_h, lse_row);
 }

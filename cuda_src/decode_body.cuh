@@ -9,14 +9,12 @@
 // fp8 KV: ldmatrix moves fp8 pairs as 16-bit units, so inside every 16-wide head_dim block the
 // thread's values are d = 4t..4t+3 (K: a permuted contraction order, the same for q) and V's
 // rows come out as d = 2g (logical row g) and 2g + 1 (row g + 8); cvt makes them fp16.
-// Prelude: QT, KVT, OT, HEAD_DIM, HEAD_TILES, POS_ENCODING, SOFT_CAP, STAGES, TOKEN_GROUPS,
-// KV_FP8 (0, 1 = e4m3, 2 = e5m2), LOOKAHEAD (0: STAGES - 1), SMEM_BYTES.
+// Prelude: QT, KVT, OT, HEAD_DIM, HEAD_TILES, POS_ENCODING (PosEncoding), SOFT_CAP, STAGES,
+// TOKEN_GROUPS, LOOKAHEAD (0: STAGES - 1), SMEM_BYTES.
 #pragma once
 #include "mma.cuh"
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
-
-enum PosEncoding { POS_NONE = 0, POS_ROPE_LLAMA = 1, POS_ALIBI = 2 };
 
 template <typename A, typename B>
 struct IsSame {
@@ -29,9 +27,9 @@ struct IsSame<A, A> {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr bool FP8 = KV_FP8 != 0;
-constexpr bool ROPE = POS_ENCODING == POS_ROPE_LLAMA;
-constexpr bool ALIBI = POS_ENCODING == POS_ALIBI;
+constexpr bool FP8 = IsSame<KVT, __nv_fp8_e4m3>::value || IsSame<KVT, __nv_fp8_e5m2>::value;
+constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
+constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr int ROW_BYTES = HEAD_DIM * (FP8 ? 1 : 2);
 constexpr int WARP_TOKENS = 16 * TOKEN_GROUPS;
 constexpr int TILE = WARPS * WARP_TOKENS;
@@ -40,7 +38,8 @@ constexpr int HEADS = 8 * HEAD_TILES;  // query heads per CTA, padded
 constexpr int Q_STRIDE = HEAD_DIM + 16;  // q row in shared memory (elements): conflict-free reads
 constexpr int HEADER_INTS = 4 + HEAD_DIM;  // plan: num_work, 3 spare, RoPE frequencies (hi, lo)
 constexpr int VECS = HEAD_DIM / 4;  // float4 pieces of an output row
-constexpr __nv_fp8_interpretation_t FP8_KIND = KV_FP8 == 2 ? __NV_E5M2 : __NV_E4M3;
+constexpr __nv_fp8_interpretation_t FP8_KIND =
+    IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
 using MT = Conditional<FP8, half, KVT>;  // tensor-core input type
 
 constexpr int TILE_BYTES = TILE * ROW_BYTES;

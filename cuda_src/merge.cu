@@ -1,7 +1,7 @@
 // Merging attention states (v, s): v normalized partial outputs, s their base-2 LSE.
 //   m = max_k s_k;  w_k = 2^(s_k - m);  s = m + log2(sum_k w_k);  v = sum_k w_k v_k / sum_k w_k
 // Empty states (s = -inf) add nothing; a row of only empty states gives v = 0, s = -inf.
-// Sources: NUM_A states of array a (state stride a_sv / a_ss), then one state of array b when
+// Sources: num_a states of array a (state strides a_vs / a_ss), then one state of array b when
 // HAS_B. Outputs may alias a (merge_state_in_place); MASK skips rows whose mask byte is 0.
 // Grid: one warp per row (n, h); lane l merges vectors l, l + 32, ... of VEC elements. Every
 // lane has read the row's s values before lane 0 writes the new s (in place: same address).
@@ -21,15 +21,33 @@ RTC_DEVICE void add_state(AttentionState<VEC>& acc, const T* v, float s) {
   acc.merge(part);
 }
 
-extern "C" __global__ void merge_kernel(
-    const T* a_v, int64_t a_vn, int64_t a_vs, int64_t a_vh,  // [n, S, h, D] (S = num_a)
-    const float* a_s, int64_t a_sn, int64_t a_ss, int64_t a_sh,  // [n, S, h]
-    const T* b_v, int64_t b_vn, int64_t b_vh,                // [n, h, D] (HAS_B)
-    const float* b_s, int64_t b_sn, int64_t b_sh,            // [n, h]
-    T* o_v, int64_t o_vn, int64_t o_vh,                      // [n, h, D]
-    float* o_s, int64_t o_sn, int64_t o_sh,                  // [n, h]
-    const uint8_t* mask,                                     // [n] (MASK)
-    int rows, int num_heads, int head_dim, int num_a) {
+struct MergeParams {
+  const T* a_v;         // [n, S, h, D] strides (a_vn, a_vs, a_vh, 1), S = num_a
+  const float* a_s;     // [n, S, h] strides (a_sn, a_ss, a_sh)
+  const T* b_v;         // [n, h, D] strides (b_vn, b_vh, 1) (HAS_B)
+  const float* b_s;     // [n, h] strides (b_sn, b_sh) (HAS_B)
+  T* o_v;               // [n, h, D] strides (o_vn, o_vh, 1); in place: == a_v
+  float* o_s;           // [n, h] strides (o_sn, o_sh); in place: == a_s
+  const uint8_t* mask;  // [n] dense (MASK)
+  int64_t a_vn, a_vs, a_vh, a_sn, a_ss, a_sh;
+  int64_t b_vn, b_vh, b_sn, b_sh;
+  int64_t o_vn, o_vh, o_sn, o_sh;
+  int rows, num_heads, head_dim, num_a;
+};
+
+extern "C" __global__ void merge_kernel(const __grid_constant__ MergeParams p) {
+  const T* a_v = p.a_v;
+  const float* a_s = p.a_s;
+  const T* b_v = p.b_v;
+  const float* b_s = p.b_s;
+  T* o_v = p.o_v;
+  float* o_s = p.o_s;
+  const uint8_t* mask = p.mask;
+  const int64_t a_vn = p.a_vn, a_vs = p.a_vs, a_vh = p.a_vh;
+  const int64_t a_sn = p.a_sn, a_ss = p.a_ss, a_sh = p.a_sh;
+  const int64_t b_vn = p.b_vn, b_vh = p.b_vh, b_sn = p.b_sn, b_sh = p.b_sh;
+  const int64_t o_vn = p.o_vn, o_vh = p.o_vh, o_sn = p.o_sn, o_sh = p.o_sh;
+  const int rows = p.rows, num_heads = p.num_heads, head_dim = p.head_dim, num_a = p.num_a;
   const int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;

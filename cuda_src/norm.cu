@@ -10,13 +10,12 @@
 // Shared memory: HIDDEN * sizeof(T), twice for the fused ops (x and residual).
 // Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS.
 
-enum NormOp { RMS = 0, GEMMA_RMS = 1, FUSED_ADD_RMS = 2, GEMMA_FUSED_ADD_RMS = 3, LAYER = 4 };
-
 static_assert(HIDDEN % VEC == 0, "VEC divides HIDDEN");
 constexpr int NVEC = HIDDEN / VEC;
 constexpr int ITEMS = (NVEC + THREADS - 1) / THREADS;
-constexpr bool FUSED = OP == FUSED_ADD_RMS || OP == GEMMA_FUSED_ADD_RMS;
-constexpr bool GEMMA = OP == GEMMA_RMS || OP == GEMMA_FUSED_ADD_RMS;
+constexpr bool FUSED = OP == NormOp::FUSED_ADD_RMS || OP == NormOp::GEMMA_FUSED_ADD_RMS;
+constexpr bool GEMMA = OP == NormOp::GEMMA_RMS || OP == NormOp::GEMMA_FUSED_ADD_RMS;
+constexpr bool LAYER = OP == NormOp::LAYER;
 
 // Element offset of row `row` in a view with leading dims [n0, n1] and strides (s0, s1).
 RTC_DEVICE int64_t row_offset(int row, int n1, int64_t s0, int64_t s1) {
@@ -30,24 +29,31 @@ RTC_DEVICE int item(int i) { return i * THREADS + threadIdx.x; }  // this thread
 RTC_DEVICE bool owns(int i) { return ITEMS * THREADS == NVEC || item(i) < NVEC; }
 RTC_DEVICE int col(int i) { return item(i) * VEC; }
 
-extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
-    T* x,                            // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused: in/out
-    int64_t xs0, int64_t xs1,
-    T* residual,                     // [n0, n1, HIDDEN] fused ops only: updated in place
-    int64_t rs0, int64_t rs1,
-    T* out,                          // [n0, n1, HIDDEN] output (fused ops: == x)
-    int64_t os0, int64_t os1,
-    const W* __restrict__ weight,    // [HIDDEN] (layernorm: gamma)
-    const W* __restrict__ bias,      // [HIDDEN] layernorm beta, else unused
-    int n1,                          // size of the inner leading dimension (1 for 2-D)
-    float eps) {
+struct NormParams {
+  T* x;              // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused ops: read, then normalized
+  T* residual;       // [n0, n1, HIDDEN] strides (rs0, rs1, 1); fused ops: updated in place
+  T* out;            // [n0, n1, HIDDEN] strides (os0, os1, 1); fused ops: == x
+  const W* weight;   // [HIDDEN] (layernorm: gamma)
+  const W* bias;     // [HIDDEN] layernorm: beta; else unused
+  int64_t xs0, xs1, rs0, rs1, os0, os1;
+  int n1;            // size of the inner leading dimension (1 for 2-D)
+  float eps;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_constant__ NormParams p) {
+  T* x = p.x;
+  T* residual = p.residual;
+  T* out = p.out;
+  const W* __restrict__ weight = p.weight;
+  const W* __restrict__ bias = p.bias;
+  const int n1 = p.n1;
   extern __shared__ __align__(16) unsigned char smem[];
   TVec* xs = reinterpret_cast<TVec*>(smem);  // [NVEC] the row (fused: x + residual)
   TVec* rs = xs + NVEC;                      // [NVEC] fused ops: the residual row
   __shared__ float scratch[1][32];
   const int row = blockIdx.x;
-  const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row, n1, xs0, xs1));
-  T* r_row = residual + row_offset(row, n1, rs0, rs1);
+  const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row, n1, p.xs0, p.xs1));
+  T* r_row = residual + row_offset(row, n1, p.rs0, p.rs1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
@@ -70,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
   }
 
   float shift = 0.f;  // the mean, for layernorm
-  if constexpr (OP == LAYER) {
+  if constexpr (LAYER) {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!owns(i)) continue;
@@ -91,15 +97,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
       sq += d * d;
     }
   }
-  const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + eps);
+  const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + p.eps);
 
-  T* o_row = out + row_offset(row, n1, os0, os1);
+  T* o_row = out + row_offset(row, n1, p.os0, p.os1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
     WVec w, b;
     w.load(weight + col(i));
-    if constexpr (OP == LAYER) b.load(bias + col(i));
+    if constexpr (LAYER) b.load(bias + col(i));
     const TVec v = xs[item(i)];
     TVec y;
 #pragma unroll
@@ -107,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(
       float scale = to_float(w[j]);
       if constexpr (GEMMA) scale += 1.f;
       float r = (to_float(v[j]) - shift) * inv_rms * scale;
-      if constexpr (OP == LAYER) r += to_float(b[j]);
+      if constexpr (LAYER) r += to_float(b[j]);
       y[j] = from_float<T>(r);
     }
     y.store(o_row + col(i));

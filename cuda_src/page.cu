@@ -24,20 +24,40 @@ using Unit = Conditional<VEC == 16, uint4, Conditional<VEC == 8, uint2, Conditio
 constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 
-extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
-    const char* __restrict__ key,    // [nnz, H, D] at t * key_token + h * key_head (bytes)
-    int64_t key_token, int64_t key_head,
-    const char* __restrict__ value,  // [nnz, H, D]
-    int64_t value_token, int64_t value_head,
-    const int* __restrict__ batch_indices,  // [nnz]
-    const int* __restrict__ positions,      // [nnz]
-    char* __restrict__ k_cache,  // page, slot, head at page * kp + slot * kt + head * kh bytes
-    int64_t kp, int64_t kt, int64_t kh,
-    char* __restrict__ v_cache, int64_t vp, int64_t vt, int64_t vh,
-    const int* __restrict__ kv_indices,  // [pages]
-    const int* __restrict__ kv_indptr,   // [B + 1]
-    int64_t units, int num_heads, uint32_t head_magic, int head_shift, int page_size,
-    uint32_t page_magic, int page_shift) {
+struct AppendParams {
+  const char* key;           // [nnz, H, D] at t * key_token + h * key_head (bytes)
+  const char* value;         // [nnz, H, D] at t * value_token + h * value_head (bytes)
+  const int* batch_indices;  // [nnz]
+  const int* positions;      // [nnz]
+  char* k_cache;             // page, slot, head at page * kp + slot * kt + head * kh bytes
+  char* v_cache;             // page, slot, head at page * vp + slot * vt + head * vh bytes
+  const int* kv_indices;     // [pages]
+  const int* kv_indptr;      // [B + 1]
+  int64_t key_token, key_head, value_token, value_head;
+  int64_t kp, kt, kh, vp, vt, vh;
+  int64_t units;             // nnz * H * UNITS: one per thread
+  int num_heads, head_shift, page_size, page_shift;
+  uint32_t head_magic, page_magic;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    append_kernel(const __grid_constant__ AppendParams params) {
+  const char* __restrict__ key = params.key;
+  const char* __restrict__ value = params.value;
+  const int* __restrict__ batch_indices = params.batch_indices;
+  const int* __restrict__ positions = params.positions;
+  char* __restrict__ k_cache = params.k_cache;
+  char* __restrict__ v_cache = params.v_cache;
+  const int* __restrict__ kv_indices = params.kv_indices;
+  const int* __restrict__ kv_indptr = params.kv_indptr;
+  const int64_t key_token = params.key_token, key_head = params.key_head;
+  const int64_t value_token = params.value_token, value_head = params.value_head;
+  const int64_t kp = params.kp, kt = params.kt, kh = params.kh;
+  const int64_t vp = params.vp, vt = params.vt, vh = params.vh;
+  const int64_t units = params.units;
+  const int num_heads = params.num_heads, page_size = params.page_size;
+  const uint32_t head_magic = params.head_magic, page_magic = params.page_magic;
+  const int head_shift = params.head_shift, page_shift = params.page_shift;
   const FastDiv head_div{head_magic, head_shift}, page_div{page_magic, page_shift};
   const int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (u >= units) return;
@@ -56,22 +76,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) append_kernel(
   *reinterpret_cast<Unit*>(v_cache + page * vp + slot * vt + h * vh + byte) = v;
 }
 
-extern "C" __global__ void seq_lens_kernel(const int* __restrict__ kv_indptr,  // [B + 1]
-                                           const int* __restrict__ last,       // [B]
-                                           int* __restrict__ seq_lens,         // [B]
-                                           int batch_size, int page_size) {
+struct SeqLensParams {
+  const int* kv_indptr;  // [B + 1]
+  const int* last;       // [B]
+  int* seq_lens;         // [B]
+  int batch_size, page_size;
+};
+
+extern "C" __global__ void seq_lens_kernel(const __grid_constant__ SeqLensParams params) {
+  const int* __restrict__ kv_indptr = params.kv_indptr;
+  const int* __restrict__ last = params.last;
+  int* __restrict__ seq_lens = params.seq_lens;
+  const int batch_size = params.batch_size, page_size = params.page_size;
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch_size) return;
   const int pages = kv_indptr[b + 1] - kv_indptr[b];
   seq_lens[b] = max(pages - 1, 0) * page_size + last[b];
 }
 
+struct BatchIndicesPositionsParams {
+  const int* append_indptr;  // [B + 1]
+  const int* seq_lens;       // [B]
+  int* batch_indices;        // [nnz]
+  int* positions;            // [nnz]
+  int batch_size, nnz;
+};
+
 extern "C" __global__ void batch_indices_positions_kernel(
-    const int* __restrict__ append_indptr,  // [B + 1]
-    const int* __restrict__ seq_lens,       // [B]
-    int* __restrict__ batch_indices,        // [nnz]
-    int* __restrict__ positions,            // [nnz]
-    int batch_size, int nnz) {
+    const __grid_constant__ BatchIndicesPositionsParams params) {
+  const int* __restrict__ append_indptr = params.append_indptr;
+  const int* __restrict__ seq_lens = params.seq_lens;
+  int* __restrict__ batch_indices = params.batch_indices;
+  int* __restrict__ positions = params.positions;
+  const int batch_size = params.batch_size, nnz = params.nnz;
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= nnz) return;
   if (batch_size == 0 || t >= append_indptr[batch_size]) {

@@ -12,22 +12,32 @@
 // Prelude: OP (RenormOp), T, VEC, THREADS, CAP.
 #include "row_select.cuh"
 
-enum RenormOp { TOP_K_RENORM = 0, TOP_P_RENORM = 1, TOP_K_MASK = 2 };
-
-using Policy = Conditional<OP == TOP_K_MASK, LogitPolicy, ProbPolicy>;
-constexpr bool BY_MASS = OP == TOP_P_RENORM, NEED_MASS = OP != TOP_K_MASK;
+using Policy = Conditional<OP == RenormOp::TOP_K_MASK, LogitPolicy, ProbPolicy>;
+constexpr bool BY_MASS = OP == RenormOp::TOP_P_RENORM, NEED_MASS = OP != RenormOp::TOP_K_MASK;
 static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_kernel(
-    const T* __restrict__ in,   // [rows, vocab], rows `in_stride` elements apart
-    int64_t in_stride,
-    T* __restrict__ out,        // [rows, vocab], rows `out_stride` elements apart
-    int64_t out_stride, int vocab,
-    const int32_t* __restrict__ top_k_arr,    // [rows] or null
-    const int64_t* __restrict__ top_k_arr64,  // [rows] or null
-    int top_k_val,
-    const float* __restrict__ top_p_arr,      // [rows] or null
-    float top_p_val) {
+// A per-row parameter is its array when given (null otherwise), else its scalar.
+struct RenormParams {
+  const T* input;              // [rows, vocab], rows `in_stride` elements apart
+  T* out;                      // [rows, vocab], rows `out_stride` elements apart
+  const int32_t* top_k_arr;    // [rows] or null
+  const int64_t* top_k_arr64;  // [rows] or null
+  const float* top_p_arr;      // [rows] or null
+  int64_t in_stride, out_stride;
+  int vocab, top_k_val;
+  float top_p_val;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
+    renorm_kernel(const __grid_constant__ RenormParams p) {
+  const T* __restrict__ in = p.input;
+  T* __restrict__ out = p.out;
+  const int32_t* __restrict__ top_k_arr = p.top_k_arr;
+  const int64_t* __restrict__ top_k_arr64 = p.top_k_arr64;
+  const float* __restrict__ top_p_arr = p.top_p_arr;
+  const int64_t in_stride = p.in_stride, out_stride = p.out_stride;
+  const int vocab = p.vocab, top_k_val = p.top_k_val;
+  const float top_p_val = p.top_p_val;
   extern __shared__ float4 smem[];
   __shared__ RowShared sh;
   const ListMemory mem = list_memory(smem);
@@ -103,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) renorm_ker
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float a = to_float(x[j]);
-      if constexpr (OP == TOP_K_MASK) {
+      if constexpr (OP == RenormOp::TOP_K_MASK) {
         y[j] = !isnan(a) && a >= v ? x[j] : from_float<T>(-infinity());
       } else {
         const float c = Policy::clean(a);

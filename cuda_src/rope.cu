@@ -17,9 +17,6 @@
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE.
 
-enum RopeMode { THETA = 0, LLAMA31 = 1, COS_SIN_CACHE = 2 };
-enum PositionSource { POS_IDS = 0, INDPTR_OFFSETS = 1 };
-
 constexpr int HALF = ROTARY_DIM / 2;
 constexpr int LANES = HEAD_DIM / VEC;
 constexpr int GROUP = LANES <= 1 ? 1 : LANES <= 2 ? 2 : LANES <= 4 ? 4 : LANES <= 8 ? 8
@@ -33,14 +30,26 @@ static_assert(INTERLEAVE ? ROTARY_DIM % VEC == 0 && VEC % 2 == 0 : HALF % VEC ==
 
 using TVec = Vec<T, VEC>;
 
+// The kernel's parameters, declared before the helpers: turns_per_position reads the frequency
+// fields (the last five).
 struct RopeParams {
+  const T* q;                  // [nnz, num_q_heads, HEAD_DIM] strides (q_tok, q_head, 1)
+  const T* k;                  // [nnz, num_k_heads, HEAD_DIM] strides (k_tok, k_head, 1)
+  T* q_out;                    // like q, strides (qo_tok, qo_head, 1); INPLACE: == q
+  T* k_out;                    // like k, strides (ko_tok, ko_head, 1); INPLACE: == k
+  const POS_T* pos_ids;        // [nnz] (POS_IDS)
+  const POS_T* indptr;         // [batch_size + 1] (INDPTR_OFFSETS)
+  const POS_T* offsets;        // [batch_size] (INDPTR_OFFSETS)
+  const float* cos_sin_cache;  // [max_pos, ROTARY_DIM] (COS_SIN_CACHE)
+  int64_t q_tok, q_head, k_tok, k_head, qo_tok, qo_head, ko_tok, ko_head;
+  int nnz, num_q_heads, num_k_heads, batch_size, rows_per_item;
   float rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len;
 };
 
 // Frequency of pair i in turns per position, as (hi, lo) floats: f = hi + lo to ~2^-48.
 RTC_DEVICE float2 turns_per_position(int i, const RopeParams& p) {
   double inv = pow(double(p.rope_theta), -2.0 * i / ROTARY_DIM);
-  if constexpr (MODE == LLAMA31) {
+  if constexpr (MODE == RopeMode::LLAMA31) {
     const double pi = 3.141592653589793;
     const double a = p.old_context_len / (2 * pi * (p.high_freq_factor - p.low_freq_factor));
     const double b = -1.0 / (p.high_freq_factor / p.low_freq_factor - 1.0);
@@ -66,7 +75,7 @@ RTC_DEVICE float2 cos_sin(float pos, float2 f) {
 
 RTC_DEVICE int64_t token_position(int t, const POS_T* pos_ids, const POS_T* indptr,
                                   const POS_T* offsets, int batch_size) {
-  if constexpr (POS_FROM == POS_IDS) {
+  if constexpr (POS_FROM == PositionSource::POS_IDS) {
     return int64_t(pos_ids[t]);
   } else {
     int lo = 0, hi = batch_size - 1;  // the last request with indptr[b] <= t
@@ -91,19 +100,20 @@ RTC_DEVICE TVec shuffle(const TVec& x, int src_lane) {
   return y;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
-    const T* q, int64_t q_tok, int64_t q_head,     // [nnz, Hq, HEAD_DIM] strides in elements
-    const T* k, int64_t k_tok, int64_t k_head,     // [nnz, Hk, HEAD_DIM]
-    T* q_out, int64_t qo_tok, int64_t qo_head,     // [nnz, Hq, HEAD_DIM] (INPLACE: == q)
-    T* k_out, int64_t ko_tok, int64_t ko_head,     // [nnz, Hk, HEAD_DIM] (INPLACE: == k)
-    const POS_T* pos_ids,                          // [nnz]  (POS_IDS)
-    const POS_T* indptr, const POS_T* offsets,     // [B + 1], [B]  (INDPTR_OFFSETS)
-    const float* cos_sin_cache,                    // [max_pos, ROTARY_DIM]  (COS_SIN_CACHE)
-    int nnz, int num_q_heads, int num_k_heads, int batch_size, int rows_per_item,
-    float rope_scale, float rope_theta, float low_freq_factor, float high_freq_factor,
-    float old_context_len) {
-  const RopeParams params{rope_scale, rope_theta, low_freq_factor, high_freq_factor,
-                          old_context_len};
+extern "C" __global__ void __launch_bounds__(THREADS)
+    rope_kernel(const __grid_constant__ RopeParams p) {
+  const T* q = p.q;  // INPLACE: q == q_out and k == k_out, hence no __restrict__
+  const T* k = p.k;
+  T* q_out = p.q_out;
+  T* k_out = p.k_out;
+  const POS_T* pos_ids = p.pos_ids;
+  const POS_T* indptr = p.indptr;
+  const POS_T* offsets = p.offsets;
+  const float* cos_sin_cache = p.cos_sin_cache;
+  const int64_t q_tok = p.q_tok, q_head = p.q_head, k_tok = p.k_tok, k_head = p.k_head;
+  const int64_t qo_tok = p.qo_tok, qo_head = p.qo_head, ko_tok = p.ko_tok, ko_head = p.ko_head;
+  const int nnz = p.nnz, num_q_heads = p.num_q_heads, num_k_heads = p.num_k_heads;
+  const int batch_size = p.batch_size, rows_per_item = p.rows_per_item;
   const int lane = threadIdx.x % GROUP, group = threadIdx.x / GROUP;
   const int e0 = lane * VEC;
   const bool in_row = lane < LANES;
@@ -114,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
   const int chunks = (rows + rows_per_item - 1) / rows_per_item;
   const int items = nnz * chunks;
 
-  __shared__ float2 freq[MODE == COS_SIN_CACHE ? 1 : HALF];
-  if constexpr (MODE != COS_SIN_CACHE) {
-    for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, params);
+  __shared__ float2 freq[MODE == RopeMode::COS_SIN_CACHE ? 1 : HALF];
+  if constexpr (MODE != RopeMode::COS_SIN_CACHE) {
+    for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, p);
     __syncthreads();
   }
 
@@ -131,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_kernel(
       const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
 #pragma unroll
       for (int j = 0; j < PAIRS; ++j) {
-        if constexpr (MODE == COS_SIN_CACHE) {
+        if constexpr (MODE == RopeMode::COS_SIN_CACHE) {
           const float* row = cos_sin_cache + pos * ROTARY_DIM;
           const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
           cs[j] = make_float2(row[i], row[HALF + i]);

@@ -88,14 +88,14 @@ RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, in
 template <class Src>
 RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float M,
                             const Philox& rng, RowShared& sh) {
-  if constexpr (OP == MIN_P) {
+  if constexpr (OP == SampleOp::MIN_P) {
     if (f.use_min_p && below(f.t) > low) {  // streaming: restrict to values >= t
       low = below(f.t);
       cur = (cur + 1) % 3;
       pivot_stats(src, low, low, sh, cur, cur);
     }
   }
-  if constexpr (OP == TOP_K_FIRST) {
+  if constexpr (OP == SampleOp::TOP_K_FIRST) {
     if (f.use_k && M > 0.f) {
       const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
       Threshold th;
@@ -109,7 +109,7 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
       }
     }
   }
-  const bool rejecting = (f.use_k && OP != TOP_K_FIRST) || f.use_p;
+  const bool rejecting = (f.use_k && OP != SampleOp::TOP_K_FIRST) || f.use_p;
   float high = M;
   for (int round = 0; round < MAX_ROUNDS; ++round) {
     const Drawn d = draw(src, low, sh.seg[cur], rng.uniform(round), sh);
@@ -134,7 +134,13 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
-    sample_kernel(SAMPLE_KERNEL_PARAMS) {  // parameters: sample_common.cuh
+    sample_kernel(const __grid_constant__ SampleParams p) {  // sample_common.cuh
+  const T* __restrict__ probs = p.probs;
+  const OUT_T* __restrict__ indices = p.indices;
+  OUT_T* __restrict__ out = p.out;
+  int* __restrict__ error_flag = p.error_flag;
+  const int64_t row_stride = p.row_stride;
+  const int vocab = p.vocab;
   extern __shared__ float4 smem[];
   __shared__ RowShared sh;
   __shared__ Filter f;
@@ -160,24 +166,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
 #pragma unroll 1
       for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
       sh.f[0] = m;
-      Filter p{};
+      Filter filter{};
       if constexpr (HAS_K) {
-        const long long k = row_top_k(top_k_arr, top_k_arr64, top_k_val, b);
-        p.use_k = k > 0 && k < vocab;
-        p.k = p.use_k ? int(k) : vocab;
+        const long long k = row_top_k(p.top_k_arr, p.top_k_arr64, p.top_k_val, b);
+        filter.use_k = k > 0 && k < vocab;
+        filter.k = filter.use_k ? int(k) : vocab;
       }
       if constexpr (HAS_P) {
-        p.top_p = row_param(top_p_arr, top_p_val, b);
-        p.use_p = p.top_p < 1.f;
-        p.P = p.top_p * s;
+        filter.top_p = row_param(p.top_p_arr, p.top_p_val, b);
+        filter.use_p = filter.top_p < 1.f;
+        filter.P = filter.top_p * s;
       }
-      if constexpr (OP == MIN_P) {
-        const float min_p = row_param(min_p_arr, min_p_val, b);
-        p.use_min_p = min_p > 0.f;
-        p.t = fminf(min_p, 1.f) * m;
+      if constexpr (OP == SampleOp::MIN_P) {
+        const float min_p = row_param(p.min_p_arr, p.min_p_val, b);
+        filter.use_min_p = min_p > 0.f;
+        filter.t = fminf(min_p, 1.f) * m;
       }
-      f = p;
-      rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
+      f = filter;
+      rng = make_philox(p.seed_arr, p.seed_val, p.seed_len, p.offset_arr, p.offset_val,
+                        p.offset_len, b);
     }
   }
   __syncthreads();
@@ -188,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   float floor = 0.f;
   bool need_mass = false;
   const BlockMaxSource<ProbPolicy> blocks{mem.bmax, g.blocks};
-  if constexpr (OP == MIN_P) floor = f.use_min_p ? f.t : 0.f;
+  if constexpr (OP == SampleOp::MIN_P) floor = f.use_min_p ? f.t : 0.f;
   if (HAS_K && f.use_k) {
     const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, false, false>(
         blocks, 0.f, f.k, 0ull, 0.0, sh);
@@ -202,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     need_mass = true;
   }
   bool on_list = false;
-  if (OP != PLAIN && (floor > 0.f || vocab <= CAP)) {
+  if (OP != SampleOp::PLAIN && (floor > 0.f || vocab <= CAP)) {
     float list_mass;
     on_list = gather_list(rows, g, mem.bmax, floor, mem, sh, list_mass);
     // mass(p >= floor) >= P: every value below the floor has at least P above it
@@ -214,13 +221,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   if (threadIdx.x == 0) out[b] = OUT_T(token);
 }
 
-// Raw Philox4x32-10 words for tests: out[i] = philox(counters[i], key).
-extern "C" __global__ void philox_kernel(const uint4* __restrict__ counters,  // [n]
-                                         uint4* __restrict__ out,             // [n]
-                                         int n, uint32_t k0, uint32_t k1) {
+// Raw Philox4x32-10 words for tests: out[i] = philox(counters[i], key (k0, k1)).
+struct PhiloxParams {
+  const uint4* counters;  // [n]
+  uint4* out;             // [n]
+  int n;
+  uint32_t k0, k1;
+};
+
+extern "C" __global__ void philox_kernel(const __grid_constant__ PhiloxParams p) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const uint4 c = counters[i];
-  const Philox4 r = philox4x32_10(Philox4{c.x, c.y, c.z, c.w}, k0, k1);
-  out[i] = make_uint4(r.x, r.y, r.z, r.w);
+  if (i >= p.n) return;
+  const uint4 c = p.counters[i];
+  const Philox4 r = philox4x32_10(Philox4{c.x, c.y, c.z, c.w}, p.k0, p.k1);
+  p.out[i] = make_uint4(r.x, r.y, r.z, r.w);
 }

@@ -41,7 +41,13 @@ static_assert(CLUSTER >= 1 && CLUSTER <= 8, "portable cluster sizes");
 #include "cluster_select.cuh"
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
-    cluster_sample_kernel(SAMPLE_KERNEL_PARAMS) {  // parameters: sample_common.cuh
+    cluster_sample_kernel(const __grid_constant__ SampleParams p) {  // sample_common.cuh
+  const T* __restrict__ probs = p.probs;
+  const OUT_T* __restrict__ indices = p.indices;
+  OUT_T* __restrict__ out = p.out;
+  int* __restrict__ error_flag = p.error_flag;
+  const int64_t row_stride = p.row_stride;
+  const int vocab = p.vocab;
   extern __shared__ float4 slice_memory[];
   __shared__ Published pub;
   __shared__ Scratch sc;
@@ -125,14 +131,14 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THR
 
   if (M > 0.f) {
     const float scale = mass_scale(M);
-    const Philox rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val,
-                                   offset_len, b);
+    const Philox rng = make_philox(p.seed_arr, p.seed_val, p.seed_len, p.offset_arr,
+                                   p.offset_val, p.offset_len, b);
     float low = 0.f, top_p = 1.f;
-    if constexpr (HAS_P) top_p = row_param(top_p_arr, top_p_val, b);
+    if constexpr (HAS_P) top_p = row_param(p.top_p_arr, p.top_p_val, b);
     const bool rejecting = HAS_P && top_p < 1.f;
     bool use_k = false, listed = false;
     if constexpr (HAS_K) {
-      const long long k = row_top_k(top_k_arr, top_k_arr64, top_k_val, b);
+      const long long k = row_top_k(p.top_k_arr, p.top_k_arr64, p.top_k_val, b);
       use_k = k > 0 && k < vocab;
       const float floor = use_k ? warp_floor(uint32_t(k), pub, sc) : 0.f;
       if (floor > 0.f) {  // gather the values >= floor into rank 0's list
@@ -147,13 +153,14 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THR
             store_remote_u32(remote(ids + slot, 0), uint32_t(s.base + i));
           }
         });
-        if (OP == TOP_K_TOP_P && rejecting) publish_slice_mass(s, scale, pub, sc);  // "joint"
+        if (OP == SampleOp::TOP_K_TOP_P && rejecting)  // "joint"
+          publish_slice_mass(s, scale, pub, sc);
         cluster_sync();  // the list is complete
         const uint32_t n = load_remote_u32(count_at);
         listed = n <= uint32_t(THREADS);
         if (listed && rank == 0) {
           uint64_t row_mass = 0;
-          if (OP == TOP_K_TOP_P && rejecting)
+          if (OP == SampleOp::TOP_K_TOP_P && rejecting)
 #pragma unroll
             for (int r = 0; r < CLUSTER; ++r) row_mass += load_remote_u64(remote(&pub.total, r));
           const int token = finish_on_list(int(n), uint32_t(k), top_p, rejecting, row_mass, M,
@@ -164,12 +171,12 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THR
       if (use_k && !listed) low = below(kth_largest(s, uint32_t(k), floor, pub, sc));
     }
     if (!listed) {  // the row streams: threshold, draws and rounds over the cluster
-      if constexpr (OP == MIN_P) {
-        const float min_p = row_param(min_p_arr, min_p_val, b);
+      if constexpr (OP == SampleOp::MIN_P) {
+        const float min_p = row_param(p.min_p_arr, p.min_p_val, b);
         if (min_p > 0.f) low = below(fminf(min_p, 1.f) * M);
       }
       uint64_t base_mass = 0;  // "joint" with a top-k cut: top-p refers to the whole row's mass
-      if (OP == TOP_K_TOP_P && rejecting && use_k) {
+      if (OP == SampleOp::TOP_K_TOP_P && rejecting && use_k) {
         publish_slice_mass(s, scale, pub, sc);
         cluster_sync();
         uint64_t t = 0;

@@ -21,13 +21,23 @@ struct Softmax {
   }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS) softmax_kernel(
-    const T* __restrict__ logits,  // [rows, vocab], rows `in_stride` elements apart
-    int64_t in_stride,
-    float* __restrict__ probs,     // [rows, vocab], rows `out_stride` elements apart
-    int64_t out_stride, int vocab,
-    const float* __restrict__ temperature_arr,  // [rows] or null
-    float temperature_val) {
+struct SoftmaxParams {
+  const T* logits;               // [rows, vocab], rows `in_stride` elements apart
+  float* probs;                  // [rows, vocab], rows `out_stride` elements apart
+  const float* temperature_arr;  // [rows], or null: temperature_val for every row
+  int64_t in_stride, out_stride;
+  int vocab;
+  float temperature_val;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    softmax_kernel(const __grid_constant__ SoftmaxParams p) {
+  const T* __restrict__ logits = p.logits;
+  float* __restrict__ probs = p.probs;
+  const float* __restrict__ temperature_arr = p.temperature_arr;
+  const int64_t in_stride = p.in_stride, out_stride = p.out_stride;
+  const int vocab = p.vocab;
+  const float temperature_val = p.temperature_val;
   __shared__ float part_m[SOFTMAX_WARPS], part_d[SOFTMAX_WARPS];
   const int r = blockIdx.x, lane = threadIdx.x % 32, w = threadIdx.x / 32;
   const float t = temperature_arr ? temperature_arr[r] : temperature_val;

@@ -11,21 +11,36 @@
 
 static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS) chain_speculative_kernel(
-    const T* __restrict__ draft_probs,          // [batch, n, vocab]
-    const int32_t* __restrict__ draft_ids,      // [batch, n] (or null)
-    const int64_t* __restrict__ draft_ids64,    // [batch, n] (or null)
-    const T* __restrict__ target_probs,         // [batch, n + 1, vocab]
-    int n, int vocab,
-    int32_t* __restrict__ out_tokens,           // [batch, n + 1]
-    int32_t* __restrict__ accepted,             // [batch]
-    int32_t* __restrict__ emitted,              // [batch]
-    int accumulate,                             // add to the counters instead of writing them
-    const uint64_t* __restrict__ seed_arr, uint64_t seed_val, int seed_len,
-    const uint64_t* __restrict__ offset_arr, uint64_t offset_val, int offset_len) {
+struct SpeculativeParams {
+  const T* draft_probs;        // [batch, n, vocab]
+  const int32_t* draft_ids;    // [batch, n], or null (then draft_ids64)
+  const int64_t* draft_ids64;  // [batch, n], or null (then draft_ids)
+  const T* target_probs;       // [batch, n + 1, vocab]
+  int32_t* out_tokens;         // [batch, n + 1]
+  int32_t* accepted;           // [batch]
+  int32_t* emitted;            // [batch]
+  const uint64_t* seed_arr;    // [seed_len] (1 or batch), or null: seed_val
+  const uint64_t* offset_arr;  // [offset_len] (1 or batch), or null: offset_val
+  uint64_t seed_val, offset_val;
+  int n, vocab;
+  int accumulate;              // add to the counters instead of writing them
+  int seed_len, offset_len;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
+    chain_speculative_kernel(const __grid_constant__ SpeculativeParams p) {
+  const T* __restrict__ draft_probs = p.draft_probs;
+  const int32_t* __restrict__ draft_ids = p.draft_ids;
+  const int64_t* __restrict__ draft_ids64 = p.draft_ids64;
+  const T* __restrict__ target_probs = p.target_probs;
+  int32_t* __restrict__ out_tokens = p.out_tokens;
+  int32_t* __restrict__ accepted = p.accepted;
+  int32_t* __restrict__ emitted = p.emitted;
+  const int n = p.n, vocab = p.vocab, accumulate = p.accumulate;
   __shared__ RowShared sh;
   const int b = blockIdx.x;
-  const Philox rng = make_philox(seed_arr, seed_val, seed_len, offset_arr, offset_val, offset_len, b);
+  const Philox rng = make_philox(p.seed_arr, p.seed_val, p.seed_len, p.offset_arr, p.offset_val,
+                                 p.offset_len, b);
   const T* draft = draft_probs + int64_t(b) * n * vocab;
   const T* target = target_probs + int64_t(b) * (n + 1) * vocab;
 

@@ -1,6 +1,18 @@
-"""Tensors in and out: DLPack from PyTorch, JAX and CuPy, dtype names, streams, JAX FFI."""
+"""Arrays in and out: PyTorch, JAX and CuPy arrays read directly, dtype names, streams, JAX FFI."""
 
 from .arrays import as_cupy, device_of, dtype_name, framework
-from .call import Out, run
+from .call import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, release
 
-__all__ = ["Out", "as_cupy", "device_of", "dtype_name", "framework", "run"]
+__all__ = [
+    "ArrayInfo",
+    "Op",
+    "OutSlot",
+    "Prepared",
+    "as_cupy",
+    "call",
+    "dense_strides",
+    "device_of",
+    "dtype_name",
+    "framework",
+    "release",
+]

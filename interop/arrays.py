@@ -1,15 +1,14 @@
-"""DLPack in and out without importing a framework the caller did not use.
-
-Inputs become CuPy views (zero-copy); fp8 tensors become uint8 views with their name kept by
-`dtype_name`. Outputs are allocated by the caller's framework (its allocator, its device), so
-torch in gives torch out and CuPy in gives CuPy out.
+"""Arrays of any framework without importing one the caller did not use: which framework an
+array comes from, its dtype name and device, host copies, and `as_cupy`, the zero-copy CuPy
+view (through DLPack) that the call path takes of producers other than PyTorch, CuPy and JAX.
+fp8 tensors become uint8 views with their name kept by `dtype_name`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .dtypes import FP8_DTYPES, normalize, numpy_dtype
+from .dtypes import FP8_DTYPES, normalize
 
 
 def framework(x) -> str:
@@ -23,23 +22,6 @@ def framework(x) -> str:
 def dtype_name(x) -> str:
     """Canonical dtype name of an array of any framework ("bfloat16", "float8_e4m3fn", ...)."""
     return normalize(x.dtype)
-
-
-def dense(x, name: str, output: bool = False):
-    """A CuPy array `x` as a C-contiguous one, for a kernel that takes it as a bare pointer:
-    an input is copied when it is not (on the current stream), an output raises."""
-    if x is None or x.flags.c_contiguous:
-        return x
-    if output:
-        raise ValueError(f"{name}: must be contiguous (written densely), got strides {x.strides}")
-    import cupy
-
-    if cupy.cuda.get_current_stream().is_capturing():  # a copy's buffer would not outlive it
-        raise ValueError(
-            f"{name}: a strided array cannot be made dense inside a CUDA-graph capture; pass "
-            f"a contiguous one (strides {x.strides})"
-        )
-    return cupy.ascontiguousarray(x)
 
 
 def _describe(x) -> str:
@@ -91,44 +73,6 @@ def device_of(x) -> int:
     return -1
 
 
-def empty(like, shape: tuple[int, ...], dtype: str):
-    """A new array on `like`'s device, allocated by `like`'s framework (torch or CuPy)."""
-    if framework(like) == "torch":
-        torch = sys.modules["torch"]
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
-    import cupy
-
-    with cupy.cuda.Device(like.device.id):
-        return cupy.empty(shape, dtype=numpy_dtype(dtype))
-
-
-def current_stream(like):
-    """The stream to launch on: the producer framework's current stream, as a CuPy stream."""
-    import cupy
-
-    if framework(like) == "torch":
-        torch = sys.modules["torch"]
-        return stream_from_ptr(torch.cuda.current_stream(like.device).cuda_stream)
-    return cupy.cuda.get_current_stream()
-
-
-class _StreamHandle:
-    """A raw cudaStream_t seen through the CUDA stream protocol."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def stream_from_ptr(ptr: int):
-    """A CuPy stream object for a stream some other library created (no ownership)."""
-    import cupy
-
-    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-
-
 def to_numpy(x):
     """A host NumPy array of any array or sequence; device arrays cost one device-to-host copy."""
     import numpy as np
@@ -139,19 +83,3 @@ def to_numpy(x):
     if fw == "cupy":
         return x.get()
     return np.asarray(x)
-
-
-def to_device(like, host):
-    """A device copy of NumPy array `host` in `like`'s framework, on `like`'s device."""
-    fw = framework(like)
-    if fw == "torch":
-        torch = sys.modules["torch"]
-        return torch.from_numpy(host).to(like.device)
-    if fw == "jax":  # a constant when traced inside jax.jit
-        import jax.numpy as jnp
-
-        return jnp.asarray(host)
-    import cupy
-
-    with cupy.cuda.Device(device_of(like)):
-        return cupy.asarray(host)

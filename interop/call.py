@@ -1,134 +1,491 @@
 """Run one op on the caller's arrays and hand results back in the caller's framework.
 
-Every op is a `launch(stream, ins, outs, **params)` over CuPy views. `run` builds those views:
-for PyTorch and CuPy inputs directly (outputs allocated by the caller's framework, launch on
-its current stream); for JAX inputs, eager or traced inside `jax.jit`, through the XLA FFI
-target, which calls the same `launch` on XLA's stream. An output that aliases input `j`
-updates that input in place (PyTorch, CuPy) or returns its new value (JAX, donatable).
+An op is an `Op`: fixed input slots (an absent optional input is None) and a `prepare`
+function that validates one call signature and returns a `Prepared` launch. `call` reads each
+array once, straight from its framework object (PyTorch: `data_ptr()`, `shape`, `stride()`,
+`dtype`; CuPy: `.data.ptr`, `shape`, `strides`, `dtype`), keys the prepared launch on the
+signature (shapes, strides, dtypes, devices, the pointers' common alignment, the op's static
+arguments), allocates the outputs with the caller's framework and launches on the caller's
+current stream. Only a new signature pays for validation, kernel choice and geometry.
+
+JAX arrays, eager or traced inside `jax.jit`, go through the XLA FFI target (jax_ffi): the
+launch is prepared when the call is traced, and the handler XLA runs passes it the buffers'
+pointers and XLA's stream. An output that aliases input `j` updates that input in place
+(PyTorch, CuPy) or returns its new value (JAX, donatable). Other producers of `__dlpack__`
+are taken as CuPy arrays.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from .arrays import (
-    as_cupy,
-    current_stream,
-    device_of,
-    dtype_name,
-    empty,
-    framework,
-    stream_from_ptr,
-)
-from .dtypes import numpy_dtype
+from .arrays import as_cupy, framework
+from .dtypes import normalize, numpy_dtype
+
+
+class ArrayInfo(NamedTuple):
+    """One argument as a prepare function sees it."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str  # canonical name; fp8 may arrive as its uint8 storage
+    device: int  # CUDA ordinal; -1 for host memory
+    offset: int = 0  # its address modulo 16
+
+    @property
+    def align(self) -> int:
+        """The largest power of two, at most 16, dividing its address (bytes)."""
+        return _align(self.offset)
+
+    @property
+    def itemsize(self) -> int:
+        return numpy_dtype(self.dtype).itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def contiguous(self) -> bool:
+        return self.strides == dense_strides(self.shape) or self.size <= 1
+
+
+def dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides (elements) of a dense array of `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
-class Out:
-    """One output: shape and dtype, plus the caller's `out=` array or the input it updates."""
+class OutSlot:
+    """An output: allocated (`source` None), or the array in input slot `source` (an `out=`
+    given by the caller, or an input updated in place: `alias`). `like`: a contiguous input
+    slot of the same shape and dtype, if any (allocating "like" it is cheaper; set by call)."""
 
     shape: tuple[int, ...]
     dtype: str
-    given: object = None
-    alias: int | None = None
+    source: int | None = None
+    alias: bool = False
+    like: int | None = None
 
 
-def run(launch: Callable, inputs: Sequence[tuple[str, object]], outputs: Sequence[Out], **params):
-    """Launch on (name, array) inputs; returns the outputs (one or a tuple) in the caller's type."""
-    first = inputs[0][1]
-    if framework(first) == "jax":
-        return _run_jax(launch, inputs, outputs, params)
-    device = _common_device(inputs, outputs)
-    import cupy
+@dataclass(eq=False)
+class Prepared:
+    """A validated call signature: its outputs and how to launch it.
 
-    with cupy.cuda.Device(device), current_stream(first) as stream:
-        ins = [as_cupy(x, name) for name, x in inputs]
-        natives, outs = [], []
-        for i, out in enumerate(outputs):
-            if out.alias is not None:
-                native, arr = inputs[out.alias][1], ins[out.alias]
-            elif out.given is not None:
-                native = out.given
-                _check_out(native, out, "out" if len(outputs) == 1 else f"out[{i}]")
-                arr = as_cupy(native, "out")
-            else:
-                native = empty(first, out.shape, out.dtype)
-                arr = native if framework(native) == "cupy" else as_cupy(native, "out")
-            natives.append(native)
-            outs.append(arr)
-        launch(stream, ins, outs, **params)
-    return natives[0] if len(natives) == 1 else tuple(natives)
+    run(stream, device, pointers, scalars): `pointers` holds one address per input slot (0
+    for absent ones) followed by one per output; `device` is current. `dense`: input slots
+    that must be contiguous, copied first when they are not (index arrays read as bare
+    pointers). `preload(device)` loads the kernels (before a CUDA-graph capture).
+
+    JAX: `command_buffer=False` when `run` reads state that may change between executions of
+    a compiled computation (XLA must then call it every time instead of replaying a recorded
+    launch); `on_trace()` is called when a JAX computation is built on it."""
+
+    outs: tuple[OutSlot, ...]
+    run: Callable[[int, int, list, tuple], None]
+    preload: Callable[[int], None] = lambda device: None
+    dense: tuple[int, ...] = ()
+    command_buffer: bool = True
+    on_trace: Callable[[], None] | None = None
+    keep: object = None  # what the launch reads that it owns (device memory of its own)
+    _jax: dict = field(default_factory=dict)
+    _handlers: list = field(default_factory=list)
 
 
-def _common_device(inputs, outputs) -> int:
-    """The one CUDA device of every array; host arrays and mixed devices raise, by name."""
-    arrays = list(inputs) + [
-        (f"out[{i}]", o.given) for i, o in enumerate(outputs) if o.given is not None
-    ]
-    devices = {}
-    for name, x in arrays:
-        devices[name] = device_of(x)
-        if devices[name] < 0:
-            as_cupy(x, name)  # raises the TypeError that names the argument
+class Op:
+    """A public op: its input slot names and `prepare(infos, align, static) -> Prepared`,
+    where `infos` are ArrayInfo (None for an absent slot) and `align` is the largest power of
+    two, at most 16, dividing every pointer (in bytes). `given`: the slots that hold outputs
+    given by the caller (`out=`), which JAX arrays cannot be."""
+
+    def __init__(self, name: str, slots: Sequence[str], prepare: Callable[..., Prepared],
+                 given: Sequence[str] = ()):  # fmt: skip
+        self.name, self.slots, self.prepare = name, tuple(slots), prepare
+        self.given = tuple(self.slots.index(g) for g in given)
+        self.cache: dict[tuple, Prepared] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Op({self.name})"
+
+
+def call(op: Op, arrays: Sequence, static: tuple = (), scalars: tuple = ()):
+    """Launch `op` on `arrays` (one per slot; None for absent ones); returns the outputs (one
+    or a tuple) in the caller's array type. `static` is part of the launch's key; `scalars`
+    are passed to each launch as they are."""
+    first = arrays[0]
+    kind = _KINDS.get(type(first)) or _kind(first)
+    if kind == "torch":
+        return _call_torch(op, arrays, static, scalars)
+    if kind == "cupy":
+        return _call_cupy(op, arrays, static, scalars)
+    if kind == "jax":
+        return _call_jax(op, arrays, static, scalars)
+    views = [None if x is None else as_cupy(x, n) for x, n in zip(arrays, op.slots, strict=True)]
+    return _call_cupy(op, views, static, scalars)
+
+
+# ---------------------------------------------------------------- framework detection
+
+_KINDS: dict[type, str] = {}
+
+
+def _kind(x) -> str:
+    kind = framework(x)
+    _KINDS[type(x)] = kind
+    return kind
+
+
+def _align(bits: int) -> int:
+    """The largest power of two <= 16 dividing every pointer whose bits were OR-ed together."""
+    bits &= 15
+    return 16 if bits == 0 else bits & -bits
+
+
+def _prepare(op: Op, key: tuple, infos, align: int, static: tuple) -> Prepared:
+    """The prepared launch of a new signature: host memory and mixed devices are refused by
+    name before the op's own checks."""
+    for name, info in zip(op.slots, infos, strict=True):
+        if info is not None and info.device < 0:
+            raise TypeError(
+                f"{name}: expected a CUDA array (CuPy, PyTorch or JAX), got host memory of "
+                f"shape {info.shape}; move it to the GPU first"
+            )
+    devices = {n: i.device for n, i in zip(op.slots, infos, strict=True) if i is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
-    return devices[inputs[0][0]]
+    prep = op.prepare(infos, align, static)
+    prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
+    with op._lock:
+        return op.cache.setdefault(key, prep)
 
 
-def _check_out(native, out: Out, name: str) -> None:
-    shape, dtype = tuple(native.shape), dtype_name(native)
-    if shape != tuple(out.shape) or dtype != out.dtype:
-        raise ValueError(
-            f"{name}: expected shape {tuple(out.shape)} and dtype {out.dtype}, "
-            f"got shape {shape} and dtype {dtype}"
-        )
+def _with_like(slot: OutSlot, infos) -> OutSlot:
+    if slot.source is not None:
+        return slot
+    for i, info in enumerate(infos):
+        if info is not None and info.shape == slot.shape and info.dtype == slot.dtype:
+            if info.contiguous and info.size:
+                return replace(slot, like=i)
+    return slot
 
 
-def _run_jax(launch, inputs, outputs, params):
+# ---------------------------------------------------------------- PyTorch
+
+
+@functools.cache
+def _torch():
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return torch, torch.Tensor, stream, torch.empty_like, _runtime().getDevice
+
+
+_TORCH_DTYPES: dict[str, object] = {}
+
+
+def _torch_dtype(name: str):
+    dtype = _TORCH_DTYPES.get(name)
+    if dtype is None:
+        dtype = _TORCH_DTYPES[name] = getattr(sys.modules["torch"], name)
+    return dtype
+
+
+def _torch_info(x, name: str) -> ArrayInfo | None:
+    if x is None:
+        return None
+    if not x.is_cuda:
+        raise TypeError(f"{name}: expected a CUDA tensor, got a torch.Tensor on {x.device}")
+    info = ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), x.get_device())
+    return info._replace(offset=x.data_ptr() & 15)
+
+
+def _call_torch(op: Op, arrays, static, scalars):
+    torch, tensor, raw_stream, empty_like, get_device = _torch()
+    key, ptrs, bits = [op, static], [], 0
+    for x in arrays:
+        if x is None:
+            key.append(None)
+            ptrs.append(0)
+        elif type(x) is tensor or isinstance(x, tensor):
+            p = x.data_ptr()
+            key.append((x.shape, x.stride(), x.dtype, x.get_device(), p & 15))
+            ptrs.append(p)
+            bits |= p
+        else:
+            return _mixed(op, arrays, static, scalars)
+    key.append(bits & 15)
+    key = tuple(key)
+    prep = op.cache.get(key)
+    if prep is None:
+        infos = [_torch_info(x, n) for x, n in zip(arrays, op.slots, strict=True)]
+        prep = _prepare(op, key, infos, _align(bits), static)
+    if prep.dense:
+        arrays, ptrs = _densify_torch(prep, arrays, ptrs)
+    first = arrays[0]
+    device = first.get_device()
+    results = []
+    for slot in prep.outs:
+        if slot.source is not None:
+            ptrs.append(ptrs[slot.source])
+            results.append(arrays[slot.source])
+            continue
+        if slot.like is not None:
+            t = empty_like(arrays[slot.like])
+        else:
+            t = torch.empty(slot.shape, dtype=_torch_dtype(slot.dtype), device=first.device)
+        ptrs.append(t.data_ptr())
+        results.append(t)
+    if get_device() == device:
+        prep.run(raw_stream(device), device, ptrs, scalars)
+    else:
+        with _on_device(device):
+            prep.run(raw_stream(device), device, ptrs, scalars)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _densify_torch(prep: Prepared, arrays, ptrs):
+    arrays, ptrs = list(arrays), list(ptrs)
+    for i in prep.dense:
+        x = arrays[i]
+        if x is not None and not x.is_contiguous():
+            arrays[i] = x.contiguous()
+            ptrs[i] = arrays[i].data_ptr()
+    return arrays, ptrs
+
+
+# ---------------------------------------------------------------- CuPy
+
+
+@functools.cache
+def _cupy():
+    import cupy
+
+    return cupy, cupy.ndarray, cupy.cuda.get_current_stream
+
+
+def _cupy_info(x) -> ArrayInfo | None:
+    if x is None:
+        return None
+    item, data = x.itemsize, x.data
+    strides = tuple(s // item for s in x.strides)
+    return ArrayInfo(tuple(x.shape), strides, normalize(x.dtype), data.device_id, data.ptr & 15)
+
+
+def _call_cupy(op: Op, arrays, static, scalars):
+    cupy, ndarray, current_stream = _cupy()
+    key, ptrs, bits = [op, static], [], 0
+    for x in arrays:
+        if x is None:
+            key.append(None)
+            ptrs.append(0)
+        elif type(x) is ndarray:
+            data = x.data
+            p = data.ptr
+            key.append((x.shape, x.strides, x.dtype, data.device_id, p & 15))
+            ptrs.append(p)
+            bits |= p
+        else:
+            return _mixed(op, arrays, static, scalars)
+    key.append(bits & 15)
+    key = tuple(key)
+    prep = op.cache.get(key)
+    if prep is None:
+        prep = _prepare(op, key, [_cupy_info(x) for x in arrays], _align(bits), static)
+    device = arrays[0].data.device_id
+    with _on_device(device):
+        if prep.dense:
+            arrays, ptrs = _densify_cupy(prep, arrays, ptrs)
+        results = []
+        for slot in prep.outs:
+            if slot.source is not None:
+                ptrs.append(ptrs[slot.source])
+                results.append(arrays[slot.source])
+                continue
+            if slot.like is not None:
+                a = cupy.empty_like(arrays[slot.like])
+            else:
+                a = cupy.empty(slot.shape, dtype=numpy_dtype(_storage(slot.dtype)))
+            ptrs.append(a.data.ptr)
+            results.append(a)
+        prep.run(current_stream().ptr, device, ptrs, scalars)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _storage(dtype: str) -> str:
+    return "uint8" if dtype.startswith("float8") else dtype
+
+
+def _densify_cupy(prep: Prepared, arrays, ptrs):
+    cupy = _cupy()[0]
+    arrays, ptrs = list(arrays), list(ptrs)
+    for i in prep.dense:
+        x = arrays[i]
+        if x is not None and not x.flags.c_contiguous:
+            if cupy.cuda.get_current_stream().is_capturing():  # a copy would not outlive it
+                raise ValueError(
+                    f"a strided array cannot be made dense inside a CUDA-graph capture; pass "
+                    f"a contiguous one (strides {x.strides})"
+                )
+            arrays[i] = cupy.ascontiguousarray(x)
+            ptrs[i] = arrays[i].data.ptr
+    return arrays, ptrs
+
+
+# ---------------------------------------------------------------- devices and mixed inputs
+
+
+@functools.cache
+def _runtime():
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
+class _on_device:
+    """Makes `device` current for the block when it is not, and restores the previous one."""
+
+    __slots__ = ("device", "previous")
+
+    def __init__(self, device: int):
+        self.device, self.previous = device, None
+
+    def __enter__(self):
+        runtime = _runtime()
+        current = runtime.getDevice()
+        if current != self.device:
+            self.previous = current
+            runtime.setDevice(self.device)
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            _runtime().setDevice(self.previous)
+
+
+def _mixed(op: Op, arrays, static, scalars):
+    """Arrays of several frameworks in one call: host arrays and unknown objects raise by name;
+    CUDA arrays of another framework are taken as views of the first one's kind."""
+    first_kind = _KINDS.get(type(arrays[0])) or _kind(arrays[0])
+    converted = []
+    for x, name in zip(arrays, op.slots, strict=True):
+        if x is None or framework(x) == first_kind:
+            converted.append(x)
+            continue
+        view = as_cupy(x, name)  # raises the TypeError that names a host array
+        if first_kind == "torch":
+            view = sys.modules["torch"].from_dlpack(view)
+        converted.append(view)
+    if first_kind == "torch":
+        return _call_torch(op, converted, static, scalars)
+    return _call_cupy(op, converted, static, scalars)
+
+
+# ---------------------------------------------------------------- JAX
+
+
+def _jax_info(x) -> ArrayInfo | None:
+    if x is None:
+        return None
+    return ArrayInfo(tuple(x.shape), dense_strides(x.shape), normalize(x.dtype), 0)
+
+
+def _call_jax(op: Op, arrays, static, scalars):
+    if any(arrays[i] is not None for i in op.given):
+        raise TypeError("out= is not supported for JAX arrays (they are immutable)")
+    key = ["jax", op, static]
+    for x in arrays:
+        key.append(None if x is None else (x.shape, x.dtype))
+    key = tuple(key)
+    prep = op.cache.get(key)
+    if prep is None:
+        for x, name in zip(arrays, op.slots, strict=True):
+            if x is not None:
+                _check_jax_array(x, name)
+        prep = _prepare(op, key, [_jax_info(x) for x in arrays], 16, static)
+    fn = prep._jax.get(scalars)
+    if fn is None:
+        fn = prep._jax[scalars] = _jax_callable(prep, [x is not None for x in arrays], scalars)
+    return fn(*[x for x in arrays if x is not None])
+
+
+def _check_jax_array(x, name: str) -> None:
+    import jax
+
+    if isinstance(x, jax.core.Tracer):  # traced inside jax.jit: XLA places it
+        return
+    platforms = {d.platform for d in x.devices()}
+    if platforms != {"gpu"}:
+        raise TypeError(f"{name}: expected a JAX array on a GPU, got one on {platforms}")
+
+
+def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
+    """A jitted function of the present inputs that runs `prep` through the FFI target."""
     import jax
 
     from . import jax_ffi
 
-    if any(out.given is not None for out in outputs):
-        raise TypeError("out= is not supported for JAX arrays (they are immutable)")
-    if "spec" in params:  # XLA buffers are dense and aligned: this spec is the one launched
-        from rtcinfer import jit
+    runtime = _runtime()
+    prep.preload(runtime.getDevice())
+    slots = [i for i, p in enumerate(present) if p]
+    n_slots = len(present)
 
-        jit.preload(params["spec"])
-    handler = _jax_handler(launch, tuple(sorted(params.items())))
-    shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in outputs]
-    aliases = {o.alias: i for i, o in enumerate(outputs) if o.alias is not None}
-    results = jax_ffi.ffi_call(
-        handler, [x for _, x in inputs], shapes, input_output_aliases=aliases or None
-    )
-    return results[0] if len(results) == 1 else tuple(results)
+    def launch(stream: int, ins: list[int], outs: list[int]) -> None:
+        ptrs = [0] * n_slots
+        bits = 0
+        for i, p in zip(slots, ins, strict=True):
+            ptrs[i] = p
+            bits |= p
+        for p in outs:
+            bits |= p
+        if bits & 15:
+            raise ValueError("XLA passed a buffer not aligned to 16 bytes")
+        ptrs += outs
+        prep.run(stream, runtime.getDevice(), ptrs, scalars)
+
+    handler = jax_ffi.add_launch_handler(launch)
+    prep._handlers.append(handler)
+    if prep.on_trace is not None:
+        prep.on_trace()
+    shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in prep.outs]
+    aliases = {slots.index(o.source): i for i, o in enumerate(prep.outs) if o.alias}
+    cb = prep.command_buffer
+
+    def run(*args):
+        results = jax_ffi.ffi_call(handler, args, shapes, input_output_aliases=aliases or None,
+                                   command_buffer=cb)  # fmt: skip
+        return results[0] if len(results) == 1 else tuple(results)
+
+    return jax.jit(run)
 
 
-@functools.cache
-def _jax_handler(launch, params: tuple) -> int:
-    """One FFI handler id per (launch, static params), reused by every trace."""
+def release(op: Op) -> None:
+    """Forget `op`'s prepared launches and unregister their JAX handlers (a compiled JAX
+    computation still using one raises when it runs)."""
+    with op._lock:
+        preps, op.cache = list(op.cache.values()), {}
+    if not any(p._handlers for p in preps):
+        return
     from . import jax_ffi
 
-    kwargs = dict(params)
-
-    def handler(stream_ptr: int, ins, outs) -> None:
-        stream = stream_from_ptr(stream_ptr)
-        launch(stream, [_view(b) for b in ins], [_view(b) for b in outs], **kwargs)
-
-    return jax_ffi.add_handler(handler)
+    for prep in preps:
+        for handler in prep._handlers:
+            jax_ffi.remove_handler(handler)
 
 
-def _view(buf):
-    """CuPy array over an XLA buffer (dense row-major); fp8 as uint8 storage."""
-    import cupy
-
-    dtype = numpy_dtype("uint8" if buf.dtype.startswith("float8") else buf.dtype)
-    size = dtype.itemsize
-    for n in buf.shape:
-        size *= n
-    # An empty buffer may come as a null pointer, whose device CuPy cannot look up.
-    device = cupy.cuda.runtime.getDevice() if buf.ptr == 0 else -1
-    memory = cupy.cuda.UnownedMemory(buf.ptr, size, None, device)
-    return cupy.ndarray(buf.shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+__all__ = ["ArrayInfo", "Op", "OutSlot", "Prepared", "call", "dense_strides", "release"]

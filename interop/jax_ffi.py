@@ -28,6 +28,7 @@ at least as large as the prefix this module knows before its fields are used.
 from __future__ import annotations
 
 import ctypes
+import struct
 import sys
 import threading
 import traceback
@@ -38,7 +39,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import jax
 
-__all__ = ["BufferView", "DTYPE_NAMES", "Handler", "add_handler", "ffi_call", "target_name"]
+__all__ = [
+    "BufferView",
+    "DTYPE_NAMES",
+    "Handler",
+    "add_handler",
+    "add_launch_handler",
+    "ffi_call",
+    "remove_handler",
+    "target_name",
+]
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ class _StreamGetArgs(ctypes.Structure):  # XLA_FFI_Stream_Get_Args
 # Function types: XLA_FFI_Error* f(Args*). Errors are opaque pointers (int or None).
 _ErrorCreateFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_ErrorCreateArgs))
 _StreamGetFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_StreamGetArgs))
-_TargetFn = ctypes.CFUNCTYPE(_void_p, ctypes.POINTER(_CallFrame))  # XLA_FFI_Handler
+_TargetFn = ctypes.CFUNCTYPE(_void_p, _void_p)  # XLA_FFI_Handler, taking the frame's address
 
 _SCALAR_CTYPES = {1: ctypes.c_bool, 2: ctypes.c_int8, 3: ctypes.c_int16, 4: ctypes.c_int32,
                   5: ctypes.c_int64, 6: ctypes.c_uint8, 7: ctypes.c_uint16, 8: ctypes.c_uint32,
@@ -185,8 +195,9 @@ class _PassThrough(Exception):
 # ---------------------------------------------------------------- handler table
 
 _lock = threading.Lock()
-_handlers: dict[int, Handler] = {}
+_handlers: dict[int, tuple[Callable, bool]] = {}  # id -> (fn, whether it takes bare pointers)
 _ids: dict[object, int] = {}
+_next_id = 1
 
 
 def _key(fn: object) -> object:
@@ -197,22 +208,42 @@ def _key(fn: object) -> object:
     return fn
 
 
-def add_handler(fn: Handler) -> int:
-    """Registers ``fn`` in the process-wide table and returns its id (stable for the same fn).
-
-    ``fn(stream_ptr, inputs, outputs)`` must launch its work on ``stream_ptr`` and not block.
-    Handlers stay registered for the life of the process.
-    """
+def _add(fn: object, pointers: bool) -> int:
+    global _next_id
     if not callable(fn):
         raise TypeError(f"handler must be callable, got {type(fn).__name__}")
     with _lock:
-        key = _key(fn)
+        key = (_key(fn), pointers)
         handler_id = _ids.get(key)
         if handler_id is None:
-            handler_id = len(_handlers) + 1
-            _handlers[handler_id] = fn
+            handler_id = _next_id
+            _next_id += 1
+            _handlers[handler_id] = (fn, pointers)
             _ids[key] = handler_id
         return handler_id
+
+
+def add_handler(fn: Handler) -> int:
+    """Registers ``fn`` in the process-wide table and returns its id (stable for the same fn).
+
+    ``fn(stream_ptr, inputs, outputs)`` must launch its work on ``stream_ptr`` and not block;
+    inputs and outputs are BufferViews. Handlers stay registered until removed.
+    """
+    return _add(fn, pointers=False)
+
+
+def add_launch_handler(fn: Callable[[int, list, list], None]) -> int:
+    """Like add_handler, for the hot path: ``fn(stream_ptr, in_ptrs, out_ptrs)`` gets the
+    buffers' device addresses only (ints; their shapes and dtypes were fixed at trace time)."""
+    return _add(fn, pointers=True)
+
+
+def remove_handler(handler_id: int) -> None:
+    """Forgets a handler (a later call of a computation that uses it raises)."""
+    with _lock:
+        entry = _handlers.pop(handler_id, None)
+        if entry is not None:
+            _ids.pop((_key(entry[0]), entry[1]), None)
 
 
 # ---------------------------------------------------------------- call frame decoding
@@ -252,6 +283,61 @@ def _buffers(items: _List, what: str) -> list[BufferView]:
     return views
 
 
+_DATA = _Buffer.data.offset
+_u64 = ctypes.c_uint64.from_address
+_i64 = ctypes.c_int64.from_address
+_i32 = ctypes.c_int32.from_address
+
+
+def _field(*path: str) -> int:
+    """Byte offset of a (nested) field of XLA_FFI_CallFrame."""
+    struct, at = _CallFrame, 0
+    for name in path:
+        desc = getattr(struct, name)
+        at += desc.offset
+        struct = dict(struct._fields_)[name]
+    return at
+
+
+# The hot path reads a call frame's header in one copy and picks these 8-byte words of it.
+_HEADER = struct.Struct(f"{_field('attrs') // 8 + 6}Q")  # up to the end of attrs.attrs
+_W = {name: _field(*name.split(".")) // 8 for name in (
+    "extension_start", "api", "ctx", "stage", "args.size", "args.items", "rets.size",
+    "rets.items", "attrs.size", "attrs.types", "attrs.attrs")}  # fmt: skip
+_W_EXT, _W_API, _W_CTX, _W_STAGE = (_W[k] for k in ("extension_start", "api", "ctx", "stage"))
+_W_ARGS = (_W["args.size"], _W["args.items"])
+_W_RETS = (_W["rets.size"], _W["rets.items"])
+_W_ATTRS = (_W["attrs.size"], _W["attrs.types"], _W["attrs.attrs"])
+_SCALAR = struct.Struct("iiQ")  # XLA_FFI_Scalar: dtype, padding, value pointer
+assert _SCALAR.size == ctypes.sizeof(_Scalar) and _Scalar.value.offset == 8
+
+
+def _header(frame: int) -> tuple:
+    if _u64(frame).value < _HEADER.size:
+        raise _FfiError(_INVALID_ARGUMENT, "XLA_FFI_CallFrame is too small")
+    return _HEADER.unpack(ctypes.string_at(frame, _HEADER.size))
+
+
+def _pointers(words: tuple, at: tuple[int, int]) -> list[int]:
+    """The data addresses of the frame's args or rets (the launch handlers' fast path: XLA
+    passes what the traced call declared, so only the addresses are read)."""
+    n, items = words[at[0]], words[at[1]]
+    if n == 0 or n >= 1 << 63:
+        return []
+    buffers = struct.unpack(f"{n}Q", ctypes.string_at(items, 8 * n))
+    return [_u64(b + _DATA).value for b in buffers]
+
+
+def _handler_id(frame: int, words: tuple) -> object:
+    """The int64 attribute "handler" (the only attribute our calls pass: read directly)."""
+    size, types, values = (words[i] for i in _W_ATTRS)
+    if size == 1 and _i32(types).value == _ATTR_SCALAR:
+        dtype, _, value = _SCALAR.unpack(ctypes.string_at(_u64(values).value, _SCALAR.size))
+        if dtype == 5:  # S64
+            return _i64(value).value
+    return _decode_attrs(_CallFrame.from_address(frame).attrs).get("handler")
+
+
 def _api_fn(frame: _CallFrame, field: str, proto: type) -> Callable | None:
     """The C API function in ``field`` of ``frame.api``, or None if this XLA lacks it."""
     if not frame.api:
@@ -271,11 +357,19 @@ def _make_error(frame: _CallFrame, code: int, message: str) -> int | None:
     return create(ctypes.byref(args))  # XLA copies the message
 
 
-def _stream(frame: _CallFrame) -> int:
-    get = _api_fn(frame, "stream_get", _StreamGetFn)
+_stream_getters: dict[int, Callable] = {}  # XLA_FFI_Api address -> its XLA_FFI_Stream_Get
+_STREAM_ARGS_SIZE = _end(_StreamGetArgs, "stream")
+
+
+def _stream(frame: int, words: tuple) -> int:
+    api = words[_W_API]
+    get = _stream_getters.get(api)
     if get is None:
-        raise _FfiError(_INTERNAL, "this XLA has no XLA_FFI_Stream_Get")
-    args = _StreamGetArgs(_end(_StreamGetArgs, "stream"), None, frame.ctx, None)
+        get = _api_fn(_CallFrame.from_address(frame), "stream_get", _StreamGetFn)
+        if get is None:
+            raise _FfiError(_INTERNAL, "this XLA has no XLA_FFI_Stream_Get")
+        _stream_getters[api] = get
+    args = _StreamGetArgs(_STREAM_ARGS_SIZE, None, words[_W_CTX], None)
     err = get(ctypes.byref(args))
     if err:
         raise _PassThrough(err)
@@ -300,16 +394,18 @@ def _answer_metadata(frame: _CallFrame, traits: int) -> bool:
     return False
 
 
-def _execute(frame: _CallFrame, on_gpu: bool) -> int | None:
-    if frame.struct_size < _end(_CallFrame, "attrs"):
-        raise _FfiError(_INVALID_ARGUMENT, "XLA_FFI_CallFrame is too small")
-    handler_id = _decode_attrs(frame.attrs).get("handler")
-    with _lock:
-        fn = _handlers.get(handler_id) if isinstance(handler_id, int) else None
-    if fn is None:
+def _execute(frame: int, words: tuple, on_gpu: bool) -> int | None:
+    handler_id = _handler_id(frame, words)
+    entry = _handlers.get(handler_id) if isinstance(handler_id, int) else None
+    if entry is None:
         raise _FfiError(_INVALID_ARGUMENT, f"no rtcinfer FFI handler with id {handler_id!r}")
-    inputs, outputs = _buffers(frame.args, "input"), _buffers(frame.rets, "output")
-    stream = _stream(frame) if on_gpu else 0
+    fn, pointers = entry
+    if pointers:
+        inputs, outputs = _pointers(words, _W_ARGS), _pointers(words, _W_RETS)
+    else:
+        struct_ = _CallFrame.from_address(frame)
+        inputs, outputs = _buffers(struct_.args, "input"), _buffers(struct_.rets, "output")
+    stream = _stream(frame, words) if on_gpu else 0
     try:
         fn(stream, inputs, outputs)
     except Exception as exc:
@@ -319,23 +415,28 @@ def _execute(frame: _CallFrame, on_gpu: bool) -> int | None:
     return None
 
 
-def _make_target(on_gpu: bool) -> _TargetFn:
-    traits = _COMMAND_BUFFER_COMPATIBLE if on_gpu else 0
+def _make_target(on_gpu: bool, command_buffer: bool = True) -> _TargetFn:
+    traits = _COMMAND_BUFFER_COMPATIBLE if on_gpu and command_buffer else 0
 
-    def target(frame_ptr):
-        if not frame_ptr:
+    def target(frame):  # the XLA_FFI_CallFrame's address
+        if not frame:
             return None
-        frame = frame_ptr.contents
         try:
-            if _answer_metadata(frame, traits) or frame.stage != _STAGE_EXECUTE:
+            if _u64(frame + 8).value and _answer_metadata(  # extension_start: a query?
+                _CallFrame.from_address(frame), traits
+            ):
                 return None
-            return _execute(frame, on_gpu)
+            words = _header(frame)
+            if words[_W_STAGE] & 0xFFFFFFFF != _STAGE_EXECUTE:
+                return None
+            return _execute(frame, words, on_gpu)
         except _PassThrough as exc:
             return exc.args[0]
         except _FfiError as exc:
-            return _make_error(frame, exc.code, str(exc))
+            return _make_error(_CallFrame.from_address(frame), exc.code, str(exc))
         except BaseException as exc:  # nothing may unwind into XLA
-            return _make_error(frame, _INTERNAL, f"rtcinfer FFI target failed: {exc!r}")
+            return _make_error(_CallFrame.from_address(frame), _INTERNAL,
+                               f"rtcinfer FFI target failed: {exc!r}")  # fmt: skip
 
     return _TargetFn(target)
 
@@ -348,22 +449,27 @@ _registered: set[str] = set()
 _register_lock = threading.Lock()
 
 
-def target_name(platform: str = "cuda") -> str:
-    """The FFI target name used for ``platform`` ("cuda" or "cpu")."""
+def target_name(platform: str = "cuda", command_buffer: bool = True) -> str:
+    """The FFI target name used for ``platform`` ("cuda" or "cpu"). On CUDA, calls whose
+    launch reads state that may change between executions (``command_buffer=False``) go to a
+    second target that does not declare command-buffer compatibility, so XLA calls it on
+    every execution instead of replaying a recorded launch."""
     key = platform.lower()
     if key not in _PLATFORMS:
         raise ValueError(f"unsupported platform {platform!r}; expected one of {sorted(_PLATFORMS)}")
-    return f"rtcinfer_{_PLATFORMS[key].lower()}"
+    live = "_live" if _PLATFORMS[key] == "CUDA" and not command_buffer else ""
+    return f"rtcinfer_{_PLATFORMS[key].lower()}{live}"
 
 
-def _ensure_registered(platform: str) -> str:
-    name = target_name(platform)
+def _ensure_registered(platform: str, command_buffer: bool = True) -> str:
+    name = target_name(platform, command_buffer)
     with _register_lock:
         if name not in _registered:
             import jax
 
             if name not in _targets:  # one callback per target, reused if registering is retried
-                _targets[name] = _make_target(on_gpu=name == "rtcinfer_cuda")
+                on_gpu = name.startswith("rtcinfer_cuda")
+                _targets[name] = _make_target(on_gpu, command_buffer)
             address = ctypes.cast(_targets[name], ctypes.c_void_p).value
             capsule = jax.ffi.pycapsule(address)
             jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[platform.lower()])
@@ -378,12 +484,14 @@ def ffi_call(
     *,
     input_output_aliases: dict[int, int] | None = None,
     platform: str = "cuda",
+    command_buffer: bool = True,
 ) -> list[jax.Array]:
     """Runs handler ``handler_id`` on ``args`` through XLA, eagerly or inside ``jax.jit``.
 
     ``out_shapes`` gives the shape and dtype of each output; ``input_output_aliases`` maps an
     input index to the output index that reuses its buffer. The FFI target for ``platform`` is
-    registered on first use. Returns the outputs as a list.
+    registered on first use; ``command_buffer=False`` picks the target XLA never records
+    (see target_name). Returns the outputs as a list.
     """
     import jax
     import numpy as np
@@ -392,6 +500,6 @@ def ffi_call(
         known = handler_id in _handlers
     if not known:
         raise KeyError(f"no rtcinfer FFI handler with id {handler_id!r}; use add_handler()")
-    name = _ensure_registered(platform)
+    name = _ensure_registered(platform, command_buffer)
     call = jax.ffi.ffi_call(name, list(out_shapes), input_output_aliases=input_output_aliases)
     return list(call(*args, handler=np.int64(handler_id)))

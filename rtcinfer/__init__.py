@@ -2,6 +2,12 @@
 
 __version__ = "0.1.0"
 
+try:  # loaded with the package, so that the first call does not pay for them
+    import cupy as _cupy  # noqa: F401
+    from cuda.bindings import driver as _driver  # noqa: F401
+except ImportError:  # the base install (no CUDA extra): planning and the CLI still work
+    pass
+
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from .cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
 from .decode import (  # noqa: E402

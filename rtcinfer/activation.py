@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
-from .interop import Out, dtype_name, run
+from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 THREADS, UNROLL = 128, 2
+
+
+class Activation(enum.IntEnum):
+    SILU = 0
+    GELU = 1
+    GELU_TANH = 2
+
+
+ACTIVATIONS = {"silu": Activation.SILU, "gelu": Activation.GELU, "gelu_tanh": Activation.GELU_TANH}
 
 
 @dataclass(frozen=True)
@@ -23,10 +31,11 @@ class ActivationSpec:
     vec: int
     source: ClassVar[str] = "activation.cu"
     kernels: ClassVar[tuple[str, ...]] = ("act_and_mul_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("ActivationParams",)  # crossing the seam
 
     def prelude(self) -> str:
         return jit.prelude(
-            ACT=ACTIVATIONS.index(self.act),
+            ACT=ACTIVATIONS[self.act],
             T=self.dtype,
             VEC=self.vec,
             THREADS=THREADS,
@@ -34,46 +43,58 @@ class ActivationSpec:
         )
 
 
-def _launch(stream, ins, outs, *, spec: ActivationSpec):
-    (x,), (y,) = ins, outs
-    d = y.shape[-1]
+def _prepare(infos, align: int, static: tuple) -> Prepared:
+    """Slots (input, out) -> one output [..., d]."""
+    (act,) = static
+    x, out = infos
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if not x.shape or x.shape[-1] % 2:
+        raise ValueError(f"input: the last dimension must be even (2 * d), got shape {x.shape}")
+    d = x.shape[-1] // 2
+    shape = (*x.shape[:-1], d)
+    if out is not None and (out.shape != shape or out.dtype != x.dtype):
+        raise ValueError(
+            f"out: expected shape {shape} and dtype {x.dtype}, "
+            f"got shape {out.shape} and dtype {out.dtype}"
+        )
+    y = out if out is not None else x._replace(shape=shape, strides=dense_strides(shape))
     rows, n1, ((xs0, xs1), (ys0, ys1)) = common_rows([x, y], ["input", "out"])
-    if rows == 0 or d == 0:
-        return
-    vec = fit_vec(spec.vec, itemsize(spec.dtype), [x.data.ptr, y.data.ptr], [xs0, xs1, ys0, ys1, d])
+    spec = ActivationSpec(act, x.dtype, widest_vec(max(d, 1), itemsize(x.dtype)))
+    vec = fit_vec(spec.vec, itemsize(spec.dtype), align, [xs0, xs1, ys0, ys1, d])
     if vec != spec.vec:
-        spec = ActivationSpec(spec.act, spec.dtype, vec)
-    fn = jit.get_function(spec, "act_and_mul_kernel")
+        spec = ActivationSpec(act, x.dtype, vec)
     tiles = -(-d // (THREADS * UNROLL * spec.vec))
-    args = (x, xs0, xs1, y, ys0, ys1, np.int32(n1), np.int32(d))
-    fn((rows, tiles, 1), (THREADS, 1, 1), args, stream=stream)
+    kernel = Kernel(spec, "act_and_mul_kernel", "ActivationParams")
+    launch = Launch(kernel, (rows, tiles, 1), (THREADS, 1, 1))
+    p = launch.params
+    p.xs0, p.xs1, p.os0, p.os1, p.n1, p.d = xs0, xs1, ys0, ys1, n1, d
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.x, p.out = ptrs[0], ptrs[2]
+            launch(stream, device)
+
+    return Prepared((OutSlot(shape, x.dtype, 1 if out is not None else None),), run,
+                    preload=launch.preload)  # fmt: skip
 
 
-def _act_and_mul(act: str, input, out):
-    dtype = dtype_name(input)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"input: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    shape = tuple(input.shape)
-    if not shape or shape[-1] % 2:
-        raise ValueError(f"input: the last dimension must be even (2 * d), got shape {shape}")
-    d = shape[-1] // 2
-    spec = ActivationSpec(act, dtype, widest_vec(d, itemsize(dtype)))
-    return run(_launch, [("input", input)], [Out((*shape[:-1], d), dtype, out)], spec=spec)
+_OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))
 
 
 def silu_and_mul(input, *, out=None):
     """out = silu(input[..., :d]) * input[..., d:], silu(a) = a * sigmoid(a). input: [..., 2d]."""
-    return _act_and_mul("silu", input, out)
+    return call(_OP, (input, out), ("silu",))
 
 
 def gelu_and_mul(input, *, out=None):
     """out = gelu(input[..., :d]) * input[..., d:], exact (erf) GELU. input: [..., 2d]."""
-    return _act_and_mul("gelu", input, out)
+    return call(_OP, (input, out), ("gelu",))
 
 
 def gelu_tanh_and_mul(input, *, out=None):
     """out = gelu_tanh(input[..., :d]) * input[..., d:], tanh-approximated GELU."""
-    return _act_and_mul("gelu_tanh", input, out)
+    return call(_OP, (input, out), ("gelu_tanh",))
 
 
 def specs_for(intermediate: int, dtypes=("bfloat16", "float16")) -> list[ActivationSpec]:

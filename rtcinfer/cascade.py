@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense
+from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import fit_vec, widest_vec
 from .plan._checks import INT32_MAX
 
@@ -33,6 +31,7 @@ class MergeSpec:
     mask: bool
     source: ClassVar[str] = "merge.cu"
     kernels: ClassVar[tuple[str, ...]] = ("merge_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("MergeParams",)  # crossing the seam
 
     def prelude(self) -> str:
         return jit.prelude(
@@ -43,62 +42,124 @@ class MergeSpec:
         )
 
 
-def _elem_strides(arr) -> list[int]:
-    return [s // arr.itemsize for s in arr.strides]
-
-
-def _launch(stream, ins, outs, *, spec: MergeSpec, num_a: int):
-    """ins: a_v [n, S, h, D], a_s [n, S, h] (viewed so), then b_v, b_s, mask as the spec says."""
-    a_v, a_s = ins[0], ins[1]
-    b_v, b_s = (ins[2], ins[3]) if spec.has_b else (a_v, a_s)
-    mask = ins[-1] if spec.mask else None
-    o_v, o_s = outs
-    if a_v.ndim == 3:  # one state per row: [n, h, D] as [n, 1, h, D]
-        a_v, a_s = a_v[:, None], a_s[:, None]
-    n, _, h, d = a_v.shape
-    rows = n * h
-    if rows == 0:
-        return
-    if rows * 32 > INT32_MAX:
-        raise ValueError(f"{n} x {h} rows of states exceed the kernel's int32 grid indexing")
-    arrays = [a_v, b_v, o_v]
-    for arr in arrays:
-        if d > 1 and arr.size and arr.strides[-1] != arr.itemsize:
-            raise ValueError(f"the head_dim of every v must be contiguous, got {arr.strides}")
-    strides = [s for arr in arrays for s in _elem_strides(arr)[:-1]]
-    vec = fit_vec(spec.vec, a_v.itemsize, [arr.data.ptr for arr in arrays], strides)
-    if vec != spec.vec:
-        spec = MergeSpec(spec.dtype, vec, spec.has_b, spec.mask)
-    fn = jit.get_function(spec, "merge_kernel")
-    args = (
-        a_v, *_elem_strides(a_v)[:3], a_s, *_elem_strides(a_s),
-        b_v, *_elem_strides(b_v)[:2], b_s, *_elem_strides(b_s)[:2],
-        o_v, *_elem_strides(o_v)[:2], o_s, *_elem_strides(o_s),
-        0 if mask is None else dense(mask, "mask"), np.int32(rows), np.int32(h), np.int32(d),
-        np.int32(num_a),
-    )  # fmt: skip
-    grid = -(-rows * 32 // THREADS)
-    fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
-
-
-def _check_state(v, s, name: str, ndim: int):
-    dtype = dtype_name(v)
+def _check_state(v, s, name: str, ndim: int) -> str:
+    dtype = v.dtype
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: v dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    if len(v.shape) != ndim or tuple(s.shape) != tuple(v.shape[:-1]):
+    if v.ndim != ndim or s.shape != v.shape[:-1]:
         raise ValueError(
             f"{name}: expected v of {ndim} dims and s of v's shape without head_dim, got v "
-            f"{tuple(v.shape)} and s {tuple(s.shape)}"
+            f"{v.shape} and s {s.shape}"
         )
-    if dtype_name(s) != "float32":
-        raise TypeError(f"{name}: s must be float32, got {dtype_name(s)}")
+    if s.dtype != "float32":
+        raise TypeError(f"{name}: s must be float32, got {s.dtype}")
     if v.shape[-1] == 0:
-        raise ValueError(f"{name}: head_dim must be at least 1, got v {tuple(v.shape)}")
+        raise ValueError(f"{name}: head_dim must be at least 1, got v {v.shape}")
     return dtype
 
 
-def _spec(dtype: str, head_dim: int, has_b: bool, mask: bool) -> MergeSpec:
-    return MergeSpec(dtype, widest_vec(max(head_dim, 1), itemsize(dtype)), has_b, mask)
+# The two-state ops' names in messages: (v, the other v, and their states for _check_state).
+_PAIR_NAMES = {
+    "merge_state": ("v_a", "v_b", "a", "b"),
+    "in_place": ("v", "v_other", "v", "v_other"),
+}
+
+
+def _check_two_states(op: str, v, s, v_b, s_b, mask) -> str:
+    names = _PAIR_NAMES[op]
+    dtype = _check_state(v, s, names[2], 3)
+    if _check_state(v_b, s_b, names[3], 3) != dtype or v_b.shape != v.shape:
+        raise ValueError(
+            f"{names[0]} ({dtype} {v.shape}) and {names[1]} ({v_b.dtype} {v_b.shape}) "
+            "must match in shape and dtype"
+        )
+    if mask is not None and (mask.shape != v.shape[:1] or mask.dtype not in ("bool", "uint8")):
+        raise ValueError(f"mask: expected bool [{v.shape[0]}], got {mask.dtype} {mask.shape}")
+    return dtype
+
+
+def _by_state(x, ndim: int) -> tuple[int, int, int]:
+    """(n, state, h) strides of v [n, S, h, D] / s [n, S, h]; one state per row (v [n, h, D],
+    s [n, h]) has a state stride of 0."""
+    st = x.strides
+    return (st[0], st[1], st[2]) if x.ndim == ndim else (st[0], 0, st[1])
+
+
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slots: merge_states (v, s); merge_state (v_a, s_a, v_b, s_b); in_place (v, s, v_other,
+    s_other, mask), whose outputs are v and s updated. Pointers: the slots', then the outputs'
+    (v, s)."""
+    (op,) = static
+    if op == "merge_states":
+        (a_v, a_s), b_v, b_s, mask = infos, None, None, None
+        dtype = _check_state(a_v, a_s, "v", 4)
+    else:
+        a_v, a_s, b_v, b_s = infos[:4]
+        mask = infos[4] if op == "in_place" else None
+        dtype = _check_two_states(op, a_v, a_s, b_v, b_s, mask)
+    n, h, d = a_v.shape[0], a_v.shape[-2], a_v.shape[-1]
+    if op == "in_place":
+        o_v, o_s = a_v, a_s
+        outs = (
+            OutSlot(a_v.shape, dtype, 0, alias=True),
+            OutSlot(a_s.shape, "float32", 1, alias=True),
+        )
+    else:
+        o_v = a_v._replace(shape=(n, h, d), strides=dense_strides((n, h, d)), offset=0)
+        o_s = a_s._replace(shape=(n, h), strides=dense_strides((n, h)), offset=0)
+        outs = (OutSlot(o_v.shape, dtype), OutSlot(o_s.shape, "float32"))
+    has_b, masked = b_v is not None, mask is not None
+    spec = MergeSpec(dtype, widest_vec(d, itemsize(dtype)), has_b, masked)
+    views = (a_v, b_v if has_b else a_v, o_v)
+    launch = _launch(spec, min(v.align for v in views), *views)
+    p = launch.params
+    p.a_vn, p.a_vs, p.a_vh = _by_state(a_v, 4)
+    p.a_sn, p.a_ss, p.a_sh = _by_state(a_s, 3)
+    if has_b:
+        (p.b_vn, p.b_vh), (p.b_sn, p.b_sh) = b_v.strides[:2], b_s.strides
+    (p.o_vn, p.o_vh), (p.o_sn, p.o_sh) = o_v.strides[:2], o_s.strides
+    p.rows, p.num_heads, p.head_dim = n * h, h, d
+    p.num_a = a_v.shape[1] if a_v.ndim == 4 else 1
+    o = len(infos)
+    a = o if op == "in_place" else 0  # in place: read through the outputs (XLA's copies)
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.a_v, p.a_s = ptrs[a], ptrs[a + 1]
+            if has_b:
+                p.b_v, p.b_s = ptrs[2], ptrs[3]
+            if masked:
+                p.mask = ptrs[4]
+            p.o_v, p.o_s = ptrs[o], ptrs[o + 1]
+            launch(stream, device)
+
+    dense = (4,) if masked and not mask.contiguous else ()  # read as a bare pointer
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
+
+
+def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:
+    """The launch over rows (n, h) of the v arrays (b_v: a_v when there is no b): one warp per
+    row. An empty batch launches nothing and, reading nothing, is not checked further."""
+    n, h, d = a_v.shape[0], a_v.shape[-2], a_v.shape[-1]
+    rows = n * h
+    if rows:
+        if rows * 32 > INT32_MAX:
+            raise ValueError(f"{n} x {h} rows of states exceed the kernel's int32 grid indexing")
+        for arr in (a_v, b_v, o_v):
+            if d > 1 and arr.size and arr.strides[-1] != 1:
+                strides = tuple(s * arr.itemsize for s in arr.strides)  # in bytes, as ever
+                raise ValueError(f"the head_dim of every v must be contiguous, got {strides}")
+        strides = [s for arr in (a_v, b_v, o_v) for s in arr.strides[:-1]]
+        vec = fit_vec(spec.vec, itemsize(spec.dtype), align, strides)
+        if vec != spec.vec:
+            spec = MergeSpec(spec.dtype, vec, spec.has_b, spec.mask)
+    grid = -(-rows * 32 // THREADS)
+    return Launch(Kernel(spec, "merge_kernel", "MergeParams"), (grid, 1, 1), (THREADS, 1, 1))
+
+
+_STATES = Op("merge_states", ("v", "s"), _prepare)
+_MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare)
+_IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare)
 
 
 def merge_state(v_a, s_a, v_b, s_b):
@@ -106,47 +167,14 @@ def merge_state(v_a, s_a, v_b, s_b):
 
     Returns (v [n, h, D] in v_a's dtype, s [n, h] float32) in the caller's array type.
     """
-    dtype = _check_state(v_a, s_a, "a", 3)
-    if _check_state(v_b, s_b, "b", 3) != dtype or tuple(v_b.shape) != tuple(v_a.shape):
-        raise ValueError(
-            f"v_a ({dtype} {tuple(v_a.shape)}) and v_b ({dtype_name(v_b)} {tuple(v_b.shape)}) "
-            "must match in shape and dtype"
-        )
-    shape = tuple(v_a.shape)
-    return run(
-        _launch,
-        [("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)],
-        [Out(shape, dtype), Out(shape[:-1], "float32")],
-        spec=_spec(dtype, shape[-1], True, False),
-        num_a=1,
-    )
+    return call(_MERGE, (v_a, s_a, v_b, s_b), ("merge_state",))
 
 
 def merge_state_in_place(v, s, v_other, s_other, mask=None):
     """(v, s) <- merge((v, s), (v_other, s_other)) where mask [n] (bool) is true (all rows
     without a mask). Shapes as merge_state. Returns (v, s): the updated arrays (new ones for
     JAX, whose arrays are immutable)."""
-    dtype = _check_state(v, s, "v", 3)
-    if _check_state(v_other, s_other, "v_other", 3) != dtype or v_other.shape != v.shape:
-        raise ValueError(
-            f"v ({dtype} {tuple(v.shape)}) and v_other ({dtype_name(v_other)} "
-            f"{tuple(v_other.shape)}) must match in shape and dtype"
-        )
-    ins = [("v", v), ("s", s), ("v_other", v_other), ("s_other", s_other)]
-    if mask is not None:
-        if tuple(mask.shape) != tuple(v.shape[:1]) or dtype_name(mask) not in ("bool", "uint8"):
-            raise ValueError(
-                f"mask: expected bool [{v.shape[0]}], got {dtype_name(mask)} {tuple(mask.shape)}"
-            )
-        ins.append(("mask", mask))
-    shape = tuple(v.shape)
-    return run(
-        _launch,
-        ins,
-        [Out(shape, dtype, alias=0), Out(shape[:-1], "float32", alias=1)],
-        spec=_spec(dtype, shape[-1], True, mask is not None),
-        num_a=1,
-    )
+    return call(_IN_PLACE, (v, s, v_other, s_other, mask), ("in_place",))
 
 
 def merge_states(v, s):
@@ -154,15 +182,7 @@ def merge_states(v, s):
 
     States merge in index order (deterministic). S = 0 gives v = 0 and s = -inf.
     """
-    dtype = _check_state(v, s, "v", 4)
-    n, num_states, h, d = tuple(v.shape)
-    return run(
-        _launch,
-        [("v", v), ("s", s)],
-        [Out((n, h, d), dtype), Out((n, h), "float32")],
-        spec=_spec(dtype, d, False, False),
-        num_a=num_states,
-    )
+    return call(_STATES, (v, s), ("merge_states",))
 
 
 __all__ = ["MergeSpec", "merge_state", "merge_state_in_place", "merge_states"]

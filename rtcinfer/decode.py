@@ -9,6 +9,7 @@ kernel (tensor cores for every group size).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -18,16 +19,18 @@ from .decode_kernel import (
     Config,
     check_cache_view,
     check_layout,
+    ctas_per_sm,
     half_tiles,
     kernel,
     kv_scales,
     make_config,
     token_head,
 )
-from .interop import Out, as_cupy, dtype_name, run
-from .interop.arrays import device_of, framework, to_numpy
-from .interop.dtypes import FP8_DTYPES
+from .interop import Op, OutSlot, Prepared, as_cupy, call, release
+from .interop.arrays import device_of, to_numpy
+from .interop.dtypes import FP8_DTYPES, itemsize
 from .jit import device_limits
+from .launch import Launch, is_capturing, record_event, wait_event
 from .plan._checks import INT32_MAX, as_int, as_int_array, first_bad
 from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, pack_plan
@@ -38,6 +41,16 @@ _UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item s
 
 # Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
 LONG_ITEM_TILES = 64
+
+
+def _weak_method(obj, name: str):
+    """obj.name(...) through a weak reference (a cache owned by obj must not keep it alive)."""
+    ref = weakref.ref(obj)
+
+    def method(*args):
+        return getattr(ref(), name)(*args)
+
+    return method
 
 
 def _lookahead(plan, tile: int) -> int:
@@ -88,18 +101,13 @@ def _same_key(a: tuple, b: tuple | None) -> bool:
 
 @dataclass(slots=True)
 class _Launch:
-    """Everything run() needs from the latest plan() (not frozen: a frozen dataclass costs a
+    """What run() needs from the latest plan() (not frozen: a frozen dataclass costs a
     microsecond more to build, and plan() builds one every step)."""
 
-    fn: object
-    grid: tuple
-    smem: int
-    o_shape: tuple
-    lse_shape: tuple
+    launch: Launch  # the kernel, its grid and its block: plan and configuration fields filled
     cfg: Config
+    batch: int  # rows of q and o
     max_page: int  # largest page id in kv_indices (-1 without pages)
-    pointers: tuple  # plan, partial o, partial lse, counters
-    scalars: tuple
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -126,10 +134,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
     upload and the next upload waits for that run (events, no host sync); a plan() on another
-    stream than the previous one synchronizes the device once. JAX: XLA's stream is not
-    ordered with ours, so once the wrapper has seen JAX arrays every plan() waits on the host
-    for its upload; inside jax.jit use use_cuda_graph=True (XLA may replay a recorded launch).
-    One run() at a time per wrapper: the merge counters are shared.
+    stream than the previous one synchronizes the device once. One run() at a time per
+    wrapper: the merge counters are shared.
+
+    JAX (eager or inside jax.jit): a run() traced with one plan serves every later plan of the
+    same batch size and configuration. A plain wrapper's launch follows each plan (its grid,
+    its kernel variant), so XLA calls it on every execution and never records it into a
+    command buffer; a use_cuda_graph wrapper's launch is fixed by its capacity, so XLA may
+    record it and replay it after later plans. Once it has run under JAX, every plan() waits on
+    the host for its upload. A traced run() holds the wrapper weakly: once the wrapper is
+    deleted, a computation that still calls it raises (a replayed command buffer would write
+    the freed workspace: keep the wrapper while its computations may run).
     """
 
     def __init__(
@@ -175,6 +190,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
         self._reserved = None  # the Capacity fields of the latest reserve()
         self._pointers = ()  # that layout's plan, o, lse and counters addresses
+        # run()'s prepared launches (validated signatures), owned by this wrapper; the JAX
+        # handlers made from them hold it weakly and are removed with it
+        self._op = Op("decode.run", ("q", "paged_kv_cache", "v_cache", "out", "lse"),
+                      _weak_method(self, "_prepare_run"), given=("out", "lse"))  # fmt: skip
+        weakref.finalize(self, release, self._op)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -207,12 +227,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if cfg is not self._cfg and cfg != self._cfg:
             num_sms, max_smem = device_limits(self._device)
             spec = cfg.spec(max_smem)
-            fn, ctas = kernel(spec, self._device)
-            self._cfg, self._kernel = cfg, (fn, spec, ctas, num_sms, cfg.scalars(), cfg.freq())
+            ctas = ctas_per_sm(spec, self._device)
+            self._cfg, self._kernel = cfg, (spec, ctas, num_sms, cfg.freq())
             if self._graph:  # the most work items an automatic split makes, or one per request
                 self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
         self._cfg_key = key  # only once _cfg is the configuration these arguments make
-        fn, spec, ctas, num_sms, scalars, freq = self._kernel
+        spec, ctas, num_sms, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
         kv_indices = _host_ints("indices", indices, widen=False)
         plan = plan_decode(
@@ -289,14 +309,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
             variant = replace(spec, lookahead=1)
         elif not self._graph:
             variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
-        if variant is not spec:
-            fn = kernel(variant, self._device)[0]
-        self._launch = _Launch(
-            fn, (cfg.kv_blocks, items, 1), variant.smem_bytes,
-            (plan.batch_size, cfg.num_qo_heads, cfg.head_dim),
-            (plan.batch_size, cfg.num_qo_heads), cfg, max_page,
-            self._pointers, scalars,
-        )  # fmt: skip
+        self._launch = _Launch(self._launch_of(variant, items, cfg), cfg, plan.batch_size,
+                               max_page)  # fmt: skip
+
+    def _launch_of(self, spec, items: int, cfg: Config) -> Launch:
+        """The launch of `spec` over `items` work items with the current workspace: the
+        previous one when nothing it holds changed (a plan's data lives in the workspace)."""
+        old = self._launch.launch if self._launch is not None else None
+        k = kernel(spec)
+        if (
+            old is not None
+            and old.kernel is k
+            and old.grid[1] == items
+            and self._launch.cfg is cfg
+            and old.params.plan == self._pointers[0]
+        ):
+            return old
+        launch = Launch(k, (cfg.kv_blocks, items, 1), (THREADS, 1, 1))
+        p = launch.params
+        p.plan, p.partial_o, p.partial_lse, p.counters = self._pointers
+        cfg.fill(p)
+        return launch
 
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse=False, enable_pdl=None, window_left=None):  # fmt: skip
@@ -317,111 +350,151 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"run(window_left={window_left!r}) differs from the plan's window_left "
                 f"({st.cfg.window_left}): pass None or plan() again"
             )
-        five_d = not isinstance(paged_kv_cache, (tuple, list))
-        caches = [("paged_kv_cache", paged_kv_cache)] if five_d else [
-            ("k_cache", paged_kv_cache[0]), ("v_cache", paged_kv_cache[1])]  # fmt: skip
-        self._check(q, caches, five_d)
-        outs = [Out(st.o_shape, st.cfg.o_dtype, out)]
-        if return_lse or lse is not None:
-            outs.append(Out(st.lse_shape, "float32", lse))
-        if framework(q) == "jax" and not self._jax:
-            self._jax = True
-            self._ws.last_upload().synchronize()
-        scales = kv_scales(k_scale, v_scale, q_scale)
-        result = run(_launch_decode, [("q", q), *caches], outs, wrapper=self, scales=scales)
+        if type(paged_kv_cache) is tuple or type(paged_kv_cache) is list:
+            k, v = paged_kv_cache
+        else:
+            k, v = paged_kv_cache, None
+        with_lse = return_lse or lse is not None
+        qk, vs = kv_scales(k_scale, v_scale, q_scale)
+        scalars = (st.cfg.sm_scale * qk, vs)
+        result = call(self._op, (q, k, v, out, lse), (st.cfg, st.batch, with_lse), scalars)
         if return_lse:
             return result
-        return result[0] if len(outs) > 1 else result
+        return result[0] if with_lse else result
 
-    def _check(self, q, caches, five_d: bool) -> None:
-        cfg = self._launch.cfg
-        if tuple(q.shape) != self._launch.o_shape or dtype_name(q) != cfg.q_dtype:
+    def _prepare_run(self, infos, align, static) -> Prepared:
+        """Validate run()'s arrays against the plan's configuration (once per signature)."""
+        cfg, batch, with_lse = static
+        q, k, v, out, lse = infos
+        five_d = v is None
+        o_shape, lse_shape = (batch, cfg.num_qo_heads, cfg.head_dim), (batch, cfg.num_qo_heads)
+        if q.shape != o_shape or q.dtype != cfg.q_dtype:
             raise ValueError(
-                f"q: expected shape {self._launch.o_shape} and dtype {cfg.q_dtype} (the plan), "
-                f"got {tuple(q.shape)} and {dtype_name(q)}"
+                f"q: expected shape {o_shape} and dtype {cfg.q_dtype} (the plan), "
+                f"got {q.shape} and {q.dtype}"
             )
         tokens_heads = (cfg.page_size, cfg.num_kv_heads)
         if self._kv_layout == "HND":
             tokens_heads = tokens_heads[::-1]
         # fp8 may arrive as its uint8 bytes (CuPy has no fp8 dtype): plan() declared the type
         storage = (cfg.kv_dtype, "uint8") if cfg.kv_dtype in FP8_DTYPES else (cfg.kv_dtype,)
+        caches = [("paged_kv_cache", k)] if five_d else [("k_cache", k), ("v_cache", v)]
         for name, cache in caches:
-            shape = tuple(cache.shape)
             expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)
-            if shape[1:] != expect or dtype_name(cache) not in storage:
+            if cache.shape[1:] != expect or cache.dtype not in storage:
                 raise ValueError(
                     f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
-                    f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got {shape} and "
-                    f"{dtype_name(cache)}"
+                    f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got "
+                    f"{cache.shape} and {cache.dtype}"
                 )
-            if self._launch.max_page >= shape[0]:
+        outs = [OutSlot(o_shape, cfg.o_dtype, 3 if out is not None else None)]
+        for name, given, shape, dtype in (("out", out, o_shape, cfg.o_dtype),
+                                          ("lse", lse, lse_shape, "float32")):  # fmt: skip
+            if given is not None and (given.shape != shape or given.dtype != dtype):
                 raise ValueError(
-                    f"indices holds page id {self._launch.max_page}, but {name} has "
-                    f"{shape[0]} pages"
+                    f"{name}: expected shape {shape} and dtype {dtype}, "
+                    f"got shape {given.shape} and dtype {given.dtype}"
                 )
+        if with_lse:
+            outs.append(OutSlot(lse_shape, "float32", 4 if lse is not None else None))
+        num_pages = k.shape[0]
+        empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
+        fields = {} if empty else _run_fields(q, k, v, out, lse, self._kv_layout, cfg)
+        v_offset = k.strides[1] * itemsize(k.dtype) if five_d else 0
+        graph = self._graph
+        ref = weakref.ref(self)
 
-    def _run(self, stream, ins, outs, scales) -> None:
-        st = self._launch
-        q, o = ins[0], outs[0]
-        if q.size == 0:  # an empty batch: nothing to write (CuPy gives empty arrays 0 strides)
-            return
-        if len(ins) == 2:  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
-            k = v = ins[1]
-            v_ptr = k.data.ptr + k.strides[1]
-        else:
-            k, v = ins[1], ins[2]
-            v_ptr = v.data.ptr
-        strides = []
-        for name, arr, ptr in (("k", k, k.data.ptr), ("v", v, v_ptr)):
-            dims, (token, head) = token_head(arr.shape, arr.strides, self._kv_layout)
-            page = arr.strides[0]
-            check_cache_view(name, ptr, (arr.shape[0], *dims), (page, token, head),
-                             arr.itemsize, arr.strides[-1])  # fmt: skip
-            strides.append((page, token, head))
-        lse = outs[1] if len(outs) > 1 else None
-        if (
-            q.strides[2] != q.itemsize
-            or o.strides[2] != o.itemsize
-            or (lse is not None and lse.strides[1] != 4)
-        ):
-            raise ValueError(
-                f"q, out and lse must be contiguous in their last dimension, got strides (bytes) "
-                f"q {q.strides}, out {o.strides}, lse {None if lse is None else lse.strides}"
-            )
-        if st.grid[1] == 0:
-            return
-        if self._graph and stream.is_capturing():  # later plans must fit the captured rows
-            batch = st.o_shape[0]
-            self._captured = batch if self._captured is None else min(self._captured, batch)
-        self._order(stream)
-        qi, oi = q.itemsize, o.itemsize
-        args = (
-            q.data.ptr, q.strides[0] // qi, q.strides[1] // qi, k.data.ptr, *strides[0], v_ptr,
-            *strides[1], o.data.ptr, o.strides[0] // oi, o.strides[1] // oi,
-            0 if lse is None else lse.data.ptr, 0 if lse is None else lse.strides[0] // 4,
-            *st.pointers, *st.scalars, np.float32(st.cfg.sm_scale * scales[0]),
-            np.float32(st.cfg.logits_soft_cap), np.float32(scales[1]),
-        )  # fmt: skip
-        st.fn(st.grid, (THREADS, 1, 1), args, shared_mem=st.smem, stream=stream)
+        def run(stream, device, ptrs, scalars):
+            wrapper = ref()
+            if wrapper is None:
+                raise RuntimeError("the BatchDecodeWithPagedKVCacheWrapper was deleted")
+            st = wrapper._launch
+            if st.batch != batch or (st.cfg is not cfg and st.cfg != cfg):
+                raise RuntimeError(
+                    "plan() changed the batch or configuration since this run() was traced; "
+                    "trace it again"
+                )
+            if st.max_page >= num_pages:
+                raise ValueError(
+                    f"indices holds page id {st.max_page}, but the cache has {num_pages} pages"
+                )
+            if empty:
+                return
+            launch = st.launch
+            with launch.lock:
+                p = launch.params
+                if launch.tag is not fields:
+                    for name, value in fields.items():
+                        setattr(p, name, value)
+                    launch.tag = fields
+                p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
+                p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
+                p.lse = ptrs[6] if with_lse else 0
+                p.qk_scale, p.v_scale = scalars
+                if launch.empty:
+                    return
+                if graph and is_capturing(stream):  # later plans must fit the captured rows
+                    wrapper._captured = min(batch, wrapper._captured or batch)
+                wrapper._order(stream)
+                launch(stream, device)
 
-    def _order(self, stream) -> None:
+        def on_trace():
+            wrapper = ref()
+            if wrapper is not None and not wrapper._jax:
+                wrapper._jax = True  # later plans wait for their upload (XLA's stream is not ours)
+                wrapper._ws.last_upload().synchronize()
+
+        def preload(device):
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._launch.launch.preload(device)
+
+        return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,
+                        on_trace=on_trace)  # fmt: skip
+
+    def _order(self, stream: int) -> None:
         """Order a run on a stream other than the upload's after the upload, and the next
         upload after this run (an event per such stream; skipped while it is being captured)."""
         import cupy
 
-        if stream.ptr == self._ws.stream_ptr or stream.is_capturing():
+        if stream == self._ws.stream_ptr or is_capturing(stream):
             return
-        stream.wait_event(self._ws.last_upload())
-        event = self._run_events.get(stream.ptr)
+        wait_event(stream, self._ws.last_upload().ptr)
+        event = self._run_events.get(stream)
         if event is None:
             event = cupy.cuda.Event(block=False, disable_timing=True)
-            self._run_events[stream.ptr] = event
-        event.record(stream)
-        self._unwaited.add(stream.ptr)
+            self._run_events[stream] = event
+        record_event(event.ptr, stream)
+        self._unwaited.add(stream)
 
 
-def _launch_decode(stream, ins, outs, *, wrapper, scales):
-    wrapper._run(stream, ins, outs, scales)
+def _run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:
+    """The DecodeParams fields of run()'s arrays that depend only on their signature: strides
+    (elements for q, o and lse; bytes for the caches), after checking what the kernel needs."""
+    five_d = v is None
+    fields = {}
+    item = itemsize(k.dtype)
+    for name, arr in (("k", k), ("v", k if five_d else v)):
+        dims, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
+        offset = arr.offset
+        if five_d and name == "v":  # V is K shifted by one step of dim 1
+            offset = (offset + arr.strides[1] * item) % 16
+        strides = tuple(s * item for s in (arr.strides[0], token, head))
+        check_cache_view(name, offset, (arr.shape[0], *dims), strides, item,
+                         arr.strides[-1] * item)  # fmt: skip
+        fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
+    o_strides = (
+        out.strides if out is not None else (cfg.num_qo_heads * cfg.head_dim, cfg.head_dim, 1)
+    )
+    lse_strides = lse.strides if lse is not None else (cfg.num_qo_heads, 1)
+    if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
+        raise ValueError(
+            f"q, out and lse must be contiguous in their last dimension, got strides (elements) "
+            f"q {q.strides}, out {o_strides}, lse {lse_strides}"
+        )
+    fields.update(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
+                  o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
+    return fields
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

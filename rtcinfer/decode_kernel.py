@@ -7,6 +7,7 @@ cap and the pipeline shape; everything per step (lengths, page ids) arrives thro
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -16,9 +17,19 @@ import numpy as np
 
 from . import jit
 from .interop.dtypes import FP8_DTYPES, itemsize, normalize
+from .launch import Kernel
 from .plan._checks import INT32_MAX, as_int
 
-POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+class PosEncoding(enum.IntEnum):
+    """pos_encoding_mode (FlashInfer's names): RoPE on q and k in the kernel, or ALiBi."""
+
+    NONE = 0
+    ROPE_LLAMA = 1
+    ALIBI = 2
+
+
+POS_ENCODING_MODES = tuple(m.name for m in PosEncoding)
 KV_LAYOUTS = ("NHD", "HND")
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = ("float16", "bfloat16")
@@ -42,6 +53,7 @@ class DecodeSpec:
     lookahead: int = 0  # K/V tiles in flight ahead of the one computed; 0: stages - 1
     source: ClassVar[str] = "decode.cu"
     kernels: ClassVar[tuple[str, ...]] = ("decode_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("DecodeParams", "DecodeWorkItem")
 
     @property
     def tile(self) -> int:
@@ -67,18 +79,16 @@ class DecodeSpec:
         return self.ring_bytes + q_rows + freq + 2 * 4 * heads * 4 + 16
 
     def prelude(self) -> str:
-        kv_fp8 = {"float8_e4m3fn": 1, "float8_e5m2": 2}.get(self.kv_dtype, 0)
         return jit.prelude(
             QT=self.q_dtype,
             KVT=self.kv_dtype,
             OT=self.o_dtype,
             HEAD_DIM=self.head_dim,
             HEAD_TILES=self.head_tiles,
-            POS_ENCODING=POS_ENCODING_MODES.index(self.pos_encoding_mode),
+            POS_ENCODING=PosEncoding[self.pos_encoding_mode],
             SOFT_CAP=self.soft_cap,
             STAGES=self.stages,
             TOKEN_GROUPS=self.token_groups,
-            KV_FP8=kv_fp8,
             LOOKAHEAD=self.lookahead,
             SMEM_BYTES=self.smem_bytes,
         )
@@ -161,13 +171,14 @@ def rope_frequencies(head_dim: int, rope_scale: float, rope_theta: float) -> np.
 
 
 @functools.cache
-def kernel(spec: DecodeSpec, device_id: int):
-    """(loaded kernel, resident CTAs per SM for the planner) on a device."""
-    from cupy_backends.cuda.api import driver
+def kernel(spec: DecodeSpec) -> Kernel:
+    return Kernel(spec, "decode_kernel", "DecodeParams", spec.smem_bytes)
 
-    fn = jit.get_function(spec, "decode_kernel", device_id, dynamic_smem=spec.smem_bytes)
-    ctas = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, spec.smem_bytes)
-    return fn, max(1, min(MAX_CTAS_PER_SM, ctas))
+
+@functools.cache
+def ctas_per_sm(spec: DecodeSpec, device_id: int) -> int:
+    """Resident CTAs per SM of the kernel on a device, as the planner is told (at most 4)."""
+    return max(1, min(MAX_CTAS_PER_SM, kernel(spec).occupancy(device_id, THREADS)))
 
 
 @dataclass(frozen=True)
@@ -205,12 +216,15 @@ class Config:
             self.pos_encoding_mode, self.logits_soft_cap > 0, max_smem,
         )  # fmt: skip
 
-    def scalars(self) -> tuple:
-        """num_qo_heads, group_size, page_size, div magic, div shift, window_left (kernel args)."""
-        magic, shift = fast_div(self.page_size)
-        return (np.int32(self.num_qo_heads), np.int32(self.group_size),
-                np.int32(self.page_size), np.uint32(magic), np.int32(shift),
-                np.int32(self.window_left))  # fmt: skip
+    def fill(self, p) -> None:
+        """The configuration's fields of a DecodeParams block."""
+        p.num_qo_heads, p.group_size, p.page_size = (
+            self.num_qo_heads,
+            self.group_size,
+            self.page_size,
+        )
+        p.div_magic, p.div_shift = fast_div(self.page_size)
+        p.window_left, p.soft_cap = self.window_left, self.logits_soft_cap
 
     def freq(self):
         if self.pos_encoding_mode != "ROPE_LLAMA":

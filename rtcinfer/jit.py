@@ -7,6 +7,7 @@ prelude (`prelude()`: constexpr values and type aliases). Everything else is a k
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import json
@@ -21,8 +22,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import __version__
+from . import params
 from .interop.dtypes import cuda_type
+from .params import StructLayout
+from .toolchain import cache_dir, fingerprint, header_dir, nvrtc_version
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _MAGIC = b"RTCI1\n"
@@ -51,83 +54,21 @@ class Compiled:
     cache_hit: bool
 
 
-def cache_dir() -> Path:
-    """RTCINFER_CACHE_DIR (an empty value counts as unset), else ~/.cache/rtcinfer; absolute."""
-    return Path(os.environ.get("RTCINFER_CACHE_DIR") or "~/.cache/rtcinfer").expanduser().absolute()
-
-
-@functools.cache
-def header_dir() -> str:
-    """Directory holding cuda_fp16.h / cuda_bf16.h / cuda_fp8.h (the CUDA runtime wheel)."""
-    try:
-        from cuda import pathfinder
-
-        found = pathfinder.find_nvidia_header_directory("cudart")
-    except Exception:  # noqa: BLE001 - any failure falls through to CUDA_HOME
-        found = None
-    if found is None:
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        if home and (Path(home) / "include" / "cuda_fp16.h").exists():
-            found = str(Path(home) / "include")
-    if found is None:
-        raise RuntimeError(
-            "CUDA headers not found: install rtcinfer[cuda13] (or [cuda12]) or set CUDA_HOME"
-        )
-    return found
-
-
-@functools.cache
-def nvrtc_version() -> str:
-    from cuda.bindings import nvrtc
-
-    _, major, minor = nvrtc.nvrtcVersion()
-    return f"{major}.{minor}"
-
-
-_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h",
-            "cuda_fp8.hpp")  # fmt: skip
-
-
-def _sample_digest(path: Path, chunk: int = 1 << 16) -> str:
-    """Size and a hash of three 64 KB slices (start, middle, end) of a large file: another
-    build of a library differs there, and reading 192 KB costs well under a millisecond."""
-    size = path.stat().st_size
-    digest = hashlib.blake2b(digest_size=8)
-    with path.open("rb") as f:
-        for at in (0, max(0, size // 2 - chunk // 2), max(0, size - chunk)):
-            f.seek(at)
-            digest.update(f.read(chunk))
-    return f"{size}:{digest.hexdigest()}"
-
-
-@functools.cache
-def _toolchain_fingerprint() -> str:
-    """The package version, the contents of the runtime headers kernels include (~1 ms to
-    hash) and the NVRTC libraries' names, sizes and sampled contents: the same toolchain
-    reinstalled, copied or moved keeps its cache, and a warm cache never loads NVRTC. NVRTC is
-    found beside the headers (cuda13 wheel), in the cuda_nvrtc wheel (cuda12), or else asked
-    for its version."""
-    root = Path(header_dir())
-    digest = hashlib.blake2b(digest_size=16)
-    for name in _HEADERS:
-        path = root / name
-        if path.exists():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
-    libs = sorted(
-        [*root.parent.glob("lib*/*nvrtc*"), *root.parent.parent.glob("cuda_nvrtc/lib*/*nvrtc*")]
-    )
-    parts = [__version__, digest.hexdigest(), *(f"{f.name}:{_sample_digest(f)}" for f in libs)]
-    if not libs:
-        parts.append(nvrtc_version())
-    return "|".join(parts)
-
-
-def prelude(**entries: str | int | bool) -> str:
+def prelude(**entries: str | int | bool | enum.Enum) -> str:
     """A spec's generated lines, in order: a dtype name (str) becomes `using NAME = <CUDA
-    type>;`, a bool `constexpr bool NAME = true|false;`, an int `constexpr int NAME = N;`."""
-    lines = []
+    type>;`, a bool `constexpr bool NAME = true|false;`, an int `constexpr int NAME = N;`, an
+    enum member `constexpr Kind NAME = Kind::MEMBER;` after the declaration of its enum class,
+    generated from the Python enum (names and values cross the seam together)."""
+    lines, declared = [], set()
     for name, value in entries.items():
-        if isinstance(value, str):
+        if isinstance(value, enum.Enum):
+            kind = type(value)
+            if kind not in declared:
+                declared.add(kind)
+                members = ", ".join(f"{m.name} = {int(m.value)}" for m in kind)
+                lines.append(f"enum class {kind.__name__} : int {{ {members} }};")
+            lines.append(f"constexpr {kind.__name__} {name} = {kind.__name__}::{value.name};")
+        elif isinstance(value, str):
             lines.append(f"using {name} = {cuda_type(value)};")
         elif isinstance(value, bool):
             lines.append(f"constexpr bool {name} = {str(value).lower()};")
@@ -141,43 +82,61 @@ def source_root():
     return resources.files("rtcinfer.cuda_src")
 
 
+def _expand(name: str, seen: set[str]) -> str:
+    """The text of cuda_src/`name` with our own includes inlined, each file once."""
+    if name in seen:
+        return ""
+    seen.add(name)
+    text = (source_root() / name).read_text()
+    return _INCLUDE.sub(lambda m: _expand(m.group(1), seen), text)
+
+
 def expand_source(spec) -> str:
     """common.cuh, then the spec's generated prelude, then its .cu file, own includes inlined."""
     seen: set[str] = set()
-    root = source_root()
+    return "\n".join([_expand("common.cuh", seen), spec.prelude(), _expand(spec.source, seen)])
 
-    def expand(name: str) -> str:
-        if name in seen:
-            return ""
-        seen.add(name)
-        text = (root / name).read_text()
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    return "\n".join([expand("common.cuh"), spec.prelude(), expand(spec.source)])
+@functools.cache
+def _struct_layout(source: str, name: str) -> StructLayout:
+    return params.struct_layout(_expand("common.cuh", set()) + _expand(source, set()), name)
+
+
+def struct_layout(spec, name: str) -> StructLayout:
+    """Layout of struct `name` as declared in the spec's sources (its .cu and headers)."""
+    return _struct_layout(spec.source, name)
+
+
+def source_layout(source: str, name: str) -> StructLayout:
+    """Layout of struct `name` as declared in cuda_src/`source` and the headers it includes."""
+    return _struct_layout(source, name)
+
+
+_HEADERS_FLAG = (
+    "-I<cuda headers>"  # where the headers lie is not part of the key; what they hold is
+)
+
+
+def _options(arch: str) -> list[str]:
+    """NVRTC's options with the header folder left as a placeholder (the key's form)."""
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "-lineinfo",
+            "-Xptxas=-v", _HEADERS_FLAG]  # fmt: skip
+    return opts + shlex.split(os.environ.get("RTCINFER_NVRTC_FLAGS", ""))
 
 
 def compile_options(arch: str) -> list[str]:
-    opts = [
-        f"--gpu-architecture={arch}",
-        "-std=c++17",
-        "-default-device",
-        "-lineinfo",
-        "-Xptxas=-v",
-        f"-I{header_dir()}",
-    ]
-    return opts + shlex.split(os.environ.get("RTCINFER_NVRTC_FLAGS", ""))
+    """NVRTC's options for `arch`, the header folder included."""
+    include = f"-I{header_dir()}"
+    return [include if o == _HEADERS_FLAG else o for o in _options(arch)]
 
 
 def spec_name(spec) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", repr(spec))[:120]
 
 
-def _entry_path(spec, source: str, options: list[str], arch: str) -> Path:
-    include = f"-I{header_dir()}"  # where the headers lie is not part of the key; what they hold is
-    keyed = ["-I<cuda headers>" if o == include else o for o in options]
-    key = hashlib.sha256(
-        "\0".join([source, *keyed, arch, _toolchain_fingerprint()]).encode()
-    ).hexdigest()
+def _entry_path(spec, source: str, arch: str) -> Path:
+    key = hashlib.sha256("\0".join([source, *_options(arch), arch, fingerprint()]).encode())
+    key = key.hexdigest()
     return cache_dir() / arch / f"{type(spec).__name__}-{key[:24]}.rtci"
 
 
@@ -286,8 +245,7 @@ def _nvrtc(source: str, name: str, options: list[str]) -> tuple[bytes | None, st
 def compile_spec(spec, arch: str) -> Compiled:
     """CUBIN of `spec` for `arch` (e.g. "sm_90a"), from the disk cache or compiled now."""
     source = expand_source(spec)
-    options = compile_options(arch)
-    path = _entry_path(spec, source, options, arch)
+    path = _entry_path(spec, source, arch)
     if (entry := read_entry(path)) is not None:
         return Compiled(spec, arch, entry[1], path, entry[0], cache_hit=True)
     if os.environ.get("RTCINFER_NO_COMPILE") == "1":
@@ -297,7 +255,7 @@ def compile_spec(spec, arch: str) -> Compiled:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".cu").write_text(source)
     start = time.perf_counter()
-    cubin, log = _nvrtc(source, name, options)
+    cubin, log = _nvrtc(source, name, compile_options(arch))
     seconds = time.perf_counter() - start
     if cubin is None:
         dump = cache_dir() / "failed" / f"{path.stem}.cu"

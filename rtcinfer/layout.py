@@ -1,4 +1,6 @@
-"""How kernels see arrays: rows of a strided view, the widest aligned vector, row blocks."""
+"""How kernels see arrays: rows of a strided view, the widest aligned vector, row blocks.
+
+Arrays here are anything with `shape` and `strides` in elements (interop's ArrayInfo)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def common_rows(arrays, names) -> tuple[int, int, list[tuple[int, int]]]:
             raise ValueError(f"{names}: leading dimensions differ: {[a.shape for a in arrays]}")
     if 0 in shape or any(0 in arr.shape for arr in arrays):
         return 0, 1, [(0, 0)] * len(arrays)
-    strides = [[s // arr.itemsize for s in arr.strides] for arr in arrays]
+    strides = [list(arr.strides) for arr in arrays]
     for arr, name, st in zip(arrays, names, strides, strict=True):
         if arr.shape[-1] > 1 and st[-1] != 1:
             raise ValueError(
@@ -55,15 +57,11 @@ def common_rows(arrays, names) -> tuple[int, int, list[tuple[int, int]]]:
     return n0 * n1, n1, list(zip(st0, st1, strict=True))
 
 
-def fit_vec(vec: int, itemsize: int, pointers, strides) -> int:
-    """Largest power of two <= vec dividing every stride (elements), with pointers aligned to
-    min(16, vec * itemsize) bytes (a `Vec` wider than 16 bytes loads in 16-byte pieces)."""
-
-    def aligned(v: int) -> bool:
-        align = min(16, v * itemsize)
-        return not any(p % align for p in pointers) and not any(s % v for s in strides)
-
-    while vec > 1 and not aligned(vec):
+def fit_vec(vec: int, itemsize: int, align: int, strides) -> int:
+    """Largest power of two <= vec dividing every stride (elements), with the pointers'
+    common alignment `align` (bytes) at least min(16, vec * itemsize) (a `Vec` wider than 16
+    bytes loads in 16-byte pieces)."""
+    while vec > 1 and (align < min(16, vec * itemsize) or any(s % vec for s in strides)):
         vec //= 2
     return vec
 

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
-from .interop import Out, dtype_name, run
+from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
 
 MAX_SMEM = 200 * 1024  # a row must fit in shared memory (Hopper and Ampere allow ~227 KB)
-OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm")
+
+
+class NormOp(enum.IntEnum):
+    RMS = 0
+    GEMMA_RMS = 1
+    FUSED_ADD_RMS = 2
+    GEMMA_FUSED_ADD_RMS = 3
+    LAYER = 4
+
+
+OPS = {
+    "rmsnorm": NormOp.RMS,
+    "gemma_rmsnorm": NormOp.GEMMA_RMS,
+    "fused_add_rmsnorm": NormOp.FUSED_ADD_RMS,
+    "gemma_fused_add_rmsnorm": NormOp.GEMMA_FUSED_ADD_RMS,
+    "layernorm": NormOp.LAYER,
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,7 @@ class NormSpec:
     threads: int
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("NormParams",)  # crossing the seam
 
     @property
     def smem(self) -> int:
@@ -34,7 +51,7 @@ class NormSpec:
 
     def prelude(self) -> str:
         return jit.prelude(
-            OP=OPS.index(self.op),
+            OP=OPS[self.op],
             T=self.dtype,
             W=self.weight_dtype,
             HIDDEN=self.hidden,
@@ -56,44 +73,79 @@ def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | No
 
 
 def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
-    dtype, hidden = dtype_name(x), (x.shape[-1] if len(x.shape) else 0)
+    dtype, hidden = x.dtype, (x.shape[-1] if x.ndim else 0)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{names[0]}: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    if tuple(weight.shape) != (hidden,):
-        raise ValueError(f"{names[1]}: expected shape ({hidden},), got {tuple(weight.shape)}")
-    if dtype_name(weight) not in (dtype, "float32"):
-        raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {dtype_name(weight)}")
+    if weight.shape != (hidden,):
+        raise ValueError(f"{names[1]}: expected shape ({hidden},), got {weight.shape}")
+    if weight.dtype not in (dtype, "float32"):
+        raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {weight.dtype}")
     return hidden, dtype
 
 
-def _launch(stream, ins, outs, *, spec: NormSpec, eps: float):
-    fused = "fused" in spec.op
-    x, residual, y = (outs[0], outs[1], outs[0]) if fused else (ins[0], ins[0], outs[0])
-    weight = ins[2] if fused else ins[1]
-    bias = ins[2] if spec.op == "layernorm" else weight
-    rows, n1, layouts = common_rows([x, residual, y], ["input", "residual", "out"])
-    if rows == 0:
-        return
+def _check_out(out, shape: tuple, dtype: str, name: str = "out") -> None:
+    if out is not None and (out.shape != shape or out.dtype != dtype):
+        raise ValueError(
+            f"{name}: expected shape {shape} and dtype {dtype}, "
+            f"got shape {out.shape} and dtype {out.dtype}"
+        )
+
+
+def _prepare(infos, align: int, static: tuple) -> Prepared:
+    """Slots: plain ops (input, weight, beta, out) -> one output; fused ops (input, residual,
+    weight) -> (input, residual) updated in place. Pointers: the slots', then the outputs'."""
+    (op,) = static
+    fused = "fused" in op
+    if fused:
+        x, residual, weight = infos
+        hidden, dtype = _check(x, weight)
+        if residual.shape != x.shape or residual.dtype != dtype:
+            raise ValueError(
+                f"residual: expected shape {x.shape} and dtype {dtype}, "
+                f"got {residual.shape} and {residual.dtype}"
+            )
+        outs = (OutSlot(x.shape, dtype, 0, alias=True), OutSlot(x.shape, dtype, 1, alias=True))
+        arrays, names = [x, residual, x], ["input", "residual", "out"]
+    else:
+        x, weight, bias, out = infos
+        hidden, dtype = _check(x, weight)
+        if bias is not None:
+            _check(x, bias, ("input", "beta"))
+        _check_out(out, x.shape, dtype)
+        outs = (OutSlot(x.shape, dtype, 3 if out is not None else None),)
+        y = out if out is not None else x._replace(strides=dense_strides(x.shape))
+        arrays, names = [x, x, y], ["input", "residual", "out"]
+    rows, n1, layouts = common_rows(arrays, names)
     (xs0, xs1), (rs0, rs1), (ys0, ys1) = layouts
-    vec = fit_vec(
-        spec.vec,
-        itemsize(spec.dtype),
-        [a.data.ptr for a in (x, residual, y, weight, bias)],
-        [xs0, xs1, rs0, rs1, ys0, ys1],
-    )
+    spec = norm_spec(op, dtype, weight.dtype, hidden)
+    vec = fit_vec(spec.vec, itemsize(dtype), align, [xs0, xs1, rs0, rs1, ys0, ys1])
     if vec != spec.vec:
-        spec = norm_spec(spec.op, spec.dtype, spec.weight_dtype, spec.hidden, vec)
-    fn = jit.get_function(spec, "norm_kernel", dynamic_smem=spec.smem)
-    args = (x, xs0, xs1, residual, rs0, rs1, y, ys0, ys1, weight, bias, np.int32(n1))
-    args = (*args, np.float32(eps))
-    fn((rows, 1, 1), (spec.threads, 1, 1), args, shared_mem=spec.smem, stream=stream)
+        spec = norm_spec(op, dtype, weight.dtype, hidden, vec)
+    launch = Launch(Kernel(spec, "norm_kernel", "NormParams", spec.smem), (rows, 1, 1),
+                    (spec.threads, 1, 1))  # fmt: skip
+    p = launch.params
+    p.xs0, p.xs1, p.rs0, p.rs1, p.os0, p.os1, p.n1 = xs0, xs1, rs0, rs1, ys0, ys1, n1
+    layer = op == "layernorm"
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            if fused:  # the outputs: the input and the residual (their XLA copies for JAX)
+                p.x = p.out = ptrs[3]
+                p.residual = ptrs[4]
+                p.weight = p.bias = ptrs[2]
+            else:
+                p.x = p.residual = ptrs[0]
+                p.out = ptrs[4]
+                p.weight = ptrs[1]
+                p.bias = ptrs[2] if layer else ptrs[1]
+            p.eps = scalars[0]
+            launch(stream, device)
+
+    return Prepared(outs, run, preload=launch.preload)
 
 
-def _norm(op, x, weight, eps, out, bias=None):
-    hidden, dtype = _check(x, weight)
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
-    inputs = [("input", x), ("weight", weight)] + ([("beta", bias)] if bias is not None else [])
-    return run(_launch, inputs, [Out(tuple(x.shape), dtype, out)], spec=spec, eps=float(eps))
+_PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",))
+_FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare)
 
 
 def rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
@@ -103,12 +155,12 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
     input: [..., hidden] fp16/bf16/fp32 (rows may be strided); weight: [hidden], same dtype or
     fp32. Returns `out` (allocated when not given) in the caller's array type.
     """
-    return _norm("rmsnorm", input, weight, eps, out)
+    return call(_PLAIN, (input, weight, None, out), ("rmsnorm",), (float(eps),))
 
 
 def gemma_rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
     """Gemma's RMSNorm: out = input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)."""
-    return _norm("gemma_rmsnorm", input, weight, eps, out)
+    return call(_PLAIN, (input, weight, None, out), ("gemma_rmsnorm",), (float(eps),))
 
 
 def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
@@ -116,26 +168,7 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
 
     gemma (the scale, FlashInfer's name for gamma), beta: [hidden], the input's dtype or fp32.
     """
-    _check(input, beta, ("input", "beta"))
-    return _norm("layernorm", input, gemma, eps, out, bias=beta)
-
-
-def _fused(op, input, residual, weight, eps):
-    hidden, dtype = _check(input, weight)
-    if tuple(residual.shape) != tuple(input.shape) or dtype_name(residual) != dtype:
-        raise ValueError(
-            f"residual: expected shape {tuple(input.shape)} and dtype {dtype}, "
-            f"got {tuple(residual.shape)} and {dtype_name(residual)}"
-        )
-    spec = norm_spec(op, dtype, dtype_name(weight), hidden)
-    shape = tuple(input.shape)
-    return run(
-        _launch,
-        [("input", input), ("residual", residual), ("weight", weight)],
-        [Out(shape, dtype, alias=0), Out(shape, dtype, alias=1)],
-        spec=spec,
-        eps=float(eps),
-    )
+    return call(_PLAIN, (input, gemma, beta, out), ("layernorm",), (float(eps),))
 
 
 def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
@@ -145,12 +178,12 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     so the result equals `residual += input; input[:] = rmsnorm(residual)` done in two steps.
     Returns (input, residual); for JAX arrays (immutable) these are the new values.
     """
-    return _fused("fused_add_rmsnorm", input, residual, weight, eps)
+    return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm",), (float(eps),))
 
 
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
-    return _fused("gemma_fused_add_rmsnorm", input, residual, weight, eps)
+    return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
 
 
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:

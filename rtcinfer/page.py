@@ -16,13 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
 from .decode_kernel import KV_LAYOUTS, fast_div, token_head
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense, framework
+from .interop import Op, OutSlot, Prepared, call, dtype_name
+from .interop.arrays import framework
 from .interop.dtypes import itemsize
+from .launch import Kernel, Launch
 from .plan import page as host_page
 from .plan._checks import as_int
 
@@ -38,6 +37,11 @@ class PageSpec:
         "append_kernel",
         "seq_lens_kernel",
         "batch_indices_positions_kernel",
+    )
+    structs: ClassVar[tuple[str, ...]] = (  # crossing the seam
+        "AppendParams",
+        "SeqLensParams",
+        "BatchIndicesPositionsParams",
     )
 
     def prelude(self) -> str:
@@ -56,8 +60,8 @@ def _on_device(x) -> bool:
 
 
 def _int32(name: str, x) -> None:
-    if dtype_name(x) != "int32":
-        raise TypeError(f"{name}: device index arrays must be int32, got {dtype_name(x)}")
+    if x.dtype != "int32":
+        raise TypeError(f"{name}: device index arrays must be int32, got {x.dtype}")
 
 
 def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
@@ -65,55 +69,138 @@ def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
     _int32(indptr_name, indptr)
     _int32(rows_name, rows)
     batch = rows.shape[0]
-    if tuple(indptr.shape) != (batch + 1,):
-        raise ValueError(f"{indptr_name} must have shape ({batch + 1},), got {tuple(indptr.shape)}")
+    if indptr.shape != (batch + 1,):
+        raise ValueError(f"{indptr_name} must have shape ({batch + 1},), got {indptr.shape}")
     return batch
 
 
-def _append_launch(stream, ins, outs, *, kv_layout: str, row_bytes: int):
-    key, value = ins[:2]
-    batch_indices, positions = dense(ins[2], "batch_indices"), dense(ins[3], "positions")
-    kv_indices, kv_indptr = dense(ins[-2], "kv_indices"), dense(ins[-1], "kv_indptr")
-    nnz, num_heads = key.shape[0], key.shape[1]
-    if nnz == 0 or num_heads == 0:
-        return
-    if len(outs) == 1:  # one [pages, 2, ...] cache: V is K shifted by one step of dim 1
-        cache = outs[0]
-        k_ptr, v_ptr = cache.data.ptr, cache.data.ptr + cache.strides[1]
-        caches = ((cache, k_ptr), (cache, v_ptr))
-    else:
-        caches = ((outs[0], outs[0].data.ptr), (outs[1], outs[1].data.ptr))
-    strides = []
-    for arr, _ in caches:
-        _, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
-        strides += [arr.strides[0], token, head]
-    src = [key.strides[0], key.strides[1], value.strides[0], value.strides[1]]
-    pointers = [key.data.ptr, value.data.ptr, caches[0][1], caches[1][1]]
-    vec = 16
-    while vec > 1 and (row_bytes % vec or any(v % vec for v in pointers + src + strides)):
-        vec //= 2
-    cache_names = ("paged_kv_cache",) * 2 if len(outs) == 1 else ("k_cache", "v_cache")
-    named = [("append_key", key), ("append_value", value)]
-    named += [(name, arr) for name, (arr, _) in zip(cache_names, caches, strict=True)]
-    for name, arr in named:
-        if arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
+def _check_layout(kv_layout) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def _pair_error(shapes) -> ValueError:
+    return ValueError(
+        f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one shape and dtype, "
+        f"got {shapes}"
+    )
+
+
+def _check_cache(caches, kv_layout: str) -> tuple[str, int, int]:
+    """(dtype, heads, head_dim) of the cache: one [pages, 2, ...] array or a (k, v) pair."""
+    _check_layout(kv_layout)
+    pair = len(caches) == 2
+    dtype = caches[0].dtype
+    inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
+    if pair and (
+        any(c.ndim != 4 or c.dtype != dtype for c in caches) or caches[0].shape != caches[1].shape
+    ):
+        raise _pair_error([(c.shape, c.dtype) for c in caches])
+    if not pair and (caches[0].ndim != 5 or caches[0].shape[1] != 2):
+        raise ValueError(f"paged_kv_cache must be [pages, 2, ...], got {caches[0].shape}")
+    (_, num_heads), _ = token_head(inner, (0, 0, 0), kv_layout)
+    return dtype, num_heads, inner[-1]
+
+
+def _check_append(key, value, batch_indices, positions, caches, table, kv_layout: str) -> str:
+    """The checks of append_paged_kv_cache's arguments (table: kv_indices, kv_indptr,
+    kv_last_page_len); returns the cache's dtype."""
+    dtype, num_heads, head_dim = _check_cache(caches, kv_layout)
+    expect = (num_heads, head_dim)
+    for name, x in (("append_key", key), ("append_value", value)):
+        if x.ndim != 3 or x.shape[1:] != expect or x.dtype != dtype:
             raise ValueError(
-                f"{name}: head_dim must be contiguous, got strides {arr.strides} (bytes)"
+                f"{name}: expected [nnz, {expect[0]}, {expect[1]}] of dtype {dtype} (the "
+                f"cache's), got {x.shape} of {x.dtype}"
             )
-    fn = jit.get_function(PageSpec(row_bytes, vec), "append_kernel")
-    units_per_row = row_bytes // vec
-    units = nnz * num_heads * units_per_row
-    page_size = token_head(caches[0][0].shape, caches[0][0].strides, kv_layout)[0][0]
-    head_magic, head_shift = fast_div(num_heads)
-    page_magic, page_shift = fast_div(page_size)
-    args = (
-        key.data.ptr, *src[:2], value.data.ptr, *src[2:], batch_indices, positions,
-        caches[0][1], *strides[:3], caches[1][1], *strides[3:], kv_indices, kv_indptr,
-        units, np.int32(num_heads), np.uint32(head_magic), np.int32(head_shift),
-        np.int32(page_size), np.uint32(page_magic), np.int32(page_shift),
-    )  # fmt: skip
-    grid = -(-units // THREADS)  # one copy unit per thread
-    fn((grid, 1, 1), (THREADS, 1, 1), args, stream=stream)
+    nnz = key.shape[0]
+    _int32("batch_indices", batch_indices)
+    _int32("positions", positions)
+    _int32("kv_indices", table[0])
+    _check_csr("kv_indptr", table[1], "kv_last_page_len", table[2])
+    if value.shape[0] != nnz or batch_indices.shape[0] != nnz or positions.shape[0] != nnz:
+        raise ValueError(
+            f"append_key ({nnz}), append_value ({value.shape[0]}), batch_indices "
+            f"({batch_indices.shape[0]}) and positions ({positions.shape[0]}) differ in length"
+        )
+    return dtype
+
+
+def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
+    """Slots: append_key, append_value, batch_indices, positions, the cache (paged_kv_cache, or
+    k_cache and v_cache), kv_indices, kv_indptr, kv_last_page_len (checked, not read). Outputs:
+    the cache array(s), updated in place. Pointers: the slots', then the outputs'."""
+    (kv_layout,) = static
+    key, value, batch_indices, positions = infos[:4]
+    caches = infos[4:-3]
+    dtype = _check_append(key, value, batch_indices, positions, caches, infos[-3:], kv_layout)
+    align = min(x.align for x in (key, value, *caches))  # of what the copies move
+    launch, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align)
+    pair, first_out = len(caches) == 2, len(infos)
+    table = len(infos) - 3  # kv_indices, then kv_indptr
+    p = launch.params
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.key, p.value = ptrs[0], ptrs[1]
+            p.batch_indices, p.positions = ptrs[2], ptrs[3]
+            p.kv_indices, p.kv_indptr = ptrs[table], ptrs[table + 1]
+            k_cache = ptrs[first_out]  # the outputs: the caches (their XLA copies for JAX)
+            p.k_cache = k_cache
+            p.v_cache = ptrs[first_out + 1] if pair else k_cache + v_offset
+            launch(stream, device)
+
+    outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
+    dense = tuple(i for i in (2, 3, table, table + 1) if not infos[i].contiguous)
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
+
+
+def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
+    """(the append launch, V's byte offset from K in a 5-D cache). Strides are in bytes for the
+    kernel's byte copy; an empty append launches nothing and is not checked further."""
+    nnz, num_heads, row_bytes = key.shape[0], key.shape[1], key.shape[2] * item
+    if len(caches) == 1:  # one [pages, 2, ...] cache: V is K shifted by one step of dim 1
+        caches = caches * 2
+        names, v_offset = ("paged_kv_cache",) * 2, caches[0].strides[1] * item
+    else:
+        names, v_offset = ("k_cache", "v_cache"), 0
+    if nnz == 0 or num_heads == 0:
+        return Launch(_append_kernel(row_bytes, 16), (0, 1, 1), (THREADS, 1, 1)), v_offset
+    cache_strides = []
+    for c in caches:
+        _, (token, head) = token_head(c.shape, c.strides, kv_layout)
+        cache_strides += [c.strides[0] * item, token * item, head * item]
+    src = [key.strides[0] * item, key.strides[1] * item]
+    src += [value.strides[0] * item, value.strides[1] * item]
+    strides = [v_offset, *src, *cache_strides]
+    vec = 16  # bytes per copy unit: every pointer (V's too) and stride a multiple of it
+    while vec > 1 and (row_bytes % vec or align % vec or any(s % vec for s in strides)):
+        vec //= 2
+    named = (("append_key", key), ("append_value", value), *zip(names, caches, strict=True))
+    for name, x in named:
+        if x.shape[-1] > 1 and x.strides[-1] != 1:
+            got = tuple(s * item for s in x.strides)
+            raise ValueError(f"{name}: head_dim must be contiguous, got strides {got} (bytes)")
+    units = nnz * num_heads * (row_bytes // vec)
+    page_size = token_head(caches[0].shape, caches[0].strides, kv_layout)[0][0]
+    launch = Launch(_append_kernel(row_bytes, vec), (-(-units // THREADS), 1, 1), (THREADS, 1, 1))
+    p = launch.params
+    p.key_token, p.key_head, p.value_token, p.value_head = src
+    p.kp, p.kt, p.kh, p.vp, p.vt, p.vh = cache_strides
+    p.units, p.num_heads, p.page_size = units, num_heads, page_size
+    p.head_magic, p.head_shift = fast_div(num_heads)
+    p.page_magic, p.page_shift = fast_div(page_size)
+    return launch, v_offset
+
+
+def _append_kernel(row_bytes: int, vec: int) -> Kernel:
+    return Kernel(PageSpec(row_bytes, vec), "append_kernel", "AppendParams")
+
+
+_ROWS = ("append_key", "append_value", "batch_indices", "positions")
+_TABLE = ("kv_indices", "kv_indptr", "kv_last_page_len")
+_APPEND = Op("append_paged_kv_cache", (*_ROWS, "paged_kv_cache", *_TABLE), _prepare_append)
+_APPEND_PAIR = Op("append_kv_pair", (*_ROWS, "k_cache", "v_cache", *_TABLE), _prepare_append)
 
 
 def append_paged_kv_cache(
@@ -131,58 +218,36 @@ def append_paged_kv_cache(
     writes outside the request's pages.
     Returns the cache (for JAX, whose arrays are immutable, the updated copy).
     """
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    pair = isinstance(paged_kv_cache, (tuple, list))
-    caches = list(paged_kv_cache) if pair else [paged_kv_cache]
-    dtype = dtype_name(caches[0])
-    inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
-    if pair and (
-        len(caches) != 2
-        or any(len(c.shape) != 4 or dtype_name(c) != dtype for c in caches)
-        or tuple(caches[0].shape) != tuple(caches[1].shape)
-    ):
-        shapes = [(tuple(c.shape), dtype_name(c)) for c in caches]
-        raise ValueError(f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one shape "
-                         f"and dtype, got {shapes}")  # fmt: skip
-    if not pair and (len(caches[0].shape) != 5 or caches[0].shape[1] != 2):
-        raise ValueError(f"paged_kv_cache must be [pages, 2, ...], got {tuple(caches[0].shape)}")
-    (_, num_heads), _ = token_head(tuple(inner), (0, 0, 0), kv_layout)
-    expect = (num_heads, inner[-1])
-    for name, x in (("append_key", append_key), ("append_value", append_value)):
-        if len(x.shape) != 3 or tuple(x.shape[1:]) != expect or dtype_name(x) != dtype:
-            raise ValueError(
-                f"{name}: expected [nnz, {expect[0]}, {expect[1]}] of dtype {dtype} (the "
-                f"cache's), got {tuple(x.shape)} of {dtype_name(x)}"
-            )
-    nnz = append_key.shape[0]
-    index = [("batch_indices", batch_indices), ("positions", positions)]
-    table = [("kv_indices", kv_indices), ("kv_indptr", kv_indptr)]
-    for name, x in index:
-        _int32(name, x)
-    _int32("kv_indices", kv_indices)
-    _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len)
-    if append_value.shape[0] != nnz or any(x.shape[0] != nnz for _, x in index):
-        raise ValueError(
-            f"append_key ({nnz}), append_value ({append_value.shape[0]}), batch_indices "
-            f"({batch_indices.shape[0]}) and positions ({positions.shape[0]}) differ in length"
-        )
-    names = ("k_cache", "v_cache") if pair else ("paged_kv_cache",)
-    ins = [("append_key", append_key), ("append_value", append_value), *index]
-    ins += list(zip(names, caches, strict=True)) + table
-    outs = [Out(tuple(c.shape), dtype, alias=4 + i) for i, c in enumerate(caches)]
-    row_bytes = inner[-1] * itemsize(dtype)
-    result = run(_append_launch, ins, outs, kv_layout=kv_layout, row_bytes=row_bytes)
-    return tuple(result) if pair else result
+    head = (append_key, append_value, batch_indices, positions)
+    table = (kv_indices, kv_indptr, kv_last_page_len)
+    if not isinstance(paged_kv_cache, (tuple, list)):
+        return call(_APPEND, (*head, paged_kv_cache, *table), (kv_layout,))
+    if len(paged_kv_cache) != 2:
+        _check_layout(kv_layout)
+        raise _pair_error([(tuple(c.shape), dtype_name(c)) for c in paged_kv_cache])
+    return call(_APPEND_PAIR, (*head, *paged_kv_cache, *table), (kv_layout,))
 
 
-def _seq_lens_launch(stream, ins, outs, *, page_size: int):
-    kv_indptr, last = dense(ins[0], "kv_indptr"), dense(ins[1], "kv_last_page_len")
-    batch = last.shape[0]
-    if batch:
-        fn = jit.get_function(INDEX_SPEC, "seq_lens_kernel")
-        args = (kv_indptr, last, outs[0], np.int32(batch), np.int32(page_size))
-        fn((-(-batch // THREADS), 1, 1), (THREADS, 1, 1), args, stream=stream)
+def _prepare_seq_lens(infos, align: int, static: tuple) -> Prepared:
+    """Slots: kv_indptr, kv_last_page_len -> seq_lens; the scalar: page_size."""
+    kv_indptr, last = infos
+    batch = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", last)
+    kernel = Kernel(INDEX_SPEC, "seq_lens_kernel", "SeqLensParams")
+    launch = Launch(kernel, (-(-batch // THREADS), 1, 1), (THREADS, 1, 1))
+    p = launch.params
+    p.batch_size = batch
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.kv_indptr, p.last, p.seq_lens = ptrs[0], ptrs[1], ptrs[2]
+            p.page_size = scalars[0]
+            launch(stream, device)
+
+    dense = tuple(i for i in (0, 1) if not infos[i].contiguous)
+    return Prepared((OutSlot((batch,), "int32"),), run, preload=launch.preload, dense=dense)
+
+
+_SEQ_LENS = Op("get_seq_lens", ("kv_indptr", "kv_last_page_len"), _prepare_seq_lens)
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
@@ -194,18 +259,32 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     """
     if not _on_device(kv_indptr):
         return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
-    batch = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", kv_last_page_len)
     page_size = as_int("page_size", page_size, minimum=1)
-    ins = [("kv_indptr", kv_indptr), ("kv_last_page_len", kv_last_page_len)]
-    return run(_seq_lens_launch, ins, [Out((batch,), "int32")], page_size=page_size)
+    return call(_SEQ_LENS, (kv_indptr, kv_last_page_len), (), (page_size,))
 
 
-def _positions_launch(stream, ins, outs, *, nnz: int):
-    append_indptr, seq_lens = dense(ins[0], "append_indptr"), dense(ins[1], "seq_lens")
-    if nnz:
-        fn = jit.get_function(INDEX_SPEC, "batch_indices_positions_kernel")
-        args = (append_indptr, seq_lens, *outs, np.int32(seq_lens.shape[0]), np.int32(nnz))
-        fn((-(-nnz // THREADS), 1, 1), (THREADS, 1, 1), args, stream=stream)
+def _prepare_positions(infos, align: int, static: tuple) -> Prepared:
+    """Slots: append_indptr, seq_lens -> (batch_indices, positions) [nnz]; static: (nnz,)."""
+    append_indptr, seq_lens = infos
+    batch = _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
+    (nnz,) = static
+    kernel = Kernel(INDEX_SPEC, "batch_indices_positions_kernel", "BatchIndicesPositionsParams")
+    launch = Launch(kernel, (-(-nnz // THREADS), 1, 1), (THREADS, 1, 1))
+    p = launch.params
+    p.batch_size, p.nnz = batch, nnz
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.append_indptr, p.seq_lens = ptrs[0], ptrs[1]
+            p.batch_indices, p.positions = ptrs[2], ptrs[3]
+            launch(stream, device)
+
+    outs = (OutSlot((nnz,), "int32"), OutSlot((nnz,), "int32"))
+    dense = tuple(i for i in (0, 1) if not infos[i].contiguous)
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
+
+
+_POSITIONS = Op("get_batch_indices_positions", ("append_indptr", "seq_lens"), _prepare_positions)
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
@@ -217,11 +296,8 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     append_paged_kv_cache skips as padding."""
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
-    _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
     nnz = as_int("nnz", nnz, minimum=0)
-    ins = [("append_indptr", append_indptr), ("seq_lens", seq_lens)]
-    outs = [Out((nnz,), "int32"), Out((nnz,), "int32")]
-    return run(_positions_launch, ins, outs, nnz=nnz)
+    return call(_POSITIONS, (append_indptr, seq_lens), (nnz,))
 
 
 __all__ = [

@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from .interop import dtype_name, framework
+from .interop import framework
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,10 +80,11 @@ def resolve(generator, seed, offset):
     )
 
 
-def check_array(name: str, x, batch: int) -> int:
-    """Entries (1 or batch) of a seed or offset array: int64/uint64 of shape (1,) or (batch,),
-    or, for JAX without 64-bit types, uint32 (lo, hi) words of shape (1, 2) or (batch, 2)."""
-    shape, dtype = tuple(x.shape), dtype_name(x)
+def check_array(name: str, info, batch: int) -> int:
+    """Entries (1 or batch) of a seed or offset array (an ArrayInfo): int64/uint64 of shape (1,)
+    or (batch,), or, for JAX without 64-bit types, uint32 (lo, hi) words of shape (1, 2) or
+    (batch, 2)."""
+    shape, dtype = info.shape, info.dtype
     if dtype in ("int64", "uint64") and len(shape) == 1 and shape[0] in (1, batch):
         return shape[0]
     words = dtype in ("int32", "uint32") and len(shape) == 2 and shape[1] == 2
@@ -102,21 +103,35 @@ def as_words(value: int) -> np.ndarray:
     return np.array([[value & 0xFFFFFFFF, value >> 32]], dtype=np.uint32)
 
 
-def kernel_inputs(like, batch: int, generator, seed, offset):
-    """([(name, array)], (seed, offset)) for a sampling kernel: ints stay scalars (0 when an
-    array carries the value); JAX callers get device arrays instead, so one compiled handler
-    serves every call."""
+_AS_WORDS: dict[type, bool] = {}  # array type -> whether its calls take int seeds as arrays
+
+
+def _ints_as_arrays(like) -> bool:
+    """JAX: one compiled call serves every seed only when the seed is an input array."""
+    words = _AS_WORDS.get(type(like))
+    if words is None:
+        words = _AS_WORDS[type(like)] = framework(like) == "jax"
+    return words
+
+
+def kernel_inputs(like, generator, seed, offset):
+    """((seed array, offset array), (seed, offset)) for a sampling kernel called on arrays of
+    `like`'s kind: an int stays a scalar (its array None); an array (checked by the op's
+    prepare, check_array) carries the value (its scalar 0). JAX callers get ints as device
+    arrays, so one compiled handler serves every call."""
     seed, offset = resolve(generator, seed, offset)
-    inputs, values = [], []
-    for name, v in (("seed", seed), ("offset", offset)):
+    if type(seed) is int and type(offset) is int and not _ints_as_arrays(like):
+        return (None, None), (seed & _MASK64, offset & _MASK64)  # the common case, cheaply
+    arrays, values = [], []
+    for v in (seed, offset):
         if isinstance(v, (int, np.integer)):
-            if framework(like) != "jax":
+            if not _ints_as_arrays(like):
+                arrays.append(None)
                 values.append(int(v) & _MASK64)
                 continue
             import jax.numpy as jnp
 
             v = jnp.asarray(as_words(v))
-        check_array(name, v, batch)
-        inputs.append((name, v))
+        arrays.append(v)
         values.append(0)
-    return inputs, tuple(values)
+    return tuple(arrays), tuple(values)

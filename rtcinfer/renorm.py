@@ -6,28 +6,41 @@ and results are deterministic.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 
 from . import jit
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense
+from .interop import Op, OutSlot, Prepared, call
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 
-RENORM_OPS = ("top_k_renorm", "top_p_renorm", "top_k_mask")
+
+class RenormOp(enum.IntEnum):
+    TOP_K_RENORM = 0
+    TOP_P_RENORM = 1
+    TOP_K_MASK = 2
+
+
+RENORM_OPS = {
+    "top_k_renorm": RenormOp.TOP_K_RENORM,
+    "top_p_renorm": RenormOp.TOP_P_RENORM,
+    "top_k_mask": RenormOp.TOP_K_MASK,
+}
 
 
 @dataclass(frozen=True)
 class RenormSpec:
-    op: str
+    op: str  # a key of RENORM_OPS
     dtype: str
     vec: int
     threads: int
     source: ClassVar[str] = "renorm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("renorm_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("RenormParams",)  # crossing the seam
 
     @property
     def cap(self) -> int:
@@ -35,7 +48,7 @@ class RenormSpec:
 
     def prelude(self) -> str:
         return jit.prelude(
-            OP=RENORM_OPS.index(self.op),
+            OP=RENORM_OPS[self.op],
             T=self.dtype,
             VEC=self.vec,
             THREADS=self.threads,
@@ -48,50 +61,81 @@ def renorm_spec(op: str, dtype: str, vocab: int, rows: int = 1, sm_count: int = 
     return RenormSpec(op, dtype, vec, row_threads(vocab, rows, sm_count))
 
 
-def _launch(stream, ins, outs, *, op: str, k: int, p: float):
-    x, y = ins[0], outs[0]
-    rows, vocab = x.shape
-    if rows == 0:
-        return
-    _, _, xs, _ = leading_rows(x, "logits" if op == "top_k_mask" else "probs")
-    _, _, ys, _ = leading_rows(y, "out")
-    spec = renorm_spec(op, dtype_name(x), vocab, rows, jit.sm_count(x.device.id))
-    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, [x.data.ptr, y.data.ptr], [xs, ys]))
-    arr = dense(ins[1], "top_k" if op != "top_p_renorm" else "top_p") if len(ins) > 1 else None
-    smem = row_smem_bytes(spec.threads)
-    fn = jit.get_function(spec, "renorm_kernel", dynamic_smem=smem)
-    args = (
-        x, np.int64(xs), y, np.int64(ys), np.int32(vocab),
-        arr if arr is not None and arr.dtype == np.int32 else 0,
-        arr if arr is not None and arr.dtype == np.int64 else 0,
-        np.int32(k), arr if arr is not None and arr.dtype == np.float32 else 0, np.float32(p),
-    )  # fmt: skip
-    fn((rows, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
+_NUMBERS = (int, float, np.integer, np.floating)
 
 
-def _threshold_op(op, x, param, name, dtypes, kind):
-    shape, dtype = tuple(x.shape), dtype_name(x)
-    arg = "logits" if op == "top_k_mask" else "probs"
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{arg}: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    if len(shape) != 2 or shape[1] == 0:
-        raise ValueError(f"{arg}: expected shape (batch, vocab) with vocab > 0, got {shape}")
-    inputs = [(arg, x)]
-    k, p = 0, 1.0
-    if isinstance(param, (int, float, np.integer, np.floating)) and not isinstance(param, bool):
+def per_row(value, kind: type) -> tuple:
+    """(scalar, None) for a per-row parameter given as a number (kind int or float; ints are
+    clamped to int32, where <= 0 and >= vocab already mean the same); (kind(0), value) for an
+    array of one entry per row (checked by the op's prepare)."""
+    if isinstance(value, _NUMBERS) and not isinstance(value, bool):
         if kind is int:
-            k = max(-(2**31), min(int(param), 2**31 - 1))
-        else:
-            p = float(param)
-    else:
-        p_shape, p_dtype = tuple(param.shape), dtype_name(param)
-        if p_dtype not in dtypes or p_shape != (shape[0],):
+            return max(-(2**31), min(int(value), 2**31 - 1)), None
+        return float(value), None
+    return kind(0), value
+
+
+# Each op's parameter (its name in messages, the dtypes of its per-row array); the field of
+# RenormParams an array's pointer goes to, by its dtype.
+_PARAMS = {
+    "top_k_renorm": ("top_k", ("int32", "int64")),
+    "top_p_renorm": ("top_p", ("float32",)),
+    "top_k_mask": ("top_k", ("int32", "int64")),
+}
+_ARRAY_FIELDS = {"int32": "top_k_arr", "int64": "top_k_arr64", "float32": "top_p_arr"}
+
+
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slots (probs or logits, top_k or top_p array) -> out [rows, vocab] in the input's dtype.
+    Scalars: (top_k, top_p)."""
+    (op,) = static
+    x, param = infos
+    arg = "logits" if op == "top_k_mask" else "probs"
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{arg}: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"{arg}: expected shape (batch, vocab) with vocab > 0, got {x.shape}")
+    rows, vocab = x.shape
+    if param is not None:
+        name, dtypes = _PARAMS[op]
+        if param.dtype not in dtypes or param.shape != (rows,):
             raise ValueError(
                 f"{name}: expected a scalar or a {'/'.join(dtypes)} array of shape "
-                f"({shape[0]},), got {p_dtype} of shape {p_shape}"
+                f"({rows},), got {param.dtype} of shape {param.shape}"
             )
-        inputs.append((name, param))
-    return run(_launch, inputs, [Out(shape, dtype)], op=op, k=k, p=p)
+    _, _, xs, _ = leading_rows(x, arg)
+    ys = vocab  # the output is allocated dense
+    spec = renorm_spec(op, x.dtype, vocab, rows, jit.device_limits(x.device)[0])
+    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, x.align, [xs, ys]))  # out: new
+    kernel = Kernel(spec, "renorm_kernel", "RenormParams", row_smem_bytes(spec.threads))
+    launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
+    p = launch.params
+    p.in_stride, p.out_stride, p.vocab = xs, ys, vocab
+    field = None if param is None else _ARRAY_FIELDS[param.dtype]
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.input, p.out = ptrs[0], ptrs[2]
+            if field is not None:
+                setattr(p, field, ptrs[1])
+            p.top_k_val, p.top_p_val = scalars
+            launch(stream, device)
+
+    dense = () if param is None else (1,)
+    return Prepared((OutSlot(x.shape, x.dtype),), run, preload=launch.preload, dense=dense)
+
+
+_OPS = {
+    "top_k_renorm": Op("top_k_renorm_probs", ("probs", "top_k"), _prepare),
+    "top_p_renorm": Op("top_p_renorm_probs", ("probs", "top_p"), _prepare),
+    "top_k_mask": Op("top_k_mask_logits", ("logits", "top_k"), _prepare),
+}
+
+
+def _threshold_op(op: str, x, param, kind: type):
+    value, array = per_row(param, kind)
+    scalars = (value, 1.0) if kind is int else (0, value)
+    return call(_OPS[op], (x, array), (op,), scalars)
 
 
 def top_k_renorm_probs(probs, top_k, is_deterministic=False):
@@ -101,7 +145,7 @@ def top_k_renorm_probs(probs, top_k, is_deterministic=False):
     probs: [batch, vocab] float32/float16/bfloat16; top_k: int or [batch] int32/int64
     (<= 0 or >= vocab keeps the whole row). Ties with v are kept. Deterministic always.
     """
-    return _threshold_op("top_k_renorm", probs, top_k, "top_k", ("int32", "int64"), int)
+    return _threshold_op("top_k_renorm", probs, top_k, int)
 
 
 def top_p_renorm_probs(probs, top_p, is_deterministic=False):
@@ -110,7 +154,7 @@ def top_p_renorm_probs(probs, top_p, is_deterministic=False):
     kept = {j : sum(p[p > p[j]]) < top_p * sum(p)} | {argmax p};  out = p * kept / sum(p * kept)
     top_p: float or [batch] float32 (>= 1 keeps the row). Ties with the threshold are kept.
     """
-    return _threshold_op("top_p_renorm", probs, top_p, "top_p", ("float32",), float)
+    return _threshold_op("top_p_renorm", probs, top_p, float)
 
 
 def top_k_mask_logits(logits, top_k):
@@ -120,8 +164,8 @@ def top_k_mask_logits(logits, top_k):
     logits: [batch, vocab] float32/float16/bfloat16; top_k: int or [batch] int32/int64
     (<= 0 or >= vocab keeps the row). Ties with v are kept; NaN becomes -inf.
     """
-    return _threshold_op("top_k_mask", logits, top_k, "top_k", ("int32", "int64"), int)
+    return _threshold_op("top_k_mask", logits, top_k, int)
 
 
-__all__ = ["RenormSpec", "renorm_spec", "top_k_mask_logits", "top_k_renorm_probs",
-           "top_p_renorm_probs"]  # fmt: skip
+__all__ = ["RenormOp", "RenormSpec", "per_row", "renorm_spec", "top_k_mask_logits",
+           "top_k_renorm_probs", "top_p_renorm_probs"]  # fmt: skip

@@ -7,19 +7,34 @@ request b sits at offsets[b] + t - indptr[b]). Frequencies: rope_theta ** (-2 i 
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense
+from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import fit_vec, widest_vec
 
-MODES = ("theta", "llama31", "cos_sin_cache")
+
+class RopeMode(enum.IntEnum):
+    THETA = 0
+    LLAMA31 = 1
+    COS_SIN_CACHE = 2
+
+
+class PositionSource(enum.IntEnum):
+    POS_IDS = 0
+    INDPTR_OFFSETS = 1
+
+
+MODES = {"theta": RopeMode.THETA, "llama31": RopeMode.LLAMA31,
+         "cos_sin_cache": RopeMode.COS_SIN_CACHE}  # fmt: skip
+POSITION_SOURCES = {"pos_ids": PositionSource.POS_IDS, "indptr": PositionSource.INDPTR_OFFSETS}
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,7 @@ class RopeSpec:
     vec: int
     source: ClassVar[str] = "rope.cu"
     kernels: ClassVar[tuple[str, ...]] = ("rope_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("RopeParams",)  # crossing the seam
 
     threads: ClassVar[int] = 256
 
@@ -58,8 +74,8 @@ class RopeSpec:
             THREADS=self.threads,
             UNROLL=self.unroll,
             INTERLEAVE=self.interleave,
-            MODE=MODES.index(self.mode),
-            POS_FROM=int(self.pos_from == "indptr"),
+            MODE=MODES[self.mode],
+            POS_FROM=POSITION_SOURCES[self.pos_from],
             INPLACE=self.inplace,
         )
 
@@ -70,7 +86,7 @@ def rope_vec(dtype: str, head_dim: int, rotary_dim: int, interleave: bool) -> in
     vec = widest_vec(unit, itemsize(dtype))
     while head_dim // vec > 32 and unit % (2 * vec) == 0:
         vec *= 2
-    if head_dim // vec > 32 or (interleave and vec < 2):
+    if not _lanes_fit(vec, head_dim, interleave):
         raise ValueError(
             f"head_dim {head_dim} with rotary_dim {rotary_dim} (interleave={interleave}) is "
             f"not supported: rows must split into at most 32 equal aligned vectors"
@@ -78,150 +94,213 @@ def rope_vec(dtype: str, head_dim: int, rotary_dim: int, interleave: bool) -> in
     return vec
 
 
-def _head_strides(arr, num_heads: int, head_dim: int) -> tuple[int, int]:
-    """(token, head) strides in elements of [nnz, H, D] or of its flattened [nnz, H * D] form."""
-    item = arr.itemsize
-    if arr.ndim == 3:
-        if arr.shape[2] > 1 and arr.strides[2] != item:
-            raise ValueError(f"the head dimension must be contiguous, got strides {arr.strides}")
-        return arr.strides[0] // item, arr.strides[1] // item
-    if arr.shape[1] > 1 and arr.strides[1] != item:
-        raise ValueError(f"the last dimension must be contiguous, got strides {arr.strides}")
-    return arr.strides[0] // item, head_dim
+def _lanes_fit(vec: int, head_dim: int, interleave: bool) -> bool:
+    """Whether a row splits into at most 32 lanes of `vec` (interleaved: whole pairs)."""
+    return head_dim // vec <= 32 and not (interleave and vec < 2)
 
 
-def _launch(stream, ins, outs, *, spec: RopeSpec, head_dim: int, params: tuple):
-    q_out, k_out = outs
-    q, k = (q_out, k_out) if spec.inplace else (ins[0], ins[1])
-    names = ("cos_sin_cache",) if spec.mode == "cos_sin_cache" else ()
-    names = (("pos_ids",) if spec.pos_from == "pos_ids" else ("indptr", "offsets")) + names
-    extra = [dense(x, n) for x, n in zip(ins[2:], names, strict=True)]  # read as dense arrays
-    nnz = q.shape[0]
-    hq = q.size // (nnz * head_dim) if nnz else 0
-    hk = k.size // (nnz * head_dim) if nnz else 0
-    if hq + hk == 0:
-        return
-    strides = [
-        *_head_strides(q, hq, head_dim),
-        *_head_strides(k, hk, head_dim),
-        *_head_strides(q_out, hq, head_dim),
-        *_head_strides(k_out, hk, head_dim),
-    ]
-    pointers = [a.data.ptr for a in (q, k, q_out, k_out)]
-    vec = fit_vec(spec.vec, itemsize(spec.dtype), pointers, strides)
-    if vec != spec.vec:
-        if head_dim // vec > 32 or (spec.interleave and vec < 2):
-            raise ValueError(f"q and k rows are not aligned to {spec.vec} elements")
-        spec = RopeSpec(**{**spec.__dict__, "vec": vec})
-    fn = jit.get_function(spec, "rope_kernel")
-    pos_ids = indptr = offsets = cache = 0
-    if spec.mode == "cos_sin_cache":
-        pos_ids, cache = extra
-    elif spec.pos_from == "pos_ids":
-        (pos_ids,) = extra
-    else:
-        indptr, offsets = extra
-    batch = offsets.shape[0] if spec.pos_from == "indptr" else 0
-    sms = jit.sm_count(q.device.id)
-    rows = hq + hk
-    unroll = spec.unroll
-    chunks = min(-(-rows // unroll), max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
-    rows_per_item = -(-rows // chunks // unroll) * unroll  # a multiple of unroll
-    items = nnz * -(-rows // rows_per_item)
-    resident = jit.occupancy(fn, spec.threads) * sms  # persistent: the table is built once
-    grid = min(-(-items // spec.tokens_per_cta), resident)
-    args = (
-        q,
-        *strides[0:2],
-        k,
-        *strides[2:4],
-        q_out,
-        *strides[4:6],
-        k_out,
-        *strides[6:8],
-        pos_ids,
-        indptr,
-        offsets,
-        cache,
-        np.int32(nnz),
-        np.int32(hq),
-        np.int32(hk),
-        np.int32(batch),
-        np.int32(rows_per_item),
-        *(np.float32(p) for p in params),
-    )
-    fn((grid, 1, 1), (spec.threads, 1, 1), args, stream=stream)
+# ---------------------------------------------------------------- validation (per signature)
 
 
-def _rope(q, k, positions, mode, inplace, rotary_dim, interleave, params, out=None, head_dim=None):
-    """positions: [("pos_ids", a)], [("indptr", a), ("offsets", b)] or cache inputs."""
-    dtype = dtype_name(q)
-    if dtype not in FLOAT_DTYPES or dtype_name(k) != dtype:
-        raise TypeError(f"q and k must share a float dtype, got {dtype} and {dtype_name(k)}")
-    if len(q.shape) not in (2, 3) or len(k.shape) != len(q.shape):
+def _check_qk(q, k, head_dim: int | None) -> tuple[str, int]:
+    """(dtype, head_dim) of q and k: [nnz, heads, head_dim] or [nnz, heads * head_dim]."""
+    dtype = q.dtype
+    if dtype not in FLOAT_DTYPES or k.dtype != dtype:
+        raise TypeError(f"q and k must share a float dtype, got {dtype} and {k.dtype}")
+    if q.ndim not in (2, 3) or k.ndim != q.ndim:
         raise ValueError(f"q and k must be [nnz, heads, head_dim], got {q.shape} and {k.shape}")
     head_dim = q.shape[-1] if head_dim is None else head_dim
     if head_dim < 1:
         raise ValueError(f"head_dim must be at least 1, got {head_dim}")
-    if len(q.shape) == 3:  # [nnz, heads, head_dim]
+    if q.ndim == 3:  # [nnz, heads, head_dim]
         rows_fit = q.shape[-1] == k.shape[-1] == head_dim
     else:  # [nnz, heads * head_dim]
         rows_fit = q.shape[-1] % head_dim == 0 and k.shape[-1] % head_dim == 0
     if q.shape[0] != k.shape[0] or not rows_fit:
         raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [nnz, heads, {head_dim}] or "
+            f"q {q.shape} and k {k.shape} must be [nnz, heads, {head_dim}] or "
             f"[nnz, heads * {head_dim}] with the same nnz"
         )
-    _check_positions(positions, q.shape[0])
-    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, {head_dim}]")
-    pos_dtype = dtype_name(positions[0][1])
-    if pos_dtype not in ("int32", "int64"):
-        raise TypeError(f"{positions[0][0]}: dtype must be int32 or int64, got {pos_dtype}")
-    if mode != "cos_sin_cache" and len(positions) == 2 and dtype_name(positions[1][1]) != pos_dtype:
-        raise TypeError(f"indptr ({pos_dtype}) and offsets must share a dtype")
-    vec = rope_vec(dtype, head_dim, rotary_dim, interleave)
-    pos_from = "indptr" if positions[0][0] == "indptr" else "pos_ids"
-    spec = RopeSpec(
-        dtype, pos_dtype, head_dim, rotary_dim, interleave, mode, pos_from, inplace, vec
-    )
-    if inplace:
-        outs = [Out(tuple(x.shape), dtype, alias=i) for i, x in enumerate((q, k))]
-    else:
-        given = (None, None) if out is None else tuple(out)
-        outs = [Out(tuple(x.shape), dtype, g) for x, g in zip((q, k), given, strict=True)]
-    ins = [("q", q), ("k", k), *positions]
-    return run(_launch, ins, outs, spec=spec, head_dim=head_dim, params=params)
+    return dtype, head_dim
 
 
-def _check_positions(positions, nnz: int) -> None:
+def _check_positions(names: tuple[str, ...], arrays, nnz: int) -> None:
     """pos_ids / positions [nnz]; indptr [B + 1] and offsets [B] with B >= 1 when nnz > 0."""
-    (first, a), *rest = positions
+    (first, a), *rest = zip(names, arrays, strict=True)
     if first == "indptr":
         offsets = rest[0][1]
-        if len(a.shape) != 1 or len(offsets.shape) != 1 or a.shape[0] != offsets.shape[0] + 1:
+        if a.ndim != 1 or offsets.ndim != 1 or a.shape[0] != offsets.shape[0] + 1:
             raise ValueError(
-                f"indptr and offsets must be [B + 1] and [B], got {tuple(a.shape)} and "
-                f"{tuple(offsets.shape)}"
+                f"indptr and offsets must be [B + 1] and [B], got {a.shape} and {offsets.shape}"
             )
         if nnz and not offsets.shape[0]:
             raise ValueError(f"{nnz} tokens need at least one request in indptr / offsets")
-    elif tuple(a.shape) != (nnz,):
-        raise ValueError(f"{first}: expected shape ({nnz},), got {tuple(a.shape)}")
+    elif a.shape != (nnz,):
+        raise ValueError(f"{first}: expected shape ({nnz},), got {a.shape}")
 
 
-def _ragged(indptr, offsets):
-    return [("indptr", indptr), ("offsets", offsets)]
+def _check_pos_dtype(names: tuple[str, ...], arrays) -> None:
+    """Positions are int32 or int64; indptr and offsets of one dtype."""
+    dtype = arrays[0].dtype
+    if dtype not in ("int32", "int64"):
+        raise TypeError(f"{names[0]}: dtype must be int32 or int64, got {dtype}")
+    if names[0] == "indptr" and arrays[1].dtype != dtype:
+        raise TypeError(f"indptr ({dtype}) and offsets must share a dtype")
 
 
-def _theta(rope_scale, rope_theta):
-    return (float(rope_scale), float(rope_theta), 1.0, 1.0, 1.0)
+def _check_out(out, like, dtype: str, name: str) -> None:
+    if out is not None and (out.shape != like.shape or out.dtype != dtype):
+        raise ValueError(
+            f"{name}: expected shape {like.shape} and dtype {dtype}, "
+            f"got shape {out.shape} and dtype {out.dtype}"
+        )
+
+
+def _head_strides(a, head_dim: int) -> tuple[int, int]:
+    """(token, head) strides in elements of [nnz, H, D] or of its flattened [nnz, H * D] form."""
+    if a.ndim == 3:
+        if a.shape[2] > 1 and a.strides[2] != 1:
+            raise ValueError(f"the head dimension must be contiguous, got strides {a.strides}")
+        return a.strides[0], a.strides[1]
+    if a.shape[1] > 1 and a.strides[1] != 1:
+        raise ValueError(f"the last dimension must be contiguous, got strides {a.strides}")
+    return a.strides[0], head_dim
+
+
+def _signature(positions: tuple[str, ...], infos, static: tuple):
+    """Validates a call: (spec before alignment, the outputs, (q, k, q_out, k_out) as the
+    kernel reads and writes them)."""
+    mode, inplace, rotary_dim, interleave, head_dim = static
+    q, k, *pos, q_out, k_out = infos
+    if mode == "cos_sin_cache":
+        cache = pos[1]
+        if cache.dtype != "float32" or cache.ndim != 2:
+            raise TypeError(
+                f"cos_sin_cache: expected float32 [max_pos, rotary_dim], got {cache.dtype} "
+                f"{cache.shape}"
+            )
+        rotary_dim = cache.shape[1]
+    dtype, head_dim = _check_qk(q, k, None if head_dim is None else int(head_dim))
+    _check_positions(positions, pos, q.shape[0])
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, {head_dim}]")
+    _check_pos_dtype(positions, pos)
+    interleave = bool(interleave)
+    vec = rope_vec(dtype, head_dim, rotary_dim, interleave)
+    pos_from = "indptr" if positions[0] == "indptr" else "pos_ids"
+    spec = RopeSpec(dtype, pos[0].dtype, head_dim, rotary_dim, interleave, mode, pos_from,
+                    inplace, vec)  # fmt: skip
+    if inplace:
+        outs = (OutSlot(q.shape, dtype, 0, alias=True), OutSlot(k.shape, dtype, 1, alias=True))
+        return spec, outs, (q, k, q, k)
+    _check_out(q_out, q, dtype, "out[0]")
+    _check_out(k_out, k, dtype, "out[1]")
+    n = len(infos)
+    outs = (OutSlot(q.shape, dtype, None if q_out is None else n - 2),
+            OutSlot(k.shape, dtype, None if k_out is None else n - 1))  # fmt: skip
+    qo = q_out if q_out is not None else q._replace(strides=dense_strides(q.shape), offset=0)
+    ko = k_out if k_out is not None else k._replace(strides=dense_strides(k.shape), offset=0)
+    return spec, outs, (q, k, qo, ko)
+
+
+# ---------------------------------------------------------------- launch
+
+
+def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> Prepared:
+    """Slots (q, k, *positions, q_out, k_out) -> (q_rope, k_rope): new arrays, the given
+    outs, or (inplace) q and k updated. Pointers: the slots', then the two outputs'."""
+    spec, outs, views = _signature(positions, infos, static)
+    q, k = views[0], views[1]
+    nnz, head_dim = q.shape[0], spec.head_dim
+    hq = q.size // (nnz * head_dim) if nnz else 0
+    hk = k.size // (nnz * head_dim) if nnz else 0
+    if hq + hk == 0:
+        return Prepared(outs, _nothing)
+    strides = [s for a in views for s in _head_strides(a, head_dim)]
+    vec = fit_vec(spec.vec, itemsize(spec.dtype), 16, strides)
+    batch = infos[3].shape[0] if spec.pos_from == "indptr" else 0  # offsets: [B]
+    geometry = (q.device, nnz, hq, hk, batch, strides)
+    # The position arrays and the cos/sin table are read as dense arrays. Strides are part of
+    # the signature: only those strided here are listed (the others cost no check per call).
+    dense = tuple(i for i in range(2, 2 + len(positions)) if not infos[i].contiguous)
+    align = min(a.align for a in views)  # what q, k and their outputs allow (bytes)
+    vec = fit_vec(vec, itemsize(spec.dtype), align, ())
+    if not _lanes_fit(vec, head_dim, spec.interleave):
+        raise ValueError(f"q and k rows are not aligned to {spec.vec} elements")
+    launch = _launch(dataclasses.replace(spec, vec=vec), *geometry)
+    return Prepared(outs, _step(launch), preload=launch.preload, dense=dense)
+
+
+def _nothing(stream, device, ptrs, scalars) -> None:
+    """The run of a call without tokens or heads: nothing to launch."""
+
+
+def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
+            strides: list[int]) -> Launch:  # fmt: skip
+    """A persistent launch (each CTA builds the frequency table once); a token's head rows are
+    split into chunks only when the tokens alone are too few to fill the GPU twice over."""
+    kernel = Kernel(spec, "rope_kernel", "RopeParams")
+    sms = jit.sm_count(device)
+    rows, unroll = hq + hk, spec.unroll
+    chunks = min(-(-rows // unroll), max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
+    rows_per_item = -(-rows // chunks // unroll) * unroll  # a multiple of unroll
+    items = nnz * -(-rows // rows_per_item)
+    resident = kernel.occupancy(device, spec.threads) * sms
+    grid = min(-(-items // spec.tokens_per_cta), resident)
+    launch = Launch(kernel, (grid, 1, 1), (spec.threads, 1, 1))
+    p = launch.params
+    p.q_tok, p.q_head, p.k_tok, p.k_head, p.qo_tok, p.qo_head, p.ko_tok, p.ko_head = strides
+    p.nnz, p.num_q_heads, p.num_k_heads, p.batch_size = nnz, hq, hk, batch
+    p.rows_per_item = rows_per_item
+    return launch
+
+
+def _step(launch: Launch):
+    """The per-call step of `launch`: pointers (q, k, the position slots, ..., then q_out and
+    k_out) and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none)."""
+    spec = launch.kernel.spec
+    p, inplace = launch.params, spec.inplace
+    ragged, cache = spec.pos_from == "indptr", spec.mode == "cos_sin_cache"
+    theta, llama31 = spec.mode == "theta", spec.mode == "llama31"
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            if inplace:  # the outputs: q and k (their XLA copies for JAX)
+                p.q = p.q_out = ptrs[-2]
+                p.k = p.k_out = ptrs[-1]
+            else:
+                p.q, p.k, p.q_out, p.k_out = ptrs[0], ptrs[1], ptrs[-2], ptrs[-1]
+            if ragged:
+                p.indptr, p.offsets = ptrs[2], ptrs[3]
+            else:
+                p.pos_ids = ptrs[2]
+                if cache:
+                    p.cos_sin_cache = ptrs[3]
+            if theta:
+                p.rope_scale, p.rope_theta = scalars
+            elif llama31:
+                (p.rope_scale, p.rope_theta, p.low_freq_factor, p.high_freq_factor,
+                 p.old_context_len) = scalars  # fmt: skip
+            launch(stream, device)
+
+    return run
+
+
+def _op(name: str, positions: tuple[str, ...]) -> Op:
+    slots = ("q", "k", *positions, "q_out", "k_out")
+    return Op(name, slots, functools.partial(_prepare, positions), given=("q_out", "k_out"))
+
+
+_RAGGED = _op("rope", ("indptr", "offsets"))
+_POS_IDS = _op("rope_pos_ids", ("pos_ids",))
+_CACHE = _op("rope_cos_sin_cache", ("positions", "cos_sin_cache"))
 
 
 def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
-    params = (rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return tuple(float(p) for p in params)
+    """The kernel's frequency scalars of Llama 3.1 RoPE (theta RoPE passes the first two)."""
+    return (float(rope_scale), float(rope_theta), float(low_freq_factor),
+            float(high_freq_factor), float(old_context_len))  # fmt: skip
 
 
 def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
@@ -235,31 +314,35 @@ def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_sc
     f_i = rope_theta ** (-2 i / R) / rope_scale, R = rotary_dim; interleave pairs (2i, 2i+1).
     q: [nnz, Hq, D], k: [nnz, Hk, D] (token and head strides free); indptr [B+1], offsets [B].
     """
-    params = _theta(rope_scale, rope_theta)
-    return _rope(q, k, _ragged(indptr, offsets), "theta", False, rotary_dim, interleave, params,
-                 out)  # fmt: skip
+    q_out, k_out = (None, None) if out is None else out
+    return call(_RAGGED, (q, k, indptr, offsets, q_out, k_out),
+                ("theta", False, rotary_dim, interleave, None),
+                (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
 def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
-    params = _theta(rope_scale, rope_theta)
-    return _rope(q, k, _ragged(indptr, offsets), "theta", True, rotary_dim, interleave, params)
+    return call(_RAGGED, (q, k, indptr, offsets, None, None),
+                ("theta", True, rotary_dim, interleave, None),
+                (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
 def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4, *, out=None):  # fmt: skip
     """RoPE with one position per token, pos_ids: [nnz] int32/int64; returns (q_rope, k_rope)."""
-    params = _theta(rope_scale, rope_theta)
-    return _rope(q, k, [("pos_ids", pos_ids)], "theta", False, rotary_dim, interleave, params,
-                 out)  # fmt: skip
+    q_out, k_out = (None, None) if out is None else out
+    return call(_POS_IDS, (q, k, pos_ids, q_out, k_out),
+                ("theta", False, rotary_dim, interleave, None),
+                (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
 def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
-    params = _theta(rope_scale, rope_theta)
-    return _rope(q, k, [("pos_ids", pos_ids)], "theta", True, rotary_dim, interleave, params)
+    return call(_POS_IDS, (q, k, pos_ids, None, None),
+                ("theta", True, rotary_dim, interleave, None),
+                (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
@@ -268,45 +351,42 @@ def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False,
     """`apply_rope` with Llama 3.1 frequencies: f = theta ** (-2i/R), wavelength w = 2 pi / f,
     s = clip((old_context_len / w - low_freq_factor) / (high_freq_factor - low_freq_factor), 0, 1),
     f' = (1 - s) f / rope_scale + s f."""
-    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(q, k, _ragged(indptr, offsets), "llama31", False, rotary_dim, interleave,
-                 params, out)  # fmt: skip
+    q_out, k_out = (None, None) if out is None else out
+    return call(_RAGGED, (q, k, indptr, offsets, q_out, k_out),
+                ("llama31", False, rotary_dim, interleave, None),
+                _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
+                         old_context_len))  # fmt: skip
 
 
 def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                                rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
                                high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope` writing q and k in place; returns (q, k)."""
-    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(q, k, _ragged(indptr, offsets), "llama31", True, rotary_dim, interleave, params)
+    return call(_RAGGED, (q, k, indptr, offsets, None, None),
+                ("llama31", True, rotary_dim, interleave, None),
+                _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
+                         old_context_len))  # fmt: skip
 
 
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
                                rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                                old_context_len=8192, *, out=None):  # fmt: skip
     """Llama 3.1 RoPE with one position per token; returns (q_rope, k_rope)."""
-    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(q, k, [("pos_ids", pos_ids)], "llama31", False, rotary_dim, interleave, params,
-                 out)  # fmt: skip
+    q_out, k_out = (None, None) if out is None else out
+    return call(_POS_IDS, (q, k, pos_ids, q_out, k_out),
+                ("llama31", False, rotary_dim, interleave, None),
+                _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
+                         old_context_len))  # fmt: skip
 
 
 def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                                        rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
                                        high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope_pos_ids` writing q and k in place; returns (q, k)."""
-    params = _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
-    return _rope(q, k, [("pos_ids", pos_ids)], "llama31", True, rotary_dim, interleave, params)
-
-
-def _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, inplace, out=None):
-    if dtype_name(cos_sin_cache) != "float32" or len(cos_sin_cache.shape) != 2:
-        raise TypeError(
-            f"cos_sin_cache: expected float32 [max_pos, rotary_dim], got "
-            f"{dtype_name(cos_sin_cache)} {tuple(cos_sin_cache.shape)}"
-        )
-    pos = [("positions", positions), ("cos_sin_cache", cos_sin_cache)]
-    return _rope(query, key, pos, "cos_sin_cache", inplace, cos_sin_cache.shape[1], not is_neox,
-                 _theta(1, 1), out, int(head_size))  # fmt: skip
+    return call(_POS_IDS, (q, k, pos_ids, None, None),
+                ("llama31", True, rotary_dim, interleave, None),
+                _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
+                         old_context_len))  # fmt: skip
 
 
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
@@ -316,13 +396,16 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     query: [nnz, Hq * head_size] or [nnz, Hq, head_size]; key likewise; positions [nnz];
     is_neox=True rotates halves, False rotates interleaved pairs. Returns (query, key) rotated.
     """
-    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, False, out)
+    q_out, k_out = (None, None) if out is None else out
+    return call(_CACHE, (query, key, positions, cos_sin_cache, q_out, k_out),
+                ("cos_sin_cache", False, None, not is_neox, head_size))  # fmt: skip
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
                                           is_neox=True):  # fmt: skip
     """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""
-    return _with_cache(positions, query, key, head_size, cos_sin_cache, is_neox, True)
+    return call(_CACHE, (query, key, positions, cos_sin_cache, None, None),
+                ("cos_sin_cache", True, None, not is_neox, head_size))  # fmt: skip
 
 
 def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:

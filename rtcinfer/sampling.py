@@ -19,34 +19,53 @@ in the decode loop.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 
-from . import jit, sampling_cluster
-from .interop import Out, dtype_name, framework, run
-from .interop.arrays import dense
+from . import jit
+from .interop import Op, OutSlot, Prepared, call, framework
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch, memset_d32
 from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
-from .philox import Generator, kernel_inputs
-from .renorm import top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
-from .sampling_cluster import ClusterSampleSpec
+from .philox import Generator, check_array, kernel_inputs
+from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
+from .sampling_cluster import ClusterSampleSpec, cluster_launch, cluster_size
 from .softmax import softmax
 from .speculative import chain_speculative_sampling
 
-SAMPLE_OPS = ("plain", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_first")
+
+class SampleOp(enum.IntEnum):
+    PLAIN = 0
+    TOP_K = 1
+    TOP_P = 2
+    MIN_P = 3
+    TOP_K_TOP_P = 4  # FlashInfer's filter_apply_order="joint"
+    TOP_K_FIRST = 5
+
+
+SAMPLE_OPS = {
+    "plain": SampleOp.PLAIN,
+    "top_k": SampleOp.TOP_K,
+    "top_p": SampleOp.TOP_P,
+    "min_p": SampleOp.MIN_P,
+    "top_k_top_p": SampleOp.TOP_K_TOP_P,
+    "top_k_first": SampleOp.TOP_K_FIRST,
+}
 
 
 @dataclass(frozen=True)
 class SampleSpec:
-    op: str  # SAMPLE_OPS; "top_k_top_p" is FlashInfer's filter_apply_order="joint"
+    op: str  # a key of SAMPLE_OPS
     dtype: str  # probs
     out_dtype: str  # token ids (the dtype of `indices`, else int32)
     vec: int
     threads: int
     source: ClassVar[str] = "sampling.cu"
     kernels: ClassVar[tuple[str, ...]] = ("sample_kernel", "philox_kernel")
+    structs: ClassVar[tuple[str, ...]] = ("SampleParams", "PhiloxParams")  # crossing the seam
 
     @property
     def cap(self) -> int:
@@ -55,7 +74,7 @@ class SampleSpec:
 
     def prelude(self) -> str:
         return jit.prelude(
-            OP=SAMPLE_OPS.index(self.op),
+            OP=SAMPLE_OPS[self.op],
             T=self.dtype,
             OUT_T=self.out_dtype,
             VEC=self.vec,
@@ -66,56 +85,13 @@ class SampleSpec:
 
 def sample_spec(op: str, dtype: str, vocab: int, batch: int = 1, out_dtype: str = "int32",
                 sm_count: int = 132) -> SampleSpec:  # fmt: skip
-    """The spec for a [batch, vocab] call (the widest vector; narrowed at launch if needed)."""
+    """The spec for a [batch, vocab] call (the widest vector; prepare narrows it if needed)."""
     vec = widest_vec(vocab, itemsize(dtype))
     return SampleSpec(op, dtype, out_dtype, vec, row_threads(vocab, batch, sm_count))
 
 
-def _launch(stream, ins, outs, *, op: str, names: tuple, scalars: tuple):
-    a = {n: x if n == "probs" else dense(x, n) for n, x in zip(names, ins, strict=True)}
-    probs, out = a["probs"], dense(outs[0], "out", output=True)
-    batch, (_, vocab) = out.shape[0], probs.shape
-    if batch == 0:
-        return
-    _, _, stride, _ = leading_rows(probs, "probs")  # the vocabulary axis must be contiguous
-    device = probs.device
-    sms, smem_per_block = jit.device_limits(device.id)
-    spec = sample_spec(op, dtype_name(probs), vocab, batch, dtype_name(out), sms)
-    spec = replace(spec, vec=fit_vec(spec.vec, probs.itemsize, [probs.data.ptr], [stride]))
-    flag = outs[1] if len(outs) > 1 else 0
-    if len(outs) > 1:
-        import cupy
-
-        cupy.cuda.runtime.memsetAsync(flag.data.ptr, 0, 4, stream.ptr)
-    top_k, top_p, min_p, seed, offset = scalars
-    k, seeds, offsets = a.get("top_k"), a.get("seed"), a.get("offset")
-    args = (
-        probs, np.int64(stride), np.int32(vocab), a.get("indices", 0), out,
-        k if k is not None and k.dtype == np.int32 else 0,
-        k if k is not None and k.dtype == np.int64 else 0,
-        np.int32(top_k), a.get("top_p", 0), np.float32(top_p),
-        a.get("min_p", 0), np.float32(min_p),
-        0 if seeds is None else seeds, np.uint64(seed), np.int32(_entries(seeds)),
-        0 if offsets is None else offsets, np.uint64(offset), np.int32(_entries(offsets)),
-        flag,
-    )  # fmt: skip
-    cc = int(device.compute_capability)
-    cluster = sampling_cluster.cluster_size(batch, vocab, spec.vec, sms, cc, smem_per_block)
-    if cluster:  # a small batch: a cluster of CTAs per row
-        cspec = ClusterSampleSpec(op, spec.dtype, spec.out_dtype, spec.vec, cluster)
-        sampling_cluster.launch(stream, cspec, batch, vocab, args)
-        return
-    smem = row_smem_bytes(spec.threads)
-    fn = jit.get_function(spec, "sample_kernel", dynamic_smem=smem)
-    fn((batch, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
-
-
-def _entries(arr) -> int:
-    return 0 if arr is None else arr.shape[0]
-
-
 def _check_probs(probs, name="probs") -> tuple[int, int, str]:
-    shape, dtype = tuple(probs.shape), dtype_name(probs)
+    shape, dtype = probs.shape, probs.dtype
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     if len(shape) != 2 or shape[1] == 0:
@@ -123,45 +99,113 @@ def _check_probs(probs, name="probs") -> tuple[int, int, str]:
     return shape[0], shape[1], dtype
 
 
-def _param(name, value, batch, dtypes, kind):
-    """(scalar, array or None) of a per-row parameter given as a scalar or a [batch] array."""
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        return kind(value), None
-    shape, dtype = tuple(getattr(value, "shape", ())), dtype_name(value)
-    if dtype not in dtypes or shape != (batch,):
+def _check_param(name: str, info, batch: int, dtypes: tuple[str, ...]) -> None:
+    """A per-row parameter given as an array: one entry per output row."""
+    if info is not None and (info.dtype not in dtypes or info.shape != (batch,)):
         raise ValueError(
             f"{name}: expected a scalar or a {'/'.join(dtypes)} array of shape ({batch},), "
-            f"got {dtype} of shape {shape}"
+            f"got {info.dtype} of shape {info.shape}"
         )
-    return kind(0), value
+
+
+def _check_out(out, batch: int, dtype: str) -> None:
+    if out is None:
+        return
+    if out.shape != (batch,) or out.dtype != dtype:
+        raise ValueError(
+            f"out: expected shape {(batch,)} and dtype {dtype}, "
+            f"got shape {out.shape} and dtype {out.dtype}"
+        )
+    if not out.contiguous:  # strides in bytes, as this message has always given them
+        strides = tuple(s * out.itemsize for s in out.strides)
+        raise ValueError(f"out: must be contiguous (written densely), got strides {strides}")
+
+
+def _sample_launch(op: str, dtype: str, out_dtype: str, batch: int, vocab: int, stride: int,
+                   align: int, device: int) -> Launch:  # fmt: skip
+    """sample_kernel, one CTA per row; or, for a batch too small to fill the GPU on sm_90+,
+    cluster_sample_kernel, a cluster of CTAs per row. Both take SampleParams."""
+    import cupy
+
+    sms, smem_per_block = jit.device_limits(device)
+    spec = sample_spec(op, dtype, vocab, batch, out_dtype, sms)
+    spec = replace(spec, vec=fit_vec(spec.vec, itemsize(dtype), align, [stride]))
+    cc = int(cupy.cuda.Device(device).compute_capability)
+    cluster = cluster_size(batch, vocab, spec.vec, sms, cc, smem_per_block)
+    if cluster:
+        cspec = ClusterSampleSpec(op, dtype, out_dtype, spec.vec, cluster)
+        return cluster_launch(cspec, batch, vocab)
+    kernel = Kernel(spec, "sample_kernel", "SampleParams", row_smem_bytes(spec.threads))
+    return Launch(kernel, (batch, 1, 1), (spec.threads, 1, 1))
+
+
+# Slots 1-6, when present, are pointers of SampleParams (top_k's field depends on its dtype).
+_POINTER_FIELDS = {1: "indices", 3: "top_p_arr", 4: "min_p_arr", 5: "seed_arr", 6: "offset_arr"}
+_OUT, _FLAG = 8, 9  # the outputs' pointers follow the 8 slots
+
+
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slots (probs, indices, top_k, top_p, min_p, seed, offset, out) -> samples [batch]; with
+    check_nan also a [1] int32 flag, zeroed before the kernel, which sets it on a bad value."""
+    op, check_nan = static
+    probs, indices, top_k, top_p, min_p, seed, offset, out = infos
+    rows, vocab, dtype = _check_probs(probs)
+    batch, out_dtype = rows, "int32"
+    if indices is not None:
+        out_dtype = indices.dtype
+        if out_dtype not in ("int32", "int64") or indices.ndim != 1:
+            raise ValueError(
+                f"indices: expected a 1-D int32 or int64 array, got {out_dtype} of shape "
+                f"{indices.shape}"
+            )
+        batch = indices.shape[0]
+    _check_param("top_k", top_k, batch, ("int32", "int64"))
+    _check_param("top_p", top_p, batch, ("float32",))
+    _check_param("min_p", min_p, batch, ("float32",))
+    seed_len = 0 if seed is None else check_array("seed", seed, batch)
+    offset_len = 0 if offset is None else check_array("offset", offset, batch)
+    _check_out(out, batch, out_dtype)
+    _, _, stride, _ = leading_rows(probs, "probs")  # the vocabulary axis must be contiguous
+    launch = _sample_launch(op, dtype, out_dtype, batch, vocab, stride, probs.align,
+                           probs.device)  # fmt: skip
+    p = launch.params
+    p.row_stride, p.vocab, p.seed_len, p.offset_len = stride, vocab, seed_len, offset_len
+    pointers = [(field, i) for i, field in _POINTER_FIELDS.items() if infos[i] is not None]
+    if top_k is not None:
+        pointers.append(("top_k_arr" if top_k.dtype == "int32" else "top_k_arr64", 2))
+    if check_nan:
+        pointers.append(("error_flag", _FLAG))
+
+    def run(stream, device, ptrs, scalars):
+        if check_nan:
+            memset_d32(ptrs[_FLAG], 0, 1, stream)
+        with launch.lock:
+            p.probs, p.out = ptrs[0], ptrs[_OUT]
+            for field, i in pointers:
+                setattr(p, field, ptrs[i])
+            p.top_k_val, p.top_p_val, p.min_p_val, p.seed_val, p.offset_val = scalars
+            launch(stream, device)
+
+    outs = (OutSlot((batch,), out_dtype, 7 if out is not None else None),)
+    if check_nan:
+        outs += (OutSlot((1,), "int32"),)
+    dense = tuple(i for i in range(1, 7) if infos[i] is not None)  # arrays read by index
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
+
+
+_OP = Op("sample", ("probs", "indices", "top_k", "top_p", "min_p", "seed", "offset", "out"),
+         _prepare, given=("out",))  # fmt: skip
 
 
 def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None, seed=None,
             offset=None, check_nan=False, out=None):  # fmt: skip
-    rows, _, _ = _check_probs(probs)
-    inputs = [("probs", probs)]
-    out_dtype, batch = "int32", rows
-    if indices is not None:
-        out_dtype = dtype_name(indices)
-        if out_dtype not in ("int32", "int64") or len(indices.shape) != 1:
-            raise ValueError(
-                f"indices: expected a 1-D int32 or int64 array, got {out_dtype} of shape "
-                f"{tuple(indices.shape)}"
-            )
-        batch = indices.shape[0]
-        inputs.append(("indices", indices))
-    k, k_arr = _param("top_k", top_k, batch, ("int32", "int64"), int)
-    p, p_arr = _param("top_p", top_p, batch, ("float32",), float)
-    m, m_arr = _param("min_p", min_p, batch, ("float32",), float)
-    k = max(-(2**31), min(k, 2**31 - 1))
-    for name, arr in (("top_k", k_arr), ("top_p", p_arr), ("min_p", m_arr)):
-        if arr is not None:
-            inputs.append((name, arr))
-    rand_inputs, (seed_val, offset_val) = kernel_inputs(probs, batch, generator, seed, offset)
-    inputs += rand_inputs
-    outputs = [Out((batch,), out_dtype, out)] + ([Out((1,), "int32")] if check_nan else [])
-    result = run(_launch, inputs, outputs, op=op, names=tuple(n for n, _ in inputs),
-                 scalars=(k, p, m, seed_val, offset_val))  # fmt: skip
+    k, k_arr = per_row(top_k, int)
+    p, p_arr = per_row(top_p, float)
+    m, m_arr = per_row(min_p, float)
+    (seeds, offsets), (seed, offset) = kernel_inputs(probs, generator, seed, offset)
+    arrays = (probs, indices, k_arr, p_arr, m_arr, seeds, offsets, out)
+    check_nan = bool(check_nan)
+    result = call(_OP, arrays, (op, check_nan), (k, p, m, seed, offset))
     if not check_nan:
         return result
     samples, flag = result
@@ -271,6 +315,7 @@ top_p_renorm_prob = top_p_renorm_probs
 
 __all__ = [
     "Generator",
+    "SampleOp",
     "SampleSpec",
     "chain_speculative_sampling",
     "min_p_sampling_from_probs",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import jit
+from .launch import Kernel, Launch
 
 THREADS = 512
 SLICE_BYTES = 200 * 1024  # the most dynamic shared memory (a CTA's slice) the path takes
@@ -21,7 +22,7 @@ CLUSTERS = (8, 4, 2)
 
 @dataclass(frozen=True)
 class ClusterSampleSpec:
-    op: str  # rtcinfer.sampling.SAMPLE_OPS
+    op: str  # a key of rtcinfer.sampling.SAMPLE_OPS
     dtype: str  # probs
     out_dtype: str  # token ids
     vec: int
@@ -29,13 +30,14 @@ class ClusterSampleSpec:
     threads: int = THREADS
     source: ClassVar[str] = "sampling_cluster.cu"
     kernels: ClassVar[tuple[str, ...]] = ("cluster_sample_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("SampleParams",)  # crossing the seam
     min_sm: ClassVar[int] = 90  # thread-block clusters
 
     def prelude(self) -> str:
         from .sampling import SAMPLE_OPS
 
         return jit.prelude(
-            OP=SAMPLE_OPS.index(self.op),
+            OP=SAMPLE_OPS[self.op],
             T=self.dtype,
             OUT_T=self.out_dtype,
             VEC=self.vec,
@@ -66,11 +68,12 @@ def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capabi
     return 0
 
 
-def launch(stream, spec: ClusterSampleSpec, batch: int, vocab: int, args: tuple) -> None:
-    """cluster_sample_kernel over `batch` rows (args as sample_kernel's)."""
+def cluster_launch(spec: ClusterSampleSpec, batch: int, vocab: int) -> Launch:
+    """cluster_sample_kernel over `batch` rows of `vocab` (its SampleParams as sample_kernel's;
+    the cluster shape is compiled in, __cluster_dims__, so a plain launch forms the clusters)."""
     smem = 4 * slice_elements(vocab, spec.cluster, spec.vec)
-    fn = jit.get_function(spec, "cluster_sample_kernel", dynamic_smem=smem)
-    fn((batch * spec.cluster, 1, 1), (spec.threads, 1, 1), args, stream=stream, shared_mem=smem)
+    kernel = Kernel(spec, "cluster_sample_kernel", "SampleParams", smem)
+    return Launch(kernel, (batch * spec.cluster, 1, 1), (spec.threads, 1, 1))
 
 
-__all__ = ["ClusterSampleSpec", "cluster_size", "slice_elements"]
+__all__ = ["ClusterSampleSpec", "cluster_launch", "cluster_size", "slice_elements"]

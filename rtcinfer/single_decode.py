@@ -14,19 +14,21 @@ import numpy as np
 
 from .decode_kernel import (
     THREADS,
-    Config,
     check_cache_view,
     check_layout,
+    ctas_per_sm,
     kernel,
     kv_scales,
     make_config,
     token_head,
 )
-from .interop import Out, dtype_name, run
-from .interop.arrays import device_of, framework, to_device
+from .interop import Op, OutSlot, Prepared, call
 from .jit import device_limits
+from .launch import Launch, memset_d32
 from .plan.decode import plan_decode
-from .workspace import header_ints, pack_plan
+from .workspace import ITEM_INTS, header_ints, pack_plan
+
+PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
 
 
 def single_decode_with_kv_cache(
@@ -39,74 +41,98 @@ def single_decode_with_kv_cache(
     q: [Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any strides with a
     contiguous head_dim; D in (64, 128, 256). ROPE_LLAMA rotates q at kv_len - 1 and key j at j.
     Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
-    The work list is built on the host and uploaded as a small input array.
+    The work list depends only on the shapes: it is built and uploaded once per signature.
     """
-    check_layout(kv_layout)
-    if len(q.shape) != 2 or len(k.shape) != 3 or tuple(k.shape) != tuple(v.shape):
-        raise ValueError(
-            f"expected q [Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
-    page = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
-    pages = -(-kv_len // page)
-    scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
-    cfg = make_config(
-        q.shape[0], num_kv_heads, q.shape[1], page, pos_encoding_mode, window_left,
-        logits_soft_cap, dtype_name(q), dtype_name(k), None, scale, rope_scale, rope_theta,
-    )  # fmt: skip
-    if dtype_name(v) != dtype_name(k) or k.shape[2] != cfg.head_dim:
-        raise ValueError(
-            f"k and v must share dtype and head_dim: q head_dim {cfg.head_dim}, k "
-            f"{dtype_name(k)} {tuple(k.shape)}, v {dtype_name(v)} {tuple(v.shape)}"
-        )
-    device = 0 if framework(q) == "jax" else max(device_of(q), 0)
-    num_sms, max_smem = device_limits(device)
-    spec = cfg.spec(max_smem)
-    indptr = np.array([0, pages], dtype=np.int64)
-    last = np.array([kv_len - (pages - 1) * page if pages else 0], dtype=np.int64)
-    plan = plan_decode(
-        indptr, last, page, cfg.kv_blocks, num_sms=num_sms, ctas_per_sm=kernel(spec, device)[1]
-    )
-    host = np.zeros(header_ints(cfg.head_dim) + 8 * plan.num_work + pages, dtype=np.int32)
-    pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
-    w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
-    outs = [
-        Out((hq, d), cfg.o_dtype),
-        Out((hq,), "float32"),
-        Out((w, hq, d), "float32"),  # scratch: partial outputs of split work items
-        Out((w, hq), "float32"),  # scratch: their LSE
-        Out((1, cfg.kv_blocks), "int32"),  # scratch: merge counters
-    ]
-    ins = [("q", q), ("k", k), ("v", v), ("plan", to_device(q, host))]
-    scales = kv_scales(k_scale, v_scale, q_scale)
-    result = run(_single_launch, ins, outs, cfg=cfg, layout=kv_layout, scales=scales, work=w)
+    static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+              rope_theta, bool(return_lse))  # fmt: skip
+    result = call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
     return (result[0], result[1]) if return_lse else result[0]
 
 
-def _single_launch(stream, ins, outs, *, cfg: Config, layout, scales, work):
-    from cupy_backends.cuda.api import runtime
-
-    q, k, v, plan = ins
-    o, lse, part_o, part_lse, counters = outs
-    spec = cfg.spec(device_limits(q.device.id)[1])
-    fn = kernel(spec, q.device.id)[0]
-    strides = []
-    for name, arr in (("k", k), ("v", v)):
-        dims, (token, head) = token_head(arr.shape, arr.strides, layout)
-        check_cache_view(name, arr.data.ptr, dims, (token, head), arr.itemsize, arr.strides[2])
-        strides.append((cfg.page_size * token, token, head))
-    if q.strides[1] != q.itemsize:
-        raise ValueError(f"q: head_dim must be contiguous, got strides {q.strides}")
-    runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
-    args = (
-        q.data.ptr, 0, q.strides[0] // q.itemsize, k.data.ptr, *strides[0], v.data.ptr,
-        *strides[1], o.data.ptr, 0, cfg.head_dim, lse.data.ptr, 0, plan.data.ptr,
-        part_o.data.ptr, part_lse.data.ptr, counters.data.ptr, *cfg.scalars(),
-        np.float32(cfg.sm_scale * scales[0]), np.float32(cfg.logits_soft_cap),
-        np.float32(scales[1]),
+def _prepare(infos, align, static) -> Prepared:
+    """Slots (q, k, v) -> o [Hq, D] (and lse [Hq]); split plans add per-call scratch outputs
+    (partial o, partial lse, merge counters) so that concurrent calls never share them."""
+    kv_layout, pos_encoding_mode, window_left, cap, sm_scale, rope_scale, rope_theta, with_lse = (
+        static
+    )
+    q, k, v = infos
+    check_layout(kv_layout)
+    if q.ndim != 2 or k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"expected q [Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
+    pages = -(-kv_len // PAGE)
+    scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
+    cfg = make_config(
+        q.shape[0], num_kv_heads, q.shape[1], PAGE, pos_encoding_mode, window_left, cap,
+        q.dtype, k.dtype, None, scale, rope_scale, rope_theta,
     )  # fmt: skip
-    fn((cfg.kv_blocks, work, 1), (THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=stream)
+    if v.dtype != k.dtype or k.shape[2] != cfg.head_dim:
+        raise ValueError(
+            f"k and v must share dtype and head_dim: q head_dim {cfg.head_dim}, k "
+            f"{k.dtype} {k.shape}, v {v.dtype} {v.shape}"
+        )
+    if q.strides[1] != 1:
+        raise ValueError(f"q: head_dim must be contiguous, got strides {q.strides}")
+    device = q.device
+    num_sms, max_smem = device_limits(device)
+    spec = cfg.spec(max_smem)
+    indptr = np.array([0, pages], dtype=np.int64)
+    last = np.array([kv_len - (pages - 1) * PAGE if pages else 0], dtype=np.int64)
+    plan = plan_decode(indptr, last, PAGE, cfg.kv_blocks, num_sms=num_sms,
+                       ctas_per_sm=ctas_per_sm(spec, device))  # fmt: skip
+    host = np.zeros(header_ints(cfg.head_dim) + ITEM_INTS * plan.num_work + pages, np.int32)
+    pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
+    plan_buffer = _upload(host, device)
+    w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
+    split = w > 1
+    outs = [OutSlot((hq, d), cfg.o_dtype)]
+    if with_lse:
+        outs.append(OutSlot((hq,), "float32"))
+    if split:
+        outs += [OutSlot((w, hq, d), "float32"), OutSlot((w, hq), "float32"),
+                 OutSlot((1, cfg.kv_blocks), "int32")]  # fmt: skip
+    launch = Launch(kernel(spec), (cfg.kv_blocks, w, 1), (THREADS, 1, 1))
+    p = launch.params
+    cfg.fill(p)
+    item = k.itemsize
+    for name, arr in (("k", k), ("v", v)):
+        dims, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
+        strides = (PAGE * token * item, token * item, head * item)
+        check_cache_view(name, arr.offset, dims, strides[1:], item, arr.strides[2] * item)
+        setattr(p, f"{name}_page", strides[0])
+        setattr(p, f"{name}_token", strides[1])
+        setattr(p, f"{name}_head", strides[2])
+    p.q_stride_n, p.q_stride_h = 0, q.strides[0]
+    p.o_stride_n, p.o_stride_h, p.lse_stride_n = 0, d, 0
+    p.plan = plan_buffer.ptr
+    n_lse = 1 if with_lse else 0
 
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
+            p.lse = ptrs[4] if with_lse else 0
+            if split:
+                p.partial_o, p.partial_lse, p.counters = ptrs[4 + n_lse : 7 + n_lse]
+                memset_d32(p.counters, 0, cfg.kv_blocks, stream)
+            p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
+            launch(stream, device)
+
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer)
+
+
+def _upload(host: np.ndarray, device: int):
+    """A device copy of `host` that lives as long as its prepared launch."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        memory = cupy.cuda.alloc(host.nbytes)
+        memory.copy_from_host(host.ctypes.data, host.nbytes)
+    return memory
+
+
+_OP = Op("single_decode", ("q", "k", "v"), _prepare)
 
 __all__ = ["single_decode_with_kv_cache"]

@@ -8,9 +8,9 @@ from typing import ClassVar
 import numpy as np
 
 from . import jit
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense
+from .interop import Op, OutSlot, Prepared, call
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import fit_vec, leading_rows, widest_vec
 
 
@@ -21,6 +21,7 @@ class SoftmaxSpec:
     threads: int
     source: ClassVar[str] = "softmax.cu"
     kernels: ClassVar[tuple[str, ...]] = ("softmax_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("SoftmaxParams",)  # crossing the seam
 
     def prelude(self) -> str:
         return jit.prelude(
@@ -39,21 +40,42 @@ def softmax_spec(dtype: str, vocab: int, vec: int | None = None) -> SoftmaxSpec:
     return SoftmaxSpec(dtype, vec, threads)
 
 
-def _launch(stream, ins, outs, *, scalar: float):
-    logits, probs = ins[0], outs[0]
-    rows, vocab = logits.shape
-    if rows == 0:
-        return
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slots (logits, temperature array) -> probs [rows, vocab] float32. Scalars: (temperature,)
+    for rows without the array."""
+    logits, temperature = infos
+    shape, dtype = logits.shape, logits.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    if len(shape) != 2 or shape[1] == 0:
+        raise ValueError(f"logits: expected shape (batch, vocab) with vocab > 0, got {shape}")
+    rows, vocab = shape
+    if temperature is not None and (temperature.dtype, temperature.shape) != ("float32", (rows,)):
+        raise ValueError(
+            f"temperature: expected a float or a float32 array of shape ({rows},), "
+            f"got {temperature.dtype} of shape {temperature.shape}"
+        )
     _, _, stride, _ = leading_rows(logits, "logits")  # the vocabulary axis must be contiguous
-    spec = softmax_spec(dtype_name(logits), vocab)
-    vec = fit_vec(spec.vec, logits.itemsize, [logits.data.ptr], [stride])
+    spec = softmax_spec(dtype, vocab)
+    vec = fit_vec(spec.vec, itemsize(dtype), logits.align, [stride])
     if vec != spec.vec:
-        spec = softmax_spec(spec.dtype, vocab, vec)
-    fn = jit.get_function(spec, "softmax_kernel")
-    temperature = dense(ins[1], "temperature") if len(ins) > 1 else 0
-    args = (logits, np.int64(stride), probs, np.int64(vocab), np.int32(vocab), temperature,
-            np.float32(scalar))  # fmt: skip
-    fn((rows, 1, 1), (spec.threads, 1, 1), args, stream=stream)
+        spec = softmax_spec(dtype, vocab, vec)
+    launch = Launch(Kernel(spec, "softmax_kernel", "SoftmaxParams"), (rows, 1, 1),
+                    (spec.threads, 1, 1))  # fmt: skip
+    p = launch.params
+    p.in_stride, p.out_stride, p.vocab = stride, vocab, vocab  # the output is allocated dense
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.logits, p.temperature_arr, p.probs = ptrs
+            (p.temperature_val,) = scalars
+            launch(stream, device)
+
+    dense = () if temperature is None else (1,)
+    return Prepared((OutSlot(shape, "float32"),), run, preload=launch.preload, dense=dense)
+
+
+_OP = Op("softmax", ("logits", "temperature"), _prepare)
 
 
 def softmax(logits, temperature=None, enable_pdl=None):
@@ -65,24 +87,11 @@ def softmax(logits, temperature=None, enable_pdl=None):
     enable_pdl is accepted for FlashInfer compatibility and ignored. Returns [batch, vocab]
     float32 in the caller's array type.
     """
-    shape, dtype = tuple(logits.shape), dtype_name(logits)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"logits: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    if len(shape) != 2 or shape[1] == 0:
-        raise ValueError(f"logits: expected shape (batch, vocab) with vocab > 0, got {shape}")
-    inputs = [("logits", logits)]
-    scalar = 1.0
-    if temperature is None or isinstance(temperature, (int, float, np.integer, np.floating)):
-        scalar = 1.0 if temperature is None else float(temperature)
-    else:
-        t_shape, t_dtype = tuple(temperature.shape), dtype_name(temperature)
-        if t_dtype != "float32" or t_shape != (shape[0],):
-            raise ValueError(
-                f"temperature: expected a float or a float32 array of shape ({shape[0]},), "
-                f"got {t_dtype} of shape {t_shape}"
-            )
-        inputs.append(("temperature", temperature))
-    return run(_launch, inputs, [Out(shape, "float32")], scalar=scalar)
+    if temperature is None:
+        return call(_OP, (logits, None), (), (1.0,))
+    if isinstance(temperature, (int, float, np.integer, np.floating)):
+        return call(_OP, (logits, None), (), (float(temperature),))
+    return call(_OP, (logits, temperature), (), (1.0,))
 
 
 __all__ = ["SoftmaxSpec", "softmax", "softmax_spec"]

@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from . import jit
-from .interop import Out, dtype_name, run
-from .interop.arrays import dense
+from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .launch import Kernel, Launch
 from .layout import fit_vec, row_threads, widest_vec
-from .philox import kernel_inputs
+from .philox import check_array, kernel_inputs
 
 
 @dataclass(frozen=True)
@@ -22,6 +20,7 @@ class SpeculativeSpec:
     threads: int
     source: ClassVar[str] = "speculative.cu"
     kernels: ClassVar[tuple[str, ...]] = ("chain_speculative_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("SpeculativeParams",)  # crossing the seam
 
     def prelude(self) -> str:
         return jit.prelude(
@@ -37,36 +36,103 @@ def speculative_spec(dtype: str, vocab: int, batch: int = 1, sm_count: int = 132
     return SpeculativeSpec(dtype, vec, row_threads(vocab, batch, sm_count))
 
 
-def _launch(stream, ins, outs, *, names: tuple, accumulate: bool, seed: int, offset: int):
-    a = dict(zip(names, ins, strict=True))
-    draft, ids, target = a["draft_probs"], a["draft_token_ids"], a["target_probs"]
-    tokens = outs[0]
-    accepted, emitted = (
-        dense(x, n, output=True) for x, n in zip(outs[1:], ("accepted", "emitted"), strict=True)
-    )
-    batch, n, vocab = draft.shape
-    if batch == 0:
-        return
+def _byte_strides(info) -> tuple[int, ...]:
+    """Strides in bytes, as these messages have always given them."""
+    return tuple(s * info.itemsize for s in info.strides)
+
+
+def _check(draft, ids, target, accepted, emitted) -> tuple[int, int, int]:
+    """(batch, n, vocab) of valid arguments."""
+    d_shape, t_shape, dtype = draft.shape, target.shape, draft.dtype
+    if dtype not in FLOAT_DTYPES or target.dtype != dtype:
+        raise TypeError(
+            f"draft_probs and target_probs must share a float dtype, got {dtype} and {target.dtype}"
+        )
+    if len(d_shape) != 3 or t_shape != (d_shape[0], d_shape[1] + 1, d_shape[2]) or not d_shape[2]:
+        raise ValueError(
+            f"expected draft_probs [batch, n, vocab] and target_probs [batch, n + 1, vocab], "
+            f"got {d_shape} and {t_shape}"
+        )
+    batch, n, vocab = d_shape
+    if ids.dtype not in ("int32", "int64") or ids.shape != (batch, n):
+        raise ValueError(
+            f"draft_token_ids: expected int32/int64 of shape ({batch}, {n}), got {ids.dtype} "
+            f"of shape {ids.shape}"
+        )
+    if (accepted is None) != (emitted is None):
+        raise ValueError("pass both counters (accepted and emitted) or neither")
+    for name, c in (("accepted", accepted), ("emitted", emitted)):
+        if c is not None and (c.dtype != "int32" or c.shape != (batch,)):
+            raise ValueError(
+                f"{name} counter: expected int32 of shape ({batch},), got {c.dtype} of "
+                f"shape {c.shape}"
+            )
+    return batch, n, vocab
+
+
+def _dense(info) -> bool:
+    """C-contiguous as CuPy and PyTorch judge it: the strides of size-1 dims do not matter."""
+    dims = zip(info.shape, info.strides, dense_strides(info.shape), strict=True)
+    return info.size == 0 or all(n == 1 or s == d for n, s, d in dims)
+
+
+def _check_dense(draft, ids, target, accepted, emitted) -> None:
+    """The kernel indexes every array as dense."""
+    for name, c in (("accepted", accepted), ("emitted", emitted)):
+        if c is not None and not _dense(c):
+            raise ValueError(
+                f"{name}: must be contiguous (written densely), got strides {_byte_strides(c)}"
+            )
     for x, name in ((draft, "draft_probs"), (ids, "draft_token_ids"), (target, "target_probs")):
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a contiguous array, got strides {x.strides}")
-    spec = speculative_spec(dtype_name(draft), vocab, batch, jit.sm_count(draft.device.id))
-    vec = fit_vec(spec.vec, draft.itemsize, [draft.data.ptr, target.data.ptr], [vocab])
+        if not _dense(x):
+            raise ValueError(f"{name}: expected a contiguous array, got strides {_byte_strides(x)}")
+
+
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slots (draft_probs, draft_token_ids, target_probs, accepted, emitted, seed, offset) ->
+    (output_token_ids [batch, n + 1], accepted [batch], emitted [batch]); counters that are
+    given are updated in place. Scalars: (seed, offset)."""
+    draft, ids, target, accepted, emitted, seed, offset = infos
+    batch, n, vocab = _check(draft, ids, target, accepted, emitted)
+    seed_len = 0 if seed is None else check_array("seed", seed, batch)
+    offset_len = 0 if offset is None else check_array("offset", offset, batch)
+    _check_dense(draft, ids, target, accepted, emitted)
+    sms = jit.device_limits(draft.device)[0]
+    spec = speculative_spec(draft.dtype, vocab, batch, sms)
+    vec = fit_vec(spec.vec, draft.itemsize, min(draft.align, target.align), [vocab])
     if vec != spec.vec:
-        spec = speculative_spec(spec.dtype, vocab, batch, jit.sm_count(draft.device.id), vec)
-    seeds, offsets = dense(a.get("seed"), "seed"), dense(a.get("offset"), "offset")
-    fn = jit.get_function(spec, "chain_speculative_kernel")
-    args = (
-        draft, ids if ids.dtype == np.int32 else 0, ids if ids.dtype == np.int64 else 0, target,
-        np.int32(n), np.int32(vocab), tokens, accepted, emitted, np.int32(accumulate),
-        0 if seeds is None else seeds, np.uint64(seed), np.int32(_entries(seeds)),
-        0 if offsets is None else offsets, np.uint64(offset), np.int32(_entries(offsets)),
-    )  # fmt: skip
-    fn((batch, 1, 1), (spec.threads, 1, 1), args, stream=stream)
+        spec = speculative_spec(draft.dtype, vocab, batch, sms, vec)
+    launch = Launch(Kernel(spec, "chain_speculative_kernel", "SpeculativeParams"), (batch, 1, 1),
+                    (spec.threads, 1, 1))  # fmt: skip
+    p = launch.params
+    accumulate = accepted is not None  # add to the given counters
+    p.n, p.vocab, p.accumulate = n, vocab, int(accumulate)
+    p.seed_len, p.offset_len = seed_len, offset_len
+    ids32 = ids.dtype == "int32"
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.draft_probs, p.target_probs = ptrs[0], ptrs[2]
+            if ids32:
+                p.draft_ids = ptrs[1]
+            else:
+                p.draft_ids64 = ptrs[1]
+            p.seed_arr, p.offset_arr = ptrs[5], ptrs[6]
+            p.out_tokens, p.accepted, p.emitted = ptrs[7], ptrs[8], ptrs[9]
+            p.seed_val, p.offset_val = scalars
+            launch(stream, device)
+
+    outs = (
+        OutSlot((batch, n + 1), "int32"),
+        OutSlot((batch,), "int32", 3 if accumulate else None, alias=accumulate),
+        OutSlot((batch,), "int32", 4 if accumulate else None, alias=accumulate),
+    )
+    dense = tuple(i for i in (5, 6) if infos[i] is not None)  # seed and offset arrays
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
-def _entries(arr) -> int:
-    return 0 if arr is None else arr.shape[0]
+_SLOTS = ("draft_probs", "draft_token_ids", "target_probs", "accepted", "emitted", "seed", "offset")
+_OP = Op("chain_speculative_sampling", _SLOTS, _prepare)
 
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
@@ -85,47 +151,10 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     are [batch] int32 arrays updated in place (new arrays for JAX); when None they are
     allocated. Returns (output_token_ids [batch, n + 1] int32, accepted, emitted).
     """
-    d_shape, t_shape = tuple(draft_probs.shape), tuple(target_probs.shape)
-    dtype = dtype_name(draft_probs)
-    if dtype not in FLOAT_DTYPES or dtype_name(target_probs) != dtype:
-        raise TypeError(
-            f"draft_probs and target_probs must share a float dtype, got {dtype} and "
-            f"{dtype_name(target_probs)}"
-        )
-    if len(d_shape) != 3 or t_shape != (d_shape[0], d_shape[1] + 1, d_shape[2]) or not d_shape[2]:
-        raise ValueError(
-            f"expected draft_probs [batch, n, vocab] and target_probs [batch, n + 1, vocab], "
-            f"got {d_shape} and {t_shape}"
-        )
-    batch, n, _ = d_shape
-    ids_dtype = dtype_name(draft_token_ids)
-    if ids_dtype not in ("int32", "int64") or tuple(draft_token_ids.shape) != (batch, n):
-        raise ValueError(
-            f"draft_token_ids: expected int32/int64 of shape ({batch}, {n}), got {ids_dtype} "
-            f"of shape {tuple(draft_token_ids.shape)}"
-        )
-    inputs = [("draft_probs", draft_probs), ("draft_token_ids", draft_token_ids),
-              ("target_probs", target_probs)]  # fmt: skip
-    counters = (maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num)
-    accumulate = counters[0] is not None or counters[1] is not None
-    if accumulate and (counters[0] is None or counters[1] is None):
-        raise ValueError("pass both counters (accepted and emitted) or neither")
-    outputs = [Out((batch, n + 1), "int32")]
-    for name, c in zip(("accepted", "emitted"), counters, strict=True):
-        if c is None:
-            outputs.append(Out((batch,), "int32"))
-            continue
-        if dtype_name(c) != "int32" or tuple(c.shape) != (batch,):
-            raise ValueError(
-                f"{name} counter: expected int32 of shape ({batch},), got {dtype_name(c)} of "
-                f"shape {tuple(c.shape)}"
-            )
-        outputs.append(Out((batch,), "int32", alias=len(inputs)))
-        inputs.append((name, c))
-    rand_inputs, (seed, offset) = kernel_inputs(draft_probs, batch, generator, seed, offset)
-    inputs += rand_inputs
-    return run(_launch, inputs, outputs, names=tuple(n for n, _ in inputs),
-               accumulate=accumulate, seed=seed, offset=offset)  # fmt: skip
+    (seeds, offsets), scalars = kernel_inputs(draft_probs, generator, seed, offset)
+    arrays = (draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num,
+              maybe_output_emitted_draft_token_num, seeds, offsets)  # fmt: skip
+    return call(_OP, arrays, (), scalars)
 
 
 __all__ = ["SpeculativeSpec", "chain_speculative_sampling", "speculative_spec"]

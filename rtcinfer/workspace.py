@@ -10,11 +10,11 @@ Device layout (each region 256-byte aligned):
 partial_work is at least the grid's item count when a plan splits (decode.cu strides the
 partial rows by it) and may be 0 for a plan of whole requests, which writes no partials.
 
-The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; work item w
-is int32[8] = (request, token_begin, token_end, kv_len, page_begin, merge_begin, merge_count,
-0) where page_begin indexes the page ids inside the plan region. A plan is packed into one of
-two pinned host buffers and sent with one async copy; an event per buffer keeps a buffer from
-being rewritten while its copy may still be reading it.
+The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; the work
+items are the kernel's DecodeWorkItem structs (cuda_src/decode.cu), written here by field name
+through a NumPy record of the same layout; their `page_ids` index the page ids inside the plan
+region. A plan is packed into one of two pinned host buffers and sent with one async copy; an
+event per buffer keeps a buffer from being rewritten while its copy may still be reading it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import jit
+from .params import record_dtype
+
 ALIGN = 256
+WORK_ITEM = record_dtype(jit.source_layout("decode.cu", "DecodeWorkItem"))
+ITEM_INTS = WORK_ITEM.itemsize // 4
 
 
 def header_ints(head_dim: int) -> int:
@@ -47,7 +52,7 @@ class Capacity:
 
     @property
     def plan_ints(self) -> int:
-        return header_ints(self.head_dim) + 8 * self.max_work + self.max_pages
+        return header_ints(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of every region, and "end" (the bytes needed)."""
@@ -98,17 +103,18 @@ class Capacity:
         )
 
 
-_WHOLE = np.zeros((0, 8), dtype=np.int32)
+_WHOLE = np.zeros(0, dtype=WORK_ITEM)
 
 
 def _whole_requests(batch: int) -> np.ndarray:
-    """The constant columns of a plan of one item per request: item b = (b, 0, -, -, -, b, 1, 0)
-    for b < batch (a read-only view of one table, grown by doubling; the caller copies it)."""
+    """The constant fields of a plan of one item per request: item b has request = b,
+    token_begin = 0, merge_begin = b, merge_count = 1 for b < batch (a read-only view of one
+    table, grown by doubling; the caller copies it)."""
     global _WHOLE
     if _WHOLE.shape[0] < batch:
-        rows = np.zeros((max(batch, 2 * _WHOLE.shape[0]), 8), dtype=np.int32)
-        rows[:, 0] = rows[:, 5] = np.arange(rows.shape[0], dtype=np.int32)
-        rows[:, 6] = 1
+        rows = np.zeros(max(batch, 2 * _WHOLE.shape[0]), dtype=WORK_ITEM)
+        rows["request"] = rows["merge_begin"] = np.arange(rows.shape[0], dtype=np.int32)
+        rows["merge_count"] = 1
         rows.flags.writeable = False
         _WHOLE = rows
     return _WHOLE[:batch]
@@ -122,29 +128,29 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     """
     hdr = header_ints(head_dim)
     w = plan.num_work
-    pages_at = hdr + 8 * w
+    pages_at = hdr + ITEM_INTS * w
     n = pages_at + kv_indices.shape[0]
     buf[0] = w
     buf[1:4] = 0
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
-    work = buf[hdr:pages_at].reshape(w, 8)
+    work = buf[hdr:pages_at].view(WORK_ITEM)
     merge = plan.merge_indptr
     if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
-        work[:] = _whole_requests(w)  # (b, 0, ., ., ., b, 1, 0)
-        work[:, 2] = plan.kv_len
-        work[:, 3] = plan.kv_len
+        work[:] = _whole_requests(w)
+        work["token_end"] = plan.kv_len
+        work["kv_len"] = plan.kv_len
         first_page = kv_indptr[:-1]
     else:
         req = plan.work_request
-        work[:, 0] = req
-        plan.work_token_bounds(work[:, 1], work[:, 2])
-        work[:, 3] = plan.kv_len[req]
-        work[:, 5] = merge[:-1][req]
-        work[:, 6] = (merge[1:] - merge[:-1])[req]
-        work[:, 7] = 0
+        work["request"] = req
+        plan.work_token_bounds(work["token_begin"], work["token_end"])
+        work["kv_len"] = plan.kv_len[req]
+        work["merge_begin"] = merge[:-1][req]
+        work["merge_count"] = (merge[1:] - merge[:-1])[req]
+        work["unused"] = 0
         first_page = kv_indptr[:-1][req]
-    np.add(first_page, pages_at, out=work[:, 4], casting="unsafe")
+    np.add(first_page, pages_at, out=work["page_ids"], casting="unsafe")
     buf[pages_at:n] = kv_indices
     return n
 

@@ -180,8 +180,6 @@ LOOKAHEAD_CASES = {  # pages of at least one tile and items of at least 64 tiles
 def test_long_rows_with_one_tile_in_flight(case):
     """Whole long requests in pages of at least one tile: plan() picks the kernel compiled with
     one K/V tile in flight ahead of the one computed instead of its ring's depth - 1."""
-    import cupy
-
     kwargs, lengths, feature = LOOKAHEAD_CASES[case]
     rng = seeded("lookahead", case)
     batch = make_batch(rng, lengths, **kwargs)
@@ -189,8 +187,8 @@ def test_long_rows_with_one_tile_in_flight(case):
     scales = dict(k_scale=0.5, v_scale=2.0) if "kv_dtype" in kwargs else {}
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
     o, lse = run_batch(batch, wrapper, disable_split_kv=True, **scales, **features)
-    spec = replace(wrapper._kernel[1], lookahead=1)
-    assert wrapper._launch.fn is kernel(spec, cupy.cuda.Device().id)[0]
+    spec = replace(wrapper._kernel[0], lookahead=1)
+    assert wrapper._launch.launch.kernel is kernel(spec)
     check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
 
 
@@ -214,8 +212,6 @@ HALF_TILE_CASES = {  # kwargs of make_batch, lengths, feature, plan options
 def test_fp8_whole_requests_with_half_tiles(case):
     """fp8 KV in a plan of one item per request: plan() picks the kernel with tiles of half
     the tokens (decode_kernel.half_tiles), which must match the reference like the default."""
-    import cupy
-
     from rtcinfer.decode_kernel import half_tiles
 
     kwargs, lengths, feature, options = HALF_TILE_CASES[case]
@@ -224,8 +220,8 @@ def test_fp8_whole_requests_with_half_tiles(case):
     scales = dict(k_scale=0.5, v_scale=2.0)
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout)
     o, lse = run_batch(batch, wrapper, **options, **scales, **features)
-    assert wrapper._launch.grid[1] == len(lengths)  # one work item per request
-    assert wrapper._launch.fn is kernel(half_tiles(wrapper._kernel[1]), cupy.cuda.Device().id)[0]
+    assert wrapper._launch.launch.grid[1] == len(lengths)  # one work item per request
+    assert wrapper._launch.launch.kernel is kernel(half_tiles(wrapper._kernel[0]))
     check_attention(o, lse, *batch.reference(**scales, **features), batch.q_dtype)
 
 
@@ -240,7 +236,7 @@ def test_a_small_workspace_serves_plans_of_whole_requests():
                        head_dim=64)  # fmt: skip
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(cupy.empty(256 << 10, np.uint8))
     o, lse = run_batch(batch, wrapper)
-    assert wrapper._launch.grid[1] == 300  # one item per request
+    assert wrapper._launch.launch.grid[1] == 300  # one item per request
     check_attention(o, lse, *batch.reference(), "bfloat16")
     long = make_batch(rng, [20000], num_kv_heads=8)  # split: >= 16 partials of 32 x 128 floats
     with pytest.raises(ValueError, match="workspace: 262144 bytes .* is too small"):

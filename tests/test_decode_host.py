@@ -14,9 +14,9 @@ from rtcinfer import jit
 from rtcinfer.decode import LONG_ITEM_TILES, _lookahead
 from rtcinfer.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
 from rtcinfer.plan.decode import plan_decode
-from rtcinfer.workspace import Capacity, header_ints, pack_plan
+from rtcinfer.workspace import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 
-from .fakes import FakeArray, FakeStream
+from .fakes import FakeStream
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -169,22 +169,21 @@ def test_packed_plan_reads_back(split, page_size):
     kwargs = {"num_sms": 132, "ctas_per_sm": 2, **split}
     plan = plan_decode(indptr, last, page_size, 2, **kwargs)
     freq = rope_frequencies(64, 1.0, 1e4)
-    buf = np.full(header_ints(64) + 8 * plan.num_work + len(indices) + 5, -7, dtype=np.int32)
+    buf = np.full(header_ints(64) + ITEM_INTS * plan.num_work + len(indices) + 5, -7, np.int32)
     used = pack_plan(buf, plan, indptr.astype(np.int64), indices, 64, freq)
     assert used == buf.shape[0] - 5 and buf[0] == plan.num_work
     np.testing.assert_array_equal(buf[4 : header_ints(64)].view(np.float32), freq.reshape(-1))
-    items = buf[header_ints(64) : header_ints(64) + 8 * plan.num_work].reshape(-1, 8)
+    items = buf[header_ints(64) : header_ints(64) + ITEM_INTS * plan.num_work].view(WORK_ITEM)
     covered = {b: [] for b in range(len(lengths))}
-    for w, (req, begin, end, kv_len, page_begin, merge_begin, merge_count, zero) in enumerate(
-        items
-    ):
-        assert kv_len == lengths[req] and zero == 0
-        assert merge_begin <= w < merge_begin + merge_count
-        assert all(items[merge_begin : merge_begin + merge_count, 0] == req)
-        for token in range(begin, end):
-            page = buf[page_begin + token // page_size]
+    for w, item in enumerate(items):
+        req, first, count = item["request"], item["merge_begin"], item["merge_count"]
+        assert item["kv_len"] == lengths[req] and item["unused"] == 0
+        assert first <= w < first + count
+        assert all(items["request"][first : first + count] == req)
+        for token in range(item["token_begin"], item["token_end"]):
+            page = buf[item["page_ids"] + token // page_size]
             assert page == indices[indptr[req] + token // page_size]
-        covered[req].append((begin, end))
+        covered[req].append((item["token_begin"], item["token_end"]))
     for b, ranges in covered.items():
         assert ranges[0][0] == 0 and ranges[-1][1] == lengths[b]
         assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
@@ -202,12 +201,13 @@ def test_packed_token_ranges_of_the_longest_request_stay_in_int32():
     plan = plan_decode(indptr, last, page_size, 1, fixed_split_size=pages - 1,
                        num_sms=132, ctas_per_sm=2)  # fmt: skip
     assert plan.num_work == 2
-    buf = np.zeros(header_ints(64) + 8 * plan.num_work + pages, dtype=np.int32)
+    buf = np.zeros(header_ints(64) + ITEM_INTS * plan.num_work + pages, dtype=np.int32)
     pack_plan(buf, plan, indptr, np.arange(pages, dtype=np.int32), 64, None)
-    items = buf[header_ints(64) : header_ints(64) + 16].reshape(2, 8)
+    items = buf[header_ints(64) : header_ints(64) + 2 * ITEM_INTS].view(WORK_ITEM)
     chunk = (pages - 1) * page_size
-    np.testing.assert_array_equal(items[:, 1:4], [[0, chunk, MAX_KV_LEN],
-                                                  [chunk, MAX_KV_LEN, MAX_KV_LEN]])  # fmt: skip
+    np.testing.assert_array_equal(items["token_begin"], [0, chunk])
+    np.testing.assert_array_equal(items["token_end"], [chunk, MAX_KV_LEN])
+    np.testing.assert_array_equal(items["kv_len"], MAX_KV_LEN)
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def host_wrapper(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(decode, "kernel", lambda spec, device: (spec, 2))
+    monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
     monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: None)
     monkeypatch.setattr(Workspace, "upload", lambda self, fill, stream: None)
     monkeypatch.setattr(Workspace, "pointer", lambda self, region: 0)
@@ -281,15 +281,20 @@ def test_plan_records_the_largest_page_id(host_wrapper, dtype):
     assert host_wrapper._launch.max_page == 2**15 - 1
 
 
+def _spec(wrapper):
+    """The spec of the kernel the latest plan() launches."""
+    return wrapper._launch.launch.kernel.spec
+
+
 def test_plan_picks_the_one_tile_ahead_kernel_for_long_rows(host_wrapper):
     """Pages of 64 and 8192-token requests: the spec compiled with lookahead 1 (CUDA graphs
     aside); short requests keep the default kernel."""
     indptr = np.arange(41) * 128  # 40 requests of 128 full pages: 8192 tokens each
     host_wrapper.plan(indptr, np.arange(indptr[-1]), [64] * 40, 32, 8, 128, 64,
                       q_data_type="bfloat16")  # fmt: skip
-    assert host_wrapper._launch.fn.lookahead == 1
+    assert _spec(host_wrapper).lookahead == 1
     host_wrapper.plan([0, 1], [0], [64], 32, 8, 128, 64, q_data_type="bfloat16")
-    assert host_wrapper._launch.fn.lookahead == 0
+    assert _spec(host_wrapper).lookahead == 0
 
 
 def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
@@ -298,6 +303,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     last one), and moving the plan to another stream synchronizes the device."""
     import cupy
 
+    from rtcinfer import decode
     from rtcinfer.workspace import Workspace
 
     log = []
@@ -308,6 +314,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     class Event:
         def __init__(self, **kwargs):
             self.on = None
+            self.ptr = self
 
         def record(self, stream):
             self.on = stream.ptr
@@ -317,6 +324,9 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", Event)
     monkeypatch.setattr(cupy.cuda.Device, "synchronize", lambda self: log.append(("sync",)),
                         raising=False)  # fmt: skip
+    monkeypatch.setattr(decode, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(decode, "wait_event", lambda stream, event: None)
+    monkeypatch.setattr(decode, "record_event", lambda event, stream: setattr(event, "on", stream))
 
     def upload(self, fill, stream):
         self.stream_ptr = stream.ptr
@@ -330,9 +340,9 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
         w.plan([0, 1], [0], [5], 8, 2, 128, 16, q_data_type="bfloat16")
 
     plan(1)
-    w._order(stream(2))
-    w._order(stream(3))
-    w._order(stream(1))  # the upload's own stream: ordered already
+    w._order(2)
+    w._order(3)
+    w._order(1)  # the upload's own stream: ordered already
     log.clear()
     plan(1)
     assert sorted(log) == [("wait", 1, 2), ("wait", 1, 3)]
@@ -360,31 +370,38 @@ def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
         host_wrapper.run(None, None, window_left=32)
 
 
-def _launch_with_fakes(wrapper, out_strides=None, capturing=False):
-    """run()'s launch step on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page 16);
-    returns the recorded kernel calls."""
+def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):
+    """run()'s prepared launch on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page
+    16, bf16), as the call path drives it; returns the recorded kernel launches."""
+    from rtcinfer import decode
+    from rtcinfer.interop import ArrayInfo, dense_strides
+    from rtcinfer.launch import Launch
+
     calls = []
-    wrapper._launch = replace(wrapper._launch, fn=lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: calls.append(stream))
+    monkeypatch.setattr(decode, "is_capturing", lambda stream: capturing)
     wrapper._ws.stream_ptr = 5  # the plan's stream: run() on it needs no event
-    q = FakeArray((2, 8, 128), 2)
-    cache = FakeArray((4, 2, 16, 2, 128), 2)
-    o = FakeArray((2, 8, 128), 2, out_strides)
-    wrapper._run(FakeStream(5, capturing), [q, cache], [o], (1.0, 1.0))
+    q = ArrayInfo((2, 8, 128), dense_strides((2, 8, 128)), "bfloat16", 0)
+    cache = ArrayInfo((4, 2, 16, 2, 128), dense_strides((4, 2, 16, 2, 128)), "bfloat16", 0)
+    out = None if out_strides is None else q._replace(strides=out_strides)
+    st = wrapper._launch
+    prep = wrapper._prepare_run([q, cache, None, out, None], 16, (st.cfg, st.batch, False))
+    prep.run(5, 0, [1 << 20, 1 << 21, 0, 0, 0, 1 << 22], (1.0, 1.0))
     return calls
 
 
-def test_run_launches_on_contiguous_rows_and_rejects_a_strided_out(host_wrapper):
+def test_run_launches_on_contiguous_rows_and_rejects_a_strided_out(host_wrapper, monkeypatch):
     host_wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
-    assert len(_launch_with_fakes(host_wrapper)) == 1
+    assert len(_launch_with_fakes(host_wrapper, monkeypatch)) == 1
     with pytest.raises(
-        ValueError, match=r"contiguous in their last dimension.* out \(4096, 512, 4\)"
+        ValueError, match=r"contiguous in their last dimension.* out \(2048, 256, 2\)"
     ):
-        _launch_with_fakes(host_wrapper, out_strides=(4096, 512, 4))
+        _launch_with_fakes(host_wrapper, monkeypatch, out_strides=(2048, 256, 2))
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
-        _launch_with_fakes(host_wrapper, out_strides=(2048, 256, -2))
+        _launch_with_fakes(host_wrapper, monkeypatch, out_strides=(1024, 128, -1))
 
 
-def test_a_captured_run_records_its_batch(host_wrapper):
+def test_a_captured_run_records_its_batch(host_wrapper, monkeypatch):
     from rtcinfer import decode
 
     wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(
@@ -392,9 +409,9 @@ def test_a_captured_run_records_its_batch(host_wrapper):
         paged_kv_indices_buffer=np.zeros(100, np.int32),
     )  # fmt: skip
     wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
-    _launch_with_fakes(wrapper)
+    _launch_with_fakes(wrapper, monkeypatch)
     assert wrapper._captured is None  # an eager run
-    assert len(_launch_with_fakes(wrapper, capturing=True)) == 1
+    assert len(_launch_with_fakes(wrapper, monkeypatch, capturing=True)) == 1
     assert wrapper._captured == 2
     with pytest.raises(ValueError, match="captured into a CUDA graph with 2"):
         wrapper.plan([0, 1, 2, 3], [0, 1, 2], [5, 16, 3], 8, 2, 128, 16, q_data_type="bfloat16")
@@ -406,7 +423,7 @@ def test_fixed_split_size_minus_one_means_none(host_wrapper):
     for fixed in (None, -1, np.int64(-1), 16):
         host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16",
                           fixed_split_size=fixed)  # fmt: skip
-        grids.append(host_wrapper._launch.grid)
+        grids.append(host_wrapper._launch.launch.grid)
     assert grids[0] == grids[1] == grids[2] != grids[3]
     with pytest.raises(ValueError, match="fixed_split_size must be >= 1, got -2"):
         host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, fixed_split_size=-2)
@@ -428,7 +445,7 @@ def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):
         indptr, indices, last, _ = page_table_for(lengths, 16, np.random.default_rng(0))
         host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16")
     assert needs[0].partial_work == 0 and needs[0].max_work == 256
-    assert needs[1].partial_work == needs[1].max_work == host_wrapper._launch.grid[1] > 1
+    assert needs[1].partial_work == needs[1].max_work == host_wrapper._launch.launch.grid[1] > 1
 
 
 def test_graph_plan_refuses_a_batch_larger_than_the_captured_one(host_wrapper):
@@ -471,12 +488,11 @@ def test_plan_picks_half_tiles_for_fp8_whole_requests(host_wrapper, lengths, kv_
     indptr, indices, last, _ = page_table_for(lengths, 16, np.random.default_rng(0))
     host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16",
                       kv_data_type=kv_dtype, **options)  # fmt: skip
-    spec = host_wrapper._kernel[1]
-    assert host_wrapper._launch.fn.token_groups == (spec.token_groups // 2 if halved else
-                                                    spec.token_groups)  # fmt: skip
-    assert host_wrapper._launch.smem == host_wrapper._launch.fn.smem_bytes
+    spec, launched = host_wrapper._kernel[0], _spec(host_wrapper)
+    assert launched.token_groups == (spec.token_groups // 2 if halved else spec.token_groups)
+    assert host_wrapper._launch.launch.kernel.smem == launched.smem_bytes
     if halved:
-        assert spec.token_groups == 2 and host_wrapper._launch.fn.tile == 64
+        assert spec.token_groups == 2 and launched.tile == 64
 
 
 def test_whole_request_plans_pack_the_same_after_a_larger_one():
@@ -489,12 +505,19 @@ def test_whole_request_plans_pack_the_same_after_a_larger_one():
         indptr, indices, last, _ = page_table_for(lengths, 16, rng)
         plan = plan_decode(indptr, last, 16, 8, num_sms=1, ctas_per_sm=1)
         assert plan.num_work == batch
-        buf = np.full(header_ints(64) + 8 * batch + len(indices), -7, dtype=np.int32)
+        buf = np.full(header_ints(64) + ITEM_INTS * batch + len(indices), -7, dtype=np.int32)
         pack_plan(buf, plan, indptr.astype(np.int64), indices, 64, None)
-        items = buf[header_ints(64) : header_ints(64) + 8 * batch].reshape(batch, 8)
+        items = buf[header_ints(64) : header_ints(64) + ITEM_INTS * batch].view(WORK_ITEM)
         b = np.arange(batch)
-        expect = np.stack([b, 0 * b, lengths, lengths, header_ints(64) + 8 * batch + indptr[:-1],
-                           b, 1 + 0 * b, 0 * b], axis=1)  # fmt: skip
-        np.testing.assert_array_equal(items, expect)
-        packed.setdefault(batch, items.copy())
-        np.testing.assert_array_equal(items[:, [0, 1, 5, 6, 7]], packed[batch][:, [0, 1, 5, 6, 7]])
+        np.testing.assert_array_equal(items["request"], b)
+        np.testing.assert_array_equal(items["token_begin"], 0)
+        np.testing.assert_array_equal(items["token_end"], lengths)
+        np.testing.assert_array_equal(items["kv_len"], lengths)
+        pages_at = header_ints(64) + ITEM_INTS * batch
+        np.testing.assert_array_equal(items["page_ids"], pages_at + indptr[:-1])
+        np.testing.assert_array_equal(items["merge_begin"], b)
+        np.testing.assert_array_equal(items["merge_count"], 1)
+        np.testing.assert_array_equal(items["unused"], 0)
+        constant = ["request", "token_begin", "merge_begin", "merge_count", "unused"]
+        packed.setdefault(batch, items[constant].copy())
+        np.testing.assert_array_equal(items[constant], packed[batch])

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from rtcinfer import catalog, jit
+from rtcinfer import catalog, jit, toolchain
 
 ARCHS = ["sm_80", "sm_90a"]
 
@@ -89,24 +89,44 @@ def test_key_follows_header_contents_not_their_place(cache_dir, toy_sources, tmp
     header changes it."""
 
     def key_with_headers(folder):
-        monkeypatch.setattr(jit, "header_dir", lambda: str(folder))
-        jit._toolchain_fingerprint.cache_clear()
+        monkeypatch.setattr(toolchain, "header_dir", lambda: str(folder))
+        toolchain.fingerprint.cache_clear()
         source = jit.expand_source(ToySpec())
-        return jit._entry_path(ToySpec(), source, jit.compile_options("sm_90a"), "sm_90a")
+        return jit._entry_path(ToySpec(), source, "sm_90a")
 
-    original = jit.header_dir()
+    original = toolchain.header_dir()
     try:
         copies = [tmp_path / "a" / "include", tmp_path / "b" / "include"]
         for copy in copies:  # the fingerprinted headers are all the key reads
             copy.mkdir(parents=True)
-            for name in jit._HEADERS:
+            for name in toolchain.HEADERS:
                 shutil.copy2(Path(original) / name, copy / name)
         first, moved = key_with_headers(copies[0]), key_with_headers(copies[1])
         assert first == moved
         (copies[1] / "cuda_fp16.hpp").write_text("// another version\n")
         assert key_with_headers(copies[1]) != first
     finally:
-        jit._toolchain_fingerprint.cache_clear()
+        toolchain.fingerprint.cache_clear()
+
+
+def test_a_warm_start_reuses_the_remembered_toolchain(cache_dir, monkeypatch):
+    """The second process of an environment finds the header folder and the fingerprint in
+    the memo (no cuda.pathfinder, no hashing) while the files are unchanged; a changed file
+    (its size or time) makes it look again."""
+    toolchain.forget()
+    first = toolchain.fingerprint()
+    folder = toolchain.header_dir()
+    toolchain.header_dir.cache_clear()
+    toolchain.fingerprint.cache_clear()
+    monkeypatch.setattr(toolchain, "_find_header_dir", lambda: pytest.fail("searched again"))
+    assert toolchain.header_dir() == folder and toolchain.fingerprint() == first
+    memo = toolchain._memo_path()
+    text = memo.read_text()
+    memo.write_text(text.replace('"files": [["', '"files": [["/nonexistent'))  # a file gone
+    toolchain.header_dir.cache_clear()
+    with pytest.raises(pytest.fail.Exception, match="searched again"):
+        toolchain.header_dir()
+    toolchain.forget()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])

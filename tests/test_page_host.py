@@ -1,5 +1,6 @@
-"""append_paged_kv_cache without a GPU: the argument checks that run before any device work,
-and the launch step on fake arrays."""
+"""append_paged_kv_cache and the index ops without a GPU: the argument checks of each call
+signature (the ops' prepare step, on host arrays taken as device ones) and the launch each
+signature prepares."""
 
 from __future__ import annotations
 
@@ -7,8 +8,32 @@ import numpy as np
 import pytest
 
 import rtcinfer
+from rtcinfer import page
+from rtcinfer.interop import ArrayInfo
+from rtcinfer.interop.dtypes import normalize
+from rtcinfer.launch import Launch
 
-from .fakes import FakeArray
+
+def info(x) -> ArrayInfo:
+    """A host array as prepare sees a device array (strides in elements)."""
+    return ArrayInfo(x.shape, tuple(s // x.itemsize for s in x.strides), normalize(x.dtype), 0)
+
+
+def prepare(op, arrays, static, align=16):
+    """What call() does for a new signature, with host arrays seen as device arrays whose
+    addresses are all aligned to `align` bytes (at most 16)."""
+    infos = [x if isinstance(x, ArrayInfo) else info(x) for x in arrays]
+    return op.prepare([i._replace(offset=align % 16) for i in infos], align, static)
+
+
+def launched(monkeypatch, prep, ptrs, scalars=()):
+    """(the Launch, its parameter fields) that prep.run launches with these pointers."""
+    seen = []
+    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: seen.append(self))
+    prep.run(0, 0, list(ptrs), scalars)
+    (launch,) = seen
+    fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
+    return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}
 
 
 def _table():
@@ -32,7 +57,18 @@ def test_a_kv_pair_must_match(v_cache):
     idx = np.zeros(2, np.int32)
     k_cache = np.zeros((3, 16, 2, 128), np.float16)
     with pytest.raises(ValueError, match="pair must be two .* of one shape and dtype"):
-        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, (k_cache, v_cache), *_table())
+        prepare(page._APPEND_PAIR, (keys, keys, idx, idx, k_cache, v_cache, *_table()), ("NHD",))
+
+
+def test_a_kv_pair_is_two_arrays():
+    """Checked by the public function itself, before any array is looked at as a device one."""
+    keys = np.zeros((2, 2, 128), np.float16)
+    idx = np.zeros(2, np.int32)
+    k_cache = np.zeros((3, 16, 2, 128), np.float16)
+    with pytest.raises(ValueError, match=r"pair must be .* got \[\(\(3, 16, 2, 128\), 'float16'"):
+        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, [k_cache] * 3, *_table())
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, [k_cache], *_table(), kv_layout="X")
 
 
 def test_the_table_shapes_must_match():
@@ -41,30 +77,95 @@ def test_the_table_shapes_must_match():
     cache = np.zeros((3, 2, 16, 2, 128), np.float16)
     indices, indptr, last = _table()
     with pytest.raises(ValueError, match=r"kv_indptr must have shape \(2,\), got \(3,\)"):
-        rtcinfer.append_paged_kv_cache(keys, keys, idx, idx, cache, indices, indptr, last[:1])
+        prepare(page._APPEND, (keys, keys, idx, idx, cache, indices, indptr, last[:1]), ("NHD",))
+    with pytest.raises(TypeError, match="batch_indices: device index arrays must be int32"):
+        prepare(page._APPEND, (keys, keys, idx.astype(np.int64), idx, cache, *_table()), ("NHD",))
 
 
-def _append_with_fakes(monkeypatch, cache_strides=None):
-    """The append launch step on fake arrays (6 tokens of 3 requests, bf16, 2 heads, d 128,
-    pages of 16); returns the recorded kernel arguments."""
+def _append_5d(cache, kv_layout="NHD", key_dtype=None):
+    """The prepared append of 6 tokens (2 heads, d 128) into a 5-D cache, the table of 3
+    requests."""
     nnz, batch = 6, 3
-    from rtcinfer import jit, page
-
-    calls = []
-    monkeypatch.setattr(jit, "get_function", lambda spec, name: lambda *a, **k: calls.append(a))
-    key, value = FakeArray((nnz, 2, 128), 2), FakeArray((nnz, 2, 128), 2)
-    index = [FakeArray((nnz,), 4), FakeArray((nnz,), 4)]
-    cache = FakeArray((10, 2, 16, 2, 128), 2, cache_strides)
-    table = [FakeArray((10,), 4), FakeArray((batch + 1,), 4)]
-    page._append_launch(None, [key, value, *index, cache, *table], [cache], kv_layout="NHD",
-                        row_bytes=256)  # fmt: skip
-    return calls[0][2]
+    key = ArrayInfo((nnz, 2, 128), (256, 128, 1), key_dtype or cache.dtype, 0)
+    index = ArrayInfo((nnz,), (1,), "int32", 0)
+    table = [ArrayInfo((10,), (1,), "int32", 0), ArrayInfo((batch + 1,), (1,), "int32", 0)]
+    last = ArrayInfo((batch,), (1,), "int32", 0)
+    return prepare(page._APPEND, (key, key, index, index, cache, *table, last), (kv_layout,))
 
 
-def test_append_launch_refuses_a_cache_with_a_strided_head_dim(monkeypatch):
-    strides = (2 * 16 * 2 * 256 * 2, 16 * 2 * 256 * 2, 2 * 256 * 2, 256 * 2, 4)
-    with pytest.raises(ValueError, match="paged_kv_cache: head_dim must be contiguous"):
-        _append_with_fakes(monkeypatch, cache_strides=strides)
+def test_append_refuses_a_cache_with_a_strided_head_dim():
+    strides = (2 * 16 * 2 * 256, 16 * 2 * 256, 2 * 256, 256, 2)  # every other element of d
+    cache = ArrayInfo((10, 2, 16, 2, 128), strides, "bfloat16", 0)
+    got = r"strides \(32768, 16384, 1024, 512, 4\) \(bytes\)"
+    with pytest.raises(ValueError, match="paged_kv_cache: head_dim must be contiguous, got " + got):
+        _append_5d(cache)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_append_into_a_5d_cache(monkeypatch, kv_layout):
+    """K and V of one [pages, 2, ...] cache: V is one step of dim 1 past K, strides in bytes,
+    the index arrays made dense first, the cache updated through the output pointer."""
+    if kv_layout == "NHD":
+        cache = ArrayInfo((10, 2, 16, 2, 128), (8192, 4096, 256, 128, 1), "bfloat16", 0)
+    else:
+        cache = ArrayInfo((10, 2, 2, 16, 128), (8192, 4096, 2048, 128, 1), "bfloat16", 0)
+    prep = _append_5d(cache, kv_layout)
+    assert [(o.source, o.alias) for o in prep.outs] == [(4, True)]
+    assert prep.dense == ()  # contiguous index arrays: nothing to copy
+    launch, p = launched(monkeypatch, prep, [0x100 * (i + 1) for i in range(8)] + [0x10000])
+    assert (p["key"], p["value"]) == (0x100, 0x200)
+    assert (p["batch_indices"], p["positions"]) == (0x300, 0x400)
+    assert (p["kv_indices"], p["kv_indptr"]) == (0x600, 0x700)
+    assert (p["k_cache"], p["v_cache"]) == (0x10000, 0x10000 + 4096 * 2)
+    token, head = (512, 256) if kv_layout == "NHD" else (256, 4096)
+    assert (p["kp"], p["kt"], p["kh"]) == (p["vp"], p["vt"], p["vh"]) == (16384, token, head)
+    assert (p["key_token"], p["key_head"]) == (p["value_token"], p["value_head"]) == (512, 256)
+    assert launch.kernel.spec == page.PageSpec(256, 16) and p["units"] == 6 * 2 * 16
+    assert (p["num_heads"], p["page_size"]) == (2, 16)
+    assert launch.grid == (1, 1, 1)
+
+
+def test_fp8_caches_as_their_bytes_or_by_name():
+    """CuPy holds fp8 as uint8 storage; PyTorch and JAX name the fp8 dtype: both append, and
+    the rows must come in the cache's own dtype."""
+    for dtype in ("uint8", "float8_e4m3fn"):
+        cache = ArrayInfo((10, 2, 16, 2, 128), (8192, 4096, 256, 128, 1), dtype, 0)
+        assert _append_5d(cache).outs[0].dtype == dtype
+    with pytest.raises(ValueError, match="append_key: expected .* of dtype float8_e4m3fn"):
+        _append_5d(cache, key_dtype="uint8")
+
+
+def test_append_into_a_pair_and_the_vector_width(monkeypatch):
+    keys = np.zeros((4, 2, 64), np.float16)
+    idx = np.zeros(4, np.int32)
+    k_cache = np.zeros((3, 16, 2, 64), np.float16)
+    arrays = (keys, keys, idx, idx, k_cache, k_cache, *_table())
+    for align, vec in [(16, 16), (4, 4)]:  # align: the pointers' common alignment
+        prep = prepare(page._APPEND_PAIR, arrays, ("NHD",), align)
+        assert [o.source for o in prep.outs] == [4, 5] and prep.dense == ()  # contiguous
+        launch, p = launched(monkeypatch, prep, [0x100 * (i + 1) for i in range(11)])
+        assert (p["k_cache"], p["v_cache"], p["kv_indices"]) == (0xA00, 0xB00, 0x700)
+        assert launch.kernel.spec == page.PageSpec(128, vec) and p["units"] == 4 * 2 * 128 // vec
+    arrays = (keys[:0], keys[:0], idx[:0], idx[:0], k_cache, k_cache, *_table())
+    empty = prepare(page._APPEND_PAIR, arrays, ("NHD",))
+    assert launched(monkeypatch, empty, [0] * 11)[0].empty
+
+
+def test_index_ops(monkeypatch):
+    indptr, last = np.array([0, 3, 3, 7], np.int32), np.array([5, 0, 16], np.int32)
+    prep = prepare(page._SEQ_LENS, (indptr, last), ())
+    assert prep.outs[0].shape == (3,) and prep.dense == ()  # contiguous
+    _, p = launched(monkeypatch, prep, [0x100, 0x200, 0x300], (16,))
+    assert (p["kv_indptr"], p["last"], p["seq_lens"]) == (0x100, 0x200, 0x300)
+    assert (p["batch_size"], p["page_size"]) == (3, 16)
+    with pytest.raises(TypeError, match="kv_last_page_len: device index arrays must be int32"):
+        prepare(page._SEQ_LENS, (indptr, last.astype(np.int64)), ())
+    prep = prepare(page._POSITIONS, (indptr, last), (11,))
+    assert [o.shape for o in prep.outs] == [(11,), (11,)] and prep.dense == ()  # contiguous
+    _, p = launched(monkeypatch, prep, [0x100, 0x200, 0x300, 0x400])
+    assert (p["batch_indices"], p["positions"], p["batch_size"], p["nnz"]) == (0x300, 0x400, 3, 11)
+    with pytest.raises(ValueError, match=r"append_indptr must have shape \(4,\), got \(3,\)"):
+        prepare(page._POSITIONS, (indptr[:3], last), (11,))
 
 
 def test_nnz_is_any_integral_value():

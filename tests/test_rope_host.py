@@ -1,49 +1,190 @@
-"""RoPE argument checks that run before any device work, and the launch step on fake arrays
-(no GPU needed)."""
+"""RoPE without a GPU: the argument checks of each call signature (the public functions'
+prepare step, on host arrays taken as device ones) and the launch each signature prepares."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer import rope
-
-from .fakes import FakeArray
+from rtcinfer import jit, rope
+from rtcinfer.interop import ArrayInfo
+from rtcinfer.interop.dtypes import normalize
+from rtcinfer.launch import Kernel, Launch
 
 Q = np.zeros((3, 4, 64), np.float16)
 K = np.zeros((3, 2, 64), np.float16)
 CACHE = np.zeros((16, 64), np.float32)
+SMS, OCCUPANCY = 132, 2
+
+
+def info(x: np.ndarray) -> ArrayInfo:
+    """A host array as prepare sees a device array (strides in elements)."""
+    return ArrayInfo(x.shape, tuple(s // x.itemsize for s in x.strides), normalize(x.dtype), 0)
+
+
+@pytest.fixture
+def prepare(monkeypatch):
+    """The public functions stop at what call() does for a new signature (host arrays seen as
+    device ones, slot i's address `offsets[i]` bytes past a 16-byte boundary) and return
+    (Prepared, scalars)."""
+    offsets = {}
+
+    def prepare_only(op, arrays, static=(), scalars=()):
+        infos = [None if x is None else info(x)._replace(offset=offsets.get(i, 0))
+                 for i, x in enumerate(arrays)]  # fmt: skip
+        align = min((i.align for i in infos if i is not None), default=16)
+        return op.prepare(infos, align, static), scalars
+
+    monkeypatch.setattr(rope, "call", prepare_only)
+    monkeypatch.setattr(jit, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: OCCUPANCY)
+    return offsets
+
+
+def launched(monkeypatch, prep, scalars, ptrs):
+    """(the Launch, its parameter fields) that prep.run launches with these pointers."""
+    seen = []
+    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: seen.append(self))
+    prep.run(0, 0, list(ptrs), scalars)
+    (launch,) = seen
+    fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
+    return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}
 
 
 @pytest.mark.parametrize(
-    "call, match",
+    "call, error, match",
     [
         (lambda: rtcinfer.apply_rope_with_cos_sin_cache(
-            np.arange(3), np.zeros((3, 4, 128), np.float16), K, 64, CACHE),
+            np.arange(3), np.zeros((3, 4, 128), np.float16), K, 64, CACHE), ValueError,
          r"must be \[nnz, heads, 64\] or \[nnz, heads \* 64\]"),
-        (lambda: rtcinfer.apply_rope_with_cos_sin_cache(np.arange(3), Q, K, 0, CACHE),
+        (lambda: rtcinfer.apply_rope_with_cos_sin_cache(np.arange(3), Q, K, 0, CACHE), ValueError,
          "head_dim must be at least 1"),
-        (lambda: rtcinfer.apply_rope_pos_ids(Q, K, np.arange(1)),
+        (lambda: rtcinfer.apply_rope_with_cos_sin_cache(np.arange(3), Q, K, 64, CACHE[:, None]),
+         TypeError, r"cos_sin_cache: expected float32 \[max_pos, rotary_dim\], got float32 "
+         r"\(16, 1, 64\)"),
+        (lambda: rtcinfer.apply_rope_with_cos_sin_cache(np.arange(3.0), Q, K, 64, CACHE),
+         TypeError, "positions: dtype must be int32 or int64, got float64"),
+        (lambda: rtcinfer.apply_rope_pos_ids(Q, K, np.arange(1)), ValueError,
          r"pos_ids: expected shape \(3,\), got \(1,\)"),
-        (lambda: rtcinfer.apply_rope_pos_ids(Q, K, np.zeros((3, 3), np.int32)),
+        (lambda: rtcinfer.apply_rope_pos_ids(Q, K, np.zeros((3, 3), np.int32)), ValueError,
          r"pos_ids: expected shape \(3,\), got \(3, 3\)"),
+        (lambda: rtcinfer.apply_rope_pos_ids(Q, K.astype(np.float32), np.arange(3)), TypeError,
+         "q and k must share a float dtype, got float16 and float32"),
+        (lambda: rtcinfer.apply_rope_pos_ids_inplace(Q, K, np.arange(3), rotary_dim=66),
+         ValueError, r"rotary_dim \(66\) must be even and in \(0, 64\]"),
         (lambda: rtcinfer.apply_rope(Q, K, np.zeros(1, np.int32), np.zeros(0, np.int32)),
-         "3 tokens need at least one request"),
+         ValueError, "3 tokens need at least one request"),
         (lambda: rtcinfer.apply_rope(Q, K, np.zeros(1, np.int32), np.zeros(4, np.int32)),
-         r"indptr and offsets must be \[B \+ 1\] and \[B\], got \(1,\) and \(4,\)"),
+         ValueError, r"indptr and offsets must be \[B \+ 1\] and \[B\], got \(1,\) and \(4,\)"),
+        (lambda: rtcinfer.apply_llama31_rope_inplace(Q, K, np.zeros(2, np.int32),
+                                                     np.zeros(1, np.int64)),
+         TypeError, r"indptr \(int32\) and offsets must share a dtype"),
+        (lambda: rtcinfer.apply_rope_pos_ids(Q, K, np.arange(3), out=(Q, K[:, :1])), ValueError,
+         r"out\[1\]: expected shape \(3, 2, 64\) and dtype float16, got shape \(3, 1, 64\)"),
+        (lambda: rtcinfer.apply_rope_pos_ids(Q[:, :, ::2], K[:, :, ::2], np.arange(3)),
+         ValueError, r"the head dimension must be contiguous, got strides \(256, 64, 2\)"),
     ],
 )  # fmt: skip
-def test_shapes_are_checked(call, match):
-    with pytest.raises(ValueError, match=match):
+def test_arguments_are_checked(prepare, call, error, match):
+    with pytest.raises(error, match=match):
         call()
 
 
-def test_zero_heads_launch_nothing(monkeypatch):
-    from rtcinfer import jit
-
+def test_zero_heads_launch_nothing(prepare, monkeypatch):
     monkeypatch.setattr(jit, "get_function", lambda *a, **k: pytest.fail("launched"))
-    q, k = FakeArray((3, 0, 64), 2), FakeArray((3, 0, 64), 2)
-    spec = rope.RopeSpec("float16", "int32", 64, 64, False, "theta", "pos_ids", False, 8)
-    rope._launch(None, [q, k, FakeArray((3,), 4)], [q, k], spec=spec, head_dim=64,
-                 params=(1.0, 1e4, 1.0, 1.0, 1.0))  # fmt: skip
+    monkeypatch.setattr(jit, "sm_count", lambda device: pytest.fail("planned"))
+    q, k = np.zeros((3, 0, 64), np.float16), np.zeros((3, 0, 64), np.float16)
+    prep, scalars = rtcinfer.apply_rope_pos_ids(q, k, np.arange(3, dtype=np.int32))
+    assert [o.shape for o in prep.outs] == [(3, 0, 64), (3, 0, 64)]
+    prep.preload(0)
+    prep.run(0, 0, [0x100, 0x200, 0x300, 0, 0, 0x400, 0x500], scalars)
+
+
+def test_pos_ids_in_place(prepare, monkeypatch):
+    """In place: the kernel reads and writes the outputs (under JAX, XLA's copies of q and k);
+    the persistent grid covers the work items."""
+    base = np.zeros((4, 32, 2 * 128), ml_dtypes.bfloat16)
+    q, k = base[:, :, :128], np.zeros((4, 8, 128), ml_dtypes.bfloat16)
+    prep, scalars = rtcinfer.apply_rope_pos_ids_inplace(q, k, np.arange(4, dtype=np.int32),
+                                                        rope_scale=2, rope_theta=5e5)  # fmt: skip
+    assert scalars == (2.0, 5e5)
+    assert [(o.shape, o.source, o.alias) for o in prep.outs] == [
+        ((4, 32, 128), 0, True), ((4, 8, 128), 1, True)
+    ]  # fmt: skip
+    assert prep.dense == ()  # dense positions: nothing to check per call
+    ptrs = [0x1000, 0x2000, 0x3000, 0, 0, 0x6000, 0x7000]
+    launch, p = launched(monkeypatch, prep, scalars, ptrs)
+    spec = launch.kernel.spec
+    assert spec == rope.RopeSpec("bfloat16", "int32", 128, 128, False, "theta", "pos_ids", True, 8)
+    assert (p["q"], p["q_out"], p["k"], p["k_out"], p["pos_ids"]) == (
+        0x6000, 0x6000, 0x7000, 0x7000, 0x3000
+    )  # fmt: skip
+    assert (p["rope_scale"], p["rope_theta"]) == (2.0, 5e5)
+    assert (p["q_tok"], p["q_head"], p["k_tok"], p["k_head"]) == (8192, 256, 1024, 128)
+    assert (p["qo_tok"], p["qo_head"], p["ko_tok"], p["ko_head"]) == (8192, 256, 1024, 128)
+    assert (p["nnz"], p["num_q_heads"], p["num_k_heads"], p["batch_size"]) == (4, 32, 8, 0)
+    # 4 tokens are too few: each token's 40 rows split into 5 items of 8 rows; 16 items a CTA.
+    assert p["rows_per_item"] == 8 and launch.grid == (2, 1, 1)
+
+
+def test_ragged_llama31_into_given_outs(prepare, monkeypatch):
+    q, k = np.zeros((5000, 8, 128), np.float16), np.zeros((5000, 1, 128), np.float16)
+    q_out, k_out = np.zeros_like(q), np.zeros_like(k)
+    indptr, offsets = np.array([0, 1000, 5000], np.int64), np.array([7, 9], np.int64)
+    prep, scalars = rtcinfer.apply_llama31_rope(q, k, indptr, offsets, rotary_dim=64,
+                                                out=(q_out, k_out))  # fmt: skip
+    assert scalars == (8.0, 5e5, 1.0, 4.0, 8192.0)
+    assert [(o.source, o.alias) for o in prep.outs] == [(4, False), (5, False)]
+    assert prep.dense == ()
+    launch, p = launched(monkeypatch, prep, scalars, [1 << 12, 2 << 12, 3 << 12, 4 << 12, 5 << 12,
+                                                      6 << 12, 5 << 12, 6 << 12])  # fmt: skip
+    assert launch.kernel.spec == rope.RopeSpec("float16", "int64", 128, 64, False, "llama31",
+                                               "indptr", False, 8)  # fmt: skip
+    assert (p["q"], p["k"], p["q_out"], p["k_out"]) == (1 << 12, 2 << 12, 5 << 12, 6 << 12)
+    assert (p["indptr"], p["offsets"], p["batch_size"]) == (3 << 12, 4 << 12, 2)
+    assert (p["old_context_len"], p["high_freq_factor"]) == (8192.0, 4.0)
+    # Tokens enough to fill the GPU: an item is a whole token (9 rows, in batches of 8), 16 items
+    # a CTA, and no more CTAs than fit at once.
+    assert p["rows_per_item"] == 16 and launch.grid == (SMS * OCCUPANCY, 1, 1)
+
+
+def test_cos_sin_cache_on_flattened_heads(prepare, monkeypatch):
+    """[nnz, H * head_size] rows; rotary_dim is the table's width; is_neox=False interleaves;
+    strided positions and table are made dense before the launch."""
+    q, k = np.zeros((5, 4 * 64), np.float32), np.zeros((5, 64), np.float32)
+    positions, cache = np.arange(10)[::2], np.zeros((100, 2 * 32), np.float32)[:, :32]
+    prep, scalars = rtcinfer.apply_rope_with_cos_sin_cache(positions, q, k, 64, cache,
+                                                           is_neox=False)  # fmt: skip
+    assert scalars == () and prep.dense == (2, 3)  # strided: made dense first
+    ptrs = [0x100, 0x200, 0x300, 0x400, 0, 0, 0x700, 0x800]
+    launch, p = launched(monkeypatch, prep, scalars, ptrs)
+    assert launch.kernel.spec == rope.RopeSpec("float32", "int64", 64, 32, True, "cos_sin_cache",
+                                               "pos_ids", False, 4)  # fmt: skip
+    assert (p["pos_ids"], p["cos_sin_cache"], p["q_out"], p["k_out"]) == (0x300, 0x400, 0x700,
+                                                                         0x800)  # fmt: skip
+    assert (p["q_tok"], p["q_head"], p["k_tok"], p["k_head"]) == (256, 64, 64, 64)
+    assert (p["num_q_heads"], p["num_k_heads"]) == (4, 1)
+
+
+def test_position_arrays_do_not_narrow_the_vectors(prepare, monkeypatch):
+    """A position array aligned to 4 bytes leaves q's and k's vectors alone; q aligned to 8
+    bytes narrows them to 4 fp16; q aligned to 4 bytes cannot split a 128-wide row over one
+    warp."""
+    q, k, pos = (
+        np.zeros((64, 8, 128), np.float16),
+        np.zeros((64, 2, 128), np.float16),
+        np.arange(64),
+    )
+    prepare[2] = 4
+    prep, scalars = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
+    launch, _ = launched(monkeypatch, prep, scalars, [0x100, 0x200, 0x304, 0, 0, 0x100, 0x200])
+    assert launch.kernel.spec.vec == 8
+    prepare[0] = 8
+    prep, scalars = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
+    launch, _ = launched(monkeypatch, prep, scalars, [0x108, 0x200, 0x304, 0, 0, 0x108, 0x200])
+    assert launch.kernel.spec.vec == 4
+    prepare[0] = 4
+    with pytest.raises(ValueError, match="q and k rows are not aligned to 8 elements"):
+        rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)  # 64 lanes of 2

@@ -317,16 +317,20 @@ def test_out_argument(rng):
 
 def test_philox_kernel_matches_the_model():
     cp = cupy()
+    from rtcinfer.launch import Kernel, Launch
     from rtcinfer.sampling import SampleSpec
 
     counters = np.random.default_rng(1).integers(0, 2**32, (1000, 4), dtype=np.uint64)
     counters[:3] = [[0, 0, 0, 0], [2**32 - 1] * 4, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]]
     keys = [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), (0xA4093822, 0x299F31D0)]
-    fn = jit.get_function(SampleSpec("plain", "float32", "int32", 4, 1024), "philox_kernel")
+    spec = SampleSpec("plain", "float32", "int32", 4, 1024)
+    launch = Launch(Kernel(spec, "philox_kernel", "PhiloxParams"), (4, 1, 1), (256, 1, 1))
     for k0, k1 in keys:
         c = cp.asarray(counters.astype(np.uint32))
         out = cp.empty_like(c)
-        fn((4, 1, 1), (256, 1, 1), (c, out, np.int32(1000), np.uint32(k0), np.uint32(k1)))
+        p = launch.params
+        p.counters, p.out, p.n, p.k0, p.k1 = c.data.ptr, out.data.ptr, 1000, k0, k1
+        launch(cp.cuda.get_current_stream().ptr, cp.cuda.Device().id)
         expect = model.philox4x32_10(counters.astype(np.uint32), np.array([k0, k1], np.uint32))
         np.testing.assert_array_equal(out.get(), expect)
 

@@ -290,28 +290,61 @@ def test_model_threshold_ops_match_the_reference(rng, op, param, threads):
 # --- argument checks (raised on the host, before any device work) -----------------------------
 
 
+def prepare(op, static, *arrays):
+    """An op's prepare on host arrays described as the call path describes device arrays: its
+    checks run before any device query, so their errors need no GPU."""
+    from rtcinfer.interop import ArrayInfo
+    from rtcinfer.interop.dtypes import normalize
+
+    infos = [None if a is None else ArrayInfo(a.shape, tuple(s // a.itemsize for s in a.strides),
+                                              normalize(a.dtype), 0) for a in arrays]  # fmt: skip
+    return op.prepare(infos, 16, static)
+
+
 def test_argument_errors_name_what_they_received():
     import rtcinfer
+    from rtcinfer.renorm import _OPS as renorm_ops
+    from rtcinfer.sampling import _OP as sample_op
+    from rtcinfer.softmax import _OP as softmax_op
+    from rtcinfer.speculative import _OP as speculative_op
 
     probs = np.full((4, 10), 0.1, np.float32)
+
+    def sample(op, probs, indices=None, top_k=None, top_p=None, seed=None, out=None):
+        arrays = (probs, indices, top_k, top_p, None, seed, None, out)
+        return prepare(sample_op, (op, False), *arrays)
+
     with pytest.raises(ValueError, match=r"top_k: expected a scalar or a int32/int64 array of "
                                          r"shape \(4,\), got float32 of shape \(4,\)"):  # fmt: skip
-        rtcinfer.top_k_sampling_from_probs(probs, np.zeros(4, np.float32))
+        sample("top_k", probs, top_k=np.zeros(4, np.float32))
     with pytest.raises(ValueError, match=r"top_p: .* shape \(4,\), got float32 of shape \(3,\)"):
-        rtcinfer.top_p_sampling_from_probs(probs, np.zeros(3, np.float32))
+        sample("top_p", probs, top_p=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="filter_apply_order must be 'top_k_first' or 'joint'"):
         rtcinfer.top_k_top_p_sampling_from_probs(probs, 3, 0.5, filter_apply_order="both")
     with pytest.raises(ValueError, match=r"probs: expected shape \(batch, vocab\)"):
-        rtcinfer.sampling_from_probs(np.zeros(5, np.float32))
+        sample("plain", np.zeros(5, np.float32))
     with pytest.raises(TypeError, match="probs: dtype must be one of"):
-        rtcinfer.sampling_from_probs(np.zeros((2, 5), np.int32))
+        sample("plain", np.zeros((2, 5), np.int32))
     with pytest.raises(ValueError, match=r"indices: expected a 1-D int32 or int64 array"):
-        rtcinfer.sampling_from_probs(probs, np.zeros(3, np.float32))
+        sample("plain", probs, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"seed: expected int64/uint64 of shape \(1,\) or \(4,\)"):
+        sample("plain", probs, seed=np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match=r"out: expected shape \(4,\) and dtype int32"):
+        sample("plain", probs, out=np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="out: must be contiguous"):
+        sample("plain", probs, out=np.zeros((4, 2), np.int32)[:, 0])
+    with pytest.raises(ValueError, match="offset= needs seed="):
+        rtcinfer.sampling_from_probs(probs, offset=3)
+    with pytest.raises(ValueError, match=r"top_k: expected a scalar or a int32/int64 array"):
+        prepare(renorm_ops["top_k_mask"], ("top_k_mask",), probs, np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"temperature: expected a float or a float32 array"):
+        prepare(softmax_op, (), probs, np.ones(4, np.float64))
+    draft, ids = np.zeros((2, 3, 5), np.float32), np.zeros((2, 3), np.int32)
     with pytest.raises(ValueError, match="expected draft_probs"):
-        rtcinfer.chain_speculative_sampling(
-            np.zeros((2, 3, 5), np.float32), np.zeros((2, 3), np.int32),
-            np.zeros((2, 3, 5), np.float32),
-        )  # fmt: skip
+        prepare(speculative_op, (), draft, ids, draft, None, None, None, None)
+    with pytest.raises(ValueError, match="pass both counters"):
+        prepare(speculative_op, (), draft, ids, np.zeros((2, 4, 5), np.float32),
+                np.zeros(2, np.int32), None, None, None)  # fmt: skip
     with pytest.raises(TypeError, match="host numpy.ndarray"):
         rtcinfer.sampling_from_probs(probs)
 

@@ -1,0 +1,163 @@
+"""Prepared kernel launches: a loaded kernel, its geometry and its parameter block.
+
+A call with a signature it has seen before only writes its pointers into the parameter block
+and calls the driver's cuLaunchKernel (through cuda.bindings' Cython wrapper: a few hundred
+nanoseconds over the driver's own cost, where ctypes' argument conversion costs microseconds):
+no argument conversion, no CuPy launch path. The block is the kernel's parameter struct
+(rtcinfer.params), passed as the kernel's single argument; the driver copies it at launch, so
+the block may be rewritten for the next call at once.
+
+    launch = Launch(Kernel(spec, "norm_kernel", "NormParams", smem), grid, block)
+    launch.params.eps = 1e-6               # fields that depend only on the signature
+    with launch.lock:                      # per call: pointers, then the launch
+        launch.params.x = x_ptr
+        launch(stream, device)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+from . import jit
+from .params import params_type
+
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+@functools.cache
+def driver():
+    """cuda.bindings' driver module (imported with the package: see rtcinfer/__init__.py)."""
+    from cuda.bindings import driver as cu
+
+    return cu
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; `code` is the CUresult."""
+
+    def __init__(self, code: int, what: str):
+        cu = driver()
+        _, name = cu.cuGetErrorName(cu.CUresult(int(code)))
+        label = name.decode() if name else "unknown error"
+        super().__init__(f"{what}: {label} ({int(code)})")
+        self.code = int(code)
+
+
+def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
+    """Fill `count` 32-bit words at device address `ptr` with `value`, on `stream`."""
+    if count:
+        (rc,) = driver().cuMemsetD32Async(ptr, value, count, stream)
+        if rc:
+            raise CudaError(rc, "cuMemsetD32Async")
+
+
+def record_event(event: int, stream: int) -> None:
+    """Record CUevent `event` on `stream`."""
+    (rc,) = driver().cuEventRecord(event, stream)
+    if rc:
+        raise CudaError(rc, "cuEventRecord")
+
+
+def wait_event(stream: int, event: int) -> None:
+    """Make `stream` wait (on the device) for the work recorded by `event`."""
+    (rc,) = driver().cuStreamWaitEvent(stream, event, 0)
+    if rc:
+        raise CudaError(rc, "cuStreamWaitEvent")
+
+
+def is_capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph."""
+    rc, status = driver().cuStreamIsCapturing(stream)
+    if rc:
+        raise CudaError(rc, "cuStreamIsCapturing")
+    return int(status) != 0
+
+
+class Kernel:
+    """An entry point of a spec: its parameter struct and its loaded function on each device.
+
+    `smem` is the dynamic shared memory it is launched with (the function's limit is raised to
+    it when it is loaded)."""
+
+    def __init__(self, spec, name: str, params: str, smem: int = 0):
+        self.spec, self.name, self.smem = spec, name, smem
+        self.params_type = params_type(jit.struct_layout(spec, params))
+        self._functions: dict[int, object] = {}
+
+    def function(self, device: int):
+        """The CUfunction on `device` (compiled or read from the disk cache, loaded once)."""
+        fn = self._functions.get(device)
+        if fn is None:
+            ptr = jit.get_function(self.spec, self.name, device, dynamic_smem=self.smem).ptr
+            fn = self._functions[device] = driver().CUfunction(ptr)
+        return fn
+
+    def occupancy(self, device: int, threads: int) -> int:
+        """CTAs of this kernel that fit on one SM at once (for persistent grids)."""
+        from cupy_backends.cuda.api import driver as cu
+
+        return cu.occupancyMaxActiveBlocksPerMultiprocessor(int(self.function(device)), threads,
+                                                            self.smem)  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name} of {self.spec!r})"
+
+
+class Launch:
+    """One kernel launch of a fixed geometry with its parameter block (`params`, filled by
+    field name). Calls sharing a Launch take `lock` around writing their pointers and
+    launching."""
+
+    __slots__ = ("kernel", "grid", "block", "params", "lock", "tag", "_argv", "_argv_array",
+                 "_geometry", "_functions", "_launch", "empty")  # fmt: skip
+
+    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int]):
+        self.kernel, self.grid, self.block = kernel, tuple(grid), tuple(block)
+        self.params = kernel.params_type()
+        self.lock = threading.Lock()
+        self.tag = None  # what last filled the call-dependent fields (a caller's shortcut)
+        self._argv_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self._argv = ctypes.addressof(self._argv_array)  # void** kernelParams
+        self._geometry = (*self.grid, *self.block, kernel.smem)
+        self._functions = kernel._functions  # device -> CUfunction, filled by kernel.function
+        self._launch = driver().cuLaunchKernel
+        self.empty = 0 in self.grid
+        for n in (*self.grid, *self.block):
+            if not 0 <= n < 2**31:
+                raise ValueError(f"{kernel!r}: launch geometry {self.grid} x {self.block}")
+
+    def preload(self, device: int) -> None:
+        """Load the kernel on `device` now (not while a CUDA graph is being captured)."""
+        if not self.empty:
+            self.kernel.function(device)
+
+    def __call__(self, stream: int, device: int) -> None:
+        """Launch on `stream` of `device`, which must be the current device."""
+        if self.empty:
+            return
+        fn = self._functions.get(device) or self.kernel.function(device)
+        (rc,) = self._launch(fn, *self._geometry, stream, self._argv, 0)
+        if rc == CUDA_ERROR_INVALID_CONTEXT:  # a new thread: make the device's context current
+            from cupy_backends.cuda.api import runtime
+
+            runtime.setDevice(device)
+            (rc,) = driver().cuLaunchKernel(fn, *self._geometry, stream, self._argv, 0)
+        if rc:
+            raise CudaError(rc, f"launch of {self.kernel!r}, grid {self.grid}")
+
+    def __repr__(self) -> str:
+        return f"Launch({self.kernel!r}, grid={self.grid}, block={self.block})"
+
+
+__all__ = [
+    "CudaError",
+    "Kernel",
+    "Launch",
+    "driver",
+    "is_capturing",
+    "memset_d32",
+    "record_event",
+    "wait_event",
+]

@@ -1,0 +1,91 @@
+"""A jitted serving step (norm, activation, batch decode) re-planned between calls with the
+same batch size and very different lengths, checked against float64 after every call.
+
+Run by tests/test_jax_replan.py in-process (XLA's default flags) and in a subprocess with XLA
+command buffers forced on for custom calls (`python -m tests.jax_replan plain|graph`), where
+XLA records the FFI launches once and replays them without calling Python.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import rtcinfer
+
+from . import reference as ref
+from .checks import assert_close
+from .gpu_decode import random_values
+from .paged_batch import page_table_for
+
+COMMAND_BUFFER_FLAGS = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+)
+BATCH, HQ, HKV, D, PAGE, HIDDEN = 4, 8, 2, 128, 16, 256
+ROUNDS = [  # lengths per plan: split plans (a long request among short ones) and whole ones
+    [1, 15000, 3, 700],
+    [15000, 15000, 1, 1],
+    [5, 0, 5, 17],
+    [1, 1, 1, 1],
+    [9000, 1, 2, 3000],
+    [64, 16, 15, 33],
+    [1, 15000, 3, 700],
+]
+MAX_PAGES = 2 * 15000 // PAGE + 8
+
+
+def run(graph: bool, rounds=ROUNDS) -> int:
+    """Plans every round's table into one wrapper and runs the same jitted step after each;
+    raises on the first mismatch. Returns the number of steps checked."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(11)
+    cache = random_values(rng, (MAX_PAGES, 2, PAGE, HKV, D), "bfloat16")
+    q = random_values(rng, (BATCH, HQ, D), "bfloat16")
+    x = random_values(rng, (BATCH, HIDDEN), "bfloat16")
+    res = random_values(rng, (BATCH, HIDDEN), "bfloat16", 4.0)
+    w = random_values(rng, (HIDDEN,), "bfloat16")
+    gate = random_values(rng, (BATCH, 2 * HIDDEN), "bfloat16")
+    dev = {k: jnp.asarray(v) for k, v in dict(cache=cache, q=q, x=x, res=res, w=w,
+                                               gate=gate).items()}  # fmt: skip
+    if graph:
+        wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+            use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(BATCH + 1, np.int32),
+            paged_kv_indices_buffer=np.zeros(MAX_PAGES, np.int32),
+            paged_kv_last_page_len_buffer=np.zeros(BATCH, np.int32),
+        )  # fmt: skip
+    else:
+        wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+
+    @jax.jit
+    def step(x, res, w, gate, q, cache):
+        h, res = rtcinfer.fused_add_rmsnorm(x, res, w)
+        a = rtcinfer.silu_and_mul(gate)
+        o, lse = wrapper.run(q, cache, return_lse=True)
+        return h, res, a, o, lse
+
+    expect_h, expect_res = ref.fused_add_rmsnorm_ref(x, res, w, dtype="bfloat16")
+    expect_a = ref.silu_and_mul_ref(gate)
+    for i, lengths in enumerate(rounds):
+        indptr, _, last, _ = page_table_for(lengths, PAGE, rng, spare_pages=0)
+        indices = rng.permutation(MAX_PAGES)[: indptr[-1]].astype(np.int32)
+        wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
+        h, res2, a, o, lse = step(dev["x"], dev["res"], dev["w"], dev["gate"], dev["q"],
+                                  dev["cache"])  # fmt: skip
+        o_ref, lse_ref = ref.batch_decode_paged_ref(q, cache, indptr, indices, last,
+                                                    kv_layout="NHD", return_lse=True)  # fmt: skip
+        try:
+            assert_close(np.asarray(o), o_ref, "bfloat16", "o")
+            assert_close(np.asarray(lse), lse_ref, "float32", "lse", tol=1e-3)
+            assert_close(np.asarray(h), expect_h, "bfloat16", "h")
+            np.testing.assert_array_equal(np.asarray(res2).astype(np.float64), expect_res)
+            assert_close(np.asarray(a), expect_a, "bfloat16", "a")
+        except AssertionError as e:
+            raise AssertionError(f"step {i} (lengths {lengths}, graph={graph}): {e}") from e
+    return len(rounds)
+
+
+if __name__ == "__main__":
+    print(f"checked {run(sys.argv[1] == 'graph')} steps")
