@@ -1,4 +1,6 @@
-"""Gated activations on the GPU: us, TB/s, % of copy bandwidth, FlashInfer, PyTorch."""
+"""Gated activations on the GPU, three views (eager, loop, graph; bench/common.py), TB/s and %
+of copy bandwidth from the graph view, FlashInfer's three views, PyTorch's graph view.
+rtcinfer is called with PyTorch tensors when PyTorch is installed (as FlashInfer is)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,19 @@ import numpy as np
 
 import rtcinfer
 from bench.common import (
+    PEER_COLUMNS,
+    VIEW_COLUMNS,
     Table,
+    callers,
     copy_tbps,
     cupy,
-    graph_time_us,
     header,
     peer,
+    peer_cells,
+    peer_views,
     ratio,
     run_peer,
-    torch_view,
+    views,
 )
 from rtcinfer.interop.dtypes import numpy_dtype
 
@@ -26,18 +32,18 @@ def main() -> Table:
     bf16 = numpy_dtype("bfloat16")
     rng = np.random.default_rng(0)
     print(header())
-    table = Table("gated activations (bf16)", ["op", "rows x 2d", "us", "TB/s", "% copy",
-                  "FlashInfer us", "vs FlashInfer", "PyTorch us", "vs PyTorch"])  # fmt: skip
+    table = Table("gated activations (bf16)", ["op", "rows x 2d", *VIEW_COLUMNS, "TB/s", "% copy",
+                  *PEER_COLUMNS, "PyTorch graph us", "vs PyTorch"])  # fmt: skip
     for rows, d in SHAPES:
         x = cp.asarray(rng.standard_normal((rows, 2 * d)).astype(bf16))
         out = cp.empty((rows, d), dtype=bf16)
+        (tx, to), is_torch = callers(x, out)
         for op in ("silu_and_mul", "gelu_tanh_and_mul"):
-            ours = graph_time_us(lambda: getattr(rtcinfer, op)(x, out=out))
-            fi_us = pt_us = None
-            if torch is not None:
-                tx, to = torch_view(x), torch_view(out)
+            ours = views(lambda: getattr(rtcinfer, op)(tx, out=to), torch_graph=is_torch)
+            theirs = pt_us = None
+            if is_torch:
                 if fi is not None:
-                    fi_us = run_peer(
+                    theirs = peer_views(
                         "flashinfer " + op, lambda: getattr(fi.activation, op)(tx, out=to)
                     )
                 act = (torch.nn.functional.silu if op == "silu_and_mul"
@@ -45,9 +51,9 @@ def main() -> Table:
                 pt_us = run_peer(
                     "torch " + op, lambda: torch.mul(act(tx[:, :d]), tx[:, d:], out=to)
                 )
-            tbps = (x.nbytes + out.nbytes) / ours / 1e6
-            table.add(op, f"{rows} x 2x{d}", ours, tbps, 100 * tbps / copy_tbps(), fi_us,
-                      ratio(ours, fi_us), pt_us, ratio(ours, pt_us))  # fmt: skip
+            tbps = (x.nbytes + out.nbytes) / ours.graph / 1e6
+            table.add(op, f"{rows} x 2x{d}", *ours.cells(), tbps, 100 * tbps / copy_tbps(),
+                      *peer_cells(ours, theirs), pt_us, ratio(ours.graph, pt_us))  # fmt: skip
     return table
 
 

@@ -1,6 +1,9 @@
-"""Batch decode on the GPU (graph-timed, cold L2): us, effective TB/s (K and V read once, plus q
-and o), % of copy bandwidth, and FlashInfer's best of use_tensor_cores False/True measured in
-the same run; then plan() host time at batch 256 and append_paged_kv_cache bandwidth."""
+"""Batch decode on the GPU, three views (eager, loop, graph; bench/common.py), effective TB/s
+from the graph view (K and V read once, plus q and o), % of copy bandwidth, and the three
+views of FlashInfer's best (by graph view) of use_tensor_cores False/True measured in the same
+run; then plan() host time at batch 256 and append_paged_kv_cache bandwidth. rtcinfer is
+called with PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is
+the same call on CuPy arrays captured with CuPy's stream capture."""
 
 from __future__ import annotations
 
@@ -10,15 +13,21 @@ import numpy as np
 
 import rtcinfer
 from bench.common import (
+    PEER_COLUMNS,
+    VIEW_COLUMNS,
     Table,
     Tables,
+    callers,
     copy_tbps,
     cupy,
     graph_time_us,
     header,
     peer,
+    peer_cells,
+    peer_views,
     ratio,
     run_peer,
+    views,
 )
 from rtcinfer.interop.dtypes import itemsize, numpy_dtype
 
@@ -58,7 +67,8 @@ def table_for(batch: int, kv_len: int, page_size: int, rng):
 
 
 def flashinfer_best(fi, torch, args, q, cache, dtype):
-    """FlashInfer's graph-timed best of use_tensor_cores False/True (None if it fails)."""
+    """(views, use_tensor_cores) of FlashInfer's best by graph view of use_tensor_cores
+    False/True (None if both fail)."""
     indptr, indices, last, hq, hkv, page = args
     to_t = lambda a: torch.from_dlpack(a)  # noqa: E731
     tq = to_t(q)
@@ -74,9 +84,9 @@ def flashinfer_best(fi, torch, args, q, cache, dtype):
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
             print(f"# flashinfer tc={tc} plan failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        us = run_peer(f"flashinfer tc={tc}", lambda w=wrapper: w.run(tq, tcache))
-        if us is not None and (best is None or us < best[0]):
-            best = (us, tc)
+        seen = peer_views(f"flashinfer tc={tc}", lambda w=wrapper: w.run(tq, tcache))
+        if seen.graph is not None and (best is None or seen.graph < best[0].graph):
+            best = (seen, tc)
     return best
 
 
@@ -91,16 +101,20 @@ def decode_rows(table: Table, fi, torch, rng) -> None:
         wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
         wrapper.plan(indptr, indices, last, hq, hkv, HEAD_DIM, page, q_data_type="bfloat16",
                      kv_data_type=dtype)  # fmt: skip
-        us = graph_time_us(lambda: wrapper.run(q, cache, out=out))
+        cupy_graph = graph_time_us(lambda: wrapper.run(q, cache, out=out))
+        (tq, tcache, tout), is_torch = callers(q, cache, out)
+        if is_torch and dtype != "bfloat16":
+            tcache = tcache.view(getattr(torch, dtype))
+        ours = views(lambda: wrapper.run(tq, tcache, out=tout), torch_graph=is_torch)
         nbytes = batch * kv_len * hkv * HEAD_DIM * itemsize(dtype) * 2 + 2 * q.nbytes
-        tbps = nbytes / us / 1e6
+        tbps = nbytes / ours.graph / 1e6
         best = None
         if fi is not None and torch is not None:
             best = flashinfer_best(fi, torch, (indptr, indices, last, hq, hkv, page), q, cache,
                                    dtype)  # fmt: skip
-        theirs = best[0] if best else None
-        table.add(label, us, tbps, 100 * tbps / copy_tbps(), theirs,
-                  "" if best is None else f"tc={int(best[1])}", ratio(us, theirs))  # fmt: skip
+        table.add(label, *ours.cells(), cupy_graph, tbps, 100 * tbps / copy_tbps(),
+                  *peer_cells(ours, best[0] if best else None),
+                  "" if best is None else f"tc={int(best[1])}")  # fmt: skip
 
 
 def plan_row(table: Table, fi, torch, rng) -> None:
@@ -124,7 +138,18 @@ def plan_row(table: Table, fi, torch, rng) -> None:
             fw.plan(*host, 32, 8, HEAD_DIM, 16, q_data_type=torch.bfloat16)
             times[i] = time.perf_counter() - start
         theirs = float(np.median(times[20:100])) * 1e6
-    table.add("plan(), batch 256 (host us)", ours, None, None, theirs, "", ratio(ours, theirs))
+    blank = (None,) * 5  # loop, graph, CuPy graph, TB/s, % copy of a kernel row
+    table.add(
+        "plan(), batch 256 (host us)",
+        ours,
+        *blank,
+        theirs,
+        None,
+        None,
+        ratio(ours, theirs),
+        None,
+        "",
+    )
 
 
 def append_rows(table: Table, fi, torch, rng) -> None:
@@ -164,7 +189,8 @@ def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
-    columns = ["case", "us", "TB/s", "% copy", "FlashInfer us", "FI best", "vs FlashInfer"]
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "TB/s", "% copy", *PEER_COLUMNS,
+               "FI best"]  # fmt: skip
     table = Table("batch decode (bf16 q, head_dim 128, page 16 unless noted)", columns)
     decode_rows(table, fi, torch, rng)
     plan_row(table, fi, torch, rng)

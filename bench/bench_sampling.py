@@ -1,8 +1,9 @@
-"""Sorting-free sampling on the GPU: us per call (graph-timed kernel), effective TB/s over one
-read of the probabilities, and the ratio to sort-based sampling measured in the same run: CuPy
-argsort + cumsum + draw (event-timed eagerly, so it includes ~10 Python launches) and, when
-importable, the same in PyTorch (graph-timed: kernel time) and FlashInfer. Also the cold-start
-compile time of the sampling kernels (a fresh cache directory, NVRTC only).
+"""Sorting-free sampling on the GPU: us per call in three views (eager, loop, graph; see
+bench/common.py; rtcinfer called with PyTorch tensors when PyTorch is installed), effective
+TB/s over one read of the probabilities (graph view), and the ratio to sort-based sampling
+measured in the same run: CuPy argsort + cumsum + draw (event-timed eagerly, so it includes
+~10 Python launches) and, when importable, the same in PyTorch (graph-timed: kernel time) and
+FlashInfer. Also the cold-start compile time of the sampling kernels (a fresh cache directory, NVRTC only).
 
 Probabilities: softmax(3 * N(0, 1)) rows in fp32 (top-p 0.9 keeps ~3-7% of a 128K vocabulary).
 Rejection sampling takes a random number of rounds, so one (seed, offset) times one outcome; at
@@ -19,7 +20,9 @@ import numpy as np
 
 import rtcinfer
 from bench.common import (
+    VIEW_COLUMNS,
     Table,
+    callers,
     copy_tbps,
     cupy,
     graph_time_us,
@@ -29,6 +32,7 @@ from bench.common import (
     run_peer,
     time_us,
     torch_view,
+    views,
 )
 from rtcinfer import jit
 from rtcinfer.layout import widest_vec
@@ -112,8 +116,8 @@ def main() -> Table:
     arch = jit.arch_of(cp.cuda.Device().compute_capability)
     seconds, count = cold_compile_seconds(arch)
     print(f"cold start: {count} sampling kernels compiled by NVRTC for {arch} in {seconds:.1f} s")
-    columns = ["op", "batch x vocab", "us", f"us, mean of {OFFSETS} offsets", "TB/s", "% copy",
-               "CuPy sort us (eager)"]  # fmt: skip
+    columns = ["op", "batch x vocab", *VIEW_COLUMNS, f"graph us, mean of {OFFSETS} offsets",
+               "TB/s", "% copy", "CuPy sort us (eager)"]  # fmt: skip
     columns += ["vs CuPy sort", "torch sort us", "vs torch sort", "FlashInfer us", "vs FlashInfer"]
     table = Table("sorting-free sampling (fp32 probs, softmax(3 N(0,1)))", columns)
     for vocab in VOCABS:
@@ -122,8 +126,11 @@ def main() -> Table:
             probs = rtcinfer.softmax(logits)
             u = cp.random.random(batch, dtype=np.float32)
             out = cp.empty(batch, cp.int32)
+            (t_probs, t_out), is_torch = callers(probs, out)
             for name, (fn, kwargs, _) in OPS.items():
-                ours = graph_time_us(lambda: fn(probs, **kwargs, seed=1, offset=2, out=out))
+                seen = views(lambda: fn(t_probs, **kwargs, seed=1, offset=2, out=t_out),
+                             torch_graph=is_torch)  # fmt: skip
+                ours = seen.graph
                 mean = ""  # batch 1: the rejection rounds vary with the draw; their mean cost
                 if batch == 1:
                     mean = float(np.mean([
@@ -139,7 +146,8 @@ def main() -> Table:
                         fi_us = run_peer("flashinfer " + name,
                                          lambda: flashinfer_call(fi, name, tp))  # fmt: skip
                 tbps = probs.nbytes / ours / 1e6
-                table.add(name, f"{batch} x {vocab}", ours, mean, tbps, 100 * tbps / copy_tbps(),
+                table.add(name, f"{batch} x {vocab}", *seen.cells(), mean, tbps,
+                          100 * tbps / copy_tbps(),
                           sort_us, ratio(ours, sort_us), torch_us, ratio(ours, torch_us),
                           fi_us, ratio(ours, fi_us))  # fmt: skip
     return table

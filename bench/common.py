@@ -1,9 +1,15 @@
 """Timing harness shared by the bench scripts (run on a GPU).
 
 time_us(fn)          median microseconds of fn() over CUDA events, L2 flushed before each run
+views(fn)            the three views of a call: eager, loop, graph (see below)
 copy_tbps()          the measured device-to-device copy ceiling (read + write bytes), TB/s
 Table                prints rows with napkin math: us, TB/s, % of the copy ceiling, peer ratio
 peer(name)           FlashInfer / torch when importable, else None (import errors are reported)
+
+The three views of a call, every op timed each way (ours and FlashInfer's alike):
+  eager  events around one call, host included, cold L2: what a latency-bound step sees
+  loop   events around LOOP calls back to back, divided by LOOP: an engine queueing ahead
+  graph  the call captured once into a CUDA graph, replays timed: the kernels alone
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,6 +58,83 @@ def time_us(fn: Callable[[], object], repeat: int = 30, warmup: int = 3, flush: 
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
     return float(np.median(times))
+
+
+LOOP = 50
+
+
+def loop_us(fn: Callable[[], object], n: int = LOOP, repeat: int = 10) -> float:
+    """Median over `repeat` runs of (events around n back-to-back calls) / n, L2 flushed
+    before each run."""
+    cp = cupy()
+    for _ in range(3):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        flush_l2()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
+    return float(np.median(times))
+
+
+@dataclass(frozen=True)
+class Views:
+    eager: float | None
+    loop: float | None
+    graph: float | None
+
+    def cells(self) -> tuple:
+        return (self.eager, self.loop, self.graph)
+
+
+def views(fn: Callable[[], object], torch_graph: bool = False, graph: bool = True) -> Views:
+    """Eager, loop and graph microseconds of fn(). fn launching on PyTorch's current stream
+    (PyTorch tensors) is captured with torch.cuda.graph (`torch_graph`), else with CuPy's
+    stream capture; `graph=False` leaves the graph view out."""
+    eager, loop = time_us(fn), loop_us(fn)
+    g = None
+    if graph:
+        g = torch_graph_time_us(fn) if torch_graph else graph_time_us(fn)
+    return Views(eager, loop, g)
+
+
+def peer_views(label: str, fn: Callable[[], object]) -> Views:
+    """views() of a peer's fn (PyTorch tensors), or blanks (with a note) if it fails."""
+    try:
+        return views(fn, torch_graph=True)
+    except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+        print(f"# {label} failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return Views(None, None, None)
+
+
+VIEW_COLUMNS = ["eager us", "loop us", "graph us"]
+PEER_COLUMNS = ["FI eager", "FI loop", "FI graph", "loop vs FI", "graph vs FI"]
+
+
+def callers(*arrays) -> tuple[list, bool]:
+    """The arrays an engine would pass: PyTorch views of them when PyTorch is here (the
+    framework FlashInfer is called with), else the CuPy arrays; and whether they are PyTorch's
+    (views() then captures the graph view with torch.cuda.graph)."""
+    torch = peer("torch")
+    if torch is None:
+        return list(arrays), False
+    return [None if a is None else torch_view(a) for a in arrays], True
+
+
+def peer_cells(ours: Views, theirs: Views | None) -> tuple:
+    """The peer's three views and its loop and graph ratios (theirs / ours)."""
+    if theirs is None:
+        return (None,) * 5
+    return (*theirs.cells(), _ratio(ours.loop, theirs.loop), _ratio(ours.graph, theirs.graph))
+
+
+def _ratio(ours, theirs) -> str:
+    return "" if ours is None or theirs is None else f"{theirs / ours:.2f}x"
 
 
 def graph_time_us(fn: Callable[[], object], repeat: int = 30, flush: bool = True) -> float:

@@ -30,9 +30,9 @@ ANCHORS = [  # (lines of decode.cu, what goes right after them)
     ("    __syncthreads();  // tile landed for everyone; the stage refilled below is no longer "
      "read\n", "rtc_mark(1, tile == 0);"),
     ("  __syncthreads();\n  const bool direct = merge_count == 1;\n", "rtc_mark(2, true);"),
-    ("m_s, d_s, sink, heads, v_scale, warp, g, t);\n", "rtc_mark(3, true);"),
+    ("m_s, d_s, sink, heads, p.v_scale, warp, g, t);\n", "rtc_mark(3, true);"),
     ("    *last_s = last;\n  }\n  __syncthreads();\n", "rtc_mark(4, true);"),
-    ("                 o_row, o_stride_h, lse_row);\n", "__syncthreads();\n  rtc_mark(5, true);"),
+    ("                 o_row, p.o_stride_h, lse_row);\n", "__syncthreads();\n  rtc_mark(5, true);"),
 ]  # fmt: skip
 TABLE = "rtc_trace"
 HELPERS = f"""
