@@ -3,7 +3,8 @@ bench/common.py; rtcinfer called with PyTorch tensors when PyTorch is installed)
 TB/s over one read of the probabilities (graph view), and the ratio to sort-based sampling
 measured in the same run: CuPy argsort + cumsum + draw (event-timed eagerly, so it includes
 ~10 Python launches) and, when importable, the same in PyTorch (graph-timed: kernel time) and
-FlashInfer. Also the cold-start compile time of the sampling kernels (a fresh cache directory, NVRTC only).
+FlashInfer. Also the cold-start compile time of the sampling kernels (a fresh cache directory,
+NVRTC only).
 
 Probabilities: softmax(3 * N(0, 1)) rows in fp32 (top-p 0.9 keeps ~3-7% of a 128K vocabulary).
 Rejection sampling takes a random number of rounds, so one (seed, offset) times one outcome; at
