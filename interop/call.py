@@ -158,19 +158,20 @@ def _align(bits: int) -> int:
     return 16 if bits == 0 else bits & -bits
 
 
-def _prepare(op: Op, key: tuple, infos, align: int, static: tuple) -> Prepared:
-    """The prepared launch of a new signature: host memory and mixed devices are refused by
-    name before the op's own checks."""
-    for name, info in zip(op.slots, infos, strict=True):
-        if info is not None and info.device < 0:
+def _prepare(op: Op, key: tuple, arrays, info, bits: int, static: tuple) -> Prepared:
+    """The prepared launch of a new signature: `info(array, name)` describes each array; host
+    memory and mixed devices are refused by name before the op's own checks."""
+    infos = [info(x, name) for x, name in zip(arrays, op.slots, strict=True)]
+    for name, seen in zip(op.slots, infos, strict=True):
+        if seen is not None and seen.device < 0:
             raise TypeError(
                 f"{name}: expected a CUDA array (CuPy, PyTorch or JAX), got host memory of "
-                f"shape {info.shape}; move it to the GPU first"
+                f"shape {seen.shape}; move it to the GPU first"
             )
     devices = {n: i.device for n, i in zip(op.slots, infos, strict=True) if i is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
-    prep = op.prepare(infos, align, static)
+    prep = op.prepare(infos, _align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     with op._lock:
         return op.cache.setdefault(key, prep)
@@ -232,10 +233,7 @@ def _call_torch(op: Op, arrays, static, scalars):
             return _mixed(op, arrays, static, scalars)
     key.append(bits & 15)
     key = tuple(key)
-    prep = op.cache.get(key)
-    if prep is None:
-        infos = [_torch_info(x, n) for x, n in zip(arrays, op.slots, strict=True)]
-        prep = _prepare(op, key, infos, _align(bits), static)
+    prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, bits, static)
     if prep.dense:
         arrays, ptrs = _densify_torch(prep, arrays, ptrs)
     first = arrays[0]
@@ -280,7 +278,7 @@ def _cupy():
     return cupy, cupy.ndarray, cupy.cuda.get_current_stream
 
 
-def _cupy_info(x) -> ArrayInfo | None:
+def _cupy_info(x, name: str) -> ArrayInfo | None:
     if x is None:
         return None
     item, data = x.itemsize, x.data
@@ -305,9 +303,7 @@ def _call_cupy(op: Op, arrays, static, scalars):
             return _mixed(op, arrays, static, scalars)
     key.append(bits & 15)
     key = tuple(key)
-    prep = op.cache.get(key)
-    if prep is None:
-        prep = _prepare(op, key, [_cupy_info(x) for x in arrays], _align(bits), static)
+    prep = op.cache.get(key) or _prepare(op, key, arrays, _cupy_info, bits, static)
     device = arrays[0].data.device_id
     with _on_device(device):
         if prep.dense:
@@ -399,7 +395,7 @@ def _mixed(op: Op, arrays, static, scalars):
 # ---------------------------------------------------------------- JAX
 
 
-def _jax_info(x) -> ArrayInfo | None:
+def _jax_info(x, name: str) -> ArrayInfo | None:
     if x is None:
         return None
     return ArrayInfo(tuple(x.shape), dense_strides(x.shape), normalize(x.dtype), 0)
@@ -417,7 +413,7 @@ def _call_jax(op: Op, arrays, static, scalars):
         for x, name in zip(arrays, op.slots, strict=True):
             if x is not None:
                 _check_jax_array(x, name)
-        prep = _prepare(op, key, [_jax_info(x) for x in arrays], 16, static)
+        prep = _prepare(op, key, arrays, _jax_info, 0, static)
     fn = prep._jax.get(scalars)
     if fn is None:
         fn = prep._jax[scalars] = _jax_callable(prep, [x is not None for x in arrays], scalars)

@@ -37,3 +37,16 @@ class FakeStream:
 
     def wait_event(self, event):
         self.log.append(("wait", self.ptr, event.on))
+
+
+def launched(monkeypatch, prep, ptrs, scalars=()):
+    """(the Launch, its parameter fields by name) that a prepared call's run launches with
+    these pointers and scalars; the launch itself is recorded, not made."""
+    from rtcinfer.launch import Launch
+
+    seen = []
+    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: seen.append(self))
+    prep.run(0, 0, list(ptrs), scalars)
+    (launch,) = seen
+    fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
+    return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}

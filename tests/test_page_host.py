@@ -11,7 +11,8 @@ import rtcinfer
 from rtcinfer import page
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
-from rtcinfer.launch import Launch
+
+from .fakes import launched
 
 
 def info(x) -> ArrayInfo:
@@ -24,16 +25,6 @@ def prepare(op, arrays, static, align=16):
     addresses are all aligned to `align` bytes (at most 16)."""
     infos = [x if isinstance(x, ArrayInfo) else info(x) for x in arrays]
     return op.prepare([i._replace(offset=align % 16) for i in infos], align, static)
-
-
-def launched(monkeypatch, prep, ptrs, scalars=()):
-    """(the Launch, its parameter fields) that prep.run launches with these pointers."""
-    seen = []
-    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: seen.append(self))
-    prep.run(0, 0, list(ptrs), scalars)
-    (launch,) = seen
-    fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
-    return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}
 
 
 def _table():

@@ -11,7 +11,9 @@ import rtcinfer
 from rtcinfer import jit, rope
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
-from rtcinfer.launch import Kernel, Launch
+from rtcinfer.launch import Kernel
+
+from .fakes import launched
 
 Q = np.zeros((3, 4, 64), np.float16)
 K = np.zeros((3, 2, 64), np.float16)
@@ -41,16 +43,6 @@ def prepare(monkeypatch):
     monkeypatch.setattr(jit, "sm_count", lambda device: SMS)
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: OCCUPANCY)
     return offsets
-
-
-def launched(monkeypatch, prep, scalars, ptrs):
-    """(the Launch, its parameter fields) that prep.run launches with these pointers."""
-    seen = []
-    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: seen.append(self))
-    prep.run(0, 0, list(ptrs), scalars)
-    (launch,) = seen
-    fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
-    return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}
 
 
 @pytest.mark.parametrize(
@@ -115,7 +107,7 @@ def test_pos_ids_in_place(prepare, monkeypatch):
     ]  # fmt: skip
     assert prep.dense == ()  # dense positions: nothing to check per call
     ptrs = [0x1000, 0x2000, 0x3000, 0, 0, 0x6000, 0x7000]
-    launch, p = launched(monkeypatch, prep, scalars, ptrs)
+    launch, p = launched(monkeypatch, prep, ptrs, scalars)
     spec = launch.kernel.spec
     assert spec == rope.RopeSpec("bfloat16", "int32", 128, 128, False, "theta", "pos_ids", True, 8)
     assert (p["q"], p["q_out"], p["k"], p["k_out"], p["pos_ids"]) == (
@@ -138,8 +130,8 @@ def test_ragged_llama31_into_given_outs(prepare, monkeypatch):
     assert scalars == (8.0, 5e5, 1.0, 4.0, 8192.0)
     assert [(o.source, o.alias) for o in prep.outs] == [(4, False), (5, False)]
     assert prep.dense == ()
-    launch, p = launched(monkeypatch, prep, scalars, [1 << 12, 2 << 12, 3 << 12, 4 << 12, 5 << 12,
-                                                      6 << 12, 5 << 12, 6 << 12])  # fmt: skip
+    ptrs = [1 << 12, 2 << 12, 3 << 12, 4 << 12, 5 << 12, 6 << 12, 5 << 12, 6 << 12]
+    launch, p = launched(monkeypatch, prep, ptrs, scalars)
     assert launch.kernel.spec == rope.RopeSpec("float16", "int64", 128, 64, False, "llama31",
                                                "indptr", False, 8)  # fmt: skip
     assert (p["q"], p["k"], p["q_out"], p["k_out"]) == (1 << 12, 2 << 12, 5 << 12, 6 << 12)
@@ -159,7 +151,7 @@ def test_cos_sin_cache_on_flattened_heads(prepare, monkeypatch):
                                                            is_neox=False)  # fmt: skip
     assert scalars == () and prep.dense == (2, 3)  # strided: made dense first
     ptrs = [0x100, 0x200, 0x300, 0x400, 0, 0, 0x700, 0x800]
-    launch, p = launched(monkeypatch, prep, scalars, ptrs)
+    launch, p = launched(monkeypatch, prep, ptrs, scalars)
     assert launch.kernel.spec == rope.RopeSpec("float32", "int64", 64, 32, True, "cos_sin_cache",
                                                "pos_ids", False, 4)  # fmt: skip
     assert (p["pos_ids"], p["cos_sin_cache"], p["q_out"], p["k_out"]) == (0x300, 0x400, 0x700,
@@ -179,11 +171,11 @@ def test_position_arrays_do_not_narrow_the_vectors(prepare, monkeypatch):
     )
     prepare[2] = 4
     prep, scalars = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
-    launch, _ = launched(monkeypatch, prep, scalars, [0x100, 0x200, 0x304, 0, 0, 0x100, 0x200])
+    launch, _ = launched(monkeypatch, prep, [0x100, 0x200, 0x304, 0, 0, 0x100, 0x200], scalars)
     assert launch.kernel.spec.vec == 8
     prepare[0] = 8
     prep, scalars = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
-    launch, _ = launched(monkeypatch, prep, scalars, [0x108, 0x200, 0x304, 0, 0, 0x108, 0x200])
+    launch, _ = launched(monkeypatch, prep, [0x108, 0x200, 0x304, 0, 0, 0x108, 0x200], scalars)
     assert launch.kernel.spec.vec == 4
     prepare[0] = 4
     with pytest.raises(ValueError, match="q and k rows are not aligned to 8 elements"):
