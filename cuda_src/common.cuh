@@ -16,6 +16,12 @@ typedef unsigned long long uint64_t;
 
 #define RTC_DEVICE __device__ __forceinline__
 
+// A TMA descriptor (cuda.h's CUtensorMap, which NVRTC does not see): 128 opaque bytes, passed
+// by value in a kernel's __grid_constant__ parameter struct and built on the host.
+struct alignas(64) CUtensorMap {
+  unsigned long long opaque[16];
+};
+
 // Conditional<B, T, F> is T when B holds, else F (no <type_traits> under NVRTC).
 template <bool B, typename T, typename F>
 struct ConditionalType {

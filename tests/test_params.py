@@ -106,6 +106,33 @@ def test_compiled_struct_matches_the_host_layout(spec, struct):
     assert cubin is not None, log
 
 
+def test_a_tensor_map_travels_by_value_in_the_parameter_block():
+    """The Hopper kernels' seam: a __grid_constant__ struct holding a CUtensorMap (128 bytes,
+    aligned to 64) compiles for sm_90a with the layout the host mirror writes."""
+    source = (
+        (jit.source_root() / "common.cuh").read_text()
+        + """
+struct TmaParams {
+  const T* q;          // [n, d]
+  CUtensorMap k_map;   // K tiles, built on the host
+  int n;
+};
+extern "C" __global__ void tma_probe(const __grid_constant__ TmaParams p) {
+  if (threadIdx.x == 0 && p.n < 0) asm volatile("prefetch.tensormap [%0];" :: "l"(&p.k_map));
+}
+"""
+    )
+    layout = struct_layout(source, "TmaParams")
+    assert [(f.name, f.offset) for f in layout.fields] == [("q", 0), ("k_map", 64), ("n", 192)]
+    cls = params_type(layout)
+    assert ctypes.sizeof(cls) == layout.size == 256
+    prelude = "using T = __nv_bfloat16;\n"
+    head, _, body = source.partition("struct TmaParams")
+    probe = head + prelude + "struct TmaParams" + body + layout_probe(layout)
+    cubin, log = jit._nvrtc(probe, "tma_probe", jit.compile_options("sm_90a"))
+    assert cubin is not None, log
+
+
 def test_every_shipped_family_declares_its_structs():
     missing = {type(s).__name__ for s in catalog.shipped_specs() if not getattr(s, "structs", ())}
     assert not missing, f"specs without parameter structs: {sorted(missing)}"

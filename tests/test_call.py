@@ -1,0 +1,93 @@
+"""The call path without a GPU: a prepared launch is reused for a call with the signature it
+was validated for, and only for such a call (PyTorch CPU tensors stand in for CUDA ones; the
+stream and device queries are faked)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from rtcinfer.interop import Op, OutSlot, Prepared, call
+
+torch = pytest.importorskip("torch")
+path = importlib.import_module("rtcinfer.interop.call")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """An op x -> y (y like x) whose prepare and run are recorded."""
+    log = {"prepared": [], "runs": []}
+
+    def info(x, name):  # a CPU tensor as a CUDA one on device 0
+        if x is None:
+            return None
+        strides, offset = tuple(x.stride()), x.data_ptr() & 15
+        return path.ArrayInfo(tuple(x.shape), strides, str(x.dtype)[6:], 0, offset)
+
+    real = path._torch()
+    monkeypatch.setattr(path, "_torch_info", info)
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3],
+                                                 lambda: 0))  # fmt: skip
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+
+    def prepare(infos, align, static):
+        log["prepared"].append((tuple(infos), align, static))
+        x = infos[0]
+        return Prepared((OutSlot(x.shape, x.dtype),),
+                        lambda stream, device, ptrs, scalars: log["runs"].append(
+                            (stream, ptrs, scalars)))  # fmt: skip
+
+    return Op("toy", ("x", "w"), prepare), log
+
+
+def test_a_seen_signature_reuses_its_launch(recorded):
+    op, log = recorded
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    for scale in (1.0, 2.0, 3.0):
+        y = call(op, (x, w), ("static",), (scale,))
+    assert len(log["prepared"]) == 1 and len(log["runs"]) == 3
+    stream, ptrs, scalars = log["runs"][-1]
+    assert stream == 7 and scalars == (3.0,)
+    assert ptrs == [x.data_ptr(), w.data_ptr(), y.data_ptr()]
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda x, w: (x.t().contiguous().t(), w),  # strides
+        lambda x, w: (x.double(), w),  # dtype
+        lambda x, w: (x[:3], w),  # shape
+        lambda x, w: (torch.zeros(33)[1:].view(4, 8), w),  # address alignment (4 bytes off)
+        lambda x, w: (x, torch.zeros(9)[1:]),  # another argument's alignment
+        lambda x, w: (x, w[:4]),  # another argument's shape
+    ],
+    ids=["strides", "dtype", "shape", "alignment", "other alignment", "other shape"],
+)
+def test_what_changes_the_launch_prepares_again(recorded, change):
+    op, log = recorded
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    call(op, (x, w), ("static",))
+    call(op, change(x, w), ("static",))
+    assert len(log["prepared"]) == 2
+    first, second = log["prepared"]
+    assert first[0] != second[0]  # the second call was validated on what it passed
+
+
+def test_static_arguments_are_part_of_the_key(recorded):
+    op, log = recorded
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    call(op, (x, w), ("a",))
+    call(op, (x, w), ("b",))
+    call(op, (x, w), ("a",))
+    assert [p[2] for p in log["prepared"]] == [("a",), ("b",)]
+
+
+def test_an_absent_slot_differs_from_a_present_one(recorded):
+    op, log = recorded
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    call(op, (x, w))
+    call(op, (x, None))
+    assert len(log["prepared"]) == 2
+    assert log["runs"][-1][1][1] == 0  # an absent slot's pointer
