@@ -37,10 +37,10 @@ from bench.common import (
 )
 from rtcinfer import jit
 from rtcinfer.layout import widest_vec
-from rtcinfer.renorm import renorm_spec
 from rtcinfer.sampling import sample_spec
-from rtcinfer.sampling_cluster import ClusterSampleSpec, cluster_size
-from rtcinfer.softmax import softmax_spec
+from rtcinfer.sampling.cluster import ClusterSampleSpec, cluster_size
+from rtcinfer.sampling.renorm import renorm_spec
+from rtcinfer.sampling.softmax import softmax_spec
 
 BATCHES = (1, 32, 128, 512)
 VOCABS = (32000, 128256, 151936)

@@ -62,12 +62,12 @@ def traced_source(source: str) -> str:
 
 def _expand(spec, _plain=jit.expand_source):
     source = _plain(spec)
-    return traced_source(source) if spec.source == "decode.cu" else source
+    return traced_source(source) if spec.source == "attention/decode.cu" else source
 
 
 def _tables(cp):
     """The trace table of every loaded decode module (a plan may pick a kernel variant)."""
-    specs = {key[0] for key in list(jit._FUNCTIONS) if key[0].source == "decode.cu"}
+    specs = {key[0] for key in list(jit._FUNCTIONS) if key[0].source == "attention/decode.cu"}
     tables = []
     for spec in specs:
         var = jit._module(spec, cp.cuda.Device().id).get_global_var(TABLE)

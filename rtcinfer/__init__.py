@@ -9,11 +9,17 @@ except ImportError:  # the base install (no CUDA extra): planning and the CLI st
     pass
 
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
-from .cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
-from .decode import (  # noqa: E402
+from .attention.cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
+from .attention.decode import (  # noqa: E402
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
 )
+from .attention.page import (  # noqa: E402
+    append_paged_kv_cache,
+    get_batch_indices_positions,
+    get_seq_lens,
+)
+from .attention.single_decode import single_decode_with_kv_cache  # noqa: E402
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -21,12 +27,6 @@ from .norm import (  # noqa: E402
     layernorm,
     rmsnorm,
 )
-from .page import (  # noqa: E402
-    append_paged_kv_cache,
-    get_batch_indices_positions,
-    get_seq_lens,
-)
-from .single_decode import single_decode_with_kv_cache  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import activation, cascade, decode_kernel, norm, page, rope
-from .renorm import RenormSpec
-from .sampling import SampleSpec
-from .sampling_cluster import ClusterSampleSpec
-from .softmax import softmax_spec
-from .speculative import SpeculativeSpec
+from . import activation, norm, rope
+from .attention import cascade, decode_kernel, page
+from .sampling.cluster import ClusterSampleSpec
+from .sampling.renorm import RenormSpec
+from .sampling.samplers import SampleSpec
+from .sampling.softmax import softmax_spec
+from .sampling.speculative import SpeculativeSpec
 
 
 @dataclass(frozen=True)

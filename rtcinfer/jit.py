@@ -83,12 +83,19 @@ def source_root():
 
 
 def _expand(name: str, seen: set[str]) -> str:
-    """The text of cuda_src/`name` with our own includes inlined, each file once."""
+    """The text of cuda_src/`name` with our own includes inlined, each file once. An include
+    is looked up beside the including file first (a family's folder), then in cuda_src/."""
     if name in seen:
         return ""
     seen.add(name)
     text = (source_root() / name).read_text()
-    return _INCLUDE.sub(lambda m: _expand(m.group(1), seen), text)
+    folder = name.rpartition("/")[0]
+
+    def include(match) -> str:
+        beside = f"{folder}/{match.group(1)}" if folder else match.group(1)
+        return _expand(beside if (source_root() / beside).is_file() else match.group(1), seen)
+
+    return _INCLUDE.sub(include, text)
 
 
 def expand_source(spec) -> str:

@@ -90,5 +90,5 @@ def row_threads(vocab: int, batch: int, sm_count: int) -> int:
 
 def row_smem_bytes(threads: int) -> int:
     """Dynamic shared memory of the row kernels: a candidate list of 8 (value, token) pairs per
-    thread and 256 block maxima per warp (cuda_src/row_scan.cuh, list_memory)."""
+    thread and 256 block maxima per warp (cuda_src/sampling/row_scan.cuh, list_memory)."""
     return 8 * threads * 8 + threads // 32 * 256 * 4

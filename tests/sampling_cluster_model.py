@@ -1,13 +1,13 @@
-"""NumPy model of the cluster sampler (cuda_src/sampling_cluster.cu), bit-exact: its masses are
-integers (fixed point), its pivots float32 operations that NumPy performs the same way, and
-its draw order is reproduced below: (CTA, thread, float4 group, element), or token order when
-a top-k row is finished on rank 0's candidate list."""
+"""NumPy model of the cluster sampler (cuda_src/sampling/sampling_cluster.cu), bit-exact: its
+masses are integers (fixed point), its pivots float32 operations that NumPy performs the same
+way, and its draw order is reproduced below: (CTA, thread, float4 group, element), or token
+order when a top-k row is finished on rank 0's candidate list."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from rtcinfer.sampling_cluster import THREADS, slice_elements
+from rtcinfer.sampling.cluster import THREADS, slice_elements
 from tests.sampling_model import Probs, below, uniform
 
 __all__ = ["Probs", "draw_order", "on_list", "sample_row", "warp_maxima"]

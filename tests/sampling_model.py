@@ -1,4 +1,4 @@
-"""NumPy model of the sampling kernels (cuda_src/philox.cuh, row_scan.cuh, row_select.cuh,
+"""NumPy model of the sampling kernels (cuda_src/sampling/philox.cuh, row_scan.cuh, row_select.cuh,
 sampling.cu, renorm.cu), with the same loop structure:
 
 - Philox4x32-10 and the uniform of (seed, offset, row, draw): bit-exact;
@@ -199,7 +199,7 @@ def radix_select(values, policy, *, k=None, p_fixed=None, M=None):
     return threshold.view(np.float32)[0], kept
 
 
-# --- the samplers (cuda_src/sampling.cu) -------------------------------------------------------
+# --- the samplers (cuda_src/sampling/sampling.cu) ---------------------------------------------
 
 OPS = ("plain", "top_k", "top_p", "min_p", "top_k_top_p", "top_k_first")
 MAX_ROUNDS = 64
@@ -304,7 +304,7 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
     return Draw(token, 0, on_list)
 
 
-# --- threshold ops (cuda_src/renorm.cu) --------------------------------------------------------
+# --- threshold ops (cuda_src/sampling/renorm.cu) ----------------------------------------------
 
 
 def renorm_row(row, op: str, param, block: Block | None = None) -> np.ndarray:

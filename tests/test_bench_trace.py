@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.trace_decode import traced_source
 from rtcinfer import jit
-from rtcinfer.decode_kernel import decode_spec
+from rtcinfer.attention.decode_kernel import decode_spec
 
 
 def test_the_traced_decode_kernel_compiles(monkeypatch):

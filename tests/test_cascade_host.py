@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer import cascade
+from rtcinfer.attention import cascade
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer.decode_kernel import kernel
+from rtcinfer.attention.decode_kernel import kernel
 from rtcinfer.interop.dtypes import FP8_DTYPES
 
 from . import reference as ref
@@ -212,7 +212,7 @@ HALF_TILE_CASES = {  # kwargs of make_batch, lengths, feature, plan options
 def test_fp8_whole_requests_with_half_tiles(case):
     """fp8 KV in a plan of one item per request: plan() picks the kernel with tiles of half
     the tokens (decode_kernel.half_tiles), which must match the reference like the default."""
-    from rtcinfer.decode_kernel import half_tiles
+    from rtcinfer.attention.decode_kernel import half_tiles
 
     kwargs, lengths, feature, options = HALF_TILE_CASES[case]
     batch = make_batch(seeded("half", case), lengths, **kwargs)

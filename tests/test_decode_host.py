@@ -11,10 +11,10 @@ import pytest
 
 import rtcinfer
 from rtcinfer import jit
-from rtcinfer.decode import LONG_ITEM_TILES, _lookahead
-from rtcinfer.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
+from rtcinfer.attention.decode import LONG_ITEM_TILES, _lookahead
+from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
+from rtcinfer.attention.workspace import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
-from rtcinfer.workspace import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 
 from .fakes import FakeStream
 from .paged_batch import page_table_for
@@ -148,7 +148,7 @@ def test_capacity_after_a_change_of_heads_starts_afresh():
 
 
 def test_a_caller_workspace_is_used_from_its_first_aligned_byte():
-    from rtcinfer.workspace import user_base
+    from rtcinfer.attention.workspace import user_base
 
     cap = Capacity(1, 1, 1, 8, 2, 128, 0)
     assert user_base(0x7F0000000100, 4096, 4096, cap) == 0x7F0000000100
@@ -237,8 +237,8 @@ def host_wrapper(monkeypatch):
     upload are stubbed (the host validation and planning are what is tested)."""
     import cupy
 
-    from rtcinfer import decode
-    from rtcinfer.workspace import Workspace
+    from rtcinfer.attention import decode
+    from rtcinfer.attention.workspace import Workspace
 
     class Device:
         id = 0
@@ -303,8 +303,8 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     last one), and moving the plan to another stream synchronizes the device."""
     import cupy
 
-    from rtcinfer import decode
-    from rtcinfer.workspace import Workspace
+    from rtcinfer.attention import decode
+    from rtcinfer.attention.workspace import Workspace
 
     log = []
 
@@ -354,7 +354,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
 
 
 def test_calibration_scales_fold_into_two_factors():
-    from rtcinfer.decode_kernel import kv_scales
+    from rtcinfer.attention.decode_kernel import kv_scales
 
     assert kv_scales(None, None) == (1.0, 1.0)
     assert kv_scales(3, 2, 0.5) == (1.5, 2.0)
@@ -373,7 +373,7 @@ def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
 def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):
     """run()'s prepared launch on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page
     16, bf16), as the call path drives it; returns the recorded kernel launches."""
-    from rtcinfer import decode
+    from rtcinfer.attention import decode
     from rtcinfer.interop import ArrayInfo, dense_strides
     from rtcinfer.launch import Launch
 
@@ -402,7 +402,7 @@ def test_run_launches_on_contiguous_rows_and_rejects_a_strided_out(host_wrapper,
 
 
 def test_a_captured_run_records_its_batch(host_wrapper, monkeypatch):
-    from rtcinfer import decode
+    from rtcinfer.attention import decode
 
     wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(
         use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(7, np.int32),
@@ -437,7 +437,7 @@ def test_a_batch_beyond_the_grid_says_to_plan_in_parts(host_wrapper):
 
 
 def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):
-    from rtcinfer.workspace import Workspace
+    from rtcinfer.attention.workspace import Workspace
 
     needs = []
     monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: needs.append(need))
@@ -451,7 +451,7 @@ def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):
 def test_graph_plan_refuses_a_batch_larger_than_the_captured_one(host_wrapper):
     """Under CUDA graphs plan() takes up to the capacity until a run() is captured, then at
     most the captured batch (the GPU test captures; here the record of it is set directly)."""
-    from rtcinfer import decode
+    from rtcinfer.attention import decode
 
     wrapper = decode.BatchDecodeWithPagedKVCacheWrapper(
         use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(7, np.int32),

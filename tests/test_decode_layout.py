@@ -2,8 +2,8 @@
 
 ldmatrix, movmatrix and mma.m16n8k16 are modelled from their PTX ISA fragment layouts; the
 kernel's own index functions (tile_offset, load_k, load_v, q_frag, rope_k, o_dim, the paged
-loader) are transcribed from cuda_src/decode_fragments.cuh and paged_kv.cuh. The model must
-reproduce S^T = K Q^T and O^T = V^T P^T of a 16-token warp tile exactly, for 16-bit and fp8
+loader) are transcribed from cuda_src/attention/decode_fragments.cuh and paged_kv.cuh. The model
+must reproduce S^T = K Q^T and O^T = V^T P^T of a 16-token warp tile exactly, for 16-bit and fp8
 KV; a tile-level model of the kernel's control flow must reproduce the float64 reference.
 """
 
@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rtcinfer.decode_kernel import fast_div, rope_frequencies
+from rtcinfer.attention.decode_kernel import fast_div, rope_frequencies
 
 LANES = np.arange(32)
 G, T = LANES // 4, LANES % 4
@@ -347,8 +347,8 @@ def kernel_flow(buf, batch_size, q, k_cache, v_cache, page_size, head_dim, group
     "split", [dict(num_sms=132, ctas_per_sm=2, min_chunk_tokens=16), dict(disable_split_kv=True)]
 )
 def test_kernel_flow_matches_the_reference(window_left, split):
+    from rtcinfer.attention.workspace import pack_plan
     from rtcinfer.plan.decode import plan_decode
-    from rtcinfer.workspace import pack_plan
 
     from .paged_batch import page_table_for
     from .reference import batch_decode_paged_ref

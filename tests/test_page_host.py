@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer import page
+from rtcinfer.attention import page
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
 

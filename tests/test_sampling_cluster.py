@@ -9,7 +9,7 @@ import pytest
 import rtcinfer
 from rtcinfer import jit
 from rtcinfer.layout import widest_vec
-from rtcinfer.sampling_cluster import cluster_size
+from rtcinfer.sampling.cluster import cluster_size
 from tests import reference as ref
 from tests import sampling_cluster_model as model
 from tests.test_sampling import DRAWS, OPS, check_frequencies, cupy, probs_rows, sample

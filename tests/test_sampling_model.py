@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtcinfer.philox import Generator, resolve
+from rtcinfer.sampling.philox import Generator, resolve
 from tests import reference as ref
 from tests import sampling_cluster_model as cluster_model
 from tests import sampling_model as model
@@ -303,10 +303,10 @@ def prepare(op, static, *arrays):
 
 def test_argument_errors_name_what_they_received():
     import rtcinfer
-    from rtcinfer.renorm import _OPS as renorm_ops
-    from rtcinfer.sampling import _OP as sample_op
-    from rtcinfer.softmax import _OP as softmax_op
-    from rtcinfer.speculative import _OP as speculative_op
+    from rtcinfer.sampling.renorm import _OPS as renorm_ops
+    from rtcinfer.sampling.samplers import _OP as sample_op
+    from rtcinfer.sampling.softmax import _OP as softmax_op
+    from rtcinfer.sampling.speculative import _OP as speculative_op
 
     probs = np.full((4, 10), 0.1, np.float32)
 
@@ -399,7 +399,7 @@ def test_cluster_candidate_list_is_taken_for_typical_rows_only(rng):
 
 
 def test_cluster_path_selection():
-    from rtcinfer.sampling_cluster import SLICE_BYTES, cluster_size, slice_elements
+    from rtcinfer.sampling.cluster import SLICE_BYTES, cluster_size, slice_elements
 
     assert cluster_size(1, 128256, 4, 132, 80) == 0  # no clusters before sm_90
     assert cluster_size(1, 128256, 4, 188, 120, 99 * 1024) == 0  # too little shared memory

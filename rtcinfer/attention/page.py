@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import jit
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call, dtype_name
+from ..interop.arrays import framework
+from ..interop.dtypes import itemsize
+from ..launch import Kernel, Launch
+from ..plan import page as host_page
+from ..plan._checks import as_int
 from .decode_kernel import KV_LAYOUTS, fast_div, token_head
-from .interop import Op, OutSlot, Prepared, call, dtype_name
-from .interop.arrays import framework
-from .interop.dtypes import itemsize
-from .launch import Kernel, Launch
-from .plan import page as host_page
-from .plan._checks import as_int
 
 THREADS = 256
 
@@ -32,7 +32,7 @@ THREADS = 256
 class PageSpec:
     row_bytes: int  # head_dim * itemsize of the cache
     vec: int  # bytes per copy unit
-    source: ClassVar[str] = "page.cu"
+    source: ClassVar[str] = "attention/page.cu"
     kernels: ClassVar[tuple[str, ...]] = (
         "append_kernel",
         "seq_lens_kernel",

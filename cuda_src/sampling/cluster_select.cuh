@@ -1,4 +1,4 @@
-// The building blocks of cuda_src/sampling_cluster.cu: what each CTA publishes to its cluster,
+// The building blocks of cuda_src/sampling/sampling_cluster.cu: what each CTA publishes to its cluster,
 // block scratch, and the cluster-wide passes over the CTA's slice (pivot statistics, a draw,
 // the k-th largest value) plus rank 0's finish on a candidate list. The including file defines
 // WARPS and FULL, includes sample_common.cuh, and has the prelude's THREADS, CLUSTER, OUT_T.

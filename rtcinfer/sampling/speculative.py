@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import jit
-from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .launch import Kernel, Launch
-from .layout import fit_vec, row_threads, widest_vec
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call, dense_strides
+from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..launch import Kernel, Launch
+from ..layout import fit_vec, row_threads, widest_vec
 from .philox import check_array, kernel_inputs
 
 
@@ -18,7 +18,7 @@ class SpeculativeSpec:
     dtype: str
     vec: int
     threads: int
-    source: ClassVar[str] = "speculative.cu"
+    source: ClassVar[str] = "sampling/speculative.cu"
     kernels: ClassVar[tuple[str, ...]] = ("chain_speculative_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("SpeculativeParams",)  # crossing the seam
 

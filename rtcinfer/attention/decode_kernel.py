@@ -1,8 +1,9 @@
 """The decode kernel seen from the host: spec, static configuration, launch helpers.
 
-One kernel (cuda_src/decode.cu) serves every group size, head_dim 64/128/256, fp16/bf16 q and
-fp16/bf16/fp8 KV. Its spec fixes dtypes, head_dim, head tiles, the position encoding, the soft
-cap and the pipeline shape; everything per step (lengths, page ids) arrives through the plan.
+One kernel (cuda_src/attention/decode.cu) serves every group size, head_dim 64/128/256,
+fp16/bf16 q and fp16/bf16/fp8 KV. Its spec fixes dtypes, head_dim, head tiles, the position
+encoding, the soft cap and the pipeline shape; everything per step (lengths, page ids) arrives
+through the plan.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import jit
-from .interop.dtypes import FP8_DTYPES, itemsize, normalize
-from .launch import Kernel
-from .plan._checks import INT32_MAX, as_int
+from .. import jit
+from ..interop.dtypes import FP8_DTYPES, itemsize, normalize
+from ..launch import Kernel
+from ..plan._checks import INT32_MAX, as_int
 
 
 class PosEncoding(enum.IntEnum):
@@ -51,7 +52,7 @@ class DecodeSpec:
     stages: int
     token_groups: int  # 16-token groups per warp per tile
     lookahead: int = 0  # K/V tiles in flight ahead of the one computed; 0: stages - 1
-    source: ClassVar[str] = "decode.cu"
+    source: ClassVar[str] = "attention/decode.cu"
     kernels: ClassVar[tuple[str, ...]] = ("decode_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("DecodeParams", "DecodeWorkItem")
 

@@ -12,6 +12,10 @@ import math
 
 import numpy as np
 
+from ..interop import Op, OutSlot, Prepared, call
+from ..jit import device_limits
+from ..launch import Launch, memset_d32
+from ..plan.decode import plan_decode
 from .decode_kernel import (
     THREADS,
     check_cache_view,
@@ -22,10 +26,6 @@ from .decode_kernel import (
     make_config,
     token_head,
 )
-from .interop import Op, OutSlot, Prepared, call
-from .jit import device_limits
-from .launch import Launch, memset_d32
-from .plan.decode import plan_decode
 from .workspace import ITEM_INTS, header_ints, pack_plan
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it

@@ -1,7 +1,7 @@
 """Exact top-k / top-p renormalization and top-k masking (FlashInfer's names and meanings).
 
-Thresholds are exact (a radix select, cuda_src/renorm.cu), ties with the threshold are kept,
-and results are deterministic.
+Thresholds are exact (a radix select, cuda_src/sampling/renorm.cu), ties with the threshold are
+kept, and results are deterministic.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import jit
-from .interop import Op, OutSlot, Prepared, call
-from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .launch import Kernel, Launch
-from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call
+from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..launch import Kernel, Launch
+from ..layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
 
 
 class RenormOp(enum.IntEnum):
@@ -38,7 +38,7 @@ class RenormSpec:
     dtype: str
     vec: int
     threads: int
-    source: ClassVar[str] = "renorm.cu"
+    source: ClassVar[str] = "sampling/renorm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("renorm_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("RenormParams",)  # crossing the seam
 

@@ -1,7 +1,7 @@
 """Randomness for the samplers without PyTorch: Philox4x32-10 keyed by (seed, offset).
 
 Every sampling kernel draws uniforms u = philox(counter = (draw, row, offset), key = seed)
-(cuda_src/philox.cuh), so a call is a pure function of its inputs, `seed` and `offset`:
+(cuda_src/sampling/philox.cuh), so a call is a pure function of its inputs, `seed` and `offset`:
 the same seed, offset and inputs give the same tokens on every run. Calls with different
 offsets (or seeds) draw independent numbers; any change of offset will do, +1 is enough.
 
@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from .interop import framework
+from ..interop import framework
 
 _MASK64 = (1 << 64) - 1
 

@@ -19,8 +19,8 @@ static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "ho
 constexpr int LOOK = LOOKAHEAD > 0 ? LOOKAHEAD : STAGES - 1;
 static_assert(LOOK >= 1 && LOOK <= STAGES - 1, "the ring holds the tiles in flight");
 
-// A work item of the plan (rtcinfer/workspace.py writes them by these names): a chunk of one
-// request's tokens and the request's merge group.
+// A work item of the plan (rtcinfer/attention/workspace.py writes them by these names): a chunk
+// of one request's tokens and the request's merge group.
 struct alignas(16) DecodeWorkItem {
   int request;      // batch row
   int token_begin;  // the chunk: tokens [token_begin, token_end) of the request

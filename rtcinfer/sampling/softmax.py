@@ -7,11 +7,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import jit
-from .interop import Op, OutSlot, Prepared, call
-from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .launch import Kernel, Launch
-from .layout import fit_vec, leading_rows, widest_vec
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call
+from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..launch import Kernel, Launch
+from ..layout import fit_vec, leading_rows, widest_vec
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class SoftmaxSpec:
     dtype: str
     vec: int
     threads: int
-    source: ClassVar[str] = "softmax.cu"
+    source: ClassVar[str] = "sampling/softmax.cu"
     kernels: ClassVar[tuple[str, ...]] = ("softmax_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("SoftmaxParams",)  # crossing the seam
 

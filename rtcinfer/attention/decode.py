@@ -14,6 +14,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..interop import Op, OutSlot, Prepared, as_cupy, call, release
+from ..interop.arrays import device_of, to_numpy
+from ..interop.dtypes import FP8_DTYPES, itemsize
+from ..jit import device_limits
+from ..launch import Launch, is_capturing, record_event, wait_event
+from ..plan._checks import INT32_MAX, as_int, as_int_array, first_bad
+from ..plan.decode import plan_decode
 from .decode_kernel import (
     THREADS,
     Config,
@@ -26,13 +33,6 @@ from .decode_kernel import (
     make_config,
     token_head,
 )
-from .interop import Op, OutSlot, Prepared, as_cupy, call, release
-from .interop.arrays import device_of, to_numpy
-from .interop.dtypes import FP8_DTYPES, itemsize
-from .jit import device_limits
-from .launch import Launch, is_capturing, record_event, wait_event
-from .plan._checks import INT32_MAX, as_int, as_int_array, first_bad
-from .plan.decode import plan_decode
 from .workspace import Capacity, Workspace, pack_plan
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension

@@ -1,4 +1,4 @@
-"""Small batches: one row per cluster of CTAs (cuda_src/sampling_cluster.cu, sm_90 and newer).
+"""Small batches: one row per cluster of CTAs (cuda_src/sampling/sampling_cluster.cu, sm_90+).
 
 One CTA per row leaves most SMs idle below about a hundred rows, and a single SM reads a
 128K-256K row slowly. A cluster of up to 8 CTAs splits the row, keeps its slices in shared
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import jit
-from .launch import Kernel, Launch
+from .. import jit
+from ..launch import Kernel, Launch
 
 THREADS = 512
 SLICE_BYTES = 200 * 1024  # the most dynamic shared memory (a CTA's slice) the path takes
@@ -28,13 +28,13 @@ class ClusterSampleSpec:
     vec: int
     cluster: int  # CTAs per row
     threads: int = THREADS
-    source: ClassVar[str] = "sampling_cluster.cu"
+    source: ClassVar[str] = "sampling/sampling_cluster.cu"
     kernels: ClassVar[tuple[str, ...]] = ("cluster_sample_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("SampleParams",)  # crossing the seam
     min_sm: ClassVar[int] = 90  # thread-block clusters
 
     def prelude(self) -> str:
-        from .sampling import SAMPLE_OPS
+        from .samplers import SAMPLE_OPS
 
         return jit.prelude(
             OP=SAMPLE_OPS[self.op],

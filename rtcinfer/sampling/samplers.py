@@ -1,17 +1,13 @@
-"""Sorting-free sampling: FlashInfer's `flashinfer.sampling`, names, arguments and defaults.
-
-This module is also the `rtcinfer.sampling` namespace: the samplers below, `softmax`, the
-renormalization ops (`top_k_renorm_probs`, `top_p_renorm_probs`, `top_k_mask_logits`),
-`chain_speculative_sampling` and `Generator`.
+"""The samplers of `rtcinfer.sampling` (FlashInfer's names, arguments and defaults).
 
 Samplers draw one token per output row from probs[indices[b]] (or probs[b]) restricted to the
-kept set, renormalized (cuda_src/sampling.cu: dual-pivot rejection sampling, no sort; small
-batches on sm_90+ split each row over a cluster of CTAs, cuda_src/sampling_cluster.cu). A token
+kept set, renormalized (cuda_src/sampling/sampling.cu: dual-pivot rejection sampling, no sort;
+small batches on sm_90+ split each row over a cluster of CTAs, sampling_cluster.cu). A token
 with probability <= 0 (or NaN) or outside the kept set is never returned; ids are always in
 [0, vocab); a row without any positive probability returns 0. `indices` must hold valid rows of
 probs (not checked on the host). Per-row parameters are scalars or [batch] device arrays.
-Randomness: rtcinfer.philox (seed, offset, generator); the same seed, offset and inputs give the
-same tokens. The kernels are deterministic, so `deterministic` is accepted and ignored.
+Randomness: rtcinfer.sampling.philox (seed, offset, generator); the same seed, offset and inputs
+give the same tokens. The kernels are deterministic, so `deterministic` is accepted and ignored.
 check_nan=True raises ValueError when probs holds NaN, negative or infinite values; it reads one
 flag back from the device (a stream synchronization, and no use under jax.jit), so leave it off
 in the decode loop.
@@ -25,14 +21,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import jit
-from .interop import Op, OutSlot, Prepared, call, framework
-from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .launch import Kernel, Launch, memset_d32
-from .layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call, framework
+from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..launch import Kernel, Launch, memset_d32
+from ..layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
+from .cluster import ClusterSampleSpec, cluster_launch, cluster_size
 from .philox import Generator, check_array, kernel_inputs
 from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
-from .sampling_cluster import ClusterSampleSpec, cluster_launch, cluster_size
 from .softmax import softmax
 from .speculative import chain_speculative_sampling
 
@@ -63,7 +59,7 @@ class SampleSpec:
     out_dtype: str  # token ids (the dtype of `indices`, else int32)
     vec: int
     threads: int
-    source: ClassVar[str] = "sampling.cu"
+    source: ClassVar[str] = "sampling/sampling.cu"
     kernels: ClassVar[tuple[str, ...]] = ("sample_kernel", "philox_kernel")
     structs: ClassVar[tuple[str, ...]] = ("SampleParams", "PhiloxParams")  # crossing the seam
 

@@ -11,10 +11,11 @@ partial_work is at least the grid's item count when a plan splits (decode.cu str
 partial rows by it) and may be 0 for a plan of whole requests, which writes no partials.
 
 The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; the work
-items are the kernel's DecodeWorkItem structs (cuda_src/decode.cu), written here by field name
-through a NumPy record of the same layout; their `page_ids` index the page ids inside the plan
-region. A plan is packed into one of two pinned host buffers and sent with one async copy; an
-event per buffer keeps a buffer from being rewritten while its copy may still be reading it.
+items are the kernel's DecodeWorkItem structs (cuda_src/attention/decode.cu), written here by
+field name through a NumPy record of the same layout; their `page_ids` index the page ids
+inside the plan region. A plan is packed into one of two pinned host buffers and sent with one
+async copy; an event per buffer keeps a buffer from being rewritten while its copy may still be
+reading it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import jit
-from .params import record_dtype
+from .. import jit
+from ..params import record_dtype
 
 ALIGN = 256
-WORK_ITEM = record_dtype(jit.source_layout("decode.cu", "DecodeWorkItem"))
+WORK_ITEM = record_dtype(jit.source_layout("attention/decode.cu", "DecodeWorkItem"))
 ITEM_INTS = WORK_ITEM.itemsize // 4
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import jit
-from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.dtypes import FLOAT_DTYPES, itemsize
-from .launch import Kernel, Launch
-from .layout import fit_vec, widest_vec
-from .plan._checks import INT32_MAX
+from .. import jit
+from ..interop import Op, OutSlot, Prepared, call, dense_strides
+from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..launch import Kernel, Launch
+from ..layout import fit_vec, widest_vec
+from ..plan._checks import INT32_MAX
 
 THREADS = 128
 
@@ -29,7 +29,7 @@ class MergeSpec:
     vec: int
     has_b: bool  # one more state from a second array (merge_state, merge_state_in_place)
     mask: bool
-    source: ClassVar[str] = "merge.cu"
+    source: ClassVar[str] = "attention/merge.cu"
     kernels: ClassVar[tuple[str, ...]] = ("merge_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("MergeParams",)  # crossing the seam
 
