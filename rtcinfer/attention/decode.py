@@ -21,18 +21,8 @@ from ..jit import device_limits
 from ..launch import Launch, is_capturing, record_event, wait_event
 from ..plan._checks import INT32_MAX, as_int, as_int_array, first_bad
 from ..plan.decode import plan_decode
-from .decode_kernel import (
-    THREADS,
-    Config,
-    check_cache_view,
-    check_layout,
-    ctas_per_sm,
-    half_tiles,
-    kernel,
-    kv_scales,
-    make_config,
-    token_head,
-)
+from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
+from .paged_kv import cache_views, check_cache_view, check_layout, token_head
 from .workspace import Capacity, Workspace, pack_plan
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
@@ -400,7 +390,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         num_pages = k.shape[0]
         empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
         fields = {} if empty else _run_fields(q, k, v, out, lse, self._kv_layout, cfg)
-        v_offset = k.strides[1] * itemsize(k.dtype) if five_d else 0
+        v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset
         graph = self._graph
         ref = weakref.ref(self)
 
@@ -471,16 +461,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
 def _run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:
     """The DecodeParams fields of run()'s arrays that depend only on their signature: strides
     (elements for q, o and lse; bytes for the caches), after checking what the kernel needs."""
-    five_d = v is None
     fields = {}
     item = itemsize(k.dtype)
-    for name, arr in (("k", k), ("v", k if five_d else v)):
-        dims, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
-        offset = arr.offset
-        if five_d and name == "v":  # V is K shifted by one step of dim 1
-            offset = (offset + arr.strides[1] * item) % 16
-        strides = tuple(s * item for s in (arr.strides[0], token, head))
-        check_cache_view(name, offset, (arr.shape[0], *dims), strides, item,
+    views = cache_views(k, v, kv_layout, item)
+    for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
+        dims, _ = token_head(arr.shape, arr.strides, kv_layout)
+        strides = (view.page, view.token, view.head)
+        check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides, item,
                          arr.strides[-1] * item)  # fmt: skip
         fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
     o_strides = (

@@ -31,7 +31,6 @@ class PosEncoding(enum.IntEnum):
 
 
 POS_ENCODING_MODES = tuple(m.name for m in PosEncoding)
-KV_LAYOUTS = ("NHD", "HND")
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = ("float16", "bfloat16")
 KV_DTYPES = ("float16", "bfloat16", *FP8_DTYPES)
@@ -114,11 +113,6 @@ def decode_spec(
         f"head_dim {head_dim} with {kv_dtype} KV needs {spec.smem_bytes} bytes of shared memory "
         f"per CTA; this device allows {max_smem}"
     )
-
-
-def check_layout(kv_layout) -> None:
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
 
 
 def kv_scales(k_scale, v_scale, q_scale=None) -> tuple[float, float]:
@@ -275,24 +269,3 @@ def make_config(
         1.0 if rope_scale is None else float(rope_scale),
         1e4 if rope_theta is None else float(rope_theta),
     )  # fmt: skip
-
-
-def token_head(shape, strides, kv_layout: str):
-    """((tokens, heads), (token, head) strides) of the [.., tokens, heads, D] (NHD) or
-    [.., heads, tokens, D] (HND) trailing dims of a cache view."""
-    (a, b), (sa, sb) = shape[-3:-1], strides[-3:-1]
-    return ((a, b), (sa, sb)) if kv_layout == "NHD" else ((b, a), (sb, sa))
-
-
-def check_cache_view(name: str, ptr: int, dims, strides, itemsize: int, d_stride: int) -> None:
-    """cp.async moves 16-byte chunks: base and page/token/head strides (bytes) must be 16-byte
-    multiples (dims of size 1 excepted) and head_dim contiguous. An empty cache is never read."""
-    if 0 in dims:
-        return
-    bad = ptr % 16 or any(s % 16 for s, n in zip(strides, dims, strict=True) if n > 1)
-    if bad or d_stride != itemsize:
-        raise ValueError(
-            f"{name}: needs a contiguous head_dim and 16-byte aligned pointer and (page, token, "
-            f"head) strides, got pointer offset {ptr % 16}, strides {tuple(strides)} bytes and "
-            f"head_dim stride {d_stride}"
-        )

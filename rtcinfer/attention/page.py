@@ -23,7 +23,8 @@ from ..interop.dtypes import itemsize
 from ..launch import Kernel, Launch
 from ..plan import page as host_page
 from ..plan._checks import as_int
-from .decode_kernel import KV_LAYOUTS, fast_div, token_head
+from .decode_kernel import fast_div
+from .paged_kv import cache_views, check_layout, token_head
 
 THREADS = 256
 
@@ -74,11 +75,6 @@ def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
     return batch
 
 
-def _check_layout(kv_layout) -> None:
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-
-
 def _pair_error(shapes) -> ValueError:
     return ValueError(
         f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one shape and dtype, "
@@ -88,7 +84,7 @@ def _pair_error(shapes) -> ValueError:
 
 def _check_cache(caches, kv_layout: str) -> tuple[str, int, int]:
     """(dtype, heads, head_dim) of the cache: one [pages, 2, ...] array or a (k, v) pair."""
-    _check_layout(kv_layout)
+    check_layout(kv_layout)
     pair = len(caches) == 2
     dtype = caches[0].dtype
     inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
@@ -159,17 +155,15 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
     """(the append launch, V's byte offset from K in a 5-D cache). Strides are in bytes for the
     kernel's byte copy; an empty append launches nothing and is not checked further."""
     nnz, num_heads, row_bytes = key.shape[0], key.shape[1], key.shape[2] * item
-    if len(caches) == 1:  # one [pages, 2, ...] cache: V is K shifted by one step of dim 1
-        caches = caches * 2
-        names, v_offset = ("paged_kv_cache",) * 2, caches[0].strides[1] * item
-    else:
-        names, v_offset = ("k_cache", "v_cache"), 0
+    pair = len(caches) == 2
+    k_view, v_view = cache_views(caches[0], caches[1] if pair else None, kv_layout, item)
+    v_offset = v_view.offset
+    names = ("k_cache", "v_cache") if pair else ("paged_kv_cache",) * 2
+    caches = caches if pair else caches * 2
     if nnz == 0 or num_heads == 0:
         return Launch(_append_kernel(row_bytes, 16), (0, 1, 1), (THREADS, 1, 1)), v_offset
-    cache_strides = []
-    for c in caches:
-        _, (token, head) = token_head(c.shape, c.strides, kv_layout)
-        cache_strides += [c.strides[0] * item, token * item, head * item]
+    cache_strides = [k_view.page, k_view.token, k_view.head, v_view.page, v_view.token,
+                     v_view.head]  # fmt: skip
     src = [key.strides[0] * item, key.strides[1] * item]
     src += [value.strides[0] * item, value.strides[1] * item]
     strides = [v_offset, *src, *cache_strides]
@@ -223,7 +217,7 @@ def append_paged_kv_cache(
     if not isinstance(paged_kv_cache, (tuple, list)):
         return call(_APPEND, (*head, paged_kv_cache, *table), (kv_layout,))
     if len(paged_kv_cache) != 2:
-        _check_layout(kv_layout)
+        check_layout(kv_layout)
         raise _pair_error([(tuple(c.shape), dtype_name(c)) for c in paged_kv_cache])
     return call(_APPEND_PAIR, (*head, *paged_kv_cache, *table), (kv_layout,))
 

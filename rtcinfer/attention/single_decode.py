@@ -16,16 +16,8 @@ from ..interop import Op, OutSlot, Prepared, call
 from ..jit import device_limits
 from ..launch import Launch, memset_d32
 from ..plan.decode import plan_decode
-from .decode_kernel import (
-    THREADS,
-    check_cache_view,
-    check_layout,
-    ctas_per_sm,
-    kernel,
-    kv_scales,
-    make_config,
-    token_head,
-)
+from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
+from .paged_kv import check_cache_view, check_layout, paged_view, token_head
 from .workspace import ITEM_INTS, header_ints, pack_plan
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
@@ -98,13 +90,13 @@ def _prepare(infos, align, static) -> Prepared:
     p = launch.params
     cfg.fill(p)
     item = k.itemsize
-    for name, arr in (("k", k), ("v", v)):
-        dims, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
-        strides = (PAGE * token * item, token * item, head * item)
-        check_cache_view(name, arr.offset, dims, strides[1:], item, arr.strides[2] * item)
-        setattr(p, f"{name}_page", strides[0])
-        setattr(p, f"{name}_token", strides[1])
-        setattr(p, f"{name}_head", strides[2])
+    k_view, v_view = (paged_view(a, kv_layout, item, PAGE) for a in (k, v))
+    for name, arr, view in (("k", k, k_view), ("v", v, v_view)):
+        dims, _ = token_head(arr.shape, arr.strides, kv_layout)
+        check_cache_view(name, arr.offset, dims, (view.token, view.head), item,
+                         arr.strides[2] * item)  # fmt: skip
+    p.k_page, p.k_token, p.k_head = k_view.page, k_view.token, k_view.head
+    p.v_page, p.v_token, p.v_head = v_view.page, v_view.token, v_view.head
     p.q_stride_n, p.q_stride_h = 0, q.strides[0]
     p.o_stride_n, p.o_stride_h, p.lse_stride_n = 0, d, 0
     p.plan = plan_buffer.ptr

@@ -1,0 +1,78 @@
+"""How kernels address a paged KV cache: the host side of cuda_src/attention/paged_kv.cuh.
+
+A cache is one 5-D array [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND),
+whose V is K shifted by one step of dim 1, or a (k, v) pair of 4-D arrays [pages, page_size,
+H, D] / [pages, H, page_size, D]. Layouts are strides, not code paths: a kernel reads row
+(page, slot, head) of K at k + page * page_stride + slot * token_stride + head * head_stride
+bytes, and V likewise. A contiguous K or V [tokens, H, D] is the same thing with pages of a
+chosen number of tokens (single decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def check_layout(kv_layout) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+def token_head(shape, strides, kv_layout: str):
+    """((tokens, heads), (token, head) strides) of the [.., tokens, heads, D] (NHD) or
+    [.., heads, tokens, D] (HND) trailing dims of a cache view."""
+    (a, b), (sa, sb) = shape[-3:-1], strides[-3:-1]
+    return ((a, b), (sa, sb)) if kv_layout == "NHD" else ((b, a), (sb, sa))
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """K or V of a cache as a kernel reads it: byte strides of a page, a token slot and a head,
+    and the byte offset of its first row from the array's address (V of a 5-D cache)."""
+
+    page: int
+    token: int
+    head: int
+    offset: int = 0
+
+
+def cache_views(k, v, kv_layout: str, item: int) -> tuple[CacheView, CacheView]:
+    """The views of K and V of a cache given as one 5-D array (`v` None) or a pair; `k`, `v`
+    have shapes and element strides (interop's ArrayInfo); `item` is the element size."""
+    if v is None:  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
+        arrays = ((k, 0), (k, k.strides[1] * item))
+    else:
+        arrays = ((k, 0), (v, 0))
+    views = []
+    for arr, offset in arrays:
+        _, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
+        views.append(CacheView(arr.strides[0] * item, token * item, head * item, offset))
+    return views[0], views[1]
+
+
+def paged_view(arr, kv_layout: str, item: int, tokens_per_page: int) -> CacheView:
+    """A contiguous-token K or V [tokens, H, D] (NHD) / [H, tokens, D] (HND), with element
+    strides, read as pages of `tokens_per_page` tokens."""
+    _, (token, head) = token_head(arr.shape, arr.strides, kv_layout)
+    return CacheView(tokens_per_page * token * item, token * item, head * item)
+
+
+def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_stride: int) -> None:
+    """cp.async moves 16-byte chunks: base (`offset`: the address modulo 16) and page/token/head
+    strides (bytes) must be 16-byte multiples (dims of size 1 excepted) and head_dim
+    contiguous. An empty cache is never read."""
+    if 0 in dims:
+        return
+    bad = offset % 16 or any(s % 16 for s, n in zip(strides, dims, strict=True) if n > 1)
+    if bad or d_stride != itemsize:
+        raise ValueError(
+            f"{name}: needs a contiguous head_dim and 16-byte aligned pointer and (page, token, "
+            f"head) strides, got pointer offset {offset % 16}, strides {tuple(strides)} bytes and "
+            f"head_dim stride {d_stride}"
+        )
+
+
+__all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
+           "paged_view", "token_head"]  # fmt: skip
