@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtcinfer.attention.paged_kv import CacheView, cache_views, check_cache_view, paged_view
+from rtcinfer.attention.paged_kv import cache_views, check_cache_view, paged_view
 from rtcinfer.interop import ArrayInfo
 
 
