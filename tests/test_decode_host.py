@@ -13,7 +13,7 @@ import rtcinfer
 from rtcinfer import jit
 from rtcinfer.attention.decode import LONG_ITEM_TILES, _lookahead
 from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
-from rtcinfer.attention.workspace import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
+from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
 from .fakes import FakeStream
@@ -256,9 +256,11 @@ def host_wrapper(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
-    monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: None)
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    monkeypatch.setattr(
+        Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
+    )
     monkeypatch.setattr(Workspace, "upload", lambda self, fill, stream: None)
-    monkeypatch.setattr(Workspace, "pointer", lambda self, region: 0)
     Device.ptr = 0
     return decode.BatchDecodeWithPagedKVCacheWrapper()
 
@@ -303,7 +305,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     last one), and moving the plan to another stream synchronizes the device."""
     import cupy
 
-    from rtcinfer.attention import decode
+    from rtcinfer.attention import planned
     from rtcinfer.attention.workspace import Workspace
 
     log = []
@@ -324,9 +326,9 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", Event)
     monkeypatch.setattr(cupy.cuda.Device, "synchronize", lambda self: log.append(("sync",)),
                         raising=False)  # fmt: skip
-    monkeypatch.setattr(decode, "is_capturing", lambda stream: False)
-    monkeypatch.setattr(decode, "wait_event", lambda stream, event: None)
-    monkeypatch.setattr(decode, "record_event", lambda event, stream: setattr(event, "on", stream))
+    monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(planned, "wait_event", lambda stream, event: None)
+    monkeypatch.setattr(planned, "record_event", lambda event, stream: setattr(event, "on", stream))
 
     def upload(self, fill, stream):
         self.stream_ptr = stream.ptr
@@ -373,13 +375,13 @@ def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
 def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):
     """run()'s prepared launch on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page
     16, bf16), as the call path drives it; returns the recorded kernel launches."""
-    from rtcinfer.attention import decode
+    from rtcinfer.attention import planned
     from rtcinfer.interop import ArrayInfo, dense_strides
     from rtcinfer.launch import Launch
 
     calls = []
     monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: calls.append(stream))
-    monkeypatch.setattr(decode, "is_capturing", lambda stream: capturing)
+    monkeypatch.setattr(planned, "is_capturing", lambda stream: capturing)
     wrapper._ws.stream_ptr = 5  # the plan's stream: run() on it needs no event
     q = ArrayInfo((2, 8, 128), dense_strides((2, 8, 128)), "bfloat16", 0)
     cache = ArrayInfo((4, 2, 16, 2, 128), dense_strides((4, 2, 16, 2, 128)), "bfloat16", 0)
@@ -440,7 +442,12 @@ def test_plan_reserves_partials_only_for_split_plans(host_wrapper, monkeypatch):
     from rtcinfer.attention.workspace import Workspace
 
     needs = []
-    monkeypatch.setattr(Workspace, "reserve", lambda self, need, stream, grow: needs.append(need))
+    reserve = Workspace.reserve  # the fixture's: it lays out the regions
+    monkeypatch.setattr(
+        Workspace,
+        "reserve",
+        lambda self, need, stream, grow: (needs.append(need), reserve(self, need, stream, grow)),
+    )
     for lengths in ([1024] * 256, [32768]):  # whole requests, then one split request
         indptr, indices, last, _ = page_table_for(lengths, 16, np.random.default_rng(0))
         host_wrapper.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type="bfloat16")

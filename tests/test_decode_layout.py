@@ -347,7 +347,7 @@ def kernel_flow(buf, batch_size, q, k_cache, v_cache, page_size, head_dim, group
     "split", [dict(num_sms=132, ctas_per_sm=2, min_chunk_tokens=16), dict(disable_split_kv=True)]
 )
 def test_kernel_flow_matches_the_reference(window_left, split):
-    from rtcinfer.attention.workspace import pack_plan
+    from rtcinfer.attention.decode_plan import pack_plan
     from rtcinfer.plan.decode import plan_decode
 
     from .paged_batch import page_table_for

@@ -14,16 +14,17 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..interop import Op, OutSlot, Prepared, as_cupy, call, release
-from ..interop.arrays import device_of, to_numpy
+from ..interop import OutSlot, Prepared
+from ..interop.arrays import to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
-from ..launch import Launch, is_capturing, record_event, wait_event
+from ..launch import Launch
 from ..plan._checks import INT32_MAX, as_int, as_int_array, first_bad
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
-from .paged_kv import cache_views, check_cache_view, check_layout, token_head
-from .workspace import Capacity, Workspace, pack_plan
+from .decode_plan import Capacity, pack_plan
+from .paged_kv import cache_views, check_cache_view, token_head
+from .planned import PlannedWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
 _UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item size
@@ -31,16 +32,6 @@ _UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item s
 
 # Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
 LONG_ITEM_TILES = 64
-
-
-def _weak_method(obj, name: str):
-    """obj.name(...) through a weak reference (a cache owned by obj must not keep it alive)."""
-    ref = weakref.ref(obj)
-
-    def method(*args):
-        return getattr(ref(), name)(*args)
-
-    return method
 
 
 def _lookahead(plan, tile: int) -> int:
@@ -76,19 +67,6 @@ def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     return as_int_array(name, x, widen=widen)
 
 
-def _arg_key(args: tuple) -> tuple:
-    """plan()'s static arguments with their types: equal keys make the same Config (1 and 1.0
-    or True compare equal but are not the same argument)."""
-    return args + tuple(map(type, args))
-
-
-def _same_key(a: tuple, b: tuple | None) -> bool:
-    try:
-        return b is not None and bool(a == b)
-    except ValueError:  # an array argument (make_config rejects it with a clear error)
-        return False
-
-
 @dataclass(slots=True)
 class _Launch:
     """What run() needs from the latest plan() (not frozen: a frozen dataclass costs a
@@ -100,7 +78,7 @@ class _Launch:
     max_page: int  # largest page id in kv_indices (-1 without pages)
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
     """Batch decode over a paged KV cache: plan() once per step, run() for every layer.
 
         pages_b = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
@@ -122,10 +100,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     least a tile, see _lookahead; tiles of half the tokens for fp8 KV in plans of whole
     requests, see _half_tile_kernel); with them it keeps one kernel.
 
-    Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
-    upload and the next upload waits for that run (events, no host sync); a plan() on another
-    stream than the previous one synchronizes the device once. One run() at a time per
-    wrapper: the merge counters are shared.
+    Streams (attention/planned.py): plan() uploads on CuPy's current stream, run() may be on
+    any stream, ordered by events. One run() at a time per wrapper: the merge counters are
+    shared.
 
     JAX (eager or inside jax.jit): a run() traced with one plan serves every later plan of the
     same batch size and configuration. A plain wrapper's launch follows each plan (its grid,
@@ -137,17 +114,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
     the freed workspace: keep the wrapper while its computations may run).
     """
 
+    RUN_SLOTS = ("q", "paged_kv_cache", "v_cache", "out", "lse")
+    RUN_GIVEN = ("out", "lse")
+
     def __init__(
         self, workspace=None, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
         paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
         paged_kv_last_page_len_buffer=None,
     ):  # fmt: skip
-        import cupy
-
-        check_layout(kv_layout)
-        self._kv_layout = kv_layout
-        self._graph = bool(use_cuda_graph)
-        self._device = device_of(workspace) if workspace is not None else cupy.cuda.Device().id
+        super().__init__(workspace, kv_layout, use_cuda_graph)
         if self._graph:
             if paged_kv_indptr_buffer is None or paged_kv_indices_buffer is None:
                 raise ValueError(
@@ -167,28 +142,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     f"paged_kv_last_page_len_buffer has {int(last.shape[0])} entries, "
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
-        buffer = as_cupy(workspace, "workspace") if workspace is not None else None
-        self._ws = Workspace(self._device, buffer)
-        self._cfg: Config | None = None
-        self._cfg_key: tuple | None = None  # plan()'s static arguments that made _cfg
         self._launch: _Launch | None = None
-        self._jax = False
-        # stream ptr -> event after the latest run() there, for streams other than the upload's;
-        # _unwaited: those recorded since the last plan(), which its upload must wait for
-        self._run_events: dict[int, object] = {}
-        self._unwaited: set[int] = set()
-        self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
-        self._reserved = None  # the Capacity fields of the latest reserve()
-        self._pointers = ()  # that layout's plan, o, lse and counters addresses
-        # run()'s prepared launches (validated signatures), owned by this wrapper; the JAX
-        # handlers made from them hold it weakly and are removed with it
-        self._op = Op("decode.run", ("q", "paged_kv_cache", "v_cache", "out", "lse"),
-                      _weak_method(self, "_prepare_run"), given=("out", "lse"))  # fmt: skip
-        weakref.finalize(self, release, self._op)
 
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._graph
+    def _setup(self, cfg: Config) -> None:
+        """A new configuration: its kernel, the planner's view of the GPU, graph capacity."""
+        num_sms, max_smem = device_limits(self._device)
+        spec = cfg.spec(max_smem)
+        ctas = ctas_per_sm(spec, self._device)
+        self._kernel = (spec, ctas, num_sms, cfg.freq())
+        if self._graph:  # the most work items an automatic split makes, or one per request
+            self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
 
     def plan(
         self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -205,23 +168,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         FlashInfer, means None. non_blocking is accepted for drop-in compatibility: host arrays
         never wait for the device and device arrays are always copied, whatever its value.
         """
-        import cupy
-
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
                 rope_theta)  # fmt: skip
-        key = _arg_key(args)
-        cfg = self._cfg if _same_key(key, self._cfg_key) else make_config(*args)
-        if cfg is not self._cfg and cfg != self._cfg:
-            num_sms, max_smem = device_limits(self._device)
-            spec = cfg.spec(max_smem)
-            ctas = ctas_per_sm(spec, self._device)
-            self._cfg, self._kernel = cfg, (spec, ctas, num_sms, cfg.freq())
-            if self._graph:  # the most work items an automatic split makes, or one per request
-                self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
-        self._cfg_key = key  # only once _cfg is the configuration these arguments make
+        cfg = self._configure(args, make_config, self._setup)
         spec, ctas, num_sms, freq = self._kernel
         kv_indptr = _host_ints("indptr", indptr)
         kv_indices = _host_ints("indices", indices, widen=False)
@@ -260,49 +212,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     f"batch of {plan.batch_size} requests and {num_pages} pages exceeds the "
                     f"CUDA-graph capacity ({self._max_batch} requests, {self._max_pages} pages)"
                 )
-            if self._captured is not None and plan.batch_size > self._captured:
-                raise ValueError(
-                    f"batch of {plan.batch_size} requests, but run() was captured into a CUDA "
-                    f"graph with {self._captured}: a replay would read q and write o past "
-                    "their rows (plan the captured batch size, padded if need be)"
-                )
+            self._check_captured(plan.batch_size)
             sizes = (self._max_batch, self._max_work, self._max_pages)
         else:
             sizes = (plan.batch_size, plan.num_work, num_pages)
         partials = sizes[1] if self._graph or plan.split_kv else 0  # a graph may split later
-        fields = (*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
-        with cupy.cuda.Device(self._device):
-            stream = cupy.cuda.get_current_stream()
-            if self._ws.stream_ptr not in (None, stream.ptr):
-                # The plan moves to another stream: runs on the old one were not recorded, and
-                # the new upload must not overtake them (a rare switch, so a device sync).
-                cupy.cuda.Device(self._device).synchronize()
-                self._unwaited.clear()
-            if fields != self._reserved:  # the layout (and its pointers) follow the capacity
-                self._reserved = None
-                self._ws.reserve(Capacity(*fields), stream, grow=not self._graph)
-                self._pointers = tuple(map(self._ws.pointer, ("plan", "o", "lse", "counters")))
-                self._reserved = fields
-            for ptr in self._unwaited:  # runs elsewhere may still read the plan
-                if ptr != stream.ptr:
-                    stream.wait_event(self._run_events[ptr])
-            self._unwaited.clear()
-            self._ws.upload(
-                lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq),
-                stream,
-            )
-            if self._jax:
-                self._ws.last_upload().synchronize()
+        capacity = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
+        regions = self._upload(
+            capacity, lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq)
+        )
+        pointers = tuple(regions[r] for r in ("plan", "o", "lse", "counters"))
         items = self._max_work if self._graph else plan.num_work
         variant = spec  # a graph keeps one kernel
         if not self._graph and _lookahead(plan, spec.tile):
             variant = replace(spec, lookahead=1)
         elif not self._graph:
             variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
-        self._launch = _Launch(self._launch_of(variant, items, cfg), cfg, plan.batch_size,
-                               max_page)  # fmt: skip
+        launch = self._launch_of(variant, items, cfg, pointers)
+        self._launch = _Launch(launch, cfg, plan.batch_size, max_page)
 
-    def _launch_of(self, spec, items: int, cfg: Config) -> Launch:
+    def _launch_of(self, spec, items: int, cfg: Config, pointers: tuple) -> Launch:
         """The launch of `spec` over `items` work items with the current workspace: the
         previous one when nothing it holds changed (a plan's data lives in the workspace)."""
         old = self._launch.launch if self._launch is not None else None
@@ -312,12 +241,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             and old.kernel is k
             and old.grid[1] == items
             and self._launch.cfg is cfg
-            and old.params.plan == self._pointers[0]
+            and old.params.plan == pointers[0]
         ):
             return old
         launch = Launch(k, (cfg.kv_blocks, items, 1), (THREADS, 1, 1))
         p = launch.params
-        p.plan, p.partial_o, p.partial_lse, p.counters = self._pointers
+        p.plan, p.partial_o, p.partial_lse, p.counters = pointers
         cfg.fill(p)
         return launch
 
@@ -347,7 +276,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         with_lse = return_lse or lse is not None
         qk, vs = kv_scales(k_scale, v_scale, q_scale)
         scalars = (st.cfg.sm_scale * qk, vs)
-        result = call(self._op, (q, k, v, out, lse), (st.cfg, st.batch, with_lse), scalars)
+        result = self._call((q, k, v, out, lse), (st.cfg, st.batch, with_lse), scalars)
         if return_lse:
             return result
         return result[0] if with_lse else result
@@ -423,16 +352,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 p.qk_scale, p.v_scale = scalars
                 if launch.empty:
                     return
-                if graph and is_capturing(stream):  # later plans must fit the captured rows
-                    wrapper._captured = min(batch, wrapper._captured or batch)
+                wrapper._note_capture(stream, batch)
                 wrapper._order(stream)
                 launch(stream, device)
 
         def on_trace():
             wrapper = ref()
-            if wrapper is not None and not wrapper._jax:
-                wrapper._jax = True  # later plans wait for their upload (XLA's stream is not ours)
-                wrapper._ws.last_upload().synchronize()
+            if wrapper is not None:
+                wrapper._traced()
 
         def preload(device):
             wrapper = ref()
@@ -441,21 +368,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,
                         on_trace=on_trace)  # fmt: skip
-
-    def _order(self, stream: int) -> None:
-        """Order a run on a stream other than the upload's after the upload, and the next
-        upload after this run (an event per such stream; skipped while it is being captured)."""
-        import cupy
-
-        if stream == self._ws.stream_ptr or is_capturing(stream):
-            return
-        wait_event(stream, self._ws.last_upload().ptr)
-        event = self._run_events.get(stream)
-        if event is None:
-            event = cupy.cuda.Event(block=False, disable_timing=True)
-            self._run_events[stream] = event
-        record_event(event.ptr, stream)
-        self._unwaited.add(stream)
 
 
 def _run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:

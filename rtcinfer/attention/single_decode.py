@@ -17,8 +17,8 @@ from ..jit import device_limits
 from ..launch import Launch, memset_d32
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
+from .decode_plan import ITEM_INTS, header_ints, pack_plan
 from .paged_kv import check_cache_view, check_layout, paged_view, token_head
-from .workspace import ITEM_INTS, header_ints, pack_plan
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
 

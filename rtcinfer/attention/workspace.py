@@ -1,159 +1,35 @@
-"""The decode workspace: one device buffer laid out for a capacity, and the plan upload.
+"""A wrapper's workspace: one device buffer laid out in regions for a capacity, and the one-copy
+upload of a packed plan into its first region.
 
-Device layout (each region 256-byte aligned):
-
-    plan       int32[HEADER + 8 * max_work + max_pages]       header | work items | page ids
-    counters   int32[max_batch * kv_blocks]                    split-merge arrivals, zero at rest
-    lse        float32[num_qo_heads * partial_work]            partial LSE of split work items
-    o          float32[num_qo_heads * partial_work, head_dim]  partial outputs (rows: decode.cu)
-
-partial_work is at least the grid's item count when a plan splits (decode.cu strides the
-partial rows by it) and may be 0 for a plan of whole requests, which writes no partials.
-
-The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; the work
-items are the kernel's DecodeWorkItem structs (cuda_src/attention/decode.cu), written here by
-field name through a NumPy record of the same layout; their `page_ids` index the page ids
-inside the plan region. A plan is packed into one of two pinned host buffers and sent with one
-async copy; an event per buffer keeps a buffer from being rewritten while its copy may still be
-reading it.
+A capacity is a frozen value of the wrapper's own kind (attention/decode_plan.py's Capacity)
+that gives `offsets()` (byte offset of each region, the plan at 0, and "end"),
+`zeroed_bytes` (what starts at zero), `plan_ints` (the plan region's int32 count),
+`covers(other)` and `grown(need)`. A plan is packed into one of two pinned host buffers and
+sent with one async copy; an event per buffer keeps a buffer from being rewritten while its
+copy may still be reading it.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
-from .. import jit
-from ..params import record_dtype
-
 ALIGN = 256
-WORK_ITEM = record_dtype(jit.source_layout("attention/decode.cu", "DecodeWorkItem"))
-ITEM_INTS = WORK_ITEM.itemsize // 4
-
-
-def header_ints(head_dim: int) -> int:
-    return 4 + head_dim
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
-class Capacity:
-    max_batch: int
-    max_work: int
-    max_pages: int
-    num_qo_heads: int
-    kv_blocks: int  # kv heads x query-head subgroups: the grid's second dimension
-    head_dim: int
-    partial_work: int  # items with room for partials: >= the grid's items if a plan splits
-
-    @property
-    def plan_ints(self) -> int:
-        return header_ints(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
-
-    def offsets(self) -> dict[str, int]:
-        """Byte offset of every region, and "end" (the bytes needed)."""
-        sizes = {
-            "plan": 4 * self.plan_ints,
-            "counters": 4 * self.max_batch * self.kv_blocks,
-            "lse": 4 * self.partial_work * self.num_qo_heads,
-            "o": 4 * self.partial_work * self.num_qo_heads * self.head_dim,
-        }
-        out, at = {}, 0
-        for name, size in sizes.items():
-            out[name] = at
-            at += _align(size)
-        out["end"] = at
-        return out
-
-    def same_heads(self, other: Capacity) -> bool:
-        return (self.num_qo_heads, self.kv_blocks, self.head_dim) == (
-            other.num_qo_heads, other.kv_blocks, other.head_dim)  # fmt: skip
-
-    def covers(self, other: Capacity) -> bool:
-        """Whether this layout serves `other`: the same heads and every count at least its."""
-        return (
-            self.same_heads(other)
-            and self.max_batch >= other.max_batch
-            and self.max_work >= other.max_work
-            and self.max_pages >= other.max_pages
-            and self.partial_work >= other.partial_work
-        )
-
-    def grown(self, need: Capacity) -> Capacity:
-        """A capacity covering `need`, at least doubling any count that must grow; after a
-        change of heads, `need` itself (the old counts belong to another layout)."""
-        if not self.same_heads(need):
-            return need
-
-        def grow(have: int, want: int) -> int:
-            return have if have >= want else max(want, 2 * have)
-
-        return Capacity(
-            grow(self.max_batch, need.max_batch),
-            grow(self.max_work, need.max_work),
-            grow(self.max_pages, need.max_pages),
-            need.num_qo_heads,
-            need.kv_blocks,
-            need.head_dim,
-            grow(self.partial_work, need.partial_work),
-        )
-
-
-_WHOLE = np.zeros(0, dtype=WORK_ITEM)
-
-
-def _whole_requests(batch: int) -> np.ndarray:
-    """The constant fields of a plan of one item per request: item b has request = b,
-    token_begin = 0, merge_begin = b, merge_count = 1 for b < batch (a read-only view of one
-    table, grown by doubling; the caller copies it)."""
-    global _WHOLE
-    if _WHOLE.shape[0] < batch:
-        rows = np.zeros(max(batch, 2 * _WHOLE.shape[0]), dtype=WORK_ITEM)
-        rows["request"] = rows["merge_begin"] = np.arange(rows.shape[0], dtype=np.int32)
-        rows["merge_count"] = 1
-        rows.flags.writeable = False
-        _WHOLE = rows
-    return _WHOLE[:batch]
-
-
-def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq):
-    """Write a DecodePlan into the int32 host buffer `buf` (layout above); returns ints used.
-
-    kv_indptr: int64[B + 1] (validated); kv_indices: ints [kv_indptr[-1]]; freq: float32
-    [head_dim / 2, 2] RoPE frequencies (hi, lo) or None.
-    """
-    hdr = header_ints(head_dim)
-    w = plan.num_work
-    pages_at = hdr + ITEM_INTS * w
-    n = pages_at + kv_indices.shape[0]
-    buf[0] = w
-    buf[1:4] = 0
-    if freq is not None:
-        buf[4:hdr] = freq.view(np.int32).reshape(-1)
-    work = buf[hdr:pages_at].view(WORK_ITEM)
-    merge = plan.merge_indptr
-    if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
-        work[:] = _whole_requests(w)
-        work["token_end"] = plan.kv_len
-        work["kv_len"] = plan.kv_len
-        first_page = kv_indptr[:-1]
-    else:
-        req = plan.work_request
-        work["request"] = req
-        plan.work_token_bounds(work["token_begin"], work["token_end"])
-        work["kv_len"] = plan.kv_len[req]
-        work["merge_begin"] = merge[:-1][req]
-        work["merge_count"] = (merge[1:] - merge[:-1])[req]
-        work["unused"] = 0
-        first_page = kv_indptr[:-1][req]
-    np.add(first_page, pages_at, out=work["page_ids"], casting="unsafe")
-    buf[pages_at:n] = kv_indices
-    return n
+def region_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Byte offset of each region (sizes in bytes, in order, each ALIGN-aligned) and "end"."""
+    out, at = {}, 0
+    for name, size in sizes.items():
+        out[name] = at
+        at += _align(size)
+    out["end"] = at
+    return out
 
 
 @functools.cache
@@ -164,7 +40,7 @@ def _runtime():
     return runtime
 
 
-def user_base(ptr: int, nbytes: int, need: int, cap: Capacity) -> int:
+def user_base(ptr: int, nbytes: int, need: int, cap) -> int:
     """Where the layout starts in a caller's buffer of `nbytes` at `ptr`: the first ALIGN-byte
     boundary (the kernel reads the plan as int4 and the partials as float4); raises when the
     rest is smaller than `need`."""
@@ -178,7 +54,7 @@ def user_base(ptr: int, nbytes: int, need: int, cap: Capacity) -> int:
 
 
 class Workspace:
-    """Device buffer with a Capacity layout, plus the pinned double buffer of the upload.
+    """Device buffer with a capacity's layout, plus the pinned double buffer of the upload.
 
     `buffer` (any CUDA array, its bytes are used) is the caller's memory; None allocates with
     CuPy. reserve() lays the buffer out for a capacity: a fixed workspace keeps its layout for
@@ -189,7 +65,7 @@ class Workspace:
     def __init__(self, device_id: int, buffer=None):
         self.device_id = device_id
         self.user = buffer
-        self.capacity: Capacity | None = None
+        self.capacity = None
         self.base = 0
         self._memory = None
         self._host: list[np.ndarray] = []
@@ -200,7 +76,7 @@ class Workspace:
         self.stream_ptr = None  # stream of the latest upload
         self.pointers: dict[str, int] = {}
 
-    def reserve(self, need: Capacity, stream, grow: bool) -> None:
+    def reserve(self, need, stream, grow: bool) -> None:
         if self.capacity is not None and (
             self.capacity.covers(need) if grow else self.capacity == need
         ):
@@ -220,7 +96,7 @@ class Workspace:
                 self._memory = cupy.cuda.alloc(nbytes)
             self.base = int(self._memory.ptr)
         off = cap.offsets()
-        runtime.memsetAsync(self.base, 0, off["lse"], stream.ptr)  # plan slots and counters
+        runtime.memsetAsync(self.base, 0, cap.zeroed_bytes, stream.ptr)
         self.pointers = {name: self.base + at for name, at in off.items()}
         if not self._host or self._host[0].shape[0] < cap.plan_ints:
             self._wait_uploads()

@@ -1,0 +1,173 @@
+"""What every plan()/run() wrapper stands on: the static configuration, the workspace and its
+one-copy upload, the CUDA-graph capacity, stream ordering, JAX, and run()'s prepared launches.
+
+A wrapper (decode today; prefill and cascade levels share it) subclasses PlannedWrapper:
+
+    plan():  config = self._configure(args, make_config, setup)     # cached by value and type
+             ... validate and plan on the host (NumPy) ...
+             pointers = self._upload(capacity, fill)                  # reserve, order, one copy
+    run():   return self._call(arrays, static, scalars)              # interop's call path
+    _prepare_run(infos, align, static) -> Prepared                   # once per run signature
+
+and its prepared run calls `self._note_capture(stream, batch)` and `self._order(stream)`
+before it launches (through a weak reference: the wrapper's caches and the JAX handlers
+made from them never keep it alive).
+
+Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
+upload and the next upload waits for that run (events, no host sync); a plan() on another
+stream than the previous one synchronizes the device once.
+
+CUDA graphs: a wrapper built with use_cuda_graph=True keeps one layout for its capacity, so a
+graph captured around run() replays correctly after later plans; `_check_captured(batch)`
+refuses a plan larger than the batch a capture was made with.
+
+JAX: once a run() has been traced, every plan() waits on the host for its upload (XLA's
+stream is not ordered with ours).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+from ..interop import Op, as_cupy, call, release
+from ..interop.arrays import device_of
+from ..launch import is_capturing, record_event, wait_event
+from .paged_kv import check_layout
+from .workspace import Workspace
+
+
+def _weak_method(obj, name: str):
+    """obj.name(...) through a weak reference (a cache owned by obj must not keep it alive)."""
+    ref = weakref.ref(obj)
+
+    def method(*args):
+        return getattr(ref(), name)(*args)
+
+    return method
+
+
+def _arg_key(args: tuple) -> tuple:
+    """plan()'s static arguments with their types: equal keys make the same configuration
+    (1 and 1.0 or True compare equal but are not the same argument)."""
+    return args + tuple(map(type, args))
+
+
+def _same_key(a: tuple, b: tuple | None) -> bool:
+    try:
+        return b is not None and bool(a == b)
+    except ValueError:  # an array argument (the configuration rejects it with a clear error)
+        return False
+
+
+class PlannedWrapper:
+    """The shared plan()/run() machinery (module docstring). RUN_SLOTS and RUN_GIVEN are the
+    subclass's run() array slots and the ones that hold caller-given outputs."""
+
+    RUN_SLOTS: Sequence[str] = ()
+    RUN_GIVEN: Sequence[str] = ()
+
+    def __init__(self, workspace=None, kv_layout: str = "NHD", use_cuda_graph: bool = False):
+        import cupy
+
+        check_layout(kv_layout)
+        self._kv_layout = kv_layout
+        self._graph = bool(use_cuda_graph)
+        self._device = device_of(workspace) if workspace is not None else cupy.cuda.Device().id
+        buffer = as_cupy(workspace, "workspace") if workspace is not None else None
+        self._ws = Workspace(self._device, buffer)
+        self._config = None
+        self._config_key: tuple | None = None  # plan()'s static arguments that made _config
+        self._jax = False
+        # stream ptr -> event after the latest run() there, for streams other than the upload's;
+        # _unwaited: those recorded since the last plan(), which its upload must wait for
+        self._run_events: dict[int, object] = {}
+        self._unwaited: set[int] = set()
+        self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
+        self._reserved = None  # the capacity of the latest reserve()
+        self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
+                      _weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
+        weakref.finalize(self, release, self._op)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph
+
+    def _configure(self, args: tuple, make: Callable, setup: Callable) -> object:
+        """The configuration plan()'s static `args` make: the current one when they are the
+        same arguments, else make(*args), with setup(config) run when it differs from the
+        current one (kernel choice; if it raises, nothing changes)."""
+        key = _arg_key(args)
+        if _same_key(key, self._config_key):
+            return self._config
+        config = make(*args)
+        if config != self._config:
+            setup(config)
+        self._config, self._config_key = config, key
+        return config
+
+    def _check_captured(self, batch: int) -> None:
+        if self._captured is not None and batch > self._captured:
+            raise ValueError(
+                f"batch of {batch} requests, but run() was captured into a CUDA graph with "
+                f"{self._captured}: a replay would read q and write o past their rows (plan "
+                "the captured batch size, padded if need be)"
+            )
+
+    def _upload(self, capacity, fill: Callable) -> dict[str, int]:
+        """Lay the workspace out for `capacity` (when it changed), order the upload after runs
+        on other streams, and send fill(int32 host buffer) -> ints written in one copy; returns
+        the regions' device addresses."""
+        import cupy
+
+        with cupy.cuda.Device(self._device):
+            stream = cupy.cuda.get_current_stream()
+            if self._ws.stream_ptr not in (None, stream.ptr):
+                # The plan moves to another stream: runs on the old one were not recorded, and
+                # the new upload must not overtake them (a rare switch, so a device sync).
+                cupy.cuda.Device(self._device).synchronize()
+                self._unwaited.clear()
+            if capacity != self._reserved:  # the layout (and its pointers) follow the capacity
+                self._reserved = None
+                self._ws.reserve(capacity, stream, grow=not self._graph)
+                self._reserved = capacity
+            for ptr in self._unwaited:  # runs elsewhere may still read the plan
+                if ptr != stream.ptr:
+                    stream.wait_event(self._run_events[ptr])
+            self._unwaited.clear()
+            self._ws.upload(fill, stream)
+            if self._jax:
+                self._ws.last_upload().synchronize()
+        return self._ws.pointers
+
+    def _call(self, arrays: Sequence, static: tuple, scalars: tuple):
+        return call(self._op, arrays, static, scalars)
+
+    def _note_capture(self, stream: int, batch: int) -> None:
+        """A run of `batch` rows captured into a CUDA graph: later plans must fit it."""
+        if self._graph and is_capturing(stream):
+            self._captured = min(batch, self._captured or batch)
+
+    def _order(self, stream: int) -> None:
+        """Order a run on a stream other than the upload's after the upload, and the next
+        upload after this run (an event per such stream; skipped while it is being captured)."""
+        import cupy
+
+        if stream == self._ws.stream_ptr or is_capturing(stream):
+            return
+        wait_event(stream, self._ws.last_upload().ptr)
+        event = self._run_events.get(stream)
+        if event is None:
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            self._run_events[stream] = event
+        record_event(event.ptr, stream)
+        self._unwaited.add(stream)
+
+    def _traced(self) -> None:
+        """A run() was traced by JAX: from now on every plan() waits for its upload."""
+        if not self._jax:
+            self._jax = True
+            self._ws.last_upload().synchronize()
+
+
+__all__ = ["PlannedWrapper"]
