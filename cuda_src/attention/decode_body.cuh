@@ -15,6 +15,7 @@
 #include "mma.cuh"
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
+#include "variant.cuh"
 
 template <typename A, typename B>
 struct IsSame {
@@ -94,15 +95,14 @@ struct QuerySide {
   }
 };
 
-// Per-thread constants of the logit hook: heads 8 nt + 2t + j of the CTA's group.
+// Per-thread constants of the logit transform (variant.cuh): the ALiBi slopes of the heads
+// 8 nt + 2t + j of the CTA's group that this thread's fragments hold.
 struct LogitHook {
-  float scale, inv_cap, soft_cap;
+  LogitTransform<ALIBI, SOFT_CAP> transform;
   float slope[HEAD_TILES][2];
 
   RTC_DEVICE void init(float qk_scale, float cap, int head0, int num_qo_heads, int t) {
-    scale = (ALIBI || SOFT_CAP) ? qk_scale : qk_scale * LOG2E;
-    inv_cap = SOFT_CAP ? fast_rcp(cap) : 0.f;
-    soft_cap = cap;
+    transform.init(qk_scale, cap);
 #pragma unroll
     for (int nt = 0; nt < HEAD_TILES; ++nt)
 #pragma unroll
@@ -170,10 +170,7 @@ RTC_DEVICE void attend_tile(State (&st)[HEAD_TILES][2], const QuerySide& qs, con
       const int pos = tile_begin + row + g + 8 * (r / 2);
 #pragma unroll
       for (int nt = 0; nt < HEAD_TILES; ++nt) {
-        float v = x[tg][nt][r] * hook.scale;
-        if constexpr (ALIBI) v += hook.slope[nt][r % 2] * static_cast<float>(pos - q_pos);
-        if constexpr (SOFT_CAP) v = hook.soft_cap * tanhf(v * hook.inv_cap);
-        if constexpr (ALIBI || SOFT_CAP) v *= LOG2E;
+        const float v = hook.transform(x[tg][nt][r], hook.slope[nt][r % 2], pos - q_pos);
         x[tg][nt][r] = pos < end ? v : neg_inf();
       }
     }

@@ -1,27 +1,10 @@
 // Fragment loaders and per-element helpers of decode.cu (included after its constants):
 // K and V^T A fragments of 16 tile rows via ldmatrix (fp8 converted to fp16 on the way), the Q^T
-// B fragments, RoPE applied to K fragments in registers, ALiBi slopes, and the head_dim index of
-// every fragment element (a permutation inside each 16-wide block for fp8, see decode.cu).
+// B fragments, RoPE applied to K fragments in registers (rope_cos_sin: variant.cuh), and the
+// head_dim index of every fragment element (a permutation inside each 16-wide block for fp8,
+// see decode.cu).
 // Checked against the PTX fragment layouts by the NumPy model in tests/test_decode_layout.py.
 #pragma once
-
-// (cos, sin) of 2 pi * pos * f, f = hi + lo in turns per position, exact to fp32 rounding.
-RTC_DEVICE float2 rope_cos_sin(int pos, float2 f) {
-  const float x = static_cast<float>(pos);
-  const float p = x * f.x;
-  const float turns = (p - rintf(p)) + fmaf(x, f.y, fmaf(x, f.x, -p));
-  float s, c;
-  __sincosf(6.283185307179586f * turns, &s, &c);
-  return make_float2(c, s);
-}
-
-// ALiBi slope of a head: 2^(-8 (h + 1) / n) for h < n, else 2^(-4 (2 (h - n) + 1) / n), with
-// n = 2^floor(log2 num_heads); 1 / n is the exact power of two 2^-k.
-RTC_DEVICE float alibi_slope(int head, int num_heads) {
-  const int k = 31 - __clz(num_heads), n = 1 << k;
-  const float inv_n = __int_as_float((127 - k) << 23);
-  return exp2f((head < n ? -8.f * (head + 1) : -4.f * (2 * (head - n) + 1)) * inv_n);
-}
 
 // Head-dim index of element e (0, 1) of A-fragment register r of K block c (its first half).
 RTC_DEVICE int k_dim(int c, int r, int e, int t) {
