@@ -1,0 +1,258 @@
+"""Work plan for batch prefill (and append) attention: query tiles x KV chunks.
+
+Request b has qo_len[b] queries and kv_len[b] keys; query i sits at key position
+i + kv_len - qo_len (bottom-right alignment). The kernel packs the query heads of a GQA group
+into tile rows: packed row r of request b is query r // group_size, head (r % group_size) of
+its kv head's group, so a request has ceil(qo_len * group_size / tile_rows) query tiles per kv
+head. A work item is (tile, KV chunk): the keys of one chunk of a fixed grid,
+[k * chunk_tokens, (k + 1) * chunk_tokens), that the tile's rows may see (causal: up to the
+tile's last query; sliding window: from its first query's window). A tile whose keys span
+several chunks gets several items, each writing a partial (output, base-2 LSE) to a slot;
+the tile's slots merge in chunk order. The grid is absolute, so with fixed_split_size a row's
+reduction order depends on its own request only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import INT32_MAX, as_int, as_int_array, first_bad, indptr_counts
+
+# Smallest chunk the automatic split makes, in tokens: a work item carries fixed costs (a
+# prologue, a partial of tile_rows x head_dim floats written and merged) that a few K/V tiles
+# of 64 keys amortize.
+MIN_CHUNK_TOKENS = 256
+
+# Query tile heights the kernel is built for (packed rows per CTA).
+TILE_ROWS = (16, 64, 128)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillPlan:
+    """Work items of one batch-prefill launch (arrays read-only; equality is identity).
+
+    Tile t (of T) belongs to request tile_request[t] and covers its packed rows
+    [tile_row[t], min(tile_row[t] + tile_rows, qo_len * group_size)). Work item w covers tile
+    work_tile[w] over keys [work_kv_begin[w], work_kv_end[w]) (possibly empty: the tile's rows
+    see nothing, output 0 and LSE -inf); a tile's items are tile_items[t] consecutive slots
+    from tile_slot[t] (partials, merged in chunk order) when tile_items[t] > 1, and it writes
+    its rows directly when it has one. work_slot[w] is the item's slot (-1: direct).
+    """
+
+    batch_size: int
+    group_size: int
+    tile_rows: int
+    chunk_tokens: int
+    split_kv: bool
+    qo_len: np.ndarray  # int32[B]
+    kv_len: np.ndarray  # int32[B]
+    tile_request: np.ndarray  # int32[T]
+    tile_row: np.ndarray  # int32[T]
+    tile_items: np.ndarray  # int32[T]
+    tile_slot: np.ndarray  # int32[T]
+    work_tile: np.ndarray  # int32[W]
+    work_kv_begin: np.ndarray  # int32[W]
+    work_kv_end: np.ndarray  # int32[W]
+    work_slot: np.ndarray  # int32[W]
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_request.shape[0])
+
+    @property
+    def num_work(self) -> int:
+        """Work items W (the GPU grid is W x num_kv_heads CTAs)."""
+        return int(self.work_tile.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        """Partial slots (rows of tile_rows x head_dim floats per kv head)."""
+        return int(self.tile_items[self.tile_items > 1].sum())
+
+
+def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int) -> int:
+    """Packed rows per query tile from the average packed query length: 16 for decode-like
+    batches (up to 16 rows per request), 64 for medium ones, 128 for long prompts (64 at
+    head_dim 256, whose accumulators would not fit 128 rows)."""
+    batch = qo_len.shape[0]
+    avg = int(qo_len.sum()) * group_size / batch if batch else 0
+    if avg > 64 and head_dim < 256:
+        return 128
+    return 64 if avg > 16 else 16
+
+
+def _key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,
+                window_left):  # fmt: skip
+    """[begin, end) of the keys any row of each tile may see, int64[T] each."""
+    qo, kv = qo_len[tile_request], kv_len[tile_request]
+    first_query = tile_row // group_size
+    last_query = (np.minimum(tile_row + tile_rows, qo * group_size) - 1) // group_size
+    offset = kv - qo  # key position of query 0
+    end = np.minimum(kv, offset + last_query + 1) if causal else kv.copy()
+    begin = np.maximum(offset + first_query - window_left, 0) if window_left >= 0 else 0 * end
+    return np.minimum(begin, np.maximum(end, 0)), np.maximum(end, 0)
+
+
+def _items_per_tile(begin: np.ndarray, end: np.ndarray, chunk: int) -> np.ndarray:
+    """Chunks of the grid that [begin, end) meets; 1 for an empty range (zeros to write)."""
+    count = -(-end // chunk) - begin // chunk
+    return np.maximum(count, 1)
+
+
+def plan_prefill(
+    qo_indptr,
+    kv_len,
+    group_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    num_sms: int,
+    ctas_per_sm: int,
+    causal: bool = False,
+    window_left: int = -1,
+    page_size: int = 1,
+    tile_rows: int | None = None,
+    fixed_split_size: int | None = None,
+    disable_split_kv: bool = False,
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+    max_work: int | None = None,
+) -> PrefillPlan:
+    """Choose the query tile and the KV chunk; list the work items.
+
+        tiles_b = ceil(qo_len_b * group_size / tile_rows)
+        W(c) = sum over tiles of the chunks of the grid c that its keys meet (at least 1)
+        disable_split_kv         -> c = max kv_len        (one item per tile)
+        fixed_split_size         -> c = fixed_split_size * page_size  (batch invariant)
+        tiles * num_kv_heads >= slots -> c = max kv_len
+        else c = a chunk >= min_chunk_tokens (whole pages) with W(c) * num_kv_heads <= slots
+
+    kv_len: int [B] keys of each request (paged: (pages - 1) * page_size + last page length);
+    chunks are whole pages of page_size tokens. ``max_work`` caps W (CUDA-graph capacity).
+    """
+    group_size = as_int("group_size", group_size, minimum=1)
+    num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+    head_dim = as_int("head_dim", head_dim, minimum=1)
+    num_sms = as_int("num_sms", num_sms, minimum=1)
+    ctas_per_sm = as_int("ctas_per_sm", ctas_per_sm, minimum=1)
+    page_size = as_int("page_size", page_size, minimum=1)
+    window_left = as_int("window_left", window_left, minimum=-1)
+    min_chunk_tokens = as_int("min_chunk_tokens", min_chunk_tokens, minimum=1)
+    if fixed_split_size is not None:
+        fixed_split_size = as_int("fixed_split_size", fixed_split_size, minimum=1)
+    if max_work is not None:
+        max_work = as_int("max_work", max_work, minimum=1)
+    for name, flag in (("causal", causal), ("disable_split_kv", disable_split_kv)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+    qo_len, _ = indptr_counts("qo_indptr", as_int_array("qo_indptr", qo_indptr))
+    kv = as_int_array("kv_len", kv_len)
+    batch = qo_len.shape[0]
+    if kv.shape != (batch,):
+        raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
+    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
+        b = first_bad((kv < 0) | (kv > INT32_MAX))
+        raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
+    if tile_rows is None:
+        tile_rows = 64 if fixed_split_size is not None else choose_tile_rows(
+            qo_len, group_size, head_dim)  # fmt: skip
+    if tile_rows not in TILE_ROWS:
+        raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
+
+    tiles = -(-(qo_len * group_size) // tile_rows)
+    tile_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(tiles, out=tile_indptr[1:])
+    num_tiles = int(tile_indptr[-1])
+    tile_request = np.repeat(np.arange(batch, dtype=np.int64), tiles)
+    tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
+    begin, end = _key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
+                             causal, window_left)  # fmt: skip
+    max_end = max(int(end.max()) if num_tiles else 0, 1)
+    whole = -(-max_end // page_size) * page_size  # one chunk covers every tile's keys
+    slots = num_sms * ctas_per_sm
+    budget = slots // num_kv_heads if max_work is None else min(slots // num_kv_heads, max_work)
+    if max_work is not None and num_tiles > max_work:
+        raise ValueError(
+            f"{num_tiles} query tiles exceed max_work ({max_work}): every tile needs at least "
+            "one work item"
+        )
+
+    if disable_split_kv or num_tiles == 0:
+        chunk = whole
+    elif fixed_split_size is not None:
+        chunk = fixed_split_size * page_size
+    elif num_tiles >= budget:
+        chunk = whole
+    else:
+        chunk = _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget)
+    items = _items_per_tile(begin, end, chunk)
+    num_work = int(items.sum())
+    if max_work is not None and num_work > max_work:
+        raise ValueError(
+            f"a chunk of {chunk} tokens gives {num_work} work items, more than max_work "
+            f"({max_work})"
+        )
+    return _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row,
+                  begin, end, items)  # fmt: skip
+
+
+def _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget) -> int:
+    """A chunk (whole pages, at least min_chunk_tokens) whose W(c) fits the budget: bisection
+    over pages; W is not monotone in c on a fixed grid, but the bisection only keeps chunks
+    that fit, and `whole` (one item per tile) always does."""
+    lo = min(-(-min_chunk_tokens // page_size), whole // page_size)
+    hi = whole // page_size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(_items_per_tile(begin, end, mid * page_size).sum()) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi * page_size
+
+
+def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row, begin,
+           end, items) -> PrefillPlan:  # fmt: skip
+    num_tiles = tile_request.shape[0]
+    item_indptr = np.zeros(num_tiles + 1, dtype=np.int64)
+    np.cumsum(items, out=item_indptr[1:])
+    num_work = int(item_indptr[-1])
+    work_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), items)
+    k = np.arange(num_work, dtype=np.int64) - item_indptr[work_tile]  # chunk of the tile
+    first_chunk = begin // chunk
+    lo = (first_chunk[work_tile] + k) * chunk
+    work_begin = np.maximum(lo, begin[work_tile])
+    work_end = np.minimum(lo + chunk, end[work_tile])
+    work_end = np.maximum(work_end, work_begin)  # an empty tile's single item stays empty
+    split = items > 1
+    tile_slot = np.full(num_tiles, -1, dtype=np.int64)
+    tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]]) if split.any() else []
+    work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
+
+    def i32(a):
+        out = np.ascontiguousarray(a, dtype=np.int32)
+        out.flags.writeable = False
+        return out
+
+    return PrefillPlan(
+        batch_size=batch,
+        group_size=group_size,
+        tile_rows=tile_rows,
+        chunk_tokens=int(min(chunk, INT32_MAX)),
+        split_kv=bool(split.any()),
+        qo_len=i32(qo_len),
+        kv_len=i32(kv),
+        tile_request=i32(tile_request),
+        tile_row=i32(tile_row),
+        tile_items=i32(items),
+        tile_slot=i32(tile_slot),
+        work_tile=i32(work_tile),
+        work_kv_begin=i32(work_begin),
+        work_kv_end=i32(work_end),
+        work_slot=i32(work_slot),
+    )
+
+
+__all__ = ["MIN_CHUNK_TOKENS", "PrefillPlan", "TILE_ROWS", "choose_tile_rows", "plan_prefill"]

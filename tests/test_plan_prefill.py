@@ -1,0 +1,190 @@
+"""The prefill planner without a GPU: which work items it makes, and a NumPy execution of the
+plan that must reproduce the float64 reference (split and whole plans, causal, window)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rtcinfer.plan.prefill import choose_tile_rows, plan_prefill
+
+from . import reference as ref
+from .prefill_executor import execute_prefill_plan
+
+AWKWARD = [0, 1, 17, 127, 128, 129, 1000]
+
+
+def batch(rng, qo_lens, kv_extra, num_kv_heads=2, group=4, d=16):
+    qo = np.asarray(qo_lens)
+    kv = qo + np.asarray(kv_extra)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)])
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)])
+    q = rng.standard_normal((int(qo_indptr[-1]), num_kv_heads * group, d))
+    k = rng.standard_normal((int(kv_indptr[-1]), num_kv_heads, d))
+    v = rng.standard_normal((int(kv_indptr[-1]), num_kv_heads, d))
+    return q, k, v, qo_indptr, kv_indptr, kv
+
+
+def reference(q, k, v, qo_indptr, kv_indptr, **features):
+    outs = [
+        ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
+                          v[kv_indptr[b] : kv_indptr[b + 1]], **features)
+        for b in range(len(qo_indptr) - 1)
+    ]  # fmt: skip
+    return np.concatenate([o for o, _ in outs]), np.concatenate([s for _, s in outs])
+
+
+def coverage(plan, causal, window_left):
+    """Per request, how many work items cover each visible (packed row, key) pair."""
+    g = plan.group_size
+    counts = [np.zeros((int(q) * g, int(k)), np.int64) for q, k in zip(plan.qo_len, plan.kv_len,
+                                                                     strict=True)]  # fmt: skip
+    for w in range(plan.num_work):
+        t = plan.work_tile[w]
+        b = int(plan.tile_request[t])
+        rows = np.arange(plan.tile_row[t], min(plan.tile_row[t] + plan.tile_rows,
+                                               counts[b].shape[0]))  # fmt: skip
+        keys = np.arange(plan.work_kv_begin[w], plan.work_kv_end[w])
+        counts[b][np.ix_(rows, keys)] += visible(plan, b, rows, keys, causal, window_left)
+    return counts
+
+
+def visible(plan, b, rows, keys, causal, window_left) -> np.ndarray:
+    qpos = (rows // plan.group_size + int(plan.kv_len[b]) - int(plan.qo_len[b]))[:, None]
+    mask = np.ones((len(rows), len(keys)), dtype=bool)
+    if causal:
+        mask &= keys[None, :] <= qpos
+    if window_left >= 0:
+        mask &= keys[None, :] >= qpos - window_left
+    return mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window_left", [-1, 0, 37])
+@pytest.mark.parametrize("split", ["whole", "auto", "fixed"])
+def test_items_cover_every_visible_pair_once(causal, window_left, split):
+    rng = np.random.default_rng(3)
+    qo = [int(x) for x in rng.permutation(AWKWARD)]
+    kv = [q + int(e) for q, e in zip(qo, rng.integers(0, 300, len(qo)), strict=True)]
+    kwargs = dict(num_sms=132, ctas_per_sm=2, causal=causal, window_left=window_left,
+                  min_chunk_tokens=64)  # fmt: skip
+    if split == "whole":
+        kwargs["disable_split_kv"] = True
+    elif split == "fixed":
+        kwargs["fixed_split_size"] = 100
+    else:
+        kwargs.update(num_sms=200)
+    plan = plan_prefill(np.concatenate([[0], np.cumsum(qo)]), kv, 3, 2, 128, **kwargs)
+    for b, count in enumerate(coverage(plan, causal, window_left)):
+        rows, keys = np.arange(count.shape[0]), np.arange(count.shape[1])
+        np.testing.assert_array_equal(count, visible(plan, b, rows, keys, causal, window_left))
+    rows = {(int(plan.tile_request[t]), r) for t in range(plan.num_tiles)
+            for r in range(plan.tile_row[t], plan.tile_row[t] + plan.tile_rows)
+            if r < plan.qo_len[plan.tile_request[t]] * 3}  # fmt: skip
+    assert rows == {(b, r) for b, q in enumerate(qo) for r in range(q * 3)}
+    if split == "whole":
+        assert not plan.split_kv and plan.num_work == plan.num_tiles
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window_left", [-1, 20])
+@pytest.mark.parametrize("split", [False, True])
+def test_executing_the_plan_reproduces_the_reference(causal, window_left, split):
+    rng = np.random.default_rng(int(causal) * 2 + (window_left > 0) * 4 + split)
+    qo = [0, 1, 17, 40, 3, 129]
+    extra = [5, 0, 300, 0, 0, 64]  # zero keys for a request with zero queries; append batches
+    q, k, v, qo_indptr, kv_indptr, kv = batch(rng, qo, extra)
+    features = dict(causal=causal, window_left=window_left, logits_soft_cap=0.0)
+    plan = plan_prefill(qo_indptr, kv, 4, 2, 16, num_sms=100 if split else 1, ctas_per_sm=2,
+                        min_chunk_tokens=32, causal=causal, window_left=window_left)  # fmt: skip
+    assert plan.split_kv == split
+    o, lse = execute_prefill_plan(plan, q, k, v, qo_indptr, kv_indptr, sm_scale=0.25,
+                                  **features)  # fmt: skip
+    o_ref, lse_ref = reference(q, k, v, qo_indptr, kv_indptr, sm_scale=0.25, **features)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_more_queries_than_keys_hide_the_early_queries_under_causal():
+    rng = np.random.default_rng(0)
+    q, k, v, qo_indptr, kv_indptr, kv = batch(rng, [10], [-4])  # 10 queries over 6 keys
+    plan = plan_prefill(qo_indptr, kv, 4, 2, 16, num_sms=132, ctas_per_sm=2, causal=True)
+    o, lse = execute_prefill_plan(plan, q, k, v, qo_indptr, kv_indptr, sm_scale=0.25,
+                                  causal=True)  # fmt: skip
+    assert np.isneginf(lse[:4]).all() and (o[:4] == 0).all()  # queries before key 0
+    o_ref, lse_ref = reference(q, k, v, qo_indptr, kv_indptr, sm_scale=0.25, causal=True)
+    np.testing.assert_allclose(o, o_ref, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+
+
+def test_the_split_fills_the_gpu_without_overfilling_it():
+    qo_indptr = [0, 16, 32]  # two requests of 16 queries (64 packed rows) over long prompts
+    plan = plan_prefill(qo_indptr, [20000, 9000], 4, 8, 128, num_sms=132, ctas_per_sm=2)
+    assert plan.split_kv and plan.num_work * 8 <= 264
+    assert plan.num_work * 8 > 264 // 2  # it uses the room it has
+    assert plan.chunk_tokens % 1 == 0 and plan.chunk_tokens >= 256
+
+
+def test_a_full_gpu_is_not_split():
+    qo = np.full(64, 128)
+    plan = plan_prefill(np.concatenate([[0], np.cumsum(qo)]), qo, 4, 8, 128, num_sms=132,
+                        ctas_per_sm=2, causal=True)  # fmt: skip
+    assert not plan.split_kv and plan.num_work == plan.num_tiles == 64 * 4
+
+
+def test_a_skewed_batch_splits_the_long_prompt_only():
+    qo = [8192] + [128] * 63
+    indptr = np.concatenate([[0], np.cumsum(qo)])
+    plan = plan_prefill(indptr, qo, 1, 8, 128, num_sms=132, ctas_per_sm=2, causal=True,
+                        tile_rows=128)  # fmt: skip
+    items_of = np.bincount(plan.tile_request[plan.work_tile], minlength=len(qo))
+    tiles_of = np.bincount(plan.tile_request, minlength=len(qo))
+    assert (items_of[1:] == tiles_of[1:]).all()  # the short prompts: one item per tile
+    assert items_of[0] >= tiles_of[0]
+
+
+def test_fixed_split_size_chunks_a_request_the_same_in_any_batch():
+    """The grid is absolute and the tile height fixed: a request's work items (key ranges per
+    tile) are the same alone and beside others."""
+    alone = plan_prefill([0, 300], [2000], 4, 2, 128, num_sms=132, ctas_per_sm=2,
+                         fixed_split_size=128, causal=True)  # fmt: skip
+    beside = plan_prefill([0, 5, 305, 2305], [40, 2000, 2000], 4, 2, 128, num_sms=132,
+                          ctas_per_sm=2, fixed_split_size=128, causal=True)  # fmt: skip
+
+    def ranges(plan, b):
+        items = np.flatnonzero(plan.tile_request[plan.work_tile] == b)
+        return [(int(plan.tile_row[plan.work_tile[w]]), int(plan.work_kv_begin[w]),
+                 int(plan.work_kv_end[w])) for w in items]  # fmt: skip
+
+    assert ranges(alone, 0) == ranges(beside, 1)
+
+
+def test_tile_height_follows_the_packed_query_length():
+    assert choose_tile_rows(np.array([1, 1, 1]), 4, 128) == 16  # decode-like
+    assert choose_tile_rows(np.array([8, 8]), 4, 128) == 64
+    assert choose_tile_rows(np.array([512]), 4, 128) == 128
+    assert choose_tile_rows(np.array([512]), 4, 256) == 64
+    assert choose_tile_rows(np.array([], dtype=np.int64), 4, 128) == 16
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(qo_indptr=[1, 3], kv_len=[3]), ValueError, r"qo_indptr\[0\] must be 0"),
+        (dict(qo_indptr=[0, 3, 2], kv_len=[3, 3]), ValueError, "non-decreasing"),
+        (dict(qo_indptr=[0, 3], kv_len=[3, 4]), ValueError, r"kv_len must have shape \(1,\)"),
+        (dict(qo_indptr=[0, 3], kv_len=[-1]), ValueError, r"kv_len\[0\] \(-1\)"),
+        (dict(qo_indptr=[0, 3], kv_len=[3], tile_rows=32), ValueError, "tile_rows must be"),
+        (dict(qo_indptr=[0, 3], kv_len=[3], causal=1), TypeError, "causal must be a bool"),
+        (dict(qo_indptr=[0, 300], kv_len=[300], max_work=2), ValueError, "exceed max_work"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused_by_name(kwargs, error, match):
+    args = dict(group_size=4, num_kv_heads=2, head_dim=128, num_sms=132, ctas_per_sm=2)
+    with pytest.raises(error, match=match):
+        plan_prefill(**{**args, **kwargs})
+
+
+def test_an_empty_batch_plans_nothing():
+    plan = plan_prefill([0], [], 4, 2, 128, num_sms=132, ctas_per_sm=2)
+    assert plan.num_work == plan.num_tiles == 0 and not plan.split_kv
