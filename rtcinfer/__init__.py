@@ -19,6 +19,10 @@ from .attention.page import (  # noqa: E402
     get_batch_indices_positions,
     get_seq_lens,
 )
+from .attention.prefill import (  # noqa: E402
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+)
 from .attention.single_decode import single_decode_with_kv_cache  # noqa: E402
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
@@ -30,6 +34,8 @@ from .norm import (  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "get_batch_indices_positions",

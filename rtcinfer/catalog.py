@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import activation, norm, rope
-from .attention import cascade, decode_kernel, page
+from .attention import cascade, decode_kernel, page, prefill_kernel
 from .sampling.cluster import ClusterSampleSpec
 from .sampling.renorm import RenormSpec
 from .sampling.samplers import SampleSpec
@@ -44,6 +44,8 @@ def model_specs(name: str, dtype: str = "bfloat16") -> list:
     specs += activation.specs_for(m.intermediate, (dtype,))
     specs += rope.specs_for(m.head_dim, (dtype,))
     specs += decode_kernel.specs_for(m.num_qo_heads, m.num_kv_heads, m.head_dim, (dtype,))
+    specs += [prefill_kernel.prefill_spec(dtype, dtype, m.head_dim, rows, True)
+              for rows in prefill_kernel.TILE_ROWS]  # fmt: skip
     specs.append(page.PageSpec(m.head_dim * 2, 16))
     specs.append(page.INDEX_SPEC)
     return specs
@@ -70,6 +72,7 @@ def shipped_specs() -> list:
                         )  # fmt: skip
                     )
     specs += decode_specs()
+    specs += prefill_specs()
     specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
               for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
                                      ("float32", False, False)]]  # fmt: skip
@@ -95,6 +98,20 @@ def decode_specs() -> list:
         replace(spec("bfloat16", "bfloat16", "bfloat16", 128, 4), lookahead=1),
         decode_kernel.half_tiles(spec("bfloat16", "float8_e4m3fn", "bfloat16", 128, 8)),
         decode_kernel.half_tiles(spec("bfloat16", "float8_e5m2", "bfloat16", 64, 4)),
+    ]
+
+
+def prefill_specs() -> list:
+    """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
+    head_dim 64/128/256, query tiles of 64 and 128 rows, causal or not, ALiBi, soft cap, the
+    2-stage ring (small shared memory)."""
+    spec = prefill_kernel.prefill_spec
+    return [
+        spec("bfloat16", "bfloat16", 128, 128, True),
+        spec("float16", "float16", 128, 64, False, "ALIBI", True),
+        spec("bfloat16", "float16", 64, 128, False),
+        spec("float16", "float16", 256, 64, True, "NONE", True),
+        spec("bfloat16", "bfloat16", 128, 128, False, max_smem=100 * 1024),
     ]
 
 

@@ -1,0 +1,340 @@
+// Batch prefill / append attention over a paged (or ragged) KV cache on tensor cores, one work
+// item (plan/prefill.py) per CTA row of the grid:
+//   o[i, h] = softmax_j(transform(q[i, h] . k[j, h / g])) @ V,  lse = log2(sum_j e^(s_j))
+//   query i of a request sits at key position i + kv_len - qo_len (bottom-right alignment);
+//   key j is visible to it when j <= its position (CAUSAL) and within the window.
+// Grid: blockIdx.x = kv head, blockIdx.y = work item: a tile of TILE_ROWS packed query rows
+// (row r = query r / group_size, head r % group_size of the kv head's group) over the keys
+// [kv_begin, kv_end) of one KV chunk. Items past the plan's count exit at once.
+// Block: WARPS = TILE_ROWS / 16 warps; warp w owns rows 16w..16w+15 and keeps, per thread, the
+// softmax state of rows g and g + 8 (FA2 style): S = Q K^T and O += P V by mma.m16n8k16,
+// operands through ldmatrix from swizzled tiles (prefill_fragments.cuh), P rounded to the
+// 16-bit type. K/V tiles of KV_TILE keys stream through a STAGES-deep cp.async ring, starting
+// at the KV_TILE-aligned key below kv_begin (a row's reduction order depends on its own keys
+// only). Shared memory: the Q tile, the ring, a flag; SMEM_BYTES in all.
+// A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
+// (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
+// Prelude: QT (= KVT), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, POS_ENCODING
+// (PosEncoding: NONE or ALIBI), SOFT_CAP, SMEM_BYTES.
+#include "mma.cuh"
+#include "attention_state.cuh"
+#include "paged_kv.cuh"
+#include "variant.cuh"
+
+constexpr int WARPS = TILE_ROWS / 16;
+constexpr int THREADS = 32 * WARPS;
+constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
+constexpr int ROW_BYTES = HEAD_DIM * 2;
+constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
+constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
+constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
+constexpr int KEY_TILES = KV_TILE / 8;       // n-tiles of S
+constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare
+constexpr bool Q_IN_REGS = HEAD_DIM <= 128;  // else Q fragments are re-read from shared memory
+constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
+constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;
+constexpr int RING_BYTES = STAGES * 2 * TILE_BYTES;
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
+static_assert(TILE_ROWS == 64 || TILE_ROWS == 128, "4 or 8 warps of 16 rows");
+static_assert(KV_TILE % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
+static_assert(Q_BYTES + RING_BYTES + 16 == SMEM_BYTES, "host layout");
+static_assert(POS_ENCODING != PosEncoding::ROPE_LLAMA, "in-kernel RoPE is not built yet");
+
+using MT = QT;
+using Loader = PagedTileLoader<KV_TILE, ROW_BYTES, THREADS>;
+using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
+
+#include "prefill_fragments.cuh"
+
+// A work item of the plan (rtcinfer/attention/prefill_plan.py writes them by these names).
+struct alignas(16) PrefillWorkItem {
+  int qo_start;     // the request's first query row in q / o
+  int qo_len;       // its queries
+  int kv_len;       // its keys
+  int page_ids;     // where its page ids start in the plan (ints)
+  int tile_row;     // the tile's first packed row
+  int kv_begin;     // this item's keys: [kv_begin, kv_end)
+  int kv_end;
+  int slot;         // the item's partial slot; -1: the tile's only item, rows written directly
+  int tile;         // the tile's index (its merge counters)
+  int merge_slot;   // the tile's first slot
+  int merge_count;  // the tile's items
+  int unused;
+};
+
+struct PrefillParams {
+  const QT* q;            // [nnz_q, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
+  const char* k_cache;    // K(page, slot, head) at page * k_page + slot * k_token
+  const char* v_cache;    //   + head * k_head bytes (NHD/HND; ragged: pages of one token row)
+  OT* o;                  // [nnz_q, Hq, HEAD_DIM], strides (o_stride_n, o_stride_h, 1)
+  float* lse;             // [nnz_q, Hq], strides (lse_stride_n, 1); may be null
+  const int* plan;        // [HEADER_INTS] + PrefillWorkItem[capacity] + page ids
+  float* partial_o;       // [slots, Hkv, TILE_ROWS, HEAD_DIM]
+  float* partial_lse;     // [slots, Hkv, TILE_ROWS]
+  int* counters;          // [tiles, Hkv], zero between launches
+  int64_t q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
+  int64_t k_page, k_token, k_head, v_page, v_token, v_head;
+  int num_qo_heads, group_size, page_size;
+  uint32_t div_magic;     // n / page_size == (umulhi(n, div_magic) + n) >> div_shift
+  int div_shift;
+  int window_left;        // keys before position - window_left are hidden; -1: no window
+  float qk_scale;         // sm_scale * q_scale * k_scale
+  float soft_cap;         // 0: none
+  float v_scale;
+};
+
+// This thread's two rows (g, g + 8 of its warp): where they read and write, their query
+// position and ALiBi slope; rows past the request are inert.
+struct Rows {
+  bool valid[2];
+  int query[2], head[2], pos[2];
+  float slope[2];
+
+  RTC_DEVICE void init(const PrefillWorkItem& w, const PrefillParams& p, int kv_head, int warp,
+                       int g) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int packed = w.tile_row + 16 * warp + g + 8 * i;
+      valid[i] = packed < w.qo_len * p.group_size;
+      query[i] = packed / p.group_size;
+      head[i] = kv_head * p.group_size + packed % p.group_size;
+      pos[i] = query[i] + w.kv_len - w.qo_len;
+      slope[i] = ALIBI ? alibi_slope(head[i], p.num_qo_heads) : 0.f;
+    }
+  }
+
+  // Whether key `key` is visible to row i within the item's keys [begin, end).
+  RTC_DEVICE bool sees(int i, int key, int begin, int end, int window_left) const {
+    bool ok = key >= begin && key < end;
+    if constexpr (CAUSAL) ok = ok && key <= pos[i];
+    return window_left >= 0 ? ok && key >= pos[i] - window_left : ok;
+  }
+};
+
+// Q rows of the tile into shared memory (zero rows past the request), one commit group.
+RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const PrefillParams& p,
+                            int kv_head) {
+  for (int i = threadIdx.x; i < TILE_ROWS * CHUNKS; i += THREADS) {
+    const int row = i / CHUNKS, chunk = i % CHUNKS;
+    const int packed = w.tile_row + row;
+    const bool valid = packed < w.qo_len * p.group_size;
+    const int query = packed / p.group_size;
+    const int head = kv_head * p.group_size + packed % p.group_size;
+    const QT* src = p.q + (w.qo_start + query) * p.q_stride_n + head * p.q_stride_h + chunk * 8;
+    cp_async_16(q_tile + tile_offset<ROW_BYTES>(row, chunk), valid ? src : p.q, valid);
+  }
+  cp_async_commit();
+}
+
+// One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows.
+RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_STEPS : 1][4],
+                            uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int key0,
+                            const Rows& rows, const PrefillWorkItem& w,
+                            const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
+                            int warp, int lane, int t) {
+  float s[KEY_TILES][4];
+#pragma unroll
+  for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int c = 0; c < K_STEPS; ++c) {
+    uint32_t a[4];
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = qf[c][r];
+    } else {
+      load_a_rows<ROW_BYTES>(a, q_tile, 16 * warp, c, lane);
+    }
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; n += 2) {
+      uint32_t b[2][2];
+      load_k_pair<ROW_BYTES>(b, k_tile, 8 * n, c, lane);
+      mma_16816<MT>(s[n][0], s[n][1], s[n][2], s[n][3], a, b[0][0], b[0][1]);
+      mma_16816<MT>(s[n + 1][0], s[n + 1][1], s[n + 1][2], s[n + 1][3], a, b[1][0], b[1][1]);
+    }
+  }
+
+  // Logit transform (variant.cuh) and masks: element r of n-tile n is row g + 8 (r / 2), key
+  // key0 + 8n + 2t + r % 2.
+  float row_max[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = r / 2, key = key0 + 8 * n + 2 * t + r % 2;
+      const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
+      s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left) ? v : neg_inf();
+      row_max[i] = fmaxf(row_max[i], s[n][r]);
+    }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+    row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+    const float base = st[i].rescale(row_max[i]);
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; ++n) {
+      s[n][2 * i] = fast_exp2(s[n][2 * i] - base);
+      s[n][2 * i + 1] = fast_exp2(s[n][2 * i + 1] - base);
+      st[i].d += s[n][2 * i] + s[n][2 * i + 1];
+    }
+  }
+
+  // O += P V, 16 keys at a time.
+#pragma unroll
+  for (int j = 0; j < KV_TILE / 16; ++j) {
+    uint32_t a[4];
+    p_fragment<MT>(a, s[2 * j], s[2 * j + 1]);
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 16; ++c) {
+      uint32_t b[2][2];
+      load_v_pair<ROW_BYTES>(b, v_tile, j, c, lane);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = 2 * c + h;  // dims 8n..8n + 7
+        mma_16816<MT>(st[0].o[2 * n], st[0].o[2 * n + 1], st[1].o[2 * n], st[1].o[2 * n + 1], a,
+                      b[h][0], b[h][1]);
+      }
+    }
+  }
+}
+
+// The rows' results: normalized and written to o / lse (the tile's only item) or as fp32
+// partials to the item's slot.
+RTC_DEVICE void finish_rows(State (&st)[2], const Rows& rows, const PrefillWorkItem& w,
+                            const PrefillParams& p, int kv_head, int warp, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
+    const float lse = st[i].lse();
+    st[i].normalize();
+    if (!rows.valid[i]) continue;
+    if (w.slot < 0) {
+      OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
+#pragma unroll
+      for (int n = 0; n < DIM_TILES; ++n) {
+        o[8 * n + 2 * t] = from_float<OT>(st[i].o[2 * n] * p.v_scale);
+        o[8 * n + 2 * t + 1] = from_float<OT>(st[i].o[2 * n + 1] * p.v_scale);
+      }
+      if (p.lse != nullptr && t == 0)
+        p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
+    } else {
+      const int row = 16 * warp + g + 8 * i;
+      const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
+      float* o = p.partial_o + at * HEAD_DIM;
+#pragma unroll
+      for (int n = 0; n < DIM_TILES; ++n)
+        *reinterpret_cast<float2*>(o + 8 * n + 2 * t) =
+            make_float2(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
+      if (t == 0) p.partial_lse[at] = lse;
+    }
+  }
+}
+
+// The tile's partials (merge_count slots from merge_slot, in chunk order) merged into o / lse,
+// by the last CTA of the tile: thread (row, 4 dims) walks the slots. With M = max lse_k and
+// w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k).
+RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int kv_head) {
+  constexpr int VECS = HEAD_DIM / 4;
+  for (int i = threadIdx.x; i < TILE_ROWS * VECS; i += THREADS) {
+    const int row = i / VECS, d = (i % VECS) * 4;
+    const int packed = w.tile_row + row;
+    if (packed >= w.qo_len * p.group_size) continue;
+    const int query = packed / p.group_size;
+    const int head = kv_head * p.group_size + packed % p.group_size;
+    AttentionState<4> acc;
+    acc.init();
+    for (int k = 0; k < w.merge_count; ++k) {
+      const int64_t at =
+          (static_cast<int64_t>(w.merge_slot + k) * gridDim.x + kv_head) * TILE_ROWS + row;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_o + at * HEAD_DIM + d));
+      AttentionState<4> part;
+      const float o4[4] = {v.x, v.y, v.z, v.w};
+      part.set_normalized(o4, __ldcg(p.partial_lse + at));
+      acc.merge(part);
+    }
+    acc.normalize();
+    OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = from_float<OT>(acc.o[e]);
+    if (p.lse != nullptr && d == 0) p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    prefill_kernel(const __grid_constant__ PrefillParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int item = blockIdx.y;
+  // Loaded before the count test so both loads overlap (padded slots are stale, unused).
+  const PrefillWorkItem w = reinterpret_cast<const PrefillWorkItem*>(p.plan + HEADER_INTS)[item];
+  if (item >= __ldg(p.plan)) return;
+  const int kv_head = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
+  int* last_s = reinterpret_cast<int*>(smem + Q_BYTES + RING_BYTES);
+
+  load_q_tile(q_tile, w, p, kv_head);
+  constexpr int LOOK = STAGES - 1;
+  const int key_first = w.kv_begin - w.kv_begin % KV_TILE;  // an aligned start: see the header
+  const int num_tiles = w.kv_begin < w.kv_end ? (w.kv_end - key_first + KV_TILE - 1) / KV_TILE
+                                              : 0;
+  auto k_tile = [&](int stage) { return ring + stage * 2 * TILE_BYTES; };
+  auto v_tile = [&](int stage) { return ring + stage * 2 * TILE_BYTES + TILE_BYTES; };
+  Loader loader;
+  loader.init(p.k_cache + kv_head * p.k_head, p.k_page, p.k_token, p.v_cache + kv_head * p.v_head,
+              p.v_page, p.v_token, p.plan + w.page_ids, FastDiv{p.div_magic, p.div_shift},
+              p.page_size, w.kv_end);
+  {
+    int pages[LOOK][Loader::PASSES];
+#pragma unroll
+    for (int s = 0; s < LOOK; ++s)
+      if (s < num_tiles) loader.fetch_pages(pages[s], key_first + s * KV_TILE);
+#pragma unroll
+    for (int s = 0; s < LOOK; ++s) {
+      if (s < num_tiles) loader.issue(pages[s], key_first + s * KV_TILE, k_tile(s), v_tile(s));
+      cp_async_commit();
+    }
+  }
+  int pages[Loader::PASSES] = {};
+  if (LOOK < num_tiles) loader.fetch_pages(pages, key_first + LOOK * KV_TILE);
+
+  cp_async_wait<LOOK>();  // the Q tile (the oldest group) landed
+  __syncthreads();
+  uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
+  if constexpr (Q_IN_REGS)
+#pragma unroll
+    for (int c = 0; c < K_STEPS; ++c) load_a_rows<ROW_BYTES>(qf[c], q_tile, 16 * warp, c, lane);
+  Rows rows;
+  rows.init(w, p, kv_head, warp, g);
+  LogitTransform<ALIBI, SOFT_CAP> transform;
+  transform.init(p.qk_scale, p.soft_cap);
+  State st[2];
+  st[0].init(), st[1].init();
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<LOOK - 1>();
+    __syncthreads();  // the tile landed for everyone; the stage refilled below is free
+    const int next = tile + LOOK;
+    if (next < num_tiles)
+      loader.issue(pages, key_first + next * KV_TILE, k_tile(next % STAGES), v_tile(next % STAGES));
+    cp_async_commit();
+    if (next + 1 < num_tiles) loader.fetch_pages(pages, key_first + (next + 1) * KV_TILE);
+    attend_tile(st, qf, q_tile, k_tile(tile % STAGES), v_tile(tile % STAGES),
+                key_first + tile * KV_TILE, rows, w, transform, p.window_left, warp, lane, t);
+  }
+  cp_async_wait<0>();
+  finish_rows(st, rows, w, p, kv_head, warp, g, t);
+  if (w.slot < 0) return;
+
+  // A split tile: the last of its items merges the partials. The barrier orders this CTA's
+  // partial writes before thread 0's release; the last arrival's acquire orders every other
+  // item's partials before the merge reads them (through L2: __ldcg).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.counters + w.tile * gridDim.x + kv_head;
+    const bool last = atomic_add_acq_rel(counter, 1) == w.merge_count - 1;
+    if (last) atomicExch(counter, 0);  // ready for the next launch
+    *last_s = last;
+  }
+  __syncthreads();
+  if (*last_s) merge_tile(w, p, kv_head);
+}

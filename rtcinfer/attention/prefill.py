@@ -1,0 +1,391 @@
+"""Batch prefill and append attention over a ragged or paged KV cache, plan() then run(), and
+single-request prefill (FlashInfer's names, argument meanings and defaults).
+
+    query i of request b sits at key position i + kv_len_b - qo_len_b (bottom-right aligned)
+    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap); hidden keys:
+           j > pos_i (causal), j < pos_i - window_left (window_left >= 0)
+    o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
+
+Not built yet (a clear error when asked for): custom masks, in-kernel RoPE
+(pos_encoding_mode="ROPE_LLAMA"), fp8 KV, head_dim_vo != head_dim_qk, CUDA-graph mode.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..interop import OutSlot, Prepared
+from ..interop.arrays import to_numpy
+from ..interop.dtypes import itemsize
+from ..jit import device_limits
+from ..launch import Launch
+from ..plan._checks import INT32_MAX, as_int_array, first_bad, indptr_counts
+from ..plan.decode import _pages_and_lens
+from ..plan.prefill import choose_tile_rows, plan_prefill
+from .decode_kernel import Config, fast_div, kv_scales, make_config
+from .paged_kv import cache_views, check_cache_view, token_head
+from .planned import PlannedWrapper
+from .prefill_kernel import kernel, prefill_spec
+from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
+
+MAX_GRID_Y = 65535
+_UNSIGNED = {4: np.uint32, 8: np.uint64}
+
+
+def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
+    if type(x) is not np.ndarray and hasattr(x, "__dlpack__"):
+        x = to_numpy(x)
+    return as_int_array(name, x, widen=widen)
+
+
+def _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, use_cuda_graph):
+    if custom_mask is not None or packed_custom_mask is not None:
+        raise ValueError("custom masks are not supported yet by rtcinfer's prefill")
+    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+        raise ValueError(
+            f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
+        )
+    if use_cuda_graph:
+        raise ValueError("use_cuda_graph=True is not supported yet by rtcinfer's prefill")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
+    RAGGED_PAGE) and the causal mask."""
+
+    attn: Config
+    causal: bool
+
+
+def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
+                        pos_encoding_mode, window_left, logits_soft_cap, q_dtype, kv_dtype,
+                        o_dtype, sm_scale, rope_scale, rope_theta) -> PrefillConfig:  # fmt: skip
+    attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+                       window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
+                       rope_scale, rope_theta)  # fmt: skip
+    if attn.pos_encoding_mode == "ROPE_LLAMA":
+        raise ValueError('pos_encoding_mode="ROPE_LLAMA" is not supported yet by the prefill')
+    if attn.kv_dtype != attn.q_dtype:
+        raise TypeError(f"kv_data_type {attn.kv_dtype} (fp8 KV) is not supported yet by prefill")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return PrefillConfig(attn, bool(causal))
+
+
+@dataclass(slots=True)
+class _Launch:
+    launch: Launch
+    cfg: PrefillConfig
+    nnz_q: int  # rows of q and o
+    num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
+
+
+class _PrefillWrapper(PlannedWrapper):
+    """What the ragged and paged prefill wrappers share: plan() from (qo_indptr, kv_len,
+    page list) and run() on (q, K view, V view). A subclass gives _check_kv(cfg, k, v) and
+    _kv_fields(k, v, attn) for its cache form."""
+
+    RUN_SLOTS = ("q", "k", "v", "out", "lse")
+    RUN_GIVEN = ("out", "lse")
+
+    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False):
+        _unsupported(None, None, None, None, use_cuda_graph)
+        super().__init__(workspace, kv_layout, use_cuda_graph)
+        self._launch: _Launch | None = None
+
+    def _setup(self, cfg: PrefillConfig) -> None:
+        num_sms, max_smem = device_limits(self._device)
+        self._limits = (num_sms, max_smem)
+
+    def _plan(self, qo_indptr, kv_len, first_page, page_ids, args, fixed_split_size,
+              disable_split_kv, num_kv_rows) -> None:  # fmt: skip
+        """Plan (qo_indptr, kv_len) over the page list `page_ids` (request b's from
+        first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find."""
+        cfg = self._configure(args, make_prefill_config, self._setup)
+        attn = cfg.attn
+        num_sms, max_smem = self._limits
+        group = attn.group_size
+        tile_rows = max(64, choose_tile_rows(np.diff(qo_indptr), group, attn.head_dim))
+        if attn.head_dim == 256:
+            tile_rows = 64
+        spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
+                            attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem)  # fmt: skip
+        k = kernel(spec)
+        ctas = max(1, k.occupancy(self._device, spec.threads))
+        if fixed_split_size is not None and int(fixed_split_size) == -1:
+            fixed_split_size = None
+        plan = plan_prefill(
+            qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
+            ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
+            page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
+            tile_rows=tile_rows, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv,
+        )  # fmt: skip
+        if plan.num_work > MAX_GRID_Y:
+            raise ValueError(
+                f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch "
+                "in parts or use a larger fixed_split_size"
+            )
+        capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles, plan.num_slots,
+                            attn.num_kv_heads, tile_rows, attn.head_dim)  # fmt: skip
+        regions = self._upload(
+            capacity, lambda buf: pack_plan(buf, plan, qo_indptr, first_page, page_ids)
+        )
+        launch = Launch(k, (attn.num_kv_heads, plan.num_work, 1), (spec.threads, 1, 1))
+        p = launch.params
+        p.plan, p.partial_o = regions["plan"], regions["o"]
+        p.partial_lse, p.counters = regions["lse"], regions["counters"]
+        p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
+        p.div_magic, p.div_shift = fast_div(attn.page_size)
+        p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
+        self._launch = _Launch(launch, cfg, int(qo_indptr[-1]), num_kv_rows)
+
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+        st = self._launch
+        if st is None:
+            raise RuntimeError("plan() must be called before run()")
+        with_lse = return_lse or lse is not None
+        qk, vs = kv_scales(k_scale, v_scale)
+        scalars = (st.cfg.attn.sm_scale * qk, vs)
+        result = self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
+        if return_lse:
+            return result
+        return result[0] if with_lse else result
+
+    def _prepare_run(self, infos, align, static) -> Prepared:
+        cfg, nnz_q, with_lse = static
+        attn = cfg.attn
+        q, k, v, out, lse = infos
+        o_shape, lse_shape = (nnz_q, attn.num_qo_heads, attn.head_dim), (nnz_q, attn.num_qo_heads)
+        if q.shape != o_shape or q.dtype != attn.q_dtype:
+            raise ValueError(
+                f"q: expected shape {o_shape} and dtype {attn.q_dtype} (the plan), "
+                f"got {q.shape} and {q.dtype}"
+            )
+        self._check_kv(cfg, k, v)
+        for name, given, shape, dtype in (("out", out, o_shape, attn.o_dtype),
+                                          ("lse", lse, lse_shape, "float32")):  # fmt: skip
+            if given is not None and (given.shape != shape or given.dtype != dtype):
+                raise ValueError(
+                    f"{name}: expected shape {shape} and dtype {dtype}, "
+                    f"got shape {given.shape} and dtype {given.dtype}"
+                )
+        outs = [OutSlot(o_shape, attn.o_dtype, 3 if out is not None else None)]
+        if with_lse:
+            outs.append(OutSlot(lse_shape, "float32", 4 if lse is not None else None))
+        empty = q.size == 0
+        fields = {} if empty else self._run_fields(q, k, v, out, lse, attn)
+        five_d = v is None  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
+        v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset if five_d else 0
+        num_kv_rows = k.shape[0]
+        ref = weakref.ref(self)
+
+        def run(stream, device, ptrs, scalars):
+            wrapper = ref()
+            if wrapper is None:
+                raise RuntimeError(f"the {type(self).__name__} was deleted")
+            st = wrapper._launch
+            if st.nnz_q != nnz_q or st.cfg != cfg:
+                raise RuntimeError("plan() changed the batch or configuration since this run()")
+            if st.num_kv_rows > num_kv_rows:
+                raise ValueError(
+                    f"the plan reads {st.num_kv_rows} key rows (pages), but the cache has "
+                    f"{num_kv_rows}"
+                )
+            if empty:
+                return
+            launch = st.launch
+            with launch.lock:
+                p = launch.params
+                if launch.tag is not fields:
+                    for name, value in fields.items():
+                        setattr(p, name, value)
+                    launch.tag = fields
+                p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
+                p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
+                p.lse = ptrs[6] if with_lse else 0
+                p.qk_scale, p.v_scale = scalars
+                wrapper._order(stream)
+                launch(stream, device)
+
+        def on_trace():
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._traced()
+
+        def preload(device):
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._launch.launch.preload(device)
+
+        return Prepared(tuple(outs), run, preload=preload, command_buffer=False,
+                        on_trace=on_trace)  # fmt: skip
+
+    def _run_fields(self, q, k, v, out, lse, attn: Config) -> dict:
+        """Strides of q, o, lse (elements) and of K and V (bytes), checked."""
+        fields = self._kv_fields(k, v, attn)
+        o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
+                                                          attn.head_dim, 1)  # fmt: skip
+        lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
+        if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
+            raise ValueError(
+                f"q, out and lse must be contiguous in their last dimension, got strides "
+                f"(elements) q {q.strides}, out {o_strides}, lse {lse_strides}"
+            )
+        if q.offset % 16 or any(s % 8 for s in q.strides[:2]):
+            raise ValueError(
+                f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
+                f"strides {q.strides} (elements)"
+            )
+        fields.update(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
+                      o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
+        return fields
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+    """Batch prefill over ragged K and V: request b's queries are rows
+    qo_indptr[b]:qo_indptr[b + 1] of q [nnz_q, Hq, D], its keys rows kv_indptr[b]:kv_indptr[b + 1]
+    of k, v [nnz_kv, Hkv, D] (any token and head strides, head_dim contiguous)."""
+
+    def plan(
+        self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+        custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
+        window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+        q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
+        fixed_split_size=None, disable_split_kv=False,
+    ) -> None:  # fmt: skip
+        """Validate the batch on the host, plan the work, upload it (one copy)."""
+        _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        qo = _host_ints("qo_indptr", qo_indptr)
+        kv = _host_ints("kv_indptr", kv_indptr)
+        kv_len, _ = indptr_counts("kv_indptr", kv)
+        if kv.shape != qo.shape:
+            raise ValueError(
+                f"qo_indptr ({qo.shape[0]} entries) and kv_indptr ({kv.shape[0]}) must describe "
+                "the same batch"
+            )
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, RAGGED_PAGE, causal, pos_encoding_mode,
+                window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
+                rope_scale, rope_theta)  # fmt: skip
+        batch = kv_len.shape[0]
+        self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args,
+                   fixed_split_size, disable_split_kv, int(kv[-1]))  # fmt: skip
+
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
+            enable_pdl=None):  # fmt: skip
+        """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse)."""
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+
+    def _check_kv(self, cfg, k, v) -> None:
+        attn = cfg.attn
+        for name, x in (("k", k), ("v", v)):
+            if x is None or x.ndim != 3 or x.shape[1:] != (attn.num_kv_heads, attn.head_dim) or (
+                x.dtype != attn.kv_dtype):  # fmt: skip
+                raise ValueError(
+                    f"{name}: expected shape (nnz_kv, {attn.num_kv_heads}, {attn.head_dim}) and "
+                    f"dtype {attn.kv_dtype}, got {None if x is None else (x.shape, x.dtype)}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+
+    def _kv_fields(self, k, v, attn: Config) -> dict:
+        item = itemsize(k.dtype)
+        fields = {}
+        for name, x in (("k", k), ("v", v)):
+            token, head = x.strides[0] * item, x.strides[1] * item
+            check_cache_view(name, x.offset, (x.shape[0], x.shape[1]), (token, head), item,
+                             x.strides[2] * item)  # fmt: skip
+            fields.update({f"{name}_page": token, f"{name}_token": token, f"{name}_head": head})
+        return fields
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+    """Batch prefill (append) over a paged KV cache, the table as in batch decode:
+    request b's keys are the first kv_len_b tokens of pages
+    paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]."""
+
+    def plan(
+        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+        num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
+        packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", window_left=-1,
+        logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+        q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
+        fixed_split_size=None, disable_split_kv=False,
+    ) -> None:  # fmt: skip
+        """Validate the batch on the host, plan the work, upload it (one copy)."""
+        _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        qo = _host_ints("qo_indptr", qo_indptr)
+        indptr = _host_ints("paged_kv_indptr", paged_kv_indptr)
+        indices = _host_ints("paged_kv_indices", paged_kv_indices, widen=False)
+        last = _host_ints("paged_kv_last_page_len", paged_kv_last_page_len)
+        if indptr.shape != qo.shape:
+            raise ValueError(
+                f"qo_indptr ({qo.shape[0]} entries) and paged_kv_indptr ({indptr.shape[0]}) must "
+                "describe the same batch"
+            )
+        page = int(page_size) if not isinstance(page_size, bool) else page_size
+        _, _, kv_len, _ = _pages_and_lens(indptr, last, max(page, 1))
+        num_pages = int(indptr[-1])
+        if indices.shape[0] != num_pages:
+            raise ValueError(
+                f"paged_kv_indices must have paged_kv_indptr[-1] ({num_pages}) entries, got "
+                f"{indices.shape[0]}"
+            )
+        max_page = -1
+        if num_pages:
+            ids = indices if indices.itemsize >= 4 else indices.astype(np.int32)
+            max_page = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
+            if max_page > INT32_MAX:
+                i = first_bad((indices < 0) | (indices > INT32_MAX))
+                raise ValueError(
+                    f"paged_kv_indices[{i}] ({int(indices[i])}) is not a valid page id"
+                )
+        args = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, pos_encoding_mode,
+                window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
+                rope_scale, rope_theta)  # fmt: skip
+        self._plan(qo, kv_len, indptr[:-1], indices, args, fixed_split_size, disable_split_kv,
+                   max_page + 1)  # fmt: skip
+
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None):  # fmt: skip
+        """o [nnz_q, Hq, D] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
+        batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND."""
+        if type(paged_kv_cache) is tuple or type(paged_kv_cache) is list:
+            k, v = paged_kv_cache
+        else:
+            k, v = paged_kv_cache, None
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+
+    def _check_kv(self, cfg, k, v) -> None:
+        attn = cfg.attn
+        tokens_heads = (attn.page_size, attn.num_kv_heads)
+        if self._kv_layout == "HND":
+            tokens_heads = tokens_heads[::-1]
+        caches = [("paged_kv_cache", k)] if v is None else [("k_cache", k), ("v_cache", v)]
+        for name, cache in caches:
+            expect = (*((2,) if v is None else ()), *tokens_heads, attn.head_dim)
+            if cache.shape[1:] != expect or cache.dtype != attn.kv_dtype:
+                raise ValueError(
+                    f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
+                    f"dtype {attn.kv_dtype} ({self._kv_layout}, from the plan), got "
+                    f"{cache.shape} and {cache.dtype}"
+                )
+
+    def _kv_fields(self, k, v, attn: Config) -> dict:
+        item = itemsize(k.dtype)
+        fields = {}
+        views = cache_views(k, v, self._kv_layout, item)
+        for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
+            dims, _ = token_head(arr.shape, arr.strides, self._kv_layout)
+            strides = (view.page, view.token, view.head)
+            check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides,
+                             item, arr.strides[-1] * item)  # fmt: skip
+            fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
+        return fields
+
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]

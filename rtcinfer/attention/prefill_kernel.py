@@ -1,0 +1,83 @@
+"""The prefill kernel seen from the host: its spec (cuda_src/attention/prefill.cu).
+
+One kernel per (dtypes, head_dim, query tile, KV tile, pipeline depth, causal, ALiBi, soft
+cap); lengths, page ids and the work list arrive through the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import jit
+from ..interop.dtypes import itemsize
+from ..launch import Kernel
+from .decode_kernel import PosEncoding
+
+HEAD_DIMS = (64, 128, 256)
+TILE_ROWS = (64, 128)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    q_dtype: str  # and the KV's
+    o_dtype: str
+    head_dim: int
+    tile_rows: int  # packed query rows per CTA (16 per warp)
+    kv_tile: int  # keys per pipeline stage
+    stages: int
+    causal: bool
+    pos_encoding_mode: str  # "NONE" or "ALIBI"
+    soft_cap: bool
+    source: ClassVar[str] = "attention/prefill.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.tile_rows  # a warp of 32 threads per 16 rows
+
+    @functools.cached_property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the Q tile, the K/V ring, a flag."""
+        row = self.head_dim * itemsize(self.q_dtype)
+        return self.tile_rows * row + self.stages * 2 * self.kv_tile * row + 16
+
+    def prelude(self) -> str:
+        return jit.prelude(
+            QT=self.q_dtype,
+            OT=self.o_dtype,
+            HEAD_DIM=self.head_dim,
+            TILE_ROWS=self.tile_rows,
+            KV_TILE=self.kv_tile,
+            STAGES=self.stages,
+            CAUSAL=self.causal,
+            POS_ENCODING=PosEncoding[self.pos_encoding_mode],
+            SOFT_CAP=self.soft_cap,
+            SMEM_BYTES=self.smem_bytes,
+        )
+
+
+def prefill_spec(q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE",
+                 soft_cap=False, max_smem=227 * 1024) -> PrefillSpec:  # fmt: skip
+    """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256), as deep a
+    ring (3 or 2 stages) as fits beside the Q tile."""
+    kv_tile = 32 if head_dim == 256 else 64
+    for stages in (3, 2):
+        spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
+                           pos_encoding_mode, bool(soft_cap))  # fmt: skip
+        if spec.smem_bytes <= max_smem:
+            return spec
+    raise ValueError(
+        f"head_dim {head_dim} with {tile_rows}-row query tiles needs {spec.smem_bytes} bytes of "
+        f"shared memory per CTA; this device allows {max_smem}"
+    )
+
+
+@functools.cache
+def kernel(spec: PrefillSpec) -> Kernel:
+    return Kernel(spec, "prefill_kernel", "PrefillParams", spec.smem_bytes)
+
+
+__all__ = ["HEAD_DIMS", "PrefillSpec", "TILE_ROWS", "kernel", "prefill_spec"]

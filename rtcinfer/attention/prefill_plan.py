@@ -1,0 +1,116 @@
+"""The prefill plan's layout: its capacity (workspace regions) and its packing.
+
+Device layout (each region 256-byte aligned, the plan first):
+
+    plan       int32[4 + 12 * max_work + max_pages]            header | work items | page ids
+    counters   int32[max_tiles * num_kv_heads]                  merge arrivals, zero at rest
+    lse        float32[max_slots * num_kv_heads * tile_rows]    partial LSE of split tiles
+    o          float32[max_slots * num_kv_heads * tile_rows, head_dim]   partial outputs
+
+The header is [num_work, 0, 0, 0]; the work items are the kernel's PrefillWorkItem structs
+(cuda_src/attention/prefill.cu) written by field name through a NumPy record of the same
+layout; their `page_ids` index the page ids inside the plan region. A ragged KV cache is a
+paged one whose request b is one "page" starting at row kv_indptr[b] (page size 2^30).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import jit
+from ..params import record_dtype
+from .workspace import region_offsets
+
+WORK_ITEM = record_dtype(jit.source_layout("attention/prefill.cu", "PrefillWorkItem"))
+ITEM_INTS = WORK_ITEM.itemsize // 4
+HEADER_INTS = 4
+RAGGED_PAGE = 1 << 30  # a ragged request is one page of this many token slots
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_work: int
+    max_pages: int
+    max_tiles: int
+    max_slots: int
+    num_kv_heads: int
+    tile_rows: int
+    head_dim: int
+
+    @property
+    def plan_ints(self) -> int:
+        return HEADER_INTS + ITEM_INTS * self.max_work + self.max_pages
+
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of every region, and "end" (the bytes needed)."""
+        rows = self.max_slots * self.num_kv_heads * self.tile_rows
+        return region_offsets({
+            "plan": 4 * self.plan_ints,
+            "counters": 4 * self.max_tiles * self.num_kv_heads,
+            "lse": 4 * rows,
+            "o": 4 * rows * self.head_dim,
+        })  # fmt: skip
+
+    @property
+    def zeroed_bytes(self) -> int:
+        """The plan's slots and the merge counters start at zero."""
+        return self.offsets()["lse"]
+
+    def _shape(self) -> tuple:
+        return self.num_kv_heads, self.tile_rows, self.head_dim
+
+    def covers(self, other: Capacity) -> bool:
+        """Whether this layout serves `other`: the same shape and every count at least its."""
+        return self._shape() == other._shape() and all(
+            getattr(self, f) >= getattr(other, f)
+            for f in ("max_work", "max_pages", "max_tiles", "max_slots")
+        )
+
+    def grown(self, need: Capacity) -> Capacity:
+        """A capacity covering `need`, at least doubling any count that must grow; after a
+        change of shape, `need` itself."""
+        if self._shape() != need._shape():
+            return need
+
+        def grow(have: int, want: int) -> int:
+            return have if have >= want else max(want, 2 * have)
+
+        return Capacity(grow(self.max_work, need.max_work), grow(self.max_pages, need.max_pages),
+                        grow(self.max_tiles, need.max_tiles), grow(self.max_slots, need.max_slots),
+                        *need._shape())  # fmt: skip
+
+
+def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarray,
+              page_ids: np.ndarray) -> int:  # fmt: skip
+    """Write a PrefillPlan into the int32 host buffer `buf`; returns the ints used.
+
+    qo_indptr: int64[B + 1]; first_page: int64[B], where request b's page ids start in
+    `page_ids` (the paged table's kv_indptr[:-1], or arange(B) for a ragged cache whose page
+    ids are its kv_indptr[:-1])."""
+    w = plan.num_work
+    pages_at = HEADER_INTS + ITEM_INTS * w
+    n = pages_at + page_ids.shape[0]
+    buf[0] = w
+    buf[1:HEADER_INTS] = 0
+    items = buf[HEADER_INTS:pages_at].view(WORK_ITEM)
+    tile = plan.work_tile
+    request = plan.tile_request[tile]
+    items["qo_start"] = qo_indptr[:-1][request]
+    items["qo_len"] = plan.qo_len[request]
+    items["kv_len"] = plan.kv_len[request]
+    np.add(first_page[request], pages_at, out=items["page_ids"], casting="unsafe")
+    items["tile_row"] = plan.tile_row[tile]
+    items["kv_begin"] = plan.work_kv_begin
+    items["kv_end"] = plan.work_kv_end
+    items["slot"] = plan.work_slot
+    items["tile"] = tile
+    items["merge_slot"] = plan.tile_slot[tile]
+    items["merge_count"] = plan.tile_items[tile]
+    items["unused"] = 0
+    buf[pages_at:n] = page_ids
+    return n
+
+
+__all__ = ["Capacity", "HEADER_INTS", "ITEM_INTS", "RAGGED_PAGE", "WORK_ITEM", "pack_plan"]

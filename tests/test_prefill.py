@@ -1,0 +1,171 @@
+"""Batch prefill against the float64 reference on the GPU: ragged and paged KV, causal and
+not, sliding window, soft cap, ALiBi, GQA, every head_dim, awkward and empty lengths, split
+and whole plans, re-plans, and PyTorch / JAX / CuPy inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rtcinfer
+
+from . import reference as ref
+from .checks import assert_close, to_host
+from .gpu_decode import random_values, to_gpu
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [0, 1, 17, 127, 128, 129, 300]
+
+
+def ragged_batch(rng, qo, extra, hq=8, hkv=2, d=128, dtype="bfloat16"):
+    qo = np.asarray(qo)
+    kv = qo + np.asarray(extra)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = random_values(rng, (int(qo_indptr[-1]), hq, d), dtype)
+    k = random_values(rng, (int(kv_indptr[-1]), hkv, d), dtype)
+    v = random_values(rng, (int(kv_indptr[-1]), hkv, d), dtype)
+    return q, k, v, qo_indptr, kv_indptr
+
+
+def reference(q, k, v, qo_indptr, kv_indptr, **features):
+    outs = [
+        ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
+                          v[kv_indptr[b] : kv_indptr[b + 1]], **features)
+        for b in range(len(qo_indptr) - 1)
+    ]  # fmt: skip
+    return np.concatenate([o for o, _ in outs]), np.concatenate([s for _, s in outs])
+
+
+def check(o, lse, o_ref, lse_ref, dtype):
+    o, lse = to_host(o), to_host(lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    assert_close(o, o_ref, dtype, "o")
+    assert_close(lse, lse_ref, "float32", "lse", tol=2e-3)
+
+
+FEATURES = {
+    "plain": {},
+    "window": dict(window_left=40),
+    "soft_cap": dict(logits_soft_cap=8.0),
+    "alibi": dict(pos_encoding_mode="ALIBI"),
+}
+
+
+def ref_features(features, hq, d, causal):
+    out = dict(causal=causal, sm_scale=features.get("sm_scale", 1 / np.sqrt(d)),
+               window_left=features.get("window_left", -1),
+               logits_soft_cap=features.get("logits_soft_cap", 0.0))  # fmt: skip
+    if features.get("pos_encoding_mode") == "ALIBI":
+        out["alibi_slopes"] = ref.alibi_slopes(hq)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("split", [False, True])
+def test_ragged(causal, feature, split):
+    rng = np.random.default_rng(hash((causal, feature, split)) % 2**32)
+    qo = [int(x) for x in rng.permutation(LENGTHS)]
+    extra = [int(x) for x in rng.integers(0, 200, len(qo))]
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=causal, q_data_type="bfloat16",
+                 disable_split_kv=not split, fixed_split_size=64 if split else None,
+                 **FEATURES[feature])  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True)
+    features = ref_features(FEATURES[feature], 8, 128, causal)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, **features), "bfloat16")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_head_dims_dtypes_and_groups(head_dim, dtype, group):
+    rng = np.random.default_rng(head_dim * 10 + group)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [33, 200, 5], [0, 100, 600], hq=2 * group,
+                                                 hkv=2, d=head_dim, dtype=dtype)  # fmt: skip
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 2 * group, 2, head_dim, causal=True, q_data_type=dtype)
+    o, lse = wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=True,
+                             sm_scale=1 / np.sqrt(head_dim)), dtype)  # fmt: skip
+
+
+def paged_table(rng, kv_lens, page_size, spare=3):
+    pages = [-(-n // page_size) for n in kv_lens]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    num_pages = int(indptr[-1]) + spare
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    last = np.array([n - (p - 1) * page_size if p else 0 for n, p in
+                     zip(kv_lens, pages, strict=True)], np.int32)  # fmt: skip
+    return indptr, indices, last, num_pages
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("form", ["5d", "tuple"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_append(layout, form, page_size):
+    rng = np.random.default_rng(page_size + (layout == "HND") * 7 + (form == "tuple") * 3)
+    qo = [16, 0, 1, 129, 40]
+    extra = [4096 - 16, 3, 0, 17, 300]
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, page_size)
+    inner = (page_size, 2, 128) if layout == "NHD" else (2, page_size, 128)
+    cache = np.zeros((num_pages, 2, *inner), dtype=k.dtype)
+    for b, n in enumerate(kv_lens):
+        for t in range(n):
+            page, slot = indices[indptr[b] + t // page_size], t % page_size
+            for which, src in enumerate((k, v)):
+                row = src[kv_indptr[b] + t]
+                if layout == "NHD":
+                    cache[page, which, slot] = row
+                else:
+                    cache[page, which, :, slot] = row
+    dev = to_gpu(cache)
+    paged = dev if form == "5d" else (dev[:, 0], dev[:, 1])
+    wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    wrapper.plan(qo_indptr, indptr, indices, last, 8, 2, 128, page_size, causal=True,
+                 q_data_type="bfloat16")  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), paged, return_lse=True)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=True,
+                             sm_scale=1 / np.sqrt(128)), "bfloat16")  # fmt: skip
+
+
+def test_replan_with_new_lengths_and_split_agreement():
+    rng = np.random.default_rng(5)
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    for qo, extra in ([[300, 2], [0, 50]], [[1, 1, 1], [4000, 0, 9]], [[64], [0]]):
+        q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
+        results = []
+        for split in (False, True):
+            split_args = dict(fixed_split_size=32) if split else dict(disable_split_kv=True)
+            wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=True, q_data_type="bfloat16",
+                         **split_args)  # fmt: skip
+            results.append(wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True))
+        o_ref, lse_ref = reference(q, k, v, qo_indptr, kv_indptr, causal=True,
+                                   sm_scale=1 / np.sqrt(128))  # fmt: skip
+        for o, lse in results:
+            check(o, lse, o_ref, lse_ref, "bfloat16")
+
+
+def test_torch_and_jax_inputs():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [17, 100], [30, 0])
+    expect = reference(q, k, v, qo_indptr, kv_indptr, causal=True, sm_scale=1 / np.sqrt(128))
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=True, q_data_type="bfloat16")
+    tq, tk, tv = (torch.from_dlpack(to_gpu(x)) for x in (q, k, v))
+    o, lse = wrapper.run(tq, tk, tv, return_lse=True)
+    assert isinstance(o, torch.Tensor)
+    check(o, lse, *expect, "bfloat16")
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        return
+    jq, jk, jv = (jax.numpy.asarray(x) for x in (q, k, v))
+    check(*wrapper.run(jq, jk, jv, return_lse=True), *expect, "bfloat16")
+    step = jax.jit(lambda q, k, v: wrapper.run(q, k, v, return_lse=True))
+    check(*step(jq, jk, jv), *expect, "bfloat16")

@@ -1,0 +1,111 @@
+"""A NumPy model of the prefill kernel's warp-level index math, checked without a GPU.
+
+The fragment loaders of cuda_src/attention/prefill_fragments.cuh (load_a_rows, load_k_pair,
+load_v_pair, p_fragment), transcribed below, run on the PTX fragment models of ldmatrix and
+mma.m16n8k16 from test_decode_layout: one warp's S = Q K^T over a key tile and O = P V must
+come out exactly (the products of 16-bit values summed in float64).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from .test_decode_layout import LANES, G, T, halves, ldmatrix_x4, mma, pack, tile_offset
+
+
+def load_a_rows(smem, row0, c, row_bytes):
+    i = LANES // 8
+    row = row0 + (i % 2) * 8 + LANES % 8
+    return ldmatrix_x4(smem, tile_offset(row, 2 * c + i // 2, row_bytes))
+
+
+def load_k_pair(smem, key0, c, row_bytes):
+    i = LANES // 8
+    row = key0 + (i // 2) * 8 + LANES % 8
+    r = ldmatrix_x4(smem, tile_offset(row, 2 * c + i % 2, row_bytes))
+    return [[r[0], r[1]], [r[2], r[3]]]
+
+
+def load_v_pair(smem, j, c, row_bytes):
+    i = LANES // 8
+    row = 16 * j + (i % 2) * 8 + LANES % 8
+    r = ldmatrix_x4(smem, tile_offset(row, 2 * c + i // 2, row_bytes), trans=True)
+    return [[r[0], r[1]], [r[2], r[3]]]
+
+
+def p_fragment(s0, s1, dtype):
+    return [pack(s0[0], s0[1], dtype), pack(s0[2], s0[3], dtype), pack(s1[0], s1[1], dtype),
+            pack(s1[2], s1[3], dtype)]  # fmt: skip
+
+
+def swizzled(x: np.ndarray) -> np.ndarray:
+    """A [rows, D] 16-bit tile laid out as the kernel's cp.async copies it (tile_offset)."""
+    rows, d = x.shape
+    row_bytes = 2 * d
+    raw = np.ascontiguousarray(x).view(np.uint8).reshape(rows, row_bytes)
+    smem = np.zeros(rows * row_bytes, dtype=np.uint8)
+    for r in range(rows):
+        for chunk in range(row_bytes // 16):
+            at = tile_offset(r, chunk, row_bytes)
+            smem[at : at + 16] = raw[r, 16 * chunk : 16 * chunk + 16]
+    return smem
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
+def test_one_warp_computes_s_and_o_exactly(head_dim, dtype):
+    rng = np.random.default_rng(head_dim)
+    tile_rows, keys, warp = 64, 32, 2  # the warp's rows: 32..47 of the Q tile
+    q = rng.standard_normal((tile_rows, head_dim)).astype(dtype)
+    k = rng.standard_normal((keys, head_dim)).astype(dtype)
+    v = rng.standard_normal((keys, head_dim)).astype(dtype)
+    q_s, k_s, v_s = swizzled(q), swizzled(k), swizzled(v)
+    row_bytes = 2 * head_dim
+
+    # S = Q K^T: n-tile n holds keys 8n..8n+7 (C layout: rows g, g + 8; keys 2t, 2t + 1)
+    s = [np.zeros((4, 32)) for _ in range(keys // 8)]
+    for c in range(head_dim // 16):
+        a = load_a_rows(q_s, 16 * warp, c, row_bytes)
+        for n in range(0, keys // 8, 2):
+            b = load_k_pair(k_s, 8 * n, c, row_bytes)
+            s[n] = mma(s[n], a, b[0], dtype)
+            s[n + 1] = mma(s[n + 1], a, b[1], dtype)
+    expect = q[16 * warp : 16 * warp + 16].astype(np.float64) @ k.astype(np.float64).T
+    for n in range(keys // 8):
+        for r in range(4):
+            got_rows, got_keys = G + 8 * (r // 2), 8 * n + 2 * T + r % 2
+            np.testing.assert_allclose(s[n][r], expect[got_rows, got_keys], rtol=1e-12)
+
+    # O = P V with P = S rounded to the 16-bit type, through p_fragment and load_v_pair
+    o = [np.zeros((4, 32)) for _ in range(head_dim // 8)]
+    for j in range(keys // 16):
+        a = p_fragment(s[2 * j], s[2 * j + 1], dtype)
+        for c in range(head_dim // 16):
+            b = load_v_pair(v_s, j, c, row_bytes)
+            for h in range(2):
+                o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
+    p = expect.astype(dtype).astype(np.float64)
+    expect_o = p @ v.astype(np.float64)
+    for n in range(head_dim // 8):
+        for r in range(4):
+            rows, dims = G + 8 * (r // 2), 8 * n + 2 * T + r % 2
+            np.testing.assert_allclose(o[n][r], expect_o[rows, dims], rtol=1e-10, atol=1e-10)
+
+
+def test_the_p_fragment_is_the_a_layout_of_s():
+    """p_fragment repacks C-layout accumulators of n-tiles 2j, 2j + 1 into the A layout of
+    the 16 keys they hold: a0 (g, 2t), a1 (g + 8, 2t), a2 (g, 2t + 8), a3 (g + 8, 2t + 8)."""
+    dtype = np.float16
+    value = lambda row, key: row * 100.0 + key  # noqa: E731 - exact in fp16 for these ranges
+    s0 = np.stack([value(G, 2 * T), value(G, 2 * T + 1), value(G + 8, 2 * T),
+                   value(G + 8, 2 * T + 1)])  # fmt: skip
+    s1 = np.stack([value(G, 8 + 2 * T), value(G, 9 + 2 * T), value(G + 8, 8 + 2 * T),
+                   value(G + 8, 9 + 2 * T)])  # fmt: skip
+    a = p_fragment(s0, s1, dtype)
+    for r in range(4):
+        row, col = G + 8 * (r % 2), 2 * T + 8 * (r // 2)
+        lo, hi = halves(a[r], dtype)
+        np.testing.assert_array_equal(lo, value(row, col))
+        np.testing.assert_array_equal(hi, value(row, col + 1))
