@@ -24,6 +24,10 @@ from .attention.prefill import (  # noqa: E402
     BatchPrefillWithRaggedKVCacheWrapper,
 )
 from .attention.single_decode import single_decode_with_kv_cache  # noqa: E402
+from .attention.single_prefill import (  # noqa: E402
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -44,6 +48,8 @@ __all__ = [
     "merge_state_in_place",
     "merge_states",
     "single_decode_with_kv_cache",
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "fused_add_rmsnorm",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",

@@ -169,3 +169,39 @@ def test_torch_and_jax_inputs():
     check(*wrapper.run(jq, jk, jv, return_lse=True), *expect, "bfloat16")
     step = jax.jit(lambda q, k, v: wrapper.run(q, k, v, return_lse=True))
     check(*step(jq, jk, jv), *expect, "bfloat16")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qo_len, kv_len", [(1, 1), (77, 77), (128, 4000), (300, 20), (0, 9),
+                                            (5, 0)])  # fmt: skip
+def test_single_prefill(layout, causal, qo_len, kv_len):
+    rng = np.random.default_rng(qo_len * 7 + kv_len + causal)
+    q = random_values(rng, (qo_len, 8, 128), "float16")
+    k = random_values(rng, (kv_len, 2, 128), "float16")
+    v = random_values(rng, (kv_len, 2, 128), "float16")
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, sm_scale=0.1)
+    gk, gv = to_gpu(k), to_gpu(v)
+    if layout == "HND":
+        gk, gv = gk.transpose(1, 0, 2), gv.transpose(1, 0, 2)  # strided views, not copies
+    o, lse = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), gk, gv, causal=causal,
+                                                   kv_layout=layout, sm_scale=0.1,
+                                                   return_lse=True)  # fmt: skip
+    check(o, lse, o_ref, lse_ref, "float16")
+    o2, lse2 = rtcinfer.single_prefill_with_kv_cache_return_lse(
+        to_gpu(q), gk, gv, causal=causal, kv_layout=layout, sm_scale=0.1
+    )
+    check(o2, lse2, o_ref, lse_ref, "float16")
+
+
+def test_single_prefill_window_soft_cap_and_strided_kv():
+    rng = np.random.default_rng(3)
+    q = random_values(rng, (200, 4, 64), "bfloat16")
+    kv = random_values(rng, (700, 2, 3, 64), "bfloat16")  # K and V interleaved by token
+    k, v = kv[:, 0, :2], kv[:, 1, 1:]
+    o_ref, _ = ref.attention_ref(q, k, v, causal=True, sm_scale=0.125, window_left=100,
+                                 logits_soft_cap=20.0)  # fmt: skip
+    g = to_gpu(kv)
+    o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), g[:, 0, :2], g[:, 1, 1:], causal=True,
+                                              window_left=100, logits_soft_cap=20.0)  # fmt: skip
+    assert_close(to_host(o), o_ref, "bfloat16", "o")

@@ -141,3 +141,58 @@ def test_run_checks_arrays_against_the_plan(wrappers):
         wrapper._prepare_run(good[:2] + [info((20, 4, 128))] + good[3:], 16, static)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         wrapper._prepare_run([good[0]._replace(offset=8)] + good[1:], 16, static)
+
+
+@pytest.fixture
+def single(monkeypatch, wrappers):
+    """single_prefill's prepare without a GPU (the wrappers fixture stubs the kernel's
+    occupancy); the uploaded plan is kept for reading back."""
+    from rtcinfer.attention import single_prefill
+
+    uploads = []
+
+    class Memory:
+        ptr = 4096
+
+    def device_copy(host, device):
+        uploads.append(host.copy())
+        return Memory()
+
+    monkeypatch.setattr(single_prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(single_prefill, "device_copy", device_copy)
+    return single_prefill, uploads
+
+
+def test_single_prefill_reads_hnd_strides_and_packs_one_request(single):
+    single_prefill, uploads = single
+    static = (None, True, "HND", "NONE", None, -1, None, None, None, True)
+    q, k = info((300, 8, 128), "float16"), info((2, 5000, 128), "float16")
+    prep = single_prefill._prepare([q, k, k], 16, static)
+    shapes = [o.shape for o in prep.outs]
+    assert shapes[:2] == [(300, 8, 128), (300, 8)]
+    split = len(shapes) > 2  # a long request on 2 kv heads is split across the GPU
+    assert split
+    (plan,) = uploads
+    items = plan[HEADER_INTS : HEADER_INTS + ITEM_INTS * int(plan[0])].view(WORK_ITEM)
+    assert set(items["kv_len"]) == {5000} and set(items["qo_len"]) == {300}
+    assert set(items["qo_start"]) == {0} and plan[items["page_ids"][0]] == 0
+    assert (items["kv_end"] <= 5000).all() and (items["kv_begin"] < items["kv_end"]).all()
+    launch = next(c.cell_contents for c in prep.run.__closure__
+                  if type(c.cell_contents).__name__ == "Launch")  # fmt: skip
+    params = launch.params
+    assert (params.k_token, params.k_head) == (128 * 2, 5000 * 128 * 2)  # HND: [Hkv, kv, D]
+    assert params.k_page == params.k_token and params.page_size == RAGGED_PAGE
+    assert (params.q_stride_n, params.q_stride_h, params.o_stride_n) == (1024, 128, 1024)
+    assert launch.grid == (2, int(plan[0]), 1)
+
+
+def test_single_prefill_refuses_what_it_cannot_do():
+    import rtcinfer
+
+    q = np.zeros((4, 8, 128), np.float16)
+    with pytest.raises(ValueError, match="scale_q, scale_k and scale_v"):
+        rtcinfer.single_prefill_with_kv_cache(q, q, q, scale_q=q)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        rtcinfer.single_prefill_with_kv_cache(q, q, q, backend="cudnn")
+    with pytest.raises(ValueError, match="custom masks are not supported yet"):
+        rtcinfer.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones(16, bool))

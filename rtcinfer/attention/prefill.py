@@ -24,7 +24,7 @@ from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import INT32_MAX, as_int_array, first_bad, indptr_counts
 from ..plan.decode import _pages_and_lens
-from ..plan.prefill import choose_tile_rows, plan_prefill
+from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
 from .paged_kv import cache_views, check_cache_view, token_head
 from .planned import PlannedWrapper
@@ -41,7 +41,7 @@ def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     return as_int_array(name, x, widen=widen)
 
 
-def _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, use_cuda_graph):
+def unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, use_cuda_graph):
     if custom_mask is not None or packed_custom_mask is not None:
         raise ValueError("custom masks are not supported yet by rtcinfer's prefill")
     if head_dim_vo is not None and head_dim_vo != head_dim_qk:
@@ -84,6 +84,64 @@ class _Launch:
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
 
 
+def plan_launch(
+    cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
+    disable_split_kv=False,
+) -> tuple[Launch, PrefillPlan]:  # fmt: skip
+    """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
+    depends only on them and the configuration filled (the plan's regions and the arrays'
+    pointers and strides are the caller's)."""
+    attn = cfg.attn
+    num_sms, max_smem = limits
+    group = attn.group_size
+    tile_rows = max(64, choose_tile_rows(np.diff(qo_indptr), group, attn.head_dim))
+    if attn.head_dim == 256:
+        tile_rows = 64
+    spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
+                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem)  # fmt: skip
+    k = kernel(spec)
+    ctas = max(1, k.occupancy(device, spec.threads))
+    if fixed_split_size is not None and int(fixed_split_size) == -1:
+        fixed_split_size = None
+    plan = plan_prefill(
+        qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
+        ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
+        page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
+        tile_rows=tile_rows, fixed_split_size=fixed_split_size,
+        disable_split_kv=disable_split_kv,
+    )  # fmt: skip
+    if plan.num_work > MAX_GRID_Y:
+        raise ValueError(
+            f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch "
+            "in parts or use a larger fixed_split_size"
+        )
+    launch = Launch(k, (attn.num_kv_heads, plan.num_work, 1), (spec.threads, 1, 1))
+    p = launch.params
+    p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
+    p.div_magic, p.div_shift = fast_div(attn.page_size)
+    p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
+    return launch, plan
+
+
+def io_fields(q, out, lse, attn: Config) -> dict:
+    """Strides (elements) of q, o and lse, checked; out and lse may be None (dense outputs)."""
+    o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
+                                                      attn.head_dim, 1)  # fmt: skip
+    lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
+    if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
+        raise ValueError(
+            f"q, out and lse must be contiguous in their last dimension, got strides "
+            f"(elements) q {q.strides}, out {o_strides}, lse {lse_strides}"
+        )
+    if q.offset % 16 or any(s % 8 for s in q.strides[:2]):
+        raise ValueError(
+            f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
+            f"strides {q.strides} (elements)"
+        )
+    return dict(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
+                o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
+
+
 class _PrefillWrapper(PlannedWrapper):
     """What the ragged and paged prefill wrappers share: plan() from (qo_indptr, kv_len,
     page list) and run() on (q, K view, V view). A subclass gives _check_kv(cfg, k, v) and
@@ -93,7 +151,7 @@ class _PrefillWrapper(PlannedWrapper):
     RUN_GIVEN = ("out", "lse")
 
     def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False):
-        _unsupported(None, None, None, None, use_cuda_graph)
+        unsupported(None, None, None, None, use_cuda_graph)
         super().__init__(workspace, kv_layout, use_cuda_graph)
         self._launch: _Launch | None = None
 
@@ -106,42 +164,18 @@ class _PrefillWrapper(PlannedWrapper):
         """Plan (qo_indptr, kv_len) over the page list `page_ids` (request b's from
         first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find."""
         cfg = self._configure(args, make_prefill_config, self._setup)
+        launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
+                                   fixed_split_size, disable_split_kv)  # fmt: skip
         attn = cfg.attn
-        num_sms, max_smem = self._limits
-        group = attn.group_size
-        tile_rows = max(64, choose_tile_rows(np.diff(qo_indptr), group, attn.head_dim))
-        if attn.head_dim == 256:
-            tile_rows = 64
-        spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
-                            attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem)  # fmt: skip
-        k = kernel(spec)
-        ctas = max(1, k.occupancy(self._device, spec.threads))
-        if fixed_split_size is not None and int(fixed_split_size) == -1:
-            fixed_split_size = None
-        plan = plan_prefill(
-            qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
-            ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
-            page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
-            tile_rows=tile_rows, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv,
-        )  # fmt: skip
-        if plan.num_work > MAX_GRID_Y:
-            raise ValueError(
-                f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch "
-                "in parts or use a larger fixed_split_size"
-            )
+        tile_rows = launch.kernel.spec.tile_rows
         capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles, plan.num_slots,
                             attn.num_kv_heads, tile_rows, attn.head_dim)  # fmt: skip
         regions = self._upload(
             capacity, lambda buf: pack_plan(buf, plan, qo_indptr, first_page, page_ids)
         )
-        launch = Launch(k, (attn.num_kv_heads, plan.num_work, 1), (spec.threads, 1, 1))
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
         p.partial_lse, p.counters = regions["lse"], regions["counters"]
-        p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
-        p.div_magic, p.div_shift = fast_div(attn.page_size)
-        p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
         self._launch = _Launch(launch, cfg, int(qo_indptr[-1]), num_kv_rows)
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
@@ -226,23 +260,8 @@ class _PrefillWrapper(PlannedWrapper):
                         on_trace=on_trace)  # fmt: skip
 
     def _run_fields(self, q, k, v, out, lse, attn: Config) -> dict:
-        """Strides of q, o, lse (elements) and of K and V (bytes), checked."""
         fields = self._kv_fields(k, v, attn)
-        o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
-                                                          attn.head_dim, 1)  # fmt: skip
-        lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
-        if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
-            raise ValueError(
-                f"q, out and lse must be contiguous in their last dimension, got strides "
-                f"(elements) q {q.strides}, out {o_strides}, lse {lse_strides}"
-            )
-        if q.offset % 16 or any(s % 8 for s in q.strides[:2]):
-            raise ValueError(
-                f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
-                f"strides {q.strides} (elements)"
-            )
-        fields.update(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
-                      o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
+        fields.update(io_fields(q, out, lse, attn))
         return fields
 
 
@@ -259,7 +278,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
         qo = _host_ints("qo_indptr", qo_indptr)
         kv = _host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -317,7 +336,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        _unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
         qo = _host_ints("qo_indptr", qo_indptr)
         indptr = _host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = _host_ints("paged_kv_indices", paged_kv_indices, widen=False)

@@ -19,6 +19,7 @@ from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
 from .decode_plan import ITEM_INTS, header_ints, pack_plan
 from .paged_kv import check_cache_view, check_layout, paged_view, token_head
+from .workspace import device_copy
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
 
@@ -77,7 +78,7 @@ def _prepare(infos, align, static) -> Prepared:
                        ctas_per_sm=ctas_per_sm(spec, device))  # fmt: skip
     host = np.zeros(header_ints(cfg.head_dim) + ITEM_INTS * plan.num_work + pages, np.int32)
     pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
-    plan_buffer = _upload(host, device)
+    plan_buffer = device_copy(host, device)
     w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
     split = w > 1
     outs = [OutSlot((hq, d), cfg.o_dtype)]
@@ -113,16 +114,6 @@ def _prepare(infos, align, static) -> Prepared:
             launch(stream, device)
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer)
-
-
-def _upload(host: np.ndarray, device: int):
-    """A device copy of `host` that lives as long as its prepared launch."""
-    import cupy
-
-    with cupy.cuda.Device(device):
-        memory = cupy.cuda.alloc(host.nbytes)
-        memory.copy_from_host(host.ctypes.data, host.nbytes)
-    return memory
 
 
 _OP = Op("single_decode", ("q", "k", "v"), _prepare)

@@ -40,6 +40,17 @@ def _runtime():
     return runtime
 
 
+def device_copy(host, device: int):
+    """A device copy of the host array `host` (CuPy memory: it lives as long as it is
+    referenced, e.g. by the prepared launch that reads it)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        memory = cupy.cuda.alloc(host.nbytes)
+        memory.copy_from_host(host.ctypes.data, host.nbytes)
+    return memory
+
+
 def user_base(ptr: int, nbytes: int, need: int, cap) -> int:
     """Where the layout starts in a caller's buffer of `nbytes` at `ptr`: the first ALIGN-byte
     boundary (the kernel reads the plan as int4 and the partials as float4); raises when the

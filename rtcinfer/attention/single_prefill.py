@@ -1,0 +1,132 @@
+"""Prefill (append) attention of one request over a contiguous (or strided) K and V,
+FlashInfer's ``single_prefill_with_kv_cache``: the batch prefill kernel with a batch of one,
+K and V read as one ragged "page".
+
+    query i sits at key position i + kv_len - qo_len (bottom-right aligned)
+    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap); hidden keys:
+           j > pos_i (causal), j < pos_i - window_left (window_left >= 0)
+    o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..interop import Op, OutSlot, Prepared, call
+from ..jit import device_limits
+from ..launch import memset_d32
+from .paged_kv import check_cache_view, check_layout, token_head
+from .prefill import io_fields, make_prefill_config, plan_launch, unsupported
+from .prefill_plan import HEADER_INTS, ITEM_INTS, RAGGED_PAGE, pack_plan
+from .workspace import device_copy
+
+BACKENDS = ("auto", "fa2")
+
+
+def single_prefill_with_kv_cache(
+    q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
+    packed_custom_mask=None, causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
+    use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
+    rope_scale=None, rope_theta=None, backend="auto", return_lse=False,
+):  # fmt: skip
+    """Prefill attention of one request (math above).
+
+    q: [qo_len, Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any token and
+    head strides with a contiguous head_dim; qo_len <= kv_len is the usual append case, but any
+    lengths work (queries before the first key see nothing under the causal mask). D in
+    (64, 128, 256). Returns o [qo_len, Hq, D] (o_dtype, default q's), and also
+    lse [qo_len, Hq] float32 (base 2) when return_lse. The work list depends only on the
+    shapes: it is built and uploaded once per signature. QK products accumulate in fp32
+    whatever use_fp16_qk_reduction says.
+    """
+    if scale_q is not None or scale_k is not None or scale_v is not None:
+        raise ValueError("scale_q, scale_k and scale_v (fp8 inputs) are not supported yet")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    unsupported(custom_mask, packed_custom_mask, None, None, False)
+    static = (o_dtype, bool(causal), kv_layout, pos_encoding_mode, sm_scale, window_left,
+              logits_soft_cap, rope_scale, rope_theta, bool(return_lse))  # fmt: skip
+    result = call(_OP, (q, k, v), static)
+    return (result[0], result[1]) if return_lse else result[0]
+
+
+def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
+    """single_prefill_with_kv_cache(..., return_lse=True): (o, lse)."""
+    kwargs["return_lse"] = True
+    return single_prefill_with_kv_cache(q, k, v, *args, **kwargs)
+
+
+def _prepare(infos, align, static) -> Prepared:
+    """Slots (q, k, v) -> o (and lse); a split plan adds per-call scratch outputs (partial o,
+    partial lse, merge counters) so that concurrent calls never share them."""
+    o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left, cap = static[:7]
+    rope_scale, rope_theta, with_lse = static[7:]
+    q, k, v = infos
+    check_layout(kv_layout)
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"expected q [qo_len, Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] "
+            f"(HND), got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    qo_len, num_qo_heads, head_dim = q.shape
+    (kv_len, num_kv_heads), (k_token, k_head) = token_head(k.shape, k.strides, kv_layout)
+    _, (v_token, v_head) = token_head(v.shape, v.strides, kv_layout)
+    if k.shape[2] != head_dim or v.dtype != k.dtype:
+        raise ValueError(
+            f"k and v must share q's head_dim ({head_dim}) and one dtype, got k {k.dtype} "
+            f"{k.shape}, v {v.dtype} {v.shape}"
+        )
+    cfg = make_prefill_config(num_qo_heads, num_kv_heads, head_dim, RAGGED_PAGE, causal,
+                              pos_encoding_mode, window_left, cap, q.dtype, k.dtype, o_dtype,
+                              sm_scale, rope_scale, rope_theta)  # fmt: skip
+    attn = cfg.attn
+    device = q.device
+    qo_indptr = np.array([0, qo_len], dtype=np.int64)
+    launch, plan = plan_launch(cfg, qo_indptr, np.array([kv_len], dtype=np.int64), device,
+                               device_limits(device))  # fmt: skip
+    tile_rows = launch.kernel.spec.tile_rows
+    host = np.zeros(HEADER_INTS + ITEM_INTS * plan.num_work + 1, np.int32)
+    pack_plan(host, plan, qo_indptr, np.zeros(1, np.int64), np.zeros(1, np.int32))
+    plan_buffer = device_copy(host, device)
+
+    outs = [OutSlot((qo_len, num_qo_heads, head_dim), attn.o_dtype)]
+    if with_lse:
+        outs.append(OutSlot((qo_len, num_qo_heads), "float32"))
+    split = plan.num_slots > 0
+    counters = plan.num_tiles * num_kv_heads
+    if split:
+        rows = plan.num_slots * num_kv_heads * tile_rows
+        outs += [OutSlot((rows, head_dim), "float32"), OutSlot((rows,), "float32"),
+                 OutSlot((counters,), "int32")]  # fmt: skip
+    p = launch.params
+    p.plan = plan_buffer.ptr
+    item = k.itemsize
+    for name, arr, token, head in (("k", k, k_token, k_head), ("v", v, v_token, v_head)):
+        check_cache_view(name, arr.offset, (kv_len, num_kv_heads), (token * item, head * item),
+                         item, arr.strides[2] * item)  # fmt: skip
+    p.k_page = p.k_token = k_token * item
+    p.v_page = p.v_token = v_token * item
+    p.k_head, p.v_head = k_head * item, v_head * item
+    for name, value in io_fields(q, None, None, attn).items():
+        setattr(p, name, value)
+    p.qk_scale, p.v_scale = attn.sm_scale, 1.0
+    n_lse = 1 if with_lse else 0
+    empty = qo_len == 0
+
+    def run(stream, device, ptrs, scalars):
+        if empty:
+            return
+        with launch.lock:
+            p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
+            p.lse = ptrs[4] if with_lse else 0
+            if split:
+                p.partial_o, p.partial_lse, p.counters = ptrs[4 + n_lse : 7 + n_lse]
+                memset_d32(p.counters, 0, counters, stream)
+            launch(stream, device)
+
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer)
+
+
+_OP = Op("single_prefill", ("q", "k", "v"), _prepare)
+
+__all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
