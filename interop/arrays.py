@@ -58,6 +58,19 @@ def as_cupy(x, name: str):
         raise TypeError(f"{name}: cannot take {_describe(x)} as a CUDA array: {e}") from e
 
 
+def device_like(host, like):
+    """A device copy of the host array `host` in the framework and on the device of `like`."""
+    fw = framework(like)
+    if fw == "torch":
+        return sys.modules["torch"].as_tensor(host, device=like.device)
+    if fw == "jax":
+        return sys.modules["jax"].device_put(host, next(iter(like.devices())))
+    import cupy
+
+    with cupy.cuda.Device(device_of(like)):
+        return cupy.asarray(host)
+
+
 def device_of(x) -> int:
     """CUDA device ordinal of an array of any framework (without conversion)."""
     fw = framework(x)

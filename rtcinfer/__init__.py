@@ -35,6 +35,7 @@ from .norm import (  # noqa: E402
     layernorm,
     rmsnorm,
 )
+from .packbits import packbits, segment_packbits  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
@@ -50,6 +51,8 @@ __all__ = [
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
+    "packbits",
+    "segment_packbits",
     "fused_add_rmsnorm",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import activation, norm, rope
+from . import activation, norm, packbits, rope
 from .attention import cascade, decode_kernel, page, prefill_kernel
 from .sampling.cluster import ClusterSampleSpec
 from .sampling.renorm import RenormSpec
@@ -78,6 +78,7 @@ def shipped_specs() -> list:
                                      ("float32", False, False)]]  # fmt: skip
     specs += [page.PageSpec(256, 16), page.PageSpec(64, 4)]  # page.INDEX_SPEC is PageSpec(16, 16)
     specs += sampling_specs()
+    specs += [packbits.PackbitsSpec(True, "int32"), packbits.PackbitsSpec(False, "int64")]
     return list(dict.fromkeys(specs))
 
 

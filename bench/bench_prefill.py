@@ -1,0 +1,231 @@
+"""Batch prefill on the GPU over a ragged and a paged KV cache (page 16, permuted pages), three
+views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph view (visible
+(query, key) pairs only), % of a bf16 GEMM measured in the same run, and the three views of
+FlashInfer's wrapper of the same form measured in the same run (FI_BACKEND); then plan() host
+time for a 64-request batch. rtcinfer is called with PyTorch tensors when PyTorch is installed
+(as FlashInfer is); "CuPy graph us" is the same call on CuPy arrays captured with CuPy's stream
+capture."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+import rtcinfer
+from bench.bench_decode import random_cache
+from bench.common import (
+    PEER_COLUMNS,
+    VIEW_COLUMNS,
+    Table,
+    Tables,
+    callers,
+    cupy,
+    graph_time_us,
+    header,
+    peer,
+    peer_cells,
+    peer_views,
+    ratio,
+    time_us,
+    views,
+)
+from rtcinfer.interop.dtypes import numpy_dtype
+
+PAGE = 16
+# 64 prompts of 16 to 240 tokens (mean ~128), the same every run
+MIXED = tuple(int(n) for n in np.random.default_rng(1).integers(16, 241, 64))
+# label, qo_len of each request, keys cached before its queries, Hq, Hkv, head_dim, causal
+ROWS = [
+    ("1 x 4096", (4096,), 0, 32, 8, 128, True),
+    ("4 x 4096", (4096,) * 4, 0, 32, 8, 128, True),
+    ("16 x 1024", (1024,) * 16, 0, 32, 8, 128, True),
+    ("32 x 512", (512,) * 32, 0, 32, 8, 128, True),
+    (f"64 x 16-240 (mixed, {sum(MIXED)} tokens)", MIXED, 0, 32, 8, 128, True),
+    ("8192 + 63 x 128 (skewed)", (8192,) + (128,) * 63, 0, 32, 8, 128, True),
+    ("append 16 x 256 to 4096", (256,) * 16, 4096, 32, 8, 128, True),
+    ("16 x 1024, non-causal", (1024,) * 16, 0, 32, 8, 128, False),
+    ("16 x 1024, MHA (Hkv 32)", (1024,) * 16, 0, 32, 32, 128, True),
+    ("4 x 4096, head_dim 64", (4096,) * 4, 0, 32, 8, 64, True),
+]  # fmt: skip
+FORMS = {"ragged": "BatchPrefillWithRaggedKVCacheWrapper",
+         "paged": "BatchPrefillWithPagedKVCacheWrapper"}  # fmt: skip
+# FlashInfer's backend per head_dim: fa3 is its own choice on sm90 (backend="auto"); its nvcc
+# JIT takes ~100 s per head_dim, so head_dim 64 is measured against fa2 (~15 s), as in
+# shared/anchors.md. One module per (backend, head_dim) serves both forms, causal or not.
+FI_BACKEND = {128: "fa3", 64: "fa2"}
+
+
+def indptr_of(lengths: np.ndarray) -> np.ndarray:
+    indptr = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
+    np.cumsum(lengths, out=indptr[1:])
+    return indptr
+
+
+def page_table(kv_len: np.ndarray, rng):
+    pages = -(-kv_len // PAGE)
+    indptr = indptr_of(pages)
+    indices = rng.permutation(int(indptr[-1])).astype(np.int32)  # scattered pages
+    last = (kv_len - (pages - 1) * PAGE).astype(np.int32)
+    return indptr, indices, last
+
+
+def visible_pairs(qo_len: np.ndarray, kv_len: np.ndarray, causal: bool) -> int:
+    """(query, key) pairs the mask lets through: causal (bottom-right aligned), query i of a
+    request sees keys 0 .. kv_len - qo_len + i; otherwise all kv_len keys."""
+    if not causal:
+        return int(np.dot(qo_len.astype(np.int64), kv_len))
+    pairs = 0
+    for q, k in zip(qo_len.tolist(), kv_len.tolist(), strict=True):
+        pairs += int(np.clip(k - q + np.arange(q) + 1, 0, k).sum())
+    return pairs
+
+
+@functools.cache
+def gemm_tflops(n: int = 8192) -> float:
+    """The bf16 GEMM ceiling, n^3 (PyTorch; CuPy float16 without it): 2 n^3 / time, TFLOP/s."""
+    torch = peer("torch")
+    if torch is not None:
+        a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        c = torch.empty_like(a)
+        us = time_us(lambda: torch.matmul(a, b, out=c), repeat=10, flush=False)
+    else:
+        cp = cupy()
+        a, b = (cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+                for _ in range(2))  # fmt: skip
+        c = cp.empty_like(a)
+        us = time_us(lambda: cp.matmul(a, b, out=c), repeat=10, flush=False)
+    return 2 * n**3 / us / 1e6
+
+
+def batch(form: str, qo_len: np.ndarray, kv_len: np.ndarray, hkv: int, head_dim: int, rng):
+    """(the host tables plan() takes before the head counts, the K/V arrays run() takes after
+    q): ragged (qo_indptr, kv_indptr) and (k, v); paged (qo_indptr, paged_kv_indptr,
+    paged_kv_indices, paged_kv_last_page_len) and one [pages, 2, PAGE, Hkv, D] cache."""
+    qo_indptr = indptr_of(qo_len)
+    if form == "ragged":
+        kv_indptr = indptr_of(kv_len)
+        shape = (int(kv_indptr[-1]), hkv, head_dim)
+        return (qo_indptr, kv_indptr), tuple(random_cache(shape, "bfloat16") for _ in range(2))
+    indptr, indices, last = page_table(kv_len, rng)
+    cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, head_dim), "bfloat16")
+    return (qo_indptr, indptr, indices, last), (cache,)
+
+
+def flashinfer_wrapper(fi, torch, wrappers: dict, form: str, backend: str):
+    """FlashInfer's wrapper of `form` on `backend` with a 128 MB workspace, made once and
+    re-planned for every row (None, with a note, if it cannot be made)."""
+    key = (form, backend)
+    if key not in wrappers:
+        try:
+            workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+            wrappers[key] = getattr(fi, FORMS[form])(workspace, "NHD", backend=backend)
+        except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+            print(f"# flashinfer {form} {backend} failed: {type(e).__name__}: {str(e)[:200]}")
+            wrappers[key] = None
+    return wrappers[key]
+
+
+def flashinfer_tables(torch, form: str, tables: tuple) -> list:
+    """plan()'s tables as FlashInfer takes them: host int32 tensors, the page ids on the GPU."""
+    tensors = [torch.from_numpy(a) for a in tables]
+    if form == "paged":
+        tensors[2] = tensors[2].cuda()
+    return tensors
+
+
+def flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal, tq, tkv):
+    """views() of FlashInfer's run() on the batch (None if its plan fails)."""
+    wrapper = flashinfer_wrapper(fi, torch, wrappers, form, backend)
+    if wrapper is None:
+        return None
+    try:
+        wrapper.plan(*flashinfer_tables(torch, form, tables), *dims, causal=causal,
+                     q_data_type=torch.bfloat16)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+        print(f"# flashinfer {form} {backend} plan failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    tout = torch.empty_like(tq)
+    return peer_views(f"flashinfer {form} {backend}",
+                      lambda: wrapper.run(tq, *tkv, out=tout))  # fmt: skip
+
+
+def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
+    cp = cupy()
+    bf16 = numpy_dtype("bfloat16")
+    for label, qo_lens, prefix, hq, hkv, head_dim, causal in ROWS:
+        qo_len = np.array(qo_lens, dtype=np.int32)
+        kv_len = qo_len + prefix
+        tables, kv = batch(form, qo_len, kv_len, hkv, head_dim, rng)
+        dims = (hq, hkv, head_dim) + ((PAGE,) if form == "paged" else ())
+        q = random_cache((int(qo_len.sum()), hq, head_dim), "bfloat16")
+        out = cp.empty(q.shape, dtype=bf16)
+        wrapper = getattr(rtcinfer, FORMS[form])()
+        wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
+        cupy_graph = graph_time_us(lambda: wrapper.run(q, *kv, out=out))
+        (tq, tout, *tkv), is_torch = callers(q, out, *kv)
+        ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
+        flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
+        tflops = flops / ours.graph / 1e6
+        backend, theirs = FI_BACKEND[head_dim], None
+        if fi is not None and torch is not None:
+            theirs = flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal,
+                                      tq, tkv)  # fmt: skip
+        table.add(label, *ours.cells(), cupy_graph, tflops, 100 * tflops / gemm_tflops(),
+                  *peer_cells(ours, theirs), "" if theirs is None else backend)  # fmt: skip
+
+
+def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
+    """plan() host time for the 64 mixed requests (host arrays, no device sync)."""
+    qo_len = np.array(MIXED, dtype=np.int32)
+    tables, _ = batch(form, qo_len, qo_len, 8, 128, rng)
+    dims = (32, 8, 128) + ((PAGE,) if form == "paged" else ())
+    wrapper = getattr(rtcinfer, FORMS[form])()
+    times = []
+    for _ in range(300):
+        start = time.perf_counter()
+        wrapper.plan(*tables, *dims, causal=True, q_data_type="bfloat16")
+        times.append(time.perf_counter() - start)
+    ours = float(np.median(times[50:])) * 1e6
+    theirs, backend = None, FI_BACKEND[128]
+    fw = None
+    if fi is not None and torch is not None:
+        fw = flashinfer_wrapper(fi, torch, wrappers, form, backend)
+    if fw is not None:
+        host = flashinfer_tables(torch, form, tables)
+        try:
+            for i in range(100):
+                start = time.perf_counter()
+                fw.plan(*host, *dims, causal=True, q_data_type=torch.bfloat16)
+                times[i] = time.perf_counter() - start
+            theirs = float(np.median(times[20:100])) * 1e6
+        except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+            print(f"# flashinfer {form} plan failed: {type(e).__name__}: {str(e)[:200]}")
+    blank = (None,) * 5  # loop, graph, CuPy graph, TFLOP/s, % GEMM of a kernel row
+    table.add("plan(), 64 mixed requests (host us)", ours, *blank, theirs, None, None,
+              ratio(ours, theirs), None, "" if theirs is None else backend)  # fmt: skip
+
+
+def main() -> Tables:
+    fi, torch = peer("flashinfer"), peer("torch")
+    rng = np.random.default_rng(0)
+    print(header())
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "TFLOP/s", "% GEMM", *PEER_COLUMNS,
+               "FI backend"]  # fmt: skip
+    wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
+    tables = Tables()
+    for form, kv in (("ragged", "ragged KV"), ("paged", f"paged KV, page {PAGE}, permuted pages")):
+        table = Table(
+            f"batch prefill, {kv} (bf16, Hq 32 / Hkv 8, head_dim 128, causal unless noted; "
+            f"% GEMM of a bf16 8192^3 GEMM at {gemm_tflops():.0f} TFLOP/s)",
+            columns,
+        )
+        prefill_rows(table, form, fi, torch, wrappers, rng)
+        plan_row(table, form, fi, torch, wrappers, rng)
+        tables.append(table)
+    return tables
+
+
+if __name__ == "__main__":
+    print(main().markdown())
