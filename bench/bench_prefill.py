@@ -99,18 +99,21 @@ def gemm_tflops(n: int = 8192) -> float:
     return 2 * n**3 / us / 1e6
 
 
-def batch(form: str, qo_len: np.ndarray, kv_len: np.ndarray, hkv: int, head_dim: int, rng):
-    """(the host tables plan() takes before the head counts, the K/V arrays run() takes after
-    q): ragged (qo_indptr, kv_indptr) and (k, v); paged (qo_indptr, paged_kv_indptr,
-    paged_kv_indices, paged_kv_last_page_len) and one [pages, 2, PAGE, Hkv, D] cache."""
-    qo_indptr = indptr_of(qo_len)
+def plan_tables(form: str, qo_len: np.ndarray, kv_len: np.ndarray, rng) -> tuple:
+    """The host tables plan() takes before the head counts: ragged (qo_indptr, kv_indptr);
+    paged (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)."""
     if form == "ragged":
-        kv_indptr = indptr_of(kv_len)
-        shape = (int(kv_indptr[-1]), hkv, head_dim)
-        return (qo_indptr, kv_indptr), tuple(random_cache(shape, "bfloat16") for _ in range(2))
-    indptr, indices, last = page_table(kv_len, rng)
-    cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, head_dim), "bfloat16")
-    return (qo_indptr, indptr, indices, last), (cache,)
+        return indptr_of(qo_len), indptr_of(kv_len)
+    return (indptr_of(qo_len), *page_table(kv_len, rng))
+
+
+def kv_arrays(form: str, tables: tuple, hkv: int, head_dim: int) -> tuple:
+    """The K/V arrays run() takes after q: ragged (k, v) [nnz_kv, Hkv, D] each; paged one
+    [pages, 2, PAGE, Hkv, D] cache."""
+    if form == "ragged":
+        shape = (int(tables[1][-1]), hkv, head_dim)
+        return tuple(random_cache(shape, "bfloat16") for _ in range(2))
+    return (random_cache((int(tables[1][-1]), 2, PAGE, hkv, head_dim), "bfloat16"),)
 
 
 def flashinfer_wrapper(fi, torch, wrappers: dict, form: str, backend: str):
@@ -157,7 +160,8 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
     for label, qo_lens, prefix, hq, hkv, head_dim, causal in ROWS:
         qo_len = np.array(qo_lens, dtype=np.int32)
         kv_len = qo_len + prefix
-        tables, kv = batch(form, qo_len, kv_len, hkv, head_dim, rng)
+        tables = plan_tables(form, qo_len, kv_len, rng)
+        kv = kv_arrays(form, tables, hkv, head_dim)
         dims = (hq, hkv, head_dim) + ((PAGE,) if form == "paged" else ())
         q = random_cache((int(qo_len.sum()), hq, head_dim), "bfloat16")
         out = cp.empty(q.shape, dtype=bf16)
@@ -179,7 +183,7 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
 def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
     """plan() host time for the 64 mixed requests (host arrays, no device sync)."""
     qo_len = np.array(MIXED, dtype=np.int32)
-    tables, _ = batch(form, qo_len, qo_len, 8, 128, rng)
+    tables = plan_tables(form, qo_len, qo_len, rng)
     dims = (32, 8, 128) + ((PAGE,) if form == "paged" else ())
     wrapper = getattr(rtcinfer, FORMS[form])()
     times = []

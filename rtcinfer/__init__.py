@@ -28,6 +28,7 @@ from .attention.single_prefill import (  # noqa: E402
     single_prefill_with_kv_cache,
     single_prefill_with_kv_cache_return_lse,
 )
+from .bitpack import packbits, segment_packbits  # noqa: E402
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -35,7 +36,6 @@ from .norm import (  # noqa: E402
     layernorm,
     rmsnorm,
 )
-from .packbits import packbits, segment_packbits  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import activation, norm, packbits, rope
+from . import activation, bitpack, norm, rope
 from .attention import cascade, decode_kernel, page, prefill_kernel
 from .sampling.cluster import ClusterSampleSpec
 from .sampling.renorm import RenormSpec
@@ -78,7 +78,7 @@ def shipped_specs() -> list:
                                      ("float32", False, False)]]  # fmt: skip
     specs += [page.PageSpec(256, 16), page.PageSpec(64, 4)]  # page.INDEX_SPEC is PageSpec(16, 16)
     specs += sampling_specs()
-    specs += [packbits.PackbitsSpec(True, "int32"), packbits.PackbitsSpec(False, "int64")]
+    specs += [bitpack.PackbitsSpec(True, "int32"), bitpack.PackbitsSpec(False, "int64")]
     return list(dict.fromkeys(specs))
 
 
@@ -104,8 +104,8 @@ def decode_specs() -> list:
 
 def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
-    head_dim 64/128/256, query tiles of 64 and 128 rows, causal or not, ALiBi, soft cap, the
-    2-stage ring (small shared memory)."""
+    head_dim 64/128/256, query tiles of 64 and 128 rows, causal, custom mask or neither,
+    ALiBi, soft cap, the 2-stage ring (small shared memory)."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True),
@@ -113,6 +113,7 @@ def prefill_specs() -> list:
         spec("bfloat16", "float16", 64, 128, False),
         spec("float16", "float16", 256, 64, True, "NONE", True),
         spec("bfloat16", "bfloat16", 128, 128, False, max_smem=100 * 1024),
+        spec("float16", "float16", 128, 64, False, "NONE", True, custom_mask=True),
     ]
 
 

@@ -209,6 +209,7 @@ def attention_ref(
     k_positions=None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    mask=None,
 ):
     """Attention of q [qo_len, Hq, D] over k [kv_len, Hkv, D], v [kv_len, Hkv, Dv].
 
@@ -218,7 +219,8 @@ def attention_ref(
 
     Positions default to bottom-right alignment: kp = arange(kv_len), qp = the last qo_len
     of them (decode: qp = kv_len - 1). Key j is hidden when causal and kp[j] > qp[i], or when
-    window_left >= 0 and qp[i] - kp[j] > window_left. ALiBi is added before the soft cap,
+    window_left >= 0 and qp[i] - kp[j] > window_left, or when mask (bool [qo_len, kv_len])
+    is given and mask[i, j] is False. ALiBi is added before the soft cap,
     the order of FlashInfer's attention variant. Returns (o float64, lse float64 [qo_len, Hq]).
     Notes on FlashInfer's kernels: decode measures the ALiBi distance from index 0, so its LSE
     is ours + slope[h] * qp * log2(e) (o is the same: a per-row shift cancels); with ALiBi and
@@ -249,6 +251,8 @@ def attention_ref(
         visible &= dist <= 0
     if window_left >= 0:
         visible &= -dist <= window_left
+    if mask is not None:
+        visible &= np.asarray(mask, dtype=bool).reshape(qo_len, kv_len)
     s = np.where(visible[None], s, -np.inf)
     m = s.max(axis=-1, keepdims=True)  # [Hq, qo_len, 1]
     empty = m == -np.inf

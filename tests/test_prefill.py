@@ -29,10 +29,12 @@ def ragged_batch(rng, qo, extra, hq=8, hkv=2, d=128, dtype="bfloat16"):
     return q, k, v, qo_indptr, kv_indptr
 
 
-def reference(q, k, v, qo_indptr, kv_indptr, **features):
+def reference(q, k, v, qo_indptr, kv_indptr, masks=None, **features):
+    """Each request on its own; masks: one bool [qo_len, kv_len] per request (or None)."""
     outs = [
         ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
-                          v[kv_indptr[b] : kv_indptr[b + 1]], **features)
+                          v[kv_indptr[b] : kv_indptr[b + 1]],
+                          mask=None if masks is None else masks[b], **features)
         for b in range(len(qo_indptr) - 1)
     ]  # fmt: skip
     return np.concatenate([o for o, _ in outs]), np.concatenate([s for _, s in outs])
@@ -205,3 +207,69 @@ def test_single_prefill_window_soft_cap_and_strided_kv():
     o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), g[:, 0, :2], g[:, 1, 1:], causal=True,
                                               window_left=100, logits_soft_cap=20.0)  # fmt: skip
     assert_close(to_host(o), o_ref, "bfloat16", "o")
+
+
+def random_masks(rng, qo_indptr, kv_indptr):
+    """One bool [qo_len, kv_len] per request: random, with a fully hidden row and a row that
+    sees one key where there is room."""
+    masks = []
+    for qo, kv in zip(np.diff(qo_indptr), np.diff(kv_indptr), strict=True):
+        m = rng.random((qo, kv)) < 0.6
+        if qo > 2 and kv > 0:
+            m[0] = False
+            m[1] = False
+            m[1, rng.integers(kv)] = True
+        masks.append(m)
+    return masks
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_ragged_custom_mask(packed, split):
+    rng = np.random.default_rng(11 + packed + 2 * split)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [0, 1, 70, 300, 5], [4, 0, 9, 150, 600])
+    masks = random_masks(rng, qo_indptr, kv_indptr)
+    flat = np.concatenate([m.ravel() for m in masks])
+    kwargs = dict(custom_mask=to_gpu(flat))
+    if packed:
+        bit_indptr = np.concatenate([[0], np.cumsum([m.size for m in masks])])
+        kwargs = dict(packed_custom_mask=rtcinfer.segment_packbits(to_gpu(flat), bit_indptr,
+                                                                   "little")[0])  # fmt: skip
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=True, q_data_type="bfloat16",
+                 window_left=200, disable_split_kv=not split,
+                 fixed_split_size=64 if split else None, **kwargs)  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True)
+    # The custom mask replaces the causal one; the window still applies.
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, masks, sm_scale=1 / np.sqrt(128),
+                             window_left=200), "bfloat16")  # fmt: skip
+
+
+def test_paged_custom_mask_from_host_and_single_prefill_masks():
+    rng = np.random.default_rng(12)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [33, 128], [100, 3], hq=4, hkv=4, d=64)
+    masks = random_masks(rng, qo_indptr, kv_indptr)
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
+    cache = np.zeros((num_pages, 2, 16, 4, 64), dtype=k.dtype)
+    for b, n in enumerate(kv_lens):
+        for t in range(n):
+            page, slot = indices[indptr[b] + t // 16], t % 16
+            cache[page, 0, slot], cache[page, 1, slot] = k[kv_indptr[b] + t], v[kv_indptr[b] + t]
+    wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+    wrapper.plan(qo_indptr, indptr, indices, last, 4, 4, 64, 16, q_data_type="bfloat16",
+                 custom_mask=np.concatenate([m.ravel() for m in masks]))  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(cache), return_lse=True)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, masks, sm_scale=1 / 8), "bfloat16")
+
+    b = 1  # single prefill of request 1 with its mask, boolean and packed
+    qb, kb, vb = (x[i[b] : i[b + 1]] for x, i in ((q, qo_indptr), (k, kv_indptr),
+                                                   (v, kv_indptr)))  # fmt: skip
+    o_ref, lse_ref = ref.attention_ref(qb, kb, vb, sm_scale=1 / 8, mask=masks[b])
+    for kwargs in (dict(custom_mask=to_gpu(masks[b])),
+                   dict(packed_custom_mask=rtcinfer.packbits(to_gpu(masks[b].ravel()),
+                                                             "little"))):  # fmt: skip
+        o, lse = rtcinfer.single_prefill_with_kv_cache(to_gpu(qb), to_gpu(kb), to_gpu(vb),
+                                                       causal=True, return_lse=True,
+                                                       **kwargs)  # fmt: skip
+        check(o, lse, o_ref, lse_ref, "bfloat16")

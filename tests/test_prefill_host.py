@@ -94,7 +94,6 @@ def test_paged_plan_reads_the_table(wrappers):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(custom_mask=np.ones(4, bool)), ValueError, "custom masks are not supported yet"),
         (dict(head_dim_vo=64), ValueError, r"head_dim_vo \(64\) != head_dim_qk"),
         (dict(pos_encoding_mode="ROPE_LLAMA"), ValueError, "ROPE_LLAMA.* not supported yet"),
         (dict(kv_data_type="float8_e4m3fn"), TypeError, "fp8 KV.* not supported yet"),
@@ -167,7 +166,7 @@ def test_single_prefill_reads_hnd_strides_and_packs_one_request(single):
     single_prefill, uploads = single
     static = (None, True, "HND", "NONE", None, -1, None, None, None, True)
     q, k = info((300, 8, 128), "float16"), info((2, 5000, 128), "float16")
-    prep = single_prefill._prepare([q, k, k], 16, static)
+    prep = single_prefill._prepare([q, k, k, None], 16, static)
     shapes = [o.shape for o in prep.outs]
     assert shapes[:2] == [(300, 8, 128), (300, 8)]
     split = len(shapes) > 2  # a long request on 2 kv heads is split across the GPU
@@ -194,5 +193,45 @@ def test_single_prefill_refuses_what_it_cannot_do():
         rtcinfer.single_prefill_with_kv_cache(q, q, q, scale_q=q)
     with pytest.raises(ValueError, match="backend must be one of"):
         rtcinfer.single_prefill_with_kv_cache(q, q, q, backend="cudnn")
-    with pytest.raises(ValueError, match="custom masks are not supported yet"):
-        rtcinfer.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones(16, bool))
+    with pytest.raises(ValueError, match=r"custom_mask: expected shape \(4, 4\)"):
+        rtcinfer.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones(15, bool))
+
+
+def test_custom_mask_is_packed_per_request_and_replaces_causal(wrappers, monkeypatch):
+    """A boolean host mask: each request's qo_len x kv_len bits packed (little-endian) on whole
+    bytes of its own, its first byte in every work item of the request; causal is dropped."""
+    from rtcinfer.attention import prefill_mask
+
+    prefill, packed = wrappers
+    copies = []
+
+    class Memory:
+        ptr = 1 << 20
+
+    def device_copy(host, device):
+        copies.append(host)
+        return Memory()
+
+    monkeypatch.setattr(prefill_mask, "device_copy", device_copy)
+    qo_indptr, kv_indptr = [0, 3, 3, 8], [0, 5, 9, 20]  # blocks of 3 x 5, 0 x 4, 5 x 11 bits
+    rng = np.random.default_rng(0)
+    mask = rng.random(15 + 55) < 0.5
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, custom_mask=mask, causal=True,
+                 q_data_type="bfloat16")  # fmt: skip
+    (bits,) = copies
+    want = np.concatenate([np.packbits(mask[:15], bitorder="little"),
+                           np.packbits(mask[15:], bitorder="little")])  # fmt: skip
+    np.testing.assert_array_equal(bits, want)
+    items, _ = items_of(packed)
+    for it in items:
+        assert it["mask_byte"] == {0: 0, 3: 2}[int(it["qo_start"])]  # 15 bits = 2 bytes
+    launch = wrapper._launch.launch
+    spec = launch.kernel.spec
+    assert spec.custom_mask and not spec.causal and launch.params.mask == 1 << 20
+    with pytest.raises(ValueError, match=r"custom_mask: expected bool with .* = 70 elements"):
+        wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, custom_mask=mask[:69],
+                     q_data_type="bfloat16")  # fmt: skip
+    with pytest.raises(ValueError, match="packed_custom_mask: expected uint8 with at least 9"):
+        wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, packed_custom_mask=want[:8],
+                     q_data_type="bfloat16")  # fmt: skip

@@ -2,7 +2,9 @@
 // item (plan/prefill.py) per CTA row of the grid:
 //   o[i, h] = softmax_j(transform(q[i, h] . k[j, h / g])) @ V,  lse = log2(sum_j e^(s_j))
 //   query i of a request sits at key position i + kv_len - qo_len (bottom-right alignment);
-//   key j is visible to it when j <= its position (CAUSAL) and within the window.
+//   key j is visible to it when j <= its position (CAUSAL) and within the window; with
+//   CUSTOM_MASK, when bit i * kv_len + j of the request's packed mask is set (and within the
+//   window; CAUSAL is then off).
 // Grid: blockIdx.x = kv head, blockIdx.y = work item: a tile of TILE_ROWS packed query rows
 // (row r = query r / group_size, head r % group_size of the kv head's group) over the keys
 // [kv_begin, kv_end) of one KV chunk. Items past the plan's count exit at once.
@@ -14,8 +16,8 @@
 // only). Shared memory: the Q tile, the ring, a flag; SMEM_BYTES in all.
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
-// Prelude: QT (= KVT), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, POS_ENCODING
-// (PosEncoding: NONE or ALIBI), SOFT_CAP, SMEM_BYTES.
+// Prelude: QT (= KVT), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
+// POS_ENCODING (PosEncoding: NONE or ALIBI), SOFT_CAP, SMEM_BYTES.
 #include "mma.cuh"
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
@@ -39,6 +41,7 @@ static_assert(TILE_ROWS == 64 || TILE_ROWS == 128, "4 or 8 warps of 16 rows");
 static_assert(KV_TILE % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
 static_assert(Q_BYTES + RING_BYTES + 16 == SMEM_BYTES, "host layout");
 static_assert(POS_ENCODING != PosEncoding::ROPE_LLAMA, "in-kernel RoPE is not built yet");
+static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
 
 using MT = QT;
 using Loader = PagedTileLoader<KV_TILE, ROW_BYTES, THREADS>;
@@ -59,7 +62,7 @@ struct alignas(16) PrefillWorkItem {
   int tile;         // the tile's index (its merge counters)
   int merge_slot;   // the tile's first slot
   int merge_count;  // the tile's items
-  int unused;
+  int mask_byte;    // CUSTOM_MASK: the request's first byte in the packed mask
 };
 
 struct PrefillParams {
@@ -72,6 +75,8 @@ struct PrefillParams {
   float* partial_o;       // [slots, Hkv, TILE_ROWS, HEAD_DIM]
   float* partial_lse;     // [slots, Hkv, TILE_ROWS]
   int* counters;          // [tiles, Hkv], zero between launches
+  const uint8_t* mask;    // CUSTOM_MASK: packed bits, little-endian within a byte: (query i,
+                          //   key j) of a request at bit 8 * mask_byte + i * kv_len + j
   int64_t q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
   int64_t k_page, k_token, k_head, v_page, v_token, v_head;
   int num_qo_heads, group_size, page_size;
@@ -89,6 +94,7 @@ struct Rows {
   bool valid[2];
   int query[2], head[2], pos[2];
   float slope[2];
+  int64_t mask_bit[2];  // CUSTOM_MASK: the bit of (the row's query, key 0)
 
   RTC_DEVICE void init(const PrefillWorkItem& w, const PrefillParams& p, int kv_head, int warp,
                        int g) {
@@ -100,13 +106,20 @@ struct Rows {
       head[i] = kv_head * p.group_size + packed % p.group_size;
       pos[i] = query[i] + w.kv_len - w.qo_len;
       slope[i] = ALIBI ? alibi_slope(head[i], p.num_qo_heads) : 0.f;
+      mask_bit[i] = 8 * static_cast<int64_t>(w.mask_byte) +
+                    static_cast<int64_t>(query[i]) * w.kv_len;
     }
   }
 
   // Whether key `key` is visible to row i within the item's keys [begin, end).
-  RTC_DEVICE bool sees(int i, int key, int begin, int end, int window_left) const {
+  RTC_DEVICE bool sees(int i, int key, int begin, int end, int window_left,
+                       const uint8_t* mask) const {
     bool ok = key >= begin && key < end;
     if constexpr (CAUSAL) ok = ok && key <= pos[i];
+    if constexpr (CUSTOM_MASK) {
+      const int64_t bit = mask_bit[i] + key;
+      ok = ok && valid[i] && (__ldg(mask + (bit >> 3)) >> (bit & 7) & 1);
+    }
     return window_left >= 0 ? ok && key >= pos[i] - window_left : ok;
   }
 };
@@ -131,7 +144,7 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
                             uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int key0,
                             const Rows& rows, const PrefillWorkItem& w,
                             const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
-                            int warp, int lane, int t) {
+                            const uint8_t* mask, int warp, int lane, int t) {
   float s[KEY_TILES][4];
 #pragma unroll
   for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -162,7 +175,7 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
     for (int r = 0; r < 4; ++r) {
       const int i = r / 2, key = key0 + 8 * n + 2 * t + r % 2;
       const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
-      s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left) ? v : neg_inf();
+      s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
       row_max[i] = fmaxf(row_max[i], s[n][r]);
     }
 #pragma unroll
@@ -319,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     cp_async_commit();
     if (next + 1 < num_tiles) loader.fetch_pages(pages, key_first + (next + 1) * KV_TILE);
     attend_tile(st, qf, q_tile, k_tile(tile % STAGES), v_tile(tile % STAGES),
-                key_first + tile * KV_TILE, rows, w, transform, p.window_left, warp, lane, t);
+                key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, warp, lane,
+                t);
   }
   cp_async_wait<0>();
   finish_rows(st, rows, w, p, kv_head, warp, g, t);

@@ -6,7 +6,8 @@ single-request prefill (FlashInfer's names, argument meanings and defaults).
            j > pos_i (causal), j < pos_i - window_left (window_left >= 0)
     o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
 
-Not built yet (a clear error when asked for): custom masks, in-kernel RoPE
+Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
+causal mask. Not built yet (a clear error when asked for): in-kernel RoPE
 (pos_encoding_mode="ROPE_LLAMA"), fp8 KV, head_dim_vo != head_dim_qk, CUDA-graph mode.
 """
 
@@ -29,6 +30,7 @@ from .decode_kernel import Config, fast_div, kv_scales, make_config
 from .paged_kv import cache_views, check_cache_view, token_head
 from .planned import PlannedWrapper
 from .prefill_kernel import kernel, prefill_spec
+from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
 
 MAX_GRID_Y = 65535
@@ -41,9 +43,7 @@ def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     return as_int_array(name, x, widen=widen)
 
 
-def unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, use_cuda_graph):
-    if custom_mask is not None or packed_custom_mask is not None:
-        raise ValueError("custom masks are not supported yet by rtcinfer's prefill")
+def unsupported(head_dim_vo, head_dim_qk, use_cuda_graph):
     if head_dim_vo is not None and head_dim_vo != head_dim_qk:
         raise ValueError(
             f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
@@ -55,15 +55,17 @@ def unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, use_c
 @dataclass(frozen=True)
 class PrefillConfig:
     """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
-    RAGGED_PAGE) and the causal mask."""
+    RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's)."""
 
     attn: Config
     causal: bool
+    custom_mask: bool = False
 
 
 def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
                         pos_encoding_mode, window_left, logits_soft_cap, q_dtype, kv_dtype,
-                        o_dtype, sm_scale, rope_scale, rope_theta) -> PrefillConfig:  # fmt: skip
+                        o_dtype, sm_scale, rope_scale, rope_theta,
+                        custom_mask=False) -> PrefillConfig:  # fmt: skip
     attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                        window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
                        rope_scale, rope_theta)  # fmt: skip
@@ -73,7 +75,7 @@ def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
         raise TypeError(f"kv_data_type {attn.kv_dtype} (fp8 KV) is not supported yet by prefill")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    return PrefillConfig(attn, bool(causal))
+    return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask))
 
 
 @dataclass(slots=True)
@@ -98,7 +100,8 @@ def plan_launch(
     if attn.head_dim == 256:
         tile_rows = 64
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
-                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem)  # fmt: skip
+                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
+                        cfg.custom_mask)  # fmt: skip
     k = kernel(spec)
     ctas = max(1, k.occupancy(device, spec.threads))
     if fixed_split_size is not None and int(fixed_split_size) == -1:
@@ -151,27 +154,35 @@ class _PrefillWrapper(PlannedWrapper):
     RUN_GIVEN = ("out", "lse")
 
     def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False):
-        unsupported(None, None, None, None, use_cuda_graph)
+        unsupported(None, None, use_cuda_graph)
         super().__init__(workspace, kv_layout, use_cuda_graph)
         self._launch: _Launch | None = None
+        self._mask = None  # what keeps the plan's packed custom mask alive
 
     def _setup(self, cfg: PrefillConfig) -> None:
         num_sms, max_smem = device_limits(self._device)
         self._limits = (num_sms, max_smem)
 
-    def _plan(self, qo_indptr, kv_len, first_page, page_ids, args, fixed_split_size,
+    def _plan(self, qo_indptr, kv_len, first_page, page_ids, args, masks, fixed_split_size,
               disable_split_kv, num_kv_rows) -> None:  # fmt: skip
         """Plan (qo_indptr, kv_len) over the page list `page_ids` (request b's from
-        first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find."""
-        cfg = self._configure(args, make_prefill_config, self._setup)
+        first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find;
+        masks: plan()'s (custom_mask, packed_custom_mask)."""
+        custom = masks[0] is not None or masks[1] is not None
+        cfg = self._configure((*args, custom), make_prefill_config, self._setup)
         launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                    fixed_split_size, disable_split_kv)  # fmt: skip
+        mask_byte = None
+        if custom:
+            self._mask, launch.params.mask, mask_byte = packed_mask(
+                *masks, np.diff(qo_indptr), kv_len, self._device
+            )
         attn = cfg.attn
         tile_rows = launch.kernel.spec.tile_rows
         capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles, plan.num_slots,
                             attn.num_kv_heads, tile_rows, attn.head_dim)  # fmt: skip
         regions = self._upload(
-            capacity, lambda buf: pack_plan(buf, plan, qo_indptr, first_page, page_ids)
+            capacity, lambda buf: pack_plan(buf, plan, qo_indptr, first_page, page_ids, mask_byte)
         )
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
@@ -278,7 +289,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        unsupported(head_dim_vo, head_dim_qk, False)
         qo = _host_ints("qo_indptr", qo_indptr)
         kv = _host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -292,7 +303,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 rope_scale, rope_theta)  # fmt: skip
         batch = kv_len.shape[0]
         self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args,
-                   fixed_split_size, disable_split_kv, int(kv[-1]))  # fmt: skip
+                   (custom_mask, packed_custom_mask), fixed_split_size, disable_split_kv,
+                   int(kv[-1]))  # fmt: skip
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
             enable_pdl=None):  # fmt: skip
@@ -336,7 +348,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        unsupported(custom_mask, packed_custom_mask, head_dim_vo, head_dim_qk, False)
+        unsupported(head_dim_vo, head_dim_qk, False)
         qo = _host_ints("qo_indptr", qo_indptr)
         indptr = _host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = _host_ints("paged_kv_indices", paged_kv_indices, widen=False)
@@ -366,8 +378,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         args = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, pos_encoding_mode,
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
-        self._plan(qo, kv_len, indptr[:-1], indices, args, fixed_split_size, disable_split_kv,
-                   max_page + 1)  # fmt: skip
+        self._plan(qo, kv_len, indptr[:-1], indices, args, (custom_mask, packed_custom_mask),
+                   fixed_split_size, disable_split_kv, max_page + 1)  # fmt: skip
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None):  # fmt: skip

@@ -1,7 +1,7 @@
 """The prefill kernel seen from the host: its spec (cuda_src/attention/prefill.cu).
 
-One kernel per (dtypes, head_dim, query tile, KV tile, pipeline depth, causal, ALiBi, soft
-cap); lengths, page ids and the work list arrive through the plan.
+One kernel per (dtypes, head_dim, query tile, KV tile, pipeline depth, causal or custom mask,
+ALiBi, soft cap); lengths, page ids and the work list arrive through the plan.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class PrefillSpec:
     kv_tile: int  # keys per pipeline stage
     stages: int
     causal: bool
+    custom_mask: bool  # a packed bit mask per request (then not causal)
     pos_encoding_mode: str  # "NONE" or "ALIBI"
     soft_cap: bool
     source: ClassVar[str] = "attention/prefill.cu"
@@ -53,20 +54,23 @@ class PrefillSpec:
             KV_TILE=self.kv_tile,
             STAGES=self.stages,
             CAUSAL=self.causal,
+            CUSTOM_MASK=self.custom_mask,
             POS_ENCODING=PosEncoding[self.pos_encoding_mode],
             SOFT_CAP=self.soft_cap,
             SMEM_BYTES=self.smem_bytes,
         )
 
 
-def prefill_spec(q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE",
-                 soft_cap=False, max_smem=227 * 1024) -> PrefillSpec:  # fmt: skip
+def prefill_spec(
+    q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
+    max_smem=227 * 1024, custom_mask=False,
+) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256), as deep a
     ring (3 or 2 stages) as fits beside the Q tile."""
     kv_tile = 32 if head_dim == 256 else 64
     for stages in (3, 2):
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
-                           pos_encoding_mode, bool(soft_cap))  # fmt: skip
+                           bool(custom_mask), pos_encoding_mode, bool(soft_cap))  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(

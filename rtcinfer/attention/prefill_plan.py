@@ -83,12 +83,13 @@ class Capacity:
 
 
 def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarray,
-              page_ids: np.ndarray) -> int:  # fmt: skip
+              page_ids: np.ndarray, mask_byte: np.ndarray | None = None) -> int:  # fmt: skip
     """Write a PrefillPlan into the int32 host buffer `buf`; returns the ints used.
 
     qo_indptr: int64[B + 1]; first_page: int64[B], where request b's page ids start in
     `page_ids` (the paged table's kv_indptr[:-1], or arange(B) for a ragged cache whose page
-    ids are its kv_indptr[:-1])."""
+    ids are its kv_indptr[:-1]); mask_byte: int64[B], where request b's bits start in the
+    packed custom mask (None: no mask)."""
     w = plan.num_work
     pages_at = HEADER_INTS + ITEM_INTS * w
     n = pages_at + page_ids.shape[0]
@@ -108,7 +109,7 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     items["tile"] = tile
     items["merge_slot"] = plan.tile_slot[tile]
     items["merge_count"] = plan.tile_items[tile]
-    items["unused"] = 0
+    items["mask_byte"] = 0 if mask_byte is None else mask_byte[request]
     buf[pages_at:n] = page_ids
     return n
 

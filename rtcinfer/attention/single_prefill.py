@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bitpack import packbits
 from ..interop import Op, OutSlot, Prepared, call
+from ..interop.arrays import device_like, framework
 from ..jit import device_limits
 from ..launch import memset_d32
 from .paged_kv import check_cache_view, check_layout, token_head
-from .prefill import io_fields, make_prefill_config, plan_launch, unsupported
+from .prefill import io_fields, make_prefill_config, plan_launch
 from .prefill_plan import HEADER_INTS, ITEM_INTS, RAGGED_PAGE, pack_plan
 from .workspace import device_copy
 
@@ -29,7 +31,9 @@ def single_prefill_with_kv_cache(
     use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
     rope_scale=None, rope_theta=None, backend="auto", return_lse=False,
 ):  # fmt: skip
-    """Prefill attention of one request (math above).
+    """Prefill attention of one request (math above); a custom mask ([qo_len, kv_len] bool,
+    True where query i sees key j, or those bits flattened and packed little-endian:
+    packbits(custom_mask.flatten(), "little")) replaces the causal mask.
 
     q: [qo_len, Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any token and
     head strides with a contiguous head_dim; qo_len <= kv_len is the usual append case, but any
@@ -43,10 +47,20 @@ def single_prefill_with_kv_cache(
         raise ValueError("scale_q, scale_k and scale_v (fp8 inputs) are not supported yet")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    unsupported(custom_mask, packed_custom_mask, None, None, False)
+    mask = packed_custom_mask
+    if mask is None and custom_mask is not None:
+        kv_len = k.shape[0 if kv_layout == "NHD" else 1]
+        if tuple(custom_mask.shape) not in ((q.shape[0], kv_len), (q.shape[0] * kv_len,)):
+            raise ValueError(
+                f"custom_mask: expected shape ({q.shape[0]}, {kv_len}) (qo_len, kv_len), got "
+                f"{tuple(custom_mask.shape)}"
+            )
+        mask = packbits(custom_mask, "little")
+        if framework(mask) == "numpy":
+            mask = device_like(mask, q)
     static = (o_dtype, bool(causal), kv_layout, pos_encoding_mode, sm_scale, window_left,
               logits_soft_cap, rope_scale, rope_theta, bool(return_lse))  # fmt: skip
-    result = call(_OP, (q, k, v), static)
+    result = call(_OP, (q, k, v, mask), static)
     return (result[0], result[1]) if return_lse else result[0]
 
 
@@ -57,11 +71,11 @@ def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
 
 
 def _prepare(infos, align, static) -> Prepared:
-    """Slots (q, k, v) -> o (and lse); a split plan adds per-call scratch outputs (partial o,
-    partial lse, merge counters) so that concurrent calls never share them."""
+    """Slots (q, k, v, packed mask) -> o (and lse); a split plan adds per-call scratch outputs
+    (partial o, partial lse, merge counters) so that concurrent calls never share them."""
     o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left, cap = static[:7]
     rope_scale, rope_theta, with_lse = static[7:]
-    q, k, v = infos
+    q, k, v, mask = infos
     check_layout(kv_layout)
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape != v.shape:
         raise ValueError(
@@ -78,7 +92,13 @@ def _prepare(infos, align, static) -> Prepared:
         )
     cfg = make_prefill_config(num_qo_heads, num_kv_heads, head_dim, RAGGED_PAGE, causal,
                               pos_encoding_mode, window_left, cap, q.dtype, k.dtype, o_dtype,
-                              sm_scale, rope_scale, rope_theta)  # fmt: skip
+                              sm_scale, rope_scale, rope_theta, mask is not None)  # fmt: skip
+    if mask is not None and (mask.dtype != "uint8" or mask.size < -(-qo_len * kv_len // 8)):
+        raise ValueError(
+            f"the custom mask packs qo_len x kv_len = {qo_len} x {kv_len} bits: expected "
+            f"packed_custom_mask uint8 of at least {-(-qo_len * kv_len // 8)} bytes, got "
+            f"{mask.dtype} {mask.shape}"
+        )
     attn = cfg.attn
     device = q.device
     qo_indptr = np.array([0, qo_len], dtype=np.int64)
@@ -117,16 +137,16 @@ def _prepare(infos, align, static) -> Prepared:
         if empty:
             return
         with launch.lock:
-            p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-            p.lse = ptrs[4] if with_lse else 0
+            p.q, p.k_cache, p.v_cache, p.mask, p.o = ptrs[:5]
+            p.lse = ptrs[5] if with_lse else 0
             if split:
-                p.partial_o, p.partial_lse, p.counters = ptrs[4 + n_lse : 7 + n_lse]
+                p.partial_o, p.partial_lse, p.counters = ptrs[5 + n_lse : 8 + n_lse]
                 memset_d32(p.counters, 0, counters, stream)
             launch(stream, device)
 
-    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer)
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,))
 
 
-_OP = Op("single_prefill", ("q", "k", "v"), _prepare)
+_OP = Op("single_prefill", ("q", "k", "v", "packed_custom_mask"), _prepare)
 
 __all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
