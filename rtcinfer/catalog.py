@@ -105,7 +105,7 @@ def decode_specs() -> list:
 def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
     head_dim 64/128/256, query tiles of 64 and 128 rows, causal, custom mask or neither,
-    ALiBi, soft cap, the 2-stage ring (small shared memory)."""
+    RoPE or ALiBi, soft cap, the 2-stage ring (small shared memory)."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True),
@@ -114,6 +114,9 @@ def prefill_specs() -> list:
         spec("float16", "float16", 256, 64, True, "NONE", True),
         spec("bfloat16", "bfloat16", 128, 128, False, max_smem=100 * 1024),
         spec("float16", "float16", 128, 64, False, "NONE", True, custom_mask=True),
+        spec("bfloat16", "bfloat16", 128, 128, True, "ROPE_LLAMA"),
+        spec("float16", "float16", 256, 64, False, "ROPE_LLAMA", True),
+        spec("bfloat16", "bfloat16", 64, 64, True, "ROPE_LLAMA", custom_mask=False),
     ]
 
 

@@ -273,3 +273,44 @@ def test_paged_custom_mask_from_host_and_single_prefill_masks():
                                                        causal=True, return_lse=True,
                                                        **kwargs)  # fmt: skip
         check(o, lse, o_ref, lse_ref, "bfloat16")
+
+
+def rope_reference(q, k, v, qo_indptr, kv_indptr, rope_scale, rope_theta, **features):
+    """RoPE (non-interleaved, over all of head_dim) on each request's q at its bottom-right
+    aligned positions and its k at 0..kv_len - 1, then attention."""
+    d = q.shape[2]
+    inv_freq = ref.rope_inv_freq(d, rope_scale, rope_theta)
+    q_rot, k_rot = ref.f64(q).copy(), ref.f64(k).copy()
+    for b in range(len(qo_indptr) - 1):
+        qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+        qo, kv = qs.stop - qs.start, ks.stop - ks.start
+        q_rot[qs] = ref.rope_ref(q[qs], np.arange(kv - qo, kv), d, inv_freq=inv_freq)
+        k_rot[ks] = ref.rope_ref(k[ks], np.arange(kv), d, inv_freq=inv_freq)
+    return reference(q_rot, k_rot, v, qo_indptr, kv_indptr, **features)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_rope(head_dim, causal):
+    rng = np.random.default_rng(head_dim + causal)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [1, 90, 300, 0], [5000, 40, 0, 7],
+                                                 d=head_dim)  # fmt: skip
+    features = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=5e5,
+                    logits_soft_cap=30.0 if causal else None)  # fmt: skip
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, head_dim, causal=causal, q_data_type="bfloat16",
+                 **features)  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True)
+    expect = rope_reference(q, k, v, qo_indptr, kv_indptr, 2.0, 5e5, causal=causal,
+                            sm_scale=1 / np.sqrt(head_dim),
+                            logits_soft_cap=30.0 if causal else 0.0)  # fmt: skip
+    check(o, lse, *expect, "bfloat16")
+    # single prefill of the long request, default rope_scale and rope_theta
+    qs, ks = slice(qo_indptr[1], qo_indptr[2]), slice(kv_indptr[1], kv_indptr[2])
+    o, lse = rtcinfer.single_prefill_with_kv_cache(
+        to_gpu(q[qs]), to_gpu(k[ks]), to_gpu(v[ks]), causal=causal,
+        pos_encoding_mode="ROPE_LLAMA", return_lse=True,
+    )  # fmt: skip
+    one = np.array([0, qs.stop - qs.start]), np.array([0, ks.stop - ks.start])
+    check(o, lse, *rope_reference(q[qs], k[ks], v[ks], *one, 1.0, 1e4, causal=causal,
+                                  sm_scale=1 / np.sqrt(head_dim)), "bfloat16")  # fmt: skip

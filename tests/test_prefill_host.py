@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtcinfer.attention.prefill_plan import HEADER_INTS, ITEM_INTS, RAGGED_PAGE, WORK_ITEM
+from rtcinfer.attention.prefill_plan import (
+    HEADER_INTS,
+    ITEM_INTS,
+    RAGGED_PAGE,
+    WORK_ITEM,
+    items_at,
+)
 from rtcinfer.interop import ArrayInfo, dense_strides
 
 
@@ -51,10 +57,10 @@ def wrappers(monkeypatch):
     return prefill, packed
 
 
-def items_of(packed):
+def items_of(packed, head_dim=128):
     plan = packed["plan"]
-    w = int(plan[0])
-    return plan[HEADER_INTS : HEADER_INTS + ITEM_INTS * w].view(WORK_ITEM), plan
+    w, start = int(plan[0]), items_at(head_dim)
+    return plan[start : start + ITEM_INTS * w].view(WORK_ITEM), plan
 
 
 def test_ragged_plan_packs_items_by_name(wrappers):
@@ -63,7 +69,7 @@ def test_ragged_plan_packs_items_by_name(wrappers):
     qo_indptr, kv_indptr = [0, 10, 10, 300], [0, 50, 60, 360]
     wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=True, q_data_type="bfloat16")
     items, plan = items_of(packed)
-    pages_at = HEADER_INTS + ITEM_INTS * items.shape[0]
+    pages_at = items_at(128) + ITEM_INTS * items.shape[0]
     assert set(items["qo_start"]) == {0, 10}  # the request with no queries has no tile
     request_at = {0: 0, 10: 2}  # qo_start -> request (request 1 has no queries)
     for it in items:
@@ -83,7 +89,7 @@ def test_paged_plan_reads_the_table(wrappers):
     wrapper.plan([0, 4, 40], indptr, indices, last, 8, 2, 128, 16, causal=True,
                  q_data_type="float16")  # fmt: skip
     items, plan = items_of(packed)
-    pages_at = HEADER_INTS + ITEM_INTS * items.shape[0]
+    pages_at = items_at(128) + ITEM_INTS * items.shape[0]
     np.testing.assert_array_equal(plan[pages_at:], indices)
     for it in items:
         b = 0 if it["qo_start"] == 0 else 1
@@ -95,7 +101,6 @@ def test_paged_plan_reads_the_table(wrappers):
     "kwargs, error, match",
     [
         (dict(head_dim_vo=64), ValueError, r"head_dim_vo \(64\) != head_dim_qk"),
-        (dict(pos_encoding_mode="ROPE_LLAMA"), ValueError, "ROPE_LLAMA.* not supported yet"),
         (dict(kv_data_type="float8_e4m3fn"), TypeError, "fp8 KV.* not supported yet"),
         (dict(causal=1), TypeError, "causal must be a bool"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None or >= 0"),
@@ -172,7 +177,7 @@ def test_single_prefill_reads_hnd_strides_and_packs_one_request(single):
     split = len(shapes) > 2  # a long request on 2 kv heads is split across the GPU
     assert split
     (plan,) = uploads
-    items = plan[HEADER_INTS : HEADER_INTS + ITEM_INTS * int(plan[0])].view(WORK_ITEM)
+    items = items_of({"plan": plan})[0]
     assert set(items["kv_len"]) == {5000} and set(items["qo_len"]) == {300}
     assert set(items["qo_start"]) == {0} and plan[items["page_ids"][0]] == 0
     assert (items["kv_end"] <= 5000).all() and (items["kv_begin"] < items["kv_end"]).all()
@@ -235,3 +240,19 @@ def test_custom_mask_is_packed_per_request_and_replaces_causal(wrappers, monkeyp
     with pytest.raises(ValueError, match="packed_custom_mask: expected uint8 with at least 9"):
         wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, packed_custom_mask=want[:8],
                      q_data_type="bfloat16")  # fmt: skip
+
+
+def test_rope_frequencies_ride_in_the_plan_header(wrappers):
+    from rtcinfer.attention.decode_kernel import rope_frequencies
+
+    prefill, packed = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 4], [0, 8], 8, 2, 64, q_data_type="bfloat16", pos_encoding_mode="ROPE_LLAMA",
+                 rope_scale=2.0, rope_theta=5e5)  # fmt: skip
+    plan = packed["plan"]
+    freq = plan[HEADER_INTS : items_at(64)].view(np.float32).reshape(-1, 2)
+    np.testing.assert_array_equal(freq, rope_frequencies(64, 2.0, 5e5))
+    spec = wrapper._launch.launch.kernel.spec
+    assert spec.pos_encoding_mode == "ROPE_LLAMA" and spec.smem_bytes % 16 == 0
+    wrapper.plan([0, 4], [0, 8], 8, 2, 64, q_data_type="bfloat16")
+    assert not packed["plan"][HEADER_INTS : items_at(64)].any()  # zero without RoPE

@@ -17,7 +17,10 @@
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
 // Prelude: QT (= KVT), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
-// POS_ENCODING (PosEncoding: NONE or ALIBI), SOFT_CAP, SMEM_BYTES.
+// POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES.
+// ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
+// results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
+// plan's header (query positions as above, key j at j).
 #include "mma.cuh"
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
@@ -26,21 +29,23 @@
 constexpr int WARPS = TILE_ROWS / 16;
 constexpr int THREADS = 32 * WARPS;
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
+constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr int ROW_BYTES = HEAD_DIM * 2;
 constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
 constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
 constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
 constexpr int KEY_TILES = KV_TILE / 8;       // n-tiles of S
-constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare
+constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
+constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
 constexpr bool Q_IN_REGS = HEAD_DIM <= 128;  // else Q fragments are re-read from shared memory
 constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
 constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;
 constexpr int RING_BYTES = STAGES * 2 * TILE_BYTES;
+constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
 static_assert(TILE_ROWS == 64 || TILE_ROWS == 128, "4 or 8 warps of 16 rows");
 static_assert(KV_TILE % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
-static_assert(Q_BYTES + RING_BYTES + 16 == SMEM_BYTES, "host layout");
-static_assert(POS_ENCODING != PosEncoding::ROPE_LLAMA, "in-kernel RoPE is not built yet");
+static_assert(Q_BYTES + RING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "host layout");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
 
 using MT = QT;
@@ -71,7 +76,7 @@ struct PrefillParams {
   const char* v_cache;    //   + head * k_head bytes (NHD/HND; ragged: pages of one token row)
   OT* o;                  // [nnz_q, Hq, HEAD_DIM], strides (o_stride_n, o_stride_h, 1)
   float* lse;             // [nnz_q, Hq], strides (lse_stride_n, 1); may be null
-  const int* plan;        // [HEADER_INTS] + PrefillWorkItem[capacity] + page ids
+  const int* plan;        // [ITEMS_AT] + PrefillWorkItem[capacity] + page ids
   float* partial_o;       // [slots, Hkv, TILE_ROWS, HEAD_DIM]
   float* partial_lse;     // [slots, Hkv, TILE_ROWS]
   int* counters;          // [tiles, Hkv], zero between launches
@@ -137,6 +142,29 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
     cp_async_16(q_tile + tile_offset<ROW_BYTES>(row, chunk), valid ? src : p.q, valid);
   }
   cp_async_commit();
+}
+
+// RoPE on the ROWS rows of a swizzled [ROWS][HEAD_DIM] tile in shared memory, in place: row r
+// at position pos(r) (Q: its query's; K: its key's). A thread turns 8 dim pairs at a time.
+template <int ROWS, typename Position>
+RTC_DEVICE void rope_tile(unsigned char* tile, const float2* freq_s, Position pos) {
+  constexpr int HALF = CHUNKS / 2;  // chunk c pairs with chunk c + HALF
+  for (int i = threadIdx.x; i < ROWS * HALF; i += THREADS) {
+    const int row = i / HALF, chunk = i % HALF;
+    MT* lo_p = reinterpret_cast<MT*>(tile + tile_offset<ROW_BYTES>(row, chunk));
+    MT* hi_p = reinterpret_cast<MT*>(tile + tile_offset<ROW_BYTES>(row, chunk + HALF));
+    Vec<MT, 8> lo, hi;
+    lo.load(lo_p), hi.load(hi_p);
+    const int x = pos(row);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float2 cs = rope_cos_sin(x, freq_s[8 * chunk + e]);
+      const float a = to_float(lo[e]), b = to_float(hi[e]);
+      lo[e] = from_float<MT>(a * cs.x - b * cs.y);
+      hi[e] = from_float<MT>(b * cs.x + a * cs.y);
+    }
+    lo.store(lo_p), hi.store(hi_p);
+  }
 }
 
 // One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows.
@@ -278,12 +306,16 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   extern __shared__ __align__(128) unsigned char smem[];
   const int item = blockIdx.y;
   // Loaded before the count test so both loads overlap (padded slots are stale, unused).
-  const PrefillWorkItem w = reinterpret_cast<const PrefillWorkItem*>(p.plan + HEADER_INTS)[item];
+  const PrefillWorkItem w = reinterpret_cast<const PrefillWorkItem*>(p.plan + ITEMS_AT)[item];
   if (item >= __ldg(p.plan)) return;
   const int kv_head = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
-  int* last_s = reinterpret_cast<int*>(smem + Q_BYTES + RING_BYTES);
+  float2* freq_s = reinterpret_cast<float2*>(smem + Q_BYTES + RING_BYTES);
+  int* last_s = reinterpret_cast<int*>(smem + Q_BYTES + RING_BYTES + FREQ_BYTES);
+  if constexpr (ROPE)  // visible to all after the barrier below
+    for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
+      freq_s[i] = reinterpret_cast<const float2*>(p.plan + HEADER_INTS)[i];
 
   load_q_tile(q_tile, w, p, kv_head);
   constexpr int LOOK = STAGES - 1;
@@ -312,6 +344,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
   cp_async_wait<LOOK>();  // the Q tile (the oldest group) landed
   __syncthreads();
+  if constexpr (ROPE) {
+    const int group = p.group_size, shift = w.kv_len - w.qo_len, row0 = w.tile_row;
+    rope_tile<TILE_ROWS>(smem, freq_s, [&](int r) { return (row0 + r) / group + shift; });
+    __syncthreads();
+  }
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
 #pragma unroll
@@ -331,6 +368,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       loader.issue(pages, key_first + next * KV_TILE, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();
     if (next + 1 < num_tiles) loader.fetch_pages(pages, key_first + (next + 1) * KV_TILE);
+    if constexpr (ROPE) {
+      const int key0 = key_first + tile * KV_TILE;
+      rope_tile<KV_TILE>(smem + Q_BYTES + (tile % STAGES) * 2 * TILE_BYTES, freq_s,
+                         [&](int r) { return key0 + r; });
+      __syncthreads();
+    }
     attend_tile(st, qf, q_tile, k_tile(tile % STAGES), v_tile(tile % STAGES),
                 key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, warp, lane,
                 t);

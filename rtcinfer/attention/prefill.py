@@ -2,13 +2,14 @@
 single-request prefill (FlashInfer's names, argument meanings and defaults).
 
     query i of request b sits at key position i + kv_len_b - qo_len_b (bottom-right aligned)
-    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap); hidden keys:
+    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap), with q_i and k_j
+           turned by RoPE at pos_i and j under pos_encoding_mode="ROPE_LLAMA"; hidden keys:
            j > pos_i (causal), j < pos_i - window_left (window_left >= 0)
     o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
 
 Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
-causal mask. Not built yet (a clear error when asked for): in-kernel RoPE
-(pos_encoding_mode="ROPE_LLAMA"), fp8 KV, head_dim_vo != head_dim_qk, CUDA-graph mode.
+causal mask. Not built yet (a clear error when asked for): fp8 KV, head_dim_vo != head_dim_qk,
+CUDA-graph mode.
 """
 
 from __future__ import annotations
@@ -69,8 +70,6 @@ def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
     attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                        window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
                        rope_scale, rope_theta)  # fmt: skip
-    if attn.pos_encoding_mode == "ROPE_LLAMA":
-        raise ValueError('pos_encoding_mode="ROPE_LLAMA" is not supported yet by the prefill')
     if attn.kv_dtype != attn.q_dtype:
         raise TypeError(f"kv_data_type {attn.kv_dtype} (fp8 KV) is not supported yet by prefill")
     if not isinstance(causal, (bool, np.bool_)):
@@ -181,9 +180,10 @@ class _PrefillWrapper(PlannedWrapper):
         tile_rows = launch.kernel.spec.tile_rows
         capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles, plan.num_slots,
                             attn.num_kv_heads, tile_rows, attn.head_dim)  # fmt: skip
-        regions = self._upload(
-            capacity, lambda buf: pack_plan(buf, plan, qo_indptr, first_page, page_ids, mask_byte)
-        )
+        freq = attn.freq()
+        regions = self._upload(capacity, lambda buf: pack_plan(
+            buf, plan, qo_indptr, first_page, page_ids, attn.head_dim, freq, mask_byte
+        ))  # fmt: skip
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
         p.partial_lse, p.counters = regions["lse"], regions["counters"]

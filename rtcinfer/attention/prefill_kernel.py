@@ -1,7 +1,7 @@
 """The prefill kernel seen from the host: its spec (cuda_src/attention/prefill.cu).
 
 One kernel per (dtypes, head_dim, query tile, KV tile, pipeline depth, causal or custom mask,
-ALiBi, soft cap); lengths, page ids and the work list arrive through the plan.
+position encoding, soft cap); lengths, page ids and the work list arrive through the plan.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class PrefillSpec:
     stages: int
     causal: bool
     custom_mask: bool  # a packed bit mask per request (then not causal)
-    pos_encoding_mode: str  # "NONE" or "ALIBI"
+    pos_encoding_mode: str  # "NONE", "ROPE_LLAMA" or "ALIBI"
     soft_cap: bool
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
@@ -41,9 +41,10 @@ class PrefillSpec:
 
     @functools.cached_property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile, the K/V ring, a flag."""
+        """Dynamic shared memory: the Q tile, the K/V ring, RoPE frequencies, a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
-        return self.tile_rows * row + self.stages * 2 * self.kv_tile * row + 16
+        freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
+        return self.tile_rows * row + self.stages * 2 * self.kv_tile * row + freq + 16
 
     def prelude(self) -> str:
         return jit.prelude(

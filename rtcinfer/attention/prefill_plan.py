@@ -2,15 +2,17 @@
 
 Device layout (each region 256-byte aligned, the plan first):
 
-    plan       int32[4 + 12 * max_work + max_pages]            header | work items | page ids
+    plan       int32[4 + D + 12 * max_work + max_pages]        header | RoPE | items | page ids
     counters   int32[max_tiles * num_kv_heads]                  merge arrivals, zero at rest
     lse        float32[max_slots * num_kv_heads * tile_rows]    partial LSE of split tiles
     o          float32[max_slots * num_kv_heads * tile_rows, head_dim]   partial outputs
 
-The header is [num_work, 0, 0, 0]; the work items are the kernel's PrefillWorkItem structs
-(cuda_src/attention/prefill.cu) written by field name through a NumPy record of the same
-layout; their `page_ids` index the page ids inside the plan region. A ragged KV cache is a
-paged one whose request b is one "page" starting at row kv_indptr[b] (page size 2^30).
+The header is [num_work, 0, 0, 0], then D ints of RoPE frequencies (head_dim / 2 float32
+(hi, lo) pairs in turns per position; zero without RoPE); the work items are the kernel's
+PrefillWorkItem structs (cuda_src/attention/prefill.cu) written by field name through a NumPy
+record of the same layout; their `page_ids` index the page ids inside the plan region. A ragged
+KV cache is a paged one whose request b is one "page" starting at row kv_indptr[b] (page size
+2^30).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Capacity:
 
     @property
     def plan_ints(self) -> int:
-        return HEADER_INTS + ITEM_INTS * self.max_work + self.max_pages
+        return items_at(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of every region, and "end" (the bytes needed)."""
@@ -82,20 +84,30 @@ class Capacity:
                         *need._shape())  # fmt: skip
 
 
+def items_at(head_dim: int) -> int:
+    """Where the work items start in the plan (ints)."""
+    return HEADER_INTS + head_dim
+
+
 def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarray,
-              page_ids: np.ndarray, mask_byte: np.ndarray | None = None) -> int:  # fmt: skip
+              page_ids: np.ndarray, head_dim: int, freq: np.ndarray | None = None,
+              mask_byte: np.ndarray | None = None) -> int:  # fmt: skip
     """Write a PrefillPlan into the int32 host buffer `buf`; returns the ints used.
 
     qo_indptr: int64[B + 1]; first_page: int64[B], where request b's page ids start in
     `page_ids` (the paged table's kv_indptr[:-1], or arange(B) for a ragged cache whose page
-    ids are its kv_indptr[:-1]); mask_byte: int64[B], where request b's bits start in the
-    packed custom mask (None: no mask)."""
+    ids are its kv_indptr[:-1]); freq: float32 [head_dim / 2, 2] RoPE frequencies or None;
+    mask_byte: int64[B], where request b's bits start in the packed custom mask (None: no
+    mask)."""
     w = plan.num_work
-    pages_at = HEADER_INTS + ITEM_INTS * w
+    start = items_at(head_dim)
+    pages_at = start + ITEM_INTS * w
     n = pages_at + page_ids.shape[0]
     buf[0] = w
-    buf[1:HEADER_INTS] = 0
-    items = buf[HEADER_INTS:pages_at].view(WORK_ITEM)
+    buf[1:start] = 0
+    if freq is not None:
+        buf[HEADER_INTS:start] = freq.view(np.int32).reshape(-1)
+    items = buf[start:pages_at].view(WORK_ITEM)
     tile = plan.work_tile
     request = plan.tile_request[tile]
     items["qo_start"] = qo_indptr[:-1][request]
@@ -114,4 +126,12 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     return n
 
 
-__all__ = ["Capacity", "HEADER_INTS", "ITEM_INTS", "RAGGED_PAGE", "WORK_ITEM", "pack_plan"]
+__all__ = [
+    "Capacity",
+    "HEADER_INTS",
+    "ITEM_INTS",
+    "RAGGED_PAGE",
+    "WORK_ITEM",
+    "items_at",
+    "pack_plan",
+]

@@ -3,7 +3,8 @@ FlashInfer's ``single_prefill_with_kv_cache``: the batch prefill kernel with a b
 K and V read as one ragged "page".
 
     query i sits at key position i + kv_len - qo_len (bottom-right aligned)
-    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap); hidden keys:
+    s_ij = q_i . k_j * sm_scale (+ ALiBi slope * (j - pos_i), then soft cap), with q_i and k_j
+           turned by RoPE at pos_i and j under pos_encoding_mode="ROPE_LLAMA"; hidden keys:
            j > pos_i (causal), j < pos_i - window_left (window_left >= 0)
     o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
 """
@@ -19,7 +20,7 @@ from ..jit import device_limits
 from ..launch import memset_d32
 from .paged_kv import check_cache_view, check_layout, token_head
 from .prefill import io_fields, make_prefill_config, plan_launch
-from .prefill_plan import HEADER_INTS, ITEM_INTS, RAGGED_PAGE, pack_plan
+from .prefill_plan import ITEM_INTS, RAGGED_PAGE, items_at, pack_plan
 from .workspace import device_copy
 
 BACKENDS = ("auto", "fa2")
@@ -105,8 +106,10 @@ def _prepare(infos, align, static) -> Prepared:
     launch, plan = plan_launch(cfg, qo_indptr, np.array([kv_len], dtype=np.int64), device,
                                device_limits(device))  # fmt: skip
     tile_rows = launch.kernel.spec.tile_rows
-    host = np.zeros(HEADER_INTS + ITEM_INTS * plan.num_work + 1, np.int32)
-    pack_plan(host, plan, qo_indptr, np.zeros(1, np.int64), np.zeros(1, np.int32))
+    host = np.zeros(items_at(head_dim) + ITEM_INTS * plan.num_work + 1, np.int32)
+    pack_plan(
+        host, plan, qo_indptr, np.zeros(1, np.int64), np.zeros(1, np.int32), head_dim, attn.freq()
+    )
     plan_buffer = device_copy(host, device)
 
     outs = [OutSlot((qo_len, num_qo_heads, head_dim), attn.o_dtype)]
