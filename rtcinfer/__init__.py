@@ -23,6 +23,11 @@ from .attention.prefill import (  # noqa: E402
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
 )
+from .attention.shared_prefix import (  # noqa: E402
+    BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
+    BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
 from .attention.single_decode import single_decode_with_kv_cache  # noqa: E402
 from .attention.single_prefill import (  # noqa: E402
     single_prefill_with_kv_cache,
@@ -39,6 +44,9 @@ from .norm import (  # noqa: E402
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",

@@ -256,3 +256,24 @@ def test_rope_frequencies_ride_in_the_plan_header(wrappers):
     assert spec.pos_encoding_mode == "ROPE_LLAMA" and spec.smem_bytes % 16 == 0
     wrapper.plan([0, 4], [0, 8], 8, 2, 64, q_data_type="bfloat16")
     assert not packed["plan"][HEADER_INTS : items_at(64)].any()  # zero without RoPE
+
+
+def test_cascade_levels_are_checked(wrappers):
+    from rtcinfer.attention.shared_prefix import MultiLevelCascadeAttentionWrapper
+
+    with pytest.raises(ValueError, match="num_levels must be an integer >= 1"):
+        MultiLevelCascadeAttentionWrapper(0)
+    wrapper = MultiLevelCascadeAttentionWrapper(2)
+    one = [np.array([0, 4]), np.array([0, 1]), np.array([3]), np.array([4])]
+    with pytest.raises(ValueError, match="qo_indptr_arr has 1 entries, the wrapper 2 levels"):
+        wrapper.plan(*[[a] for a in one], 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="level 1 covers 5 query rows, level 0 covers 4"):
+        wrapper.plan([one[0], np.array([0, 5])], [one[1]] * 2, [one[2]] * 2, [one[3]] * 2, 8, 2,
+                     128, 16)  # fmt: skip
+    wrapper.plan([one[0], np.array([0, 1, 4])], [one[1], np.array([0, 1, 2])],
+                 [one[2], np.array([5, 6])], [one[3], np.array([2, 16])], 8, 2, 128, 16,
+                 causal=True)  # fmt: skip
+    first, last = (level._launch.launch.kernel.spec for level in wrapper._levels)
+    assert not first.causal and last.causal  # the causal mask on the last level only
+    with pytest.raises(RuntimeError, match="plan"):
+        MultiLevelCascadeAttentionWrapper(1).run(None, None)

@@ -1,0 +1,202 @@
+"""Cascade attention over shared prefixes (FlashInfer's cascade wrappers): attention over keys
+split into levels (a prefix shared by many requests, then each request's own keys) computed
+level by level, each giving a state (o_l, lse_l) for every query, merged with merge_state:
+
+    o = sum_l w_l o_l / sum_l w_l,  w_l = 2^(lse_l - max_l lse_l),  lse = log2(sum_l 2^lse_l)
+
+which equals attention over all levels' keys at once. The shared prefix is read once per
+group of requests instead of once per request.
+
+- MultiLevelCascadeAttentionWrapper: L levels over one paged KV cache; level l groups the
+  queries by qo_indptr_arr[l] (each group sees its pages of level l). The causal mask, if
+  asked for, applies to the last level only (earlier levels precede every query).
+- BatchDecodeWithSharedPrefixPagedKVCacheWrapper: one decode query per request, a shared
+  prefix given as contiguous K/V (single prefill of all queries over it, not causal), then
+  batch decode over each request's pages.
+- BatchPrefillWithSharedPrefixPagedKVCacheWrapper: the same for batch prefill (causal on the
+  unique part only).
+
+Position encodings inside the kernel (ROPE_LLAMA, ALiBi) and the sliding window see each
+level's own key positions, as in FlashInfer's wrappers; the two shared-prefix wrappers apply
+them to the unique part only.
+"""
+
+from __future__ import annotations
+
+from .cascade import merge_state_in_place
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .single_prefill import single_prefill_with_kv_cache
+
+
+def _merge_levels(states):
+    """The merged (o, lse) of a list of per-level states."""
+    o, lse = states[0]
+    for o_next, lse_next in states[1:]:
+        o, lse = merge_state_in_place(o, lse, o_next, lse_next)
+    return o, lse
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Attention over num_levels levels of a paged KV cache, merged (module docstring).
+
+    plan() takes one qo_indptr, paged_kv_indptr, paged_kv_indices and paged_kv_last_page_len
+    per level (lists of num_levels arrays), with FlashInfer's meanings: in level l, query
+    group g is rows qo_indptr_arr[l][g]:qo_indptr_arr[l][g + 1] of q and sees the pages
+    paged_kv_indices_arr[l][paged_kv_indptr_arr[l][g]:paged_kv_indptr_arr[l][g + 1]]. Every
+    level covers all nnz query rows. One BatchPrefillWithPagedKVCacheWrapper per level.
+    """
+
+    def __init__(self, num_levels, float_workspace_buffer=None, kv_layout="NHD",
+                 use_cuda_graph=False, **buffers):  # fmt: skip
+        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels must be an integer >= 1, got {num_levels!r}")
+        if use_cuda_graph or any(b is not None for b in buffers.values()):
+            raise ValueError("use_cuda_graph=True is not supported yet by the cascade wrapper")
+        self._levels = [
+            BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer if i == 0 else None, kv_layout
+            )  # fmt: skip
+            for i in range(num_levels)
+        ]
+        self._nnz: int | None = None
+
+    def plan(
+        self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+        paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, causal=False,
+        pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+        logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
+        kv_data_type=None,
+    ) -> None:  # fmt: skip
+        """Plan every level (module docstring); every level must cover the same query rows."""
+        arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+                  paged_kv_last_page_len)  # fmt: skip
+        names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
+                 "paged_kv_last_page_len")  # fmt: skip
+        for name, arr in zip(names, arrays, strict=True):
+            if len(arr) != len(self._levels):
+                raise ValueError(
+                    f"{name} has {len(arr)} entries, the wrapper {len(self._levels)} levels"
+                )
+        nnz = None
+        last = len(self._levels) - 1
+        for i, wrapper in enumerate(self._levels):
+            wrapper.plan(
+                qo_indptr_arr[i], paged_kv_indptr_arr[i], paged_kv_indices_arr[i],
+                paged_kv_last_page_len[i], num_qo_heads, num_kv_heads, head_dim, page_size,
+                causal=causal and i == last, pos_encoding_mode=pos_encoding_mode,
+                sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+                kv_data_type=kv_data_type,
+            )  # fmt: skip
+            rows = wrapper._launch.nnz_q
+            if nnz is not None and rows != nnz:
+                raise ValueError(
+                    f"level {i} covers {rows} query rows, level 0 covers {nnz}: every level "
+                    "must cover every query"
+                )
+            nnz = rows
+        self._nnz = nnz
+
+    def run(self, q, paged_kv_cache, return_lse=False):
+        """o [nnz, Hq, D] (and lse [nnz, Hq], base 2, when return_lse) over every level."""
+        if self._nnz is None:
+            raise RuntimeError("plan() must be called before run()")
+        states = [level.run(q, paged_kv_cache, return_lse=True) for level in self._levels]
+        o, lse = _merge_levels(states)
+        return (o, lse) if return_lse else o
+
+    forward = run
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+    """Batch decode where every request shares a prefix: q [B, Hq, D] attends to the shared
+    K/V ([prefix_len, Hkv, D] NHD or [Hkv, prefix_len, D] HND, all B queries at once, not
+    causal) and to its own pages (batch decode), merged."""
+
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD"):
+        self._kv_layout = kv_layout
+        self._decode = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._config: dict | None = None
+
+    def plan(
+        self, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads,
+        num_kv_heads, head_dim, page_size, q_data_type="float16", kv_data_type=None,
+        sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+        pos_encoding_mode="NONE",
+    ) -> None:  # fmt: skip
+        """Plan the decode over each request's own pages (the shared part needs no plan)."""
+        self._decode.plan(
+            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads,
+            num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, sm_scale=sm_scale, rope_scale=rope_scale,
+            rope_theta=rope_theta,
+        )  # fmt: skip
+        self._config = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+
+    begin_forward = plan
+
+    def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
+        """o [B, Hq, D] (and lse [B, Hq] when return_lse) over the shared prefix and each
+        request's pages."""
+        if self._config is None:
+            raise RuntimeError("plan() must be called before run()")
+        shared = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
+                                              kv_layout=self._kv_layout, return_lse=True,
+                                              **self._config)  # fmt: skip
+        unique = self._decode.run(q, unique_kv_cache, return_lse=True)
+        o, lse = _merge_levels([shared, unique])
+        return (o, lse) if return_lse else o
+
+    forward = run
+
+
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+    """Batch prefill where every request shares a prefix: all query rows attend to the shared
+    K/V (not causal) and each request's rows to its own pages (batch prefill, causal if
+    asked), merged."""
+
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD"):
+        self._kv_layout = kv_layout
+        self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+        self._config: dict | None = None
+
+    def plan(
+        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+        num_qo_heads, num_kv_heads, head_dim, page_size, causal=True, q_data_type="float16",
+        kv_data_type=None, sm_scale=None, window_left=-1, logits_soft_cap=None,
+        rope_scale=None, rope_theta=None, pos_encoding_mode="NONE",
+    ) -> None:  # fmt: skip
+        """Plan the prefill over each request's own pages (the shared part needs no plan)."""
+        self._prefill.plan(
+            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+            num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+        )  # fmt: skip
+        self._config = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+
+    begin_forward = plan
+
+    def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
+        """o [nnz, Hq, D] (and lse when return_lse) over the shared prefix and each request's
+        own pages."""
+        if self._config is None:
+            raise RuntimeError("plan() must be called before run()")
+        shared = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
+                                              kv_layout=self._kv_layout, return_lse=True,
+                                              **self._config)  # fmt: skip
+        unique = self._prefill.run(q, unique_kv_cache, return_lse=True)
+        o, lse = _merge_levels([shared, unique])
+        return (o, lse) if return_lse else o
+
+    forward = run
+
+
+__all__ = [
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
+]

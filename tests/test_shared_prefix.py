@@ -1,0 +1,115 @@
+"""Cascade attention over shared prefixes against float64 attention over the concatenated keys:
+MultiLevelCascadeAttentionWrapper (two and three levels over one paged cache), and the
+shared-prefix decode and prefill wrappers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rtcinfer
+
+from . import reference as ref
+from .checks import assert_close, to_host
+from .gpu_decode import random_values, to_gpu
+
+HQ, HKV, D, PAGE = 8, 2, 128, 16
+
+
+class PagedPool:
+    """A host paged cache [pages, 2, PAGE, HKV, D] filled segment by segment."""
+
+    def __init__(self, rng, num_pages):
+        self.rng = rng
+        self.cache = np.zeros((num_pages, 2, PAGE, HKV, D), np.float16)
+        self.free = list(rng.permutation(num_pages))
+
+    def add(self, length):
+        """Random keys and values of `length` tokens on fresh pages: (k, v, page ids, last)."""
+        k = random_values(self.rng, (length, HKV, D), "float16")
+        v = random_values(self.rng, (length, HKV, D), "float16")
+        pages = [self.free.pop() for _ in range(-(-length // PAGE))]
+        for t in range(length):
+            self.cache[pages[t // PAGE], 0, t % PAGE] = k[t]
+            self.cache[pages[t // PAGE], 1, t % PAGE] = v[t]
+        last = length - (len(pages) - 1) * PAGE if pages else 0
+        return k, v, np.array(pages, np.int32), last
+
+
+def table(segments):
+    """(indptr, indices, last_page_len) of a list of PagedPool.add results."""
+    indptr = np.concatenate([[0], np.cumsum([len(s[2]) for s in segments])]).astype(np.int32)
+    indices = np.concatenate([s[2] for s in segments]).astype(np.int32)
+    return indptr, indices, np.array([s[3] for s in segments], np.int32)
+
+
+def check(o, lse, o_ref, lse_ref):
+    assert_close(to_host(o), o_ref, "float16", "o")
+    assert_close(to_host(lse), lse_ref, "float32", "lse", tol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", [2, 3])
+def test_multi_level_cascade(levels):
+    rng = np.random.default_rng(levels)
+    pool = PagedPool(rng, 400)
+    qo = [3, 40, 1, 17]
+    prefix = pool.add(300)  # level 0: every request
+    pairs = [pool.add(50), pool.add(33)]  # level 1 of three: requests (0, 1) and (2, 3)
+    unique = [pool.add(n + 20) for n in qo]  # last level: >= each request's queries
+    q = random_values(rng, (sum(qo), HQ, D), "float16")
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    levels_qo = [np.array([0, sum(qo)], np.int32)]
+    tables = [table([prefix])]
+    if levels == 3:
+        levels_qo.append(np.array([0, qo[0] + qo[1], sum(qo)], np.int32))
+        tables.append(table(pairs))
+    levels_qo.append(qo_indptr)
+    tables.append(table(unique))
+    wrapper = rtcinfer.MultiLevelCascadeAttentionWrapper(levels)
+    wrapper.plan(levels_qo, [t[0] for t in tables], [t[1] for t in tables],
+                 [t[2] for t in tables], HQ, HKV, D, PAGE, causal=True,
+                 q_data_type="float16")  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(pool.cache), return_lse=True)
+    outs = []
+    for b in range(len(qo)):
+        parts = [prefix] + ([pairs[b // 2]] if levels == 3 else []) + [unique[b]]
+        k = np.concatenate([p[0] for p in parts])
+        v = np.concatenate([p[1] for p in parts])
+        outs.append(ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k, v, causal=True,
+                                      sm_scale=1 / np.sqrt(D)))  # fmt: skip
+    check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
+
+
+@pytest.mark.gpu
+def test_shared_prefix_decode_and_prefill():
+    rng = np.random.default_rng(7)
+    pool = PagedPool(rng, 200)
+    k_shared = random_values(rng, (500, HKV, D), "float16")
+    v_shared = random_values(rng, (500, HKV, D), "float16")
+    unique = [pool.add(n) for n in (1, 70, 16, 300)]
+    indptr, indices, last = table(unique)
+    cache = to_gpu(pool.cache)
+    ks, vs = to_gpu(k_shared), to_gpu(v_shared)
+
+    q = random_values(rng, (4, HQ, D), "float16")  # decode: one query per request
+    decode = rtcinfer.BatchDecodeWithSharedPrefixPagedKVCacheWrapper()
+    decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="float16")
+    o, lse = decode.run(to_gpu(q), ks, vs, cache, return_lse=True)
+    outs = [ref.attention_ref(q[b : b + 1], np.concatenate([k_shared, u[0]]),
+                              np.concatenate([v_shared, u[1]]), sm_scale=1 / np.sqrt(D))
+            for b, u in enumerate(unique)]  # fmt: skip
+    check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
+
+    qo = [1, 30, 16, 100]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    q = random_values(rng, (sum(qo), HQ, D), "float16")
+    prefill = rtcinfer.BatchPrefillWithSharedPrefixPagedKVCacheWrapper()
+    prefill.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
+                 q_data_type="float16")  # fmt: skip
+    o, lse = prefill.run(to_gpu(q), ks, vs, cache, return_lse=True)
+    outs = [ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]],
+                              np.concatenate([k_shared, u[0]]), np.concatenate([v_shared, u[1]]),
+                              causal=True, sm_scale=1 / np.sqrt(D))
+            for b, u in enumerate(unique)]  # fmt: skip
+    check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
