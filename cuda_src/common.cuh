@@ -34,6 +34,22 @@ struct ConditionalType<false, T, F> {
 template <bool B, typename T, typename F>
 using Conditional = typename ConditionalType<B, T, F>::type;
 
+// IsSame<A, B>::value: whether A and B are the same type.
+template <typename A, typename B>
+struct IsSame {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct IsSame<A, A> {
+  static constexpr bool value = true;
+};
+
+// Whether T is one of the fp8 types, and its conversion kind.
+template <typename T>
+constexpr bool is_fp8() {
+  return IsSame<T, __nv_fp8_e4m3>::value || IsSame<T, __nv_fp8_e5m2>::value;
+}
+
 // ---------------------------------------------------------------------------------------------
 // dtype conversions (compute is fp32)
 

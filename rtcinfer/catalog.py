@@ -117,6 +117,9 @@ def prefill_specs() -> list:
         spec("bfloat16", "bfloat16", 128, 128, True, "ROPE_LLAMA"),
         spec("float16", "float16", 256, 64, False, "ROPE_LLAMA", True),
         spec("bfloat16", "bfloat16", 64, 64, True, "ROPE_LLAMA", custom_mask=False),
+        spec("bfloat16", "bfloat16", 128, 128, True, kv_dtype="float8_e4m3fn"),
+        spec("float16", "float16", 64, 64, False, "ROPE_LLAMA", True, kv_dtype="float8_e5m2"),
+        spec("float16", "bfloat16", 256, 64, True, "ALIBI", kv_dtype="float8_e4m3fn"),
     ]
 
 

@@ -314,3 +314,39 @@ def test_ragged_rope(head_dim, causal):
     one = np.array([0, qs.stop - qs.start]), np.array([0, ks.stop - ks.start])
     check(o, lse, *rope_reference(q[qs], k[ks], v[ks], *one, 1.0, 1e4, causal=causal,
                                   sm_scale=1 / np.sqrt(head_dim)), "bfloat16")  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("q_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_kv(kv_dtype, q_dtype, head_dim):
+    """fp8 K/V (uint8 bytes on the device) widened in the kernel, with k_scale and v_scale:
+    ragged and paged (HND, (k, v) pair) against float64 attention over the fp8 values."""
+    rng = np.random.default_rng(head_dim + len(kv_dtype) + len(q_dtype))
+    qo, extra = [70, 1, 0, 200], [300, 64, 5, 0]
+    q, _, _, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra, d=head_dim, dtype=q_dtype)
+    k = random_values(rng, (int(kv_indptr[-1]), 2, head_dim), kv_dtype)
+    v = random_values(rng, (int(kv_indptr[-1]), 2, head_dim), kv_dtype)
+    scales = dict(k_scale=0.7, v_scale=1.3)
+    expect = reference(q, k, v, qo_indptr, kv_indptr, causal=True,
+                       sm_scale=1 / np.sqrt(head_dim), **scales)  # fmt: skip
+    ragged = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(qo_indptr, kv_indptr, 8, 2, head_dim, causal=True, q_data_type=q_dtype,
+                kv_data_type=kv_dtype)  # fmt: skip
+    check(*ragged.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True, **scales), *expect,
+          q_dtype)  # fmt: skip
+
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
+    k_cache = np.zeros((num_pages, 2, 16, head_dim), dtype=k.dtype)  # HND
+    v_cache = np.zeros_like(k_cache)
+    for b, n in enumerate(kv_lens):
+        for t in range(n):
+            page, slot = indices[indptr[b] + t // 16], t % 16
+            k_cache[page, :, slot] = k[kv_indptr[b] + t]
+            v_cache[page, :, slot] = v[kv_indptr[b] + t]
+    paged = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(kv_layout="HND")
+    paged.plan(qo_indptr, indptr, indices, last, 8, 2, head_dim, 16, causal=True,
+               q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
+    out = paged.run(to_gpu(q), (to_gpu(k_cache), to_gpu(v_cache)), return_lse=True, **scales)
+    check(*out, *expect, q_dtype)

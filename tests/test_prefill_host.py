@@ -101,7 +101,7 @@ def test_paged_plan_reads_the_table(wrappers):
     "kwargs, error, match",
     [
         (dict(head_dim_vo=64), ValueError, r"head_dim_vo \(64\) != head_dim_qk"),
-        (dict(kv_data_type="float8_e4m3fn"), TypeError, "fp8 KV.* not supported yet"),
+        (dict(kv_data_type="float16"), TypeError, "kv_data_type must be q's dtype"),
         (dict(causal=1), TypeError, "causal must be a bool"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None or >= 0"),
     ],
@@ -277,3 +277,20 @@ def test_cascade_levels_are_checked(wrappers):
     assert not first.causal and last.causal  # the causal mask on the last level only
     with pytest.raises(RuntimeError, match="plan"):
         MultiLevelCascadeAttentionWrapper(1).run(None, None)
+
+
+def test_fp8_kv_plans_its_kernel_and_takes_uint8_bytes(wrappers):
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 3, 10], [0, 5, 20], 8, 2, 128, causal=True, q_data_type="bfloat16",
+                 kv_data_type="float8_e4m3fn")  # fmt: skip
+    st = wrapper._launch
+    assert st.launch.kernel.spec.kv_dtype == "float8_e4m3fn"
+    static = (st.cfg, st.nnz_q, False)
+    for storage in ("float8_e4m3fn", "uint8"):
+        kv = info((20, 2, 128), storage)
+        prep = wrapper._prepare_run([info((10, 8, 128)), kv, kv, None, None], 16, static)
+        assert [o.dtype for o in prep.outs] == ["bfloat16"]
+    with pytest.raises(ValueError, match="dtype float8_e4m3fn, got"):
+        kv = info((20, 2, 128), "bfloat16")
+        wrapper._prepare_run([info((10, 8, 128)), kv, kv, None, None], 16, static)

@@ -17,15 +17,6 @@
 #include "paged_kv.cuh"
 #include "variant.cuh"
 
-template <typename A, typename B>
-struct IsSame {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct IsSame<A, A> {
-  static constexpr bool value = true;
-};
-
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr bool FP8 = IsSame<KVT, __nv_fp8_e4m3>::value || IsSame<KVT, __nv_fp8_e5m2>::value;

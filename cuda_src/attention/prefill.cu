@@ -16,7 +16,9 @@
 // only). Shared memory: the Q tile, the ring, a flag; SMEM_BYTES in all.
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
-// Prelude: QT (= KVT), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
+// fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly) into a
+// staging tile as each tile lands; k_scale folds into qk_scale, v_scale into the output.
+// Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES.
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
@@ -30,7 +32,9 @@ constexpr int WARPS = TILE_ROWS / 16;
 constexpr int THREADS = 32 * WARPS;
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
-constexpr int ROW_BYTES = HEAD_DIM * 2;
+constexpr bool FP8 = is_fp8<KVT>();
+constexpr int ROW_BYTES = HEAD_DIM * 2;      // a 16-bit row (Q, K and V as the MMAs read them)
+constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K or V row in the ring
 constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
 constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
 constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
@@ -39,17 +43,20 @@ constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then Ro
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
 constexpr bool Q_IN_REGS = HEAD_DIM <= 128;  // else Q fragments are re-read from shared memory
 constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
-constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;
-constexpr int RING_BYTES = STAGES * 2 * TILE_BYTES;
+constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
+constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
+constexpr int RING_BYTES = STAGES * 2 * RING_TILE_BYTES;
+constexpr int STAGING_BYTES = FP8 ? 2 * TILE_BYTES : 0;  // the widened K and V of fp8
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
 static_assert(TILE_ROWS == 64 || TILE_ROWS == 128, "4 or 8 warps of 16 rows");
 static_assert(KV_TILE % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
-static_assert(Q_BYTES + RING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "host layout");
+static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "layout");
+static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
 
 using MT = QT;
-using Loader = PagedTileLoader<KV_TILE, ROW_BYTES, THREADS>;
+using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS>;
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
 #include "prefill_fragments.cuh"
@@ -142,6 +149,40 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
     cp_async_16(q_tile + tile_offset<ROW_BYTES>(row, chunk), valid ? src : p.q, valid);
   }
   cp_async_commit();
+}
+
+// fp8 K and V tiles of the ring widened to QT into the staging tiles (same swizzle, 16-bit
+// rows): a thread converts 16 values (one ring chunk, two staging chunks) at a time.
+RTC_DEVICE void widen_tiles(unsigned char* staging, const unsigned char* ring_k,
+                            const unsigned char* ring_v) {
+  constexpr int KV_CHUNKS = KV_ROW_BYTES / 16;
+  constexpr __nv_fp8_interpretation_t KIND =
+      IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
+  for (int i = threadIdx.x; i < 2 * KV_TILE * KV_CHUNKS; i += THREADS) {
+    const int which = i / (KV_TILE * KV_CHUNKS), row = i / KV_CHUNKS % KV_TILE;
+    const int chunk = i % KV_CHUNKS;
+    const unsigned char* src = (which ? ring_v : ring_k) + tile_offset<KV_ROW_BYTES>(row, chunk);
+    unsigned char* dst = staging + which * TILE_BYTES;
+    const uint4 bytes = *reinterpret_cast<const uint4*>(src);
+    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t half2 = fp8x2_to_half2_bits<KIND>(words[w] >> (16 * h) & 0xffff);
+        if constexpr (IsBf16<QT>::value) {
+          const float2 f = unpack2<half>(half2);
+          out[2 * w + h] = pack2<QT>(f.x, f.y);
+        } else {
+          out[2 * w + h] = half2;
+        }
+      }
+    *reinterpret_cast<uint4*>(dst + tile_offset<ROW_BYTES>(row, 2 * chunk)) =
+        make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(dst + tile_offset<ROW_BYTES>(row, 2 * chunk + 1)) =
+        make_uint4(out[4], out[5], out[6], out[7]);
+  }
 }
 
 // RoPE on the ROWS rows of a swizzled [ROWS][HEAD_DIM] tile in shared memory, in place: row r
@@ -311,8 +352,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int kv_head = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
-  float2* freq_s = reinterpret_cast<float2*>(smem + Q_BYTES + RING_BYTES);
-  int* last_s = reinterpret_cast<int*>(smem + Q_BYTES + RING_BYTES + FREQ_BYTES);
+  unsigned char* staging = smem + Q_BYTES + RING_BYTES;
+  float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
+  int* last_s = reinterpret_cast<int*>(staging + STAGING_BYTES + FREQ_BYTES);
   if constexpr (ROPE)  // visible to all after the barrier below
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
       freq_s[i] = reinterpret_cast<const float2*>(p.plan + HEADER_INTS)[i];
@@ -322,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int key_first = w.kv_begin - w.kv_begin % KV_TILE;  // an aligned start: see the header
   const int num_tiles = w.kv_begin < w.kv_end ? (w.kv_end - key_first + KV_TILE - 1) / KV_TILE
                                               : 0;
-  auto k_tile = [&](int stage) { return ring + stage * 2 * TILE_BYTES; };
-  auto v_tile = [&](int stage) { return ring + stage * 2 * TILE_BYTES + TILE_BYTES; };
+  auto k_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES; };
+  auto v_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES + RING_TILE_BYTES; };
   Loader loader;
   loader.init(p.k_cache + kv_head * p.k_head, p.k_page, p.k_token, p.v_cache + kv_head * p.v_head,
               p.v_page, p.v_token, p.plan + w.page_ids, FastDiv{p.div_magic, p.div_shift},
@@ -368,13 +410,20 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       loader.issue(pages, key_first + next * KV_TILE, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();
     if (next + 1 < num_tiles) loader.fetch_pages(pages, key_first + (next + 1) * KV_TILE);
-    if constexpr (ROPE) {
-      const int key0 = key_first + tile * KV_TILE;
-      rope_tile<KV_TILE>(smem + Q_BYTES + (tile % STAGES) * 2 * TILE_BYTES, freq_s,
-                         [&](int r) { return key0 + r; });
+    // The 16-bit K and V the MMAs read: the ring's stage, or the staging tiles for fp8.
+    unsigned char* k_mma = FP8 ? staging : smem + Q_BYTES + (tile % STAGES) * 2 * TILE_BYTES;
+    if constexpr (FP8) {
+      const unsigned char* k_ring = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
+      // (The barrier at the top of this iteration: the previous MMAs are done with it.)
+      widen_tiles(staging, k_ring, k_ring + RING_TILE_BYTES);
       __syncthreads();
     }
-    attend_tile(st, qf, q_tile, k_tile(tile % STAGES), v_tile(tile % STAGES),
+    if constexpr (ROPE) {
+      const int key0 = key_first + tile * KV_TILE;
+      rope_tile<KV_TILE>(k_mma, freq_s, [&](int r) { return key0 + r; });
+      __syncthreads();
+    }
+    attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + TILE_BYTES),
                 key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, warp, lane,
                 t);
   }

@@ -8,8 +8,9 @@ single-request prefill (FlashInfer's names, argument meanings and defaults).
     o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
 
 Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
-causal mask. Not built yet (a clear error when asked for): fp8 KV, head_dim_vo != head_dim_qk,
-CUDA-graph mode.
+causal mask. fp8 KV (kv_data_type float8_e4m3fn / float8_e5m2; k_scale and v_scale at
+run()) is widened to q's dtype in shared memory. Not built yet (a clear error when asked for):
+head_dim_vo != head_dim_qk, CUDA-graph mode.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..interop import OutSlot, Prepared
 from ..interop.arrays import to_numpy
-from ..interop.dtypes import itemsize
+from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import INT32_MAX, as_int_array, first_bad, indptr_counts
@@ -70,8 +71,6 @@ def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
     attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                        window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
                        rope_scale, rope_theta)  # fmt: skip
-    if attn.kv_dtype != attn.q_dtype:
-        raise TypeError(f"kv_data_type {attn.kv_dtype} (fp8 KV) is not supported yet by prefill")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask))
@@ -83,6 +82,12 @@ class _Launch:
     cfg: PrefillConfig
     nnz_q: int  # rows of q and o
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
+
+
+def kv_storage(kv_dtype: str) -> tuple[str, ...]:
+    """The dtypes a K or V array of kv_dtype may have: its own, or uint8 bytes for fp8 (CuPy
+    has no fp8 dtype)."""
+    return (kv_dtype, "uint8") if kv_dtype in FP8_DTYPES else (kv_dtype,)
 
 
 def plan_launch(
@@ -100,7 +105,7 @@ def plan_launch(
         tile_rows = 64
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
-                        cfg.custom_mask)  # fmt: skip
+                        cfg.custom_mask, attn.kv_dtype)  # fmt: skip
     k = kernel(spec)
     ctas = max(1, k.occupancy(device, spec.threads))
     if fixed_split_size is not None and int(fixed_split_size) == -1:
@@ -315,7 +320,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         attn = cfg.attn
         for name, x in (("k", k), ("v", v)):
             if x is None or x.ndim != 3 or x.shape[1:] != (attn.num_kv_heads, attn.head_dim) or (
-                x.dtype != attn.kv_dtype):  # fmt: skip
+                x.dtype not in kv_storage(attn.kv_dtype)):  # fmt: skip
                 raise ValueError(
                     f"{name}: expected shape (nnz_kv, {attn.num_kv_heads}, {attn.head_dim}) and "
                     f"dtype {attn.kv_dtype}, got {None if x is None else (x.shape, x.dtype)}"
@@ -399,7 +404,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         caches = [("paged_kv_cache", k)] if v is None else [("k_cache", k), ("v_cache", v)]
         for name, cache in caches:
             expect = (*((2,) if v is None else ()), *tokens_heads, attn.head_dim)
-            if cache.shape[1:] != expect or cache.dtype != attn.kv_dtype:
+            if cache.shape[1:] != expect or cache.dtype not in kv_storage(attn.kv_dtype):
                 raise ValueError(
                     f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
                     f"dtype {attn.kv_dtype} ({self._kv_layout}, from the plan), got "

@@ -1,7 +1,8 @@
 """The prefill kernel seen from the host: its spec (cuda_src/attention/prefill.cu).
 
-One kernel per (dtypes, head_dim, query tile, KV tile, pipeline depth, causal or custom mask,
-position encoding, soft cap); lengths, page ids and the work list arrive through the plan.
+One kernel per (dtypes (KV: q's or fp8), head_dim, query tile, KV tile, pipeline depth, causal
+or custom mask, position encoding, soft cap); lengths, page ids and the work list arrive
+through the plan.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import jit
-from ..interop.dtypes import itemsize
+from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..launch import Kernel
 from .decode_kernel import PosEncoding
 
@@ -21,7 +22,7 @@ TILE_ROWS = (64, 128)
 
 @dataclass(frozen=True)
 class PrefillSpec:
-    q_dtype: str  # and the KV's
+    q_dtype: str
     o_dtype: str
     head_dim: int
     tile_rows: int  # packed query rows per CTA (16 per warp)
@@ -31,6 +32,7 @@ class PrefillSpec:
     custom_mask: bool  # a packed bit mask per request (then not causal)
     pos_encoding_mode: str  # "NONE", "ROPE_LLAMA" or "ALIBI"
     soft_cap: bool
+    kv_dtype: str  # q's, or an fp8 type (widened to q's in shared memory)
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
@@ -41,14 +43,18 @@ class PrefillSpec:
 
     @functools.cached_property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile, the K/V ring, RoPE frequencies, a flag."""
+        """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8, RoPE
+        frequencies, a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
+        ring = self.stages * 2 * self.kv_tile * self.head_dim * itemsize(self.kv_dtype)
+        staging = 2 * self.kv_tile * row if self.kv_dtype in FP8_DTYPES else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
-        return self.tile_rows * row + self.stages * 2 * self.kv_tile * row + freq + 16
+        return self.tile_rows * row + ring + staging + freq + 16
 
     def prelude(self) -> str:
         return jit.prelude(
             QT=self.q_dtype,
+            KVT=self.kv_dtype,
             OT=self.o_dtype,
             HEAD_DIM=self.head_dim,
             TILE_ROWS=self.tile_rows,
@@ -64,14 +70,15 @@ class PrefillSpec:
 
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
-    max_smem=227 * 1024, custom_mask=False,
+    max_smem=227 * 1024, custom_mask=False, kv_dtype=None,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256), as deep a
     ring (3 or 2 stages) as fits beside the Q tile."""
     kv_tile = 32 if head_dim == 256 else 64
     for stages in (3, 2):
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
-                           bool(custom_mask), pos_encoding_mode, bool(soft_cap))  # fmt: skip
+                           bool(custom_mask), pos_encoding_mode, bool(soft_cap),
+                           kv_dtype or q_dtype)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
