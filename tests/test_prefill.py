@@ -350,3 +350,44 @@ def test_fp8_kv(kv_dtype, q_dtype, head_dim):
                q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
     out = paged.run(to_gpu(q), (to_gpu(k_cache), to_gpu(v_cache)), return_lse=True, **scales)
     check(*out, *expect, q_dtype)
+
+
+def test_cuda_graph_replays_after_replan():
+    """A graph captured around run() of a use_cuda_graph wrapper replays correctly after plans
+    with new lengths, fewer rows and requests, split and not (q padded to the first plan's
+    rows; rows past a plan are left alone)."""
+    import cupy
+
+    rng = np.random.default_rng(21)
+    rows = 300
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=cupy.empty(5, np.int32),
+        kv_indptr_buf=cupy.empty(5, np.int32),
+    )  # fmt: skip
+    q_all = random_values(rng, (rows, 8, 128), "bfloat16")
+    k_all = random_values(rng, (9000, 2, 128), "bfloat16")
+    v_all = random_values(rng, (9000, 2, 128), "bfloat16")
+    q, k, v = to_gpu(q_all), to_gpu(k_all), to_gpu(v_all)
+    out = cupy.empty((rows, 8, 128), dtype=q.dtype)
+    lse = cupy.empty((rows, 8), dtype=np.float32)
+    plans = [([100, 150, 50, 0], [900, 150, 1000, 0]), ([1, 1, 1], [8000, 1, 0]),
+             ([300], [300]), ([7, 0, 100, 90], [2000, 30, 100, 90])]  # fmt: skip
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i, (qo, kv) in enumerate(plans):
+            qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+            kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+            wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=True, q_data_type="bfloat16")
+            if i == 0:  # compile and load outside the capture, then capture
+                wrapper.run(q, k, v, out=out, lse=lse)
+                stream.synchronize()
+                stream.begin_capture()
+                wrapper.run(q, k, v, out=out, lse=lse)
+                graph = stream.end_capture()
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            n = int(qo_indptr[-1])
+            expect = reference(q_all[:n], k_all, v_all, qo_indptr, kv_indptr, causal=True,
+                               sm_scale=1 / np.sqrt(128))  # fmt: skip
+            check(out[:n], lse[:n], *expect, "bfloat16")

@@ -294,3 +294,45 @@ def test_fp8_kv_plans_its_kernel_and_takes_uint8_bytes(wrappers):
     with pytest.raises(ValueError, match="dtype float8_e4m3fn, got"):
         kv = info((20, 2, 128), "bfloat16")
         wrapper._prepare_run([info((10, 8, 128)), kv, kv, None, None], 16, static)
+
+
+class Buf:
+    """A stand-in for a FlashInfer-style buffer: only its length is read."""
+
+    def __init__(self, n):
+        self.shape = (n,)
+
+
+def test_graph_mode_fixes_rows_grid_and_layout(wrappers):
+    prefill, _ = wrappers
+    with pytest.raises(ValueError, match="needs qo_indptr_buf"):
+        prefill.BatchPrefillWithRaggedKVCacheWrapper(use_cuda_graph=True)
+    with pytest.raises(ValueError, match="needs paged_kv_indices_buf"):
+        prefill.BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=True, qo_indptr_buf=Buf(5))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        prefill.BatchPrefillWithRaggedKVCacheWrapper(backend="cudnn")
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper(use_cuda_graph=True,
+                                                           qo_indptr_buf=Buf(5))  # fmt: skip
+    kw = dict(causal=True, q_data_type="bfloat16")
+    wrapper.plan([0, 100, 300, 301], [0, 900, 1200, 1201], 8, 2, 128, **kw)
+    first = wrapper._launch
+    layout = wrapper._reserved
+    assert first.nnz_q == 301
+    for qo, kv in (([0, 1, 2], [0, 5000, 5001]), ([0, 0, 7, 200, 301], [0, 9, 20, 300, 500])):
+        wrapper.plan(qo, kv, 8, 2, 128, **kw)
+        st = wrapper._launch
+        assert st.nnz_q == 301 and st.launch.grid == first.launch.grid  # fixed by the first
+        assert st.launch.kernel is first.launch.kernel and wrapper._reserved == layout
+    with pytest.raises(ValueError, match="302 query rows, but .* takes 301"):
+        wrapper.plan([0, 302], [0, 400], 8, 2, 128, **kw)
+    with pytest.raises(ValueError, match="batch of 5 requests .* exceeds the CUDA-graph"):
+        wrapper.plan([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 8, 2, 128, **kw)
+    with pytest.raises(ValueError, match="custom masks are not supported yet with use_cuda"):
+        wrapper.plan([0, 1], [0, 1], 8, 2, 128, custom_mask=np.ones(1, bool), **kw)
+    st = wrapper._launch
+    static = (st.cfg, st.nnz_q, False)
+    kv = info((1201, 2, 128))
+    with pytest.raises(ValueError, match=r"q: expected shape \(301, 8, 128\)"):
+        wrapper._prepare_run([info((300, 8, 128)), kv, kv, None, None], 16, static)
+    prep = wrapper._prepare_run([info((301, 8, 128)), kv, kv, None, None], 16, static)
+    assert prep.command_buffer  # XLA may record it: every launch argument is fixed

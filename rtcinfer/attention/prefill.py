@@ -10,7 +10,7 @@ single-request prefill (FlashInfer's names, argument meanings and defaults).
 Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
 causal mask. fp8 KV (kv_data_type float8_e4m3fn / float8_e5m2; k_scale and v_scale at
 run()) is widened to q's dtype in shared memory. Not built yet (a clear error when asked for):
-head_dim_vo != head_dim_qk, CUDA-graph mode.
+head_dim_vo != head_dim_qk, custom masks in CUDA-graph mode.
 """
 
 from __future__ import annotations
@@ -45,13 +45,11 @@ def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     return as_int_array(name, x, widen=widen)
 
 
-def unsupported(head_dim_vo, head_dim_qk, use_cuda_graph):
+def unsupported(head_dim_vo, head_dim_qk):
     if head_dim_vo is not None and head_dim_vo != head_dim_qk:
         raise ValueError(
             f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
         )
-    if use_cuda_graph:
-        raise ValueError("use_cuda_graph=True is not supported yet by rtcinfer's prefill")
 
 
 @dataclass(frozen=True)
@@ -84,30 +82,59 @@ class _Launch:
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
 
 
+BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
+
+
+def check_backend(backend, jit_args=None, custom_mask_buf=None, mask_indptr_buf=None) -> None:
+    """FlashInfer's constructor options that have no counterpart here raise; the backends
+    that compute the same thing are accepted."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if jit_args is not None:
+        raise ValueError("jit_args (custom attention variants) are not supported")
+    if custom_mask_buf is not None or mask_indptr_buf is not None:
+        raise ValueError("custom masks are not supported yet with use_cuda_graph=True")
+
+
 def kv_storage(kv_dtype: str) -> tuple[str, ...]:
     """The dtypes a K or V array of kv_dtype may have: its own, or uint8 bytes for fp8 (CuPy
     has no fp8 dtype)."""
     return (kv_dtype, "uint8") if kv_dtype in FP8_DTYPES else (kv_dtype,)
 
 
-def plan_launch(
-    cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
-    disable_split_kv=False,
-) -> tuple[Launch, PrefillPlan]:  # fmt: skip
-    """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
-    depends only on them and the configuration filled (the plan's regions and the arrays'
-    pointers and strides are the caller's)."""
+def pick_tile_rows(cfg: PrefillConfig, qo_indptr) -> int:
+    """Packed query rows per CTA for a batch: 64 or 128 (64 at head_dim 256)."""
     attn = cfg.attn
-    num_sms, max_smem = limits
-    group = attn.group_size
-    tile_rows = max(64, choose_tile_rows(np.diff(qo_indptr), group, attn.head_dim))
     if attn.head_dim == 256:
-        tile_rows = 64
+        return 64
+    return max(64, choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim))
+
+
+def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int):
+    """(the kernel of a configuration and tile, its resident CTAs per SM on the device)."""
+    attn = cfg.attn
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
                         cfg.custom_mask, attn.kv_dtype)  # fmt: skip
     k = kernel(spec)
-    ctas = max(1, k.occupancy(device, spec.threads))
+    return k, max(1, k.occupancy(device, spec.threads))
+
+
+def plan_launch(
+    cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
+    disable_split_kv=False, tile_rows=None, max_work=None,
+) -> tuple[Launch, PrefillPlan]:  # fmt: skip
+    """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
+    depends only on them and the configuration filled (the plan's regions and the arrays'
+    pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
+    grid (max_work items; those past the plan's count exit at once)."""
+    attn = cfg.attn
+    num_sms, max_smem = limits
+    group = attn.group_size
+    if tile_rows is None:
+        tile_rows = pick_tile_rows(cfg, qo_indptr)
+    k, ctas = kernel_for(cfg, tile_rows, device, max_smem)
+    spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
     plan = plan_prefill(
@@ -115,14 +142,15 @@ def plan_launch(
         ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
         page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
         tile_rows=tile_rows, fixed_split_size=fixed_split_size,
-        disable_split_kv=disable_split_kv,
+        disable_split_kv=disable_split_kv, max_work=max_work,
     )  # fmt: skip
-    if plan.num_work > MAX_GRID_Y:
+    items = plan.num_work if max_work is None else max_work
+    if items > MAX_GRID_Y:
         raise ValueError(
-            f"{plan.num_work} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch "
-            "in parts or use a larger fixed_split_size"
+            f"{items} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch in parts "
+            "or use a larger fixed_split_size"
         )
-    launch = Launch(k, (attn.num_kv_heads, plan.num_work, 1), (spec.threads, 1, 1))
+    launch = Launch(k, (attn.num_kv_heads, items, 1), (spec.threads, 1, 1))
     p = launch.params
     p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
     p.div_magic, p.div_shift = fast_div(attn.page_size)
@@ -149,19 +177,50 @@ def io_fields(q, out, lse, attn: Config) -> dict:
                 o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _GraphCapacity:
+    """What a CUDA-graph wrapper keeps fixed across plans of one configuration: the kernel's
+    tile, the query rows run() takes (the first plan's), and the workspace layout."""
+
+    cfg: PrefillConfig
+    tile_rows: int
+    rows: int
+    capacity: Capacity
+
+
 class _PrefillWrapper(PlannedWrapper):
     """What the ragged and paged prefill wrappers share: plan() from (qo_indptr, kv_len,
     page list) and run() on (q, K view, V view). A subclass gives _check_kv(cfg, k, v) and
-    _kv_fields(k, v, attn) for its cache form."""
+    _kv_fields(k, v, attn) for its cache form.
+
+    CUDA graphs (use_cuda_graph=True, FlashInfer's rule): the first plan() of a configuration
+    fixes the number of query rows; run() then always takes q (and gives o) of that many rows,
+    and later plans may use fewer (rows past them are left alone) but not more, with at most
+    len(qo_indptr_buf) - 1 requests (and, paged, len(paged_kv_indices_buf) pages). The kernel,
+    its grid and the workspace layout stay fixed, so a graph captured around run() replays
+    correctly after later plans. Custom masks are not available in this mode yet."""
 
     RUN_SLOTS = ("q", "k", "v", "out", "lse")
     RUN_GIVEN = ("out", "lse")
 
-    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False):
-        unsupported(None, None, use_cuda_graph)
+    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, max_pages=None):  # fmt: skip
         super().__init__(workspace, kv_layout, use_cuda_graph)
         self._launch: _Launch | None = None
         self._mask = None  # what keeps the plan's packed custom mask alive
+        self._fixed: _GraphCapacity | None = None
+        if self._graph:
+            if qo_indptr_buf is None:
+                raise ValueError(
+                    "use_cuda_graph=True needs qo_indptr_buf: its length fixes the batch size"
+                )
+            self._max_batch = int(qo_indptr_buf.shape[0]) - 1
+            self._max_pages = self._max_batch if max_pages is None else int(max_pages)
+            if not 0 <= self._max_batch <= MAX_GRID_Y:
+                raise ValueError(
+                    f"qo_indptr_buf implies a capacity of {self._max_batch} requests; expected "
+                    f"0 to {MAX_GRID_Y}"
+                )
 
     def _setup(self, cfg: PrefillConfig) -> None:
         num_sms, max_smem = device_limits(self._device)
@@ -174,17 +233,25 @@ class _PrefillWrapper(PlannedWrapper):
         masks: plan()'s (custom_mask, packed_custom_mask)."""
         custom = masks[0] is not None or masks[1] is not None
         cfg = self._configure((*args, custom), make_prefill_config, self._setup)
-        launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
-                                   fixed_split_size, disable_split_kv)  # fmt: skip
+        rows = int(qo_indptr[-1])
+        if self._graph:
+            fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], custom)
+            launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
+                                       fixed_split_size, disable_split_kv, fixed.tile_rows,
+                                       fixed.capacity.max_work)  # fmt: skip
+            capacity, rows = fixed.capacity, fixed.rows
+        else:
+            launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
+                                       fixed_split_size, disable_split_kv)  # fmt: skip
+            capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
+                                plan.num_slots, cfg.attn.num_kv_heads,
+                                launch.kernel.spec.tile_rows, cfg.attn.head_dim)  # fmt: skip
         mask_byte = None
         if custom:
             self._mask, launch.params.mask, mask_byte = packed_mask(
                 *masks, np.diff(qo_indptr), kv_len, self._device
             )
         attn = cfg.attn
-        tile_rows = launch.kernel.spec.tile_rows
-        capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles, plan.num_slots,
-                            attn.num_kv_heads, tile_rows, attn.head_dim)  # fmt: skip
         freq = attn.freq()
         regions = self._upload(capacity, lambda buf: pack_plan(
             buf, plan, qo_indptr, first_page, page_ids, attn.head_dim, freq, mask_byte
@@ -192,7 +259,36 @@ class _PrefillWrapper(PlannedWrapper):
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
         p.partial_lse, p.counters = regions["lse"], regions["counters"]
-        self._launch = _Launch(launch, cfg, int(qo_indptr[-1]), num_kv_rows)
+        self._launch = _Launch(launch, cfg, rows, num_kv_rows)
+
+    def _graph_capacity(self, cfg, qo_indptr, num_pages: int, custom: bool) -> _GraphCapacity:
+        """The fixed capacity of a CUDA-graph wrapper for this plan (set by the first plan of
+        the configuration), after checking that the plan fits it."""
+        if custom:
+            raise ValueError("custom masks are not supported yet with use_cuda_graph=True")
+        batch, rows = qo_indptr.shape[0] - 1, int(qo_indptr[-1])
+        if batch > self._max_batch or num_pages > self._max_pages:
+            raise ValueError(
+                f"a batch of {batch} requests and {num_pages} pages exceeds the CUDA-graph "
+                f"capacity ({self._max_batch} requests, {self._max_pages} pages)"
+            )
+        fixed = self._fixed
+        if fixed is None or fixed.cfg != cfg:
+            attn = cfg.attn
+            tile_rows = pick_tile_rows(cfg, qo_indptr)
+            tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
+            num_sms, max_smem = self._limits
+            _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem)
+            work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
+            capacity = Capacity(work, self._max_pages, tiles, work, attn.num_kv_heads,
+                                tile_rows, attn.head_dim)  # fmt: skip
+            fixed = self._fixed = _GraphCapacity(cfg, tile_rows, rows, capacity)
+        elif rows > fixed.rows:
+            raise ValueError(
+                f"{rows} query rows, but this CUDA-graph wrapper's run() takes {fixed.rows} "
+                "(fixed by its first plan): plan at most that many, padding q to it"
+            )
+        return fixed
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
         st = self._launch
@@ -272,7 +368,7 @@ class _PrefillWrapper(PlannedWrapper):
             if wrapper is not None:
                 wrapper._launch.launch.preload(device)
 
-        return Prepared(tuple(outs), run, preload=preload, command_buffer=False,
+        return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
                         on_trace=on_trace)  # fmt: skip
 
     def _run_fields(self, q, k, v, out, lse, attn: Config) -> dict:
@@ -286,6 +382,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     qo_indptr[b]:qo_indptr[b + 1] of q [nnz_q, Hq, D], its keys rows kv_indptr[b]:kv_indptr[b + 1]
     of k, v [nnz_kv, Hkv, D] (any token and head strides, head_dim contiguous)."""
 
+    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
+                 mask_indptr_buf=None, backend="auto", jit_args=None):  # fmt: skip
+        check_backend(backend, jit_args, custom_mask_buf, mask_indptr_buf)
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf)
+
     def plan(
         self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
         custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
@@ -294,7 +396,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        unsupported(head_dim_vo, head_dim_qk, False)
+        unsupported(head_dim_vo, head_dim_qk)
         qo = _host_ints("qo_indptr", qo_indptr)
         kv = _host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -344,6 +446,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     request b's keys are the first kv_len_b tokens of pages
     paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]."""
 
+    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend="auto", jit_args=None):  # fmt: skip
+        check_backend(backend, jit_args, custom_mask_buf, mask_indptr_buf)
+        if use_cuda_graph and paged_kv_indices_buf is None:
+            raise ValueError(
+                "use_cuda_graph=True needs paged_kv_indices_buf: its length fixes the pages"
+            )
+        max_pages = None if paged_kv_indices_buf is None else paged_kv_indices_buf.shape[0]
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf, max_pages)
+
     def plan(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
         num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
@@ -353,7 +467,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         fixed_split_size=None, disable_split_kv=False,
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
-        unsupported(head_dim_vo, head_dim_qk, False)
+        unsupported(head_dim_vo, head_dim_qk)
         qo = _host_ints("qo_indptr", qo_indptr)
         indptr = _host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = _host_ints("paged_kv_indices", paged_kv_indices, widen=False)

@@ -19,11 +19,9 @@ from ..interop.arrays import device_like, framework
 from ..jit import device_limits
 from ..launch import memset_d32
 from .paged_kv import check_cache_view, check_layout, token_head
-from .prefill import io_fields, make_prefill_config, plan_launch
+from .prefill import check_backend, io_fields, make_prefill_config, plan_launch
 from .prefill_plan import ITEM_INTS, RAGGED_PAGE, items_at, pack_plan
 from .workspace import device_copy
-
-BACKENDS = ("auto", "fa2")
 
 
 def single_prefill_with_kv_cache(
@@ -46,8 +44,7 @@ def single_prefill_with_kv_cache(
     """
     if scale_q is not None or scale_k is not None or scale_v is not None:
         raise ValueError("scale_q, scale_k and scale_v (fp8 inputs) are not supported yet")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     mask = packed_custom_mask
     if mask is None and custom_mask is not None:
         kv_len = k.shape[0 if kv_layout == "NHD" else 1]
