@@ -391,3 +391,31 @@ def test_cuda_graph_replays_after_replan():
             expect = reference(q_all[:n], k_all, v_all, qo_indptr, kv_indptr, causal=True,
                                sm_scale=1 / np.sqrt(128))  # fmt: skip
             check(out[:n], lse[:n], *expect, "bfloat16")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_decode_like_batches_use_16_row_tiles(head_dim, split, kv_dtype):
+    """One query per request and speculative-verification lengths (2-4 queries, 4 heads a
+    group): 16-row tiles whose four warps split the keys, paged, with empty requests."""
+    rng = np.random.default_rng(head_dim + split)
+    qo, extra = [1, 4, 2, 1, 3, 0, 1], [2000, 90, 0, 700, 16, 5, 0]
+    q, _, _, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra, d=head_dim)
+    k = random_values(rng, (int(kv_indptr[-1]), 2, head_dim), kv_dtype)
+    v = random_values(rng, (int(kv_indptr[-1]), 2, head_dim), kv_dtype)
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
+    cache = np.zeros((num_pages, 2, 16, 2, head_dim), dtype=k.dtype)
+    for b, n in enumerate(kv_lens):
+        for t in range(n):
+            page, slot = indices[indptr[b] + t // 16], t % 16
+            cache[page, 0, slot], cache[page, 1, slot] = k[kv_indptr[b] + t], v[kv_indptr[b] + t]
+    wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+    wrapper.plan(qo_indptr, indptr, indices, last, 8, 2, head_dim, 16, causal=True,
+                 q_data_type="bfloat16", kv_data_type=kv_dtype,
+                 disable_split_kv=not split, fixed_split_size=4 if split else None)  # fmt: skip
+    assert wrapper._launch.launch.kernel.spec.tile_rows == 16
+    o, lse = wrapper.run(to_gpu(q), to_gpu(cache), return_lse=True)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=True,
+                             sm_scale=1 / np.sqrt(head_dim)), "bfloat16")  # fmt: skip

@@ -109,3 +109,79 @@ def test_the_p_fragment_is_the_a_layout_of_s():
         lo, hi = halves(a[r], dtype)
         np.testing.assert_array_equal(lo, value(row, col))
         np.testing.assert_array_equal(hi, value(row, col + 1))
+
+
+def test_warps_sharing_rows_split_the_keys_and_merge():
+    """A 16-row tile: four warps take keys 16w..16w+15 of a 64-key tile (load_k_pair at
+    key_w + 8n, load_v_pair at block key_w / 16), keep online-softmax states, and
+    combine_warps merges them lane by lane before the quad reduction of d; the result is
+    softmax(Q K^T * scale) V up to the 16-bit rounding of P."""
+    dtype, head_dim, kv_warps, warp_keys = np.float16, 128, 4, 16
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((16, head_dim)).astype(dtype)
+    k = rng.standard_normal((kv_warps * warp_keys, head_dim)).astype(dtype)
+    v = rng.standard_normal((kv_warps * warp_keys, head_dim)).astype(dtype)
+    q_s, k_s, v_s = swizzled(q), swizzled(k), swizzled(v)
+    row_bytes, scale = 2 * head_dim, 0.125 * np.log2(np.e)
+    states = []
+    for kv_warp in range(kv_warps):
+        key_w = kv_warp * warp_keys
+        s = [np.zeros((4, 32)) for _ in range(warp_keys // 8)]
+        for c in range(head_dim // 16):
+            a = load_a_rows(q_s, 0, c, row_bytes)
+            b = load_k_pair(k_s, key_w, c, row_bytes)
+            s[0], s[1] = mma(s[0], a, b[0], dtype), mma(s[1], a, b[1], dtype)
+        x = [sn * scale for sn in s]
+        m, d = np.zeros((2, 32)), np.zeros((2, 32))
+        for i in range(2):  # rows G + 8i: registers 2i, 2i + 1 of every n-tile
+            lane_max = np.max([xn[2 * i + e] for xn in x for e in range(2)], axis=0)
+            m[i] = lane_max.reshape(8, 4).max(axis=1).repeat(4)  # the quad's max
+            for xn in x:
+                for e in range(2):
+                    xn[2 * i + e] = np.exp2(xn[2 * i + e] - m[i])
+                    d[i] += xn[2 * i + e]
+        a = p_fragment(x[0], x[1], dtype)
+        o = [np.zeros((4, 32)) for _ in range(head_dim // 8)]
+        for c in range(head_dim // 16):
+            b = load_v_pair(v_s, key_w // 16, c, row_bytes)
+            for h in range(2):
+                o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
+        states.append((m, d, o))
+    big_m = np.max([st[0] for st in states], axis=0)
+    d = sum(st[1] * np.exp2(st[0] - big_m) for st in states)
+    d = d.reshape(2, 8, 4).sum(axis=2).repeat(4, axis=1)  # finish_rows' quad reduction
+    logits = q.astype(np.float64) @ k.astype(np.float64).T * 0.125
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    expect = (p / p.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
+    for n in range(head_dim // 8):
+        for r in range(4):
+            i = r // 2
+            merged = sum(st[2][n][r] * np.exp2(st[0][i] - big_m[i]) for st in states)
+            rows, dims = G + 8 * i, 8 * n + 2 * T + r % 2
+            np.testing.assert_allclose(merged / d[i], expect[rows, dims], rtol=0, atol=3e-3)
+
+
+@pytest.mark.parametrize("kind", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):
+    """widen_tiles: ring chunk c of an fp8 row (16 values, tile_offset of head_dim-byte rows)
+    becomes chunks 2c, 2c + 1 of the 16-bit row: the staging tile is the swizzled 16-bit tile
+    of the same values."""
+    rng = np.random.default_rng(head_dim)
+    rows = 64
+    x = rng.standard_normal((rows, head_dim)).astype(kind)
+    ring = np.zeros(rows * head_dim, np.uint8)
+    raw = x.view(np.uint8)
+    for r in range(rows):
+        for c in range(head_dim // 16):
+            at = tile_offset(r, c, head_dim)
+            ring[at : at + 16] = raw[r, 16 * c : 16 * c + 16]
+    staging = np.zeros(rows * 2 * head_dim, np.uint8)
+    for r in range(rows):
+        for c in range(head_dim // 16):
+            at = tile_offset(r, c, head_dim)
+            values = ring[at : at + 16].view(kind).astype(np.float16).view(np.uint8)
+            for half in range(2):
+                dst = tile_offset(r, 2 * c + half, 2 * head_dim)
+                staging[dst : dst + 16] = values[16 * half : 16 * half + 16]
+    np.testing.assert_array_equal(staging, swizzled(x.astype(np.float16)))

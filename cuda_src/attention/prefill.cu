@@ -8,8 +8,10 @@
 // Grid: blockIdx.x = kv head, blockIdx.y = work item: a tile of TILE_ROWS packed query rows
 // (row r = query r / group_size, head r % group_size of the kv head's group) over the keys
 // [kv_begin, kv_end) of one KV chunk. Items past the plan's count exit at once.
-// Block: WARPS = TILE_ROWS / 16 warps; warp w owns rows 16w..16w+15 and keeps, per thread, the
-// softmax state of rows g and g + 8 (FA2 style): S = Q K^T and O += P V by mma.m16n8k16,
+// Block: TILE_ROWS / 16 row warps; row warp w owns rows 16w..16w+15 and keeps, per thread, the
+// softmax state of rows g and g + 8 (FA2 style). A 16-row tile (decode-like batches) has four
+// warps on its rows instead, each taking a quarter of every K/V tile's keys; their states
+// merge through shared memory at the end (KV_WARPS). In each warp: S = Q K^T and O += P V by mma.m16n8k16,
 // operands through ldmatrix from swizzled tiles (prefill_fragments.cuh), P rounded to the
 // 16-bit type. K/V tiles of KV_TILE keys stream through a STAGES-deep cp.async ring, starting
 // at the KV_TILE-aligned key below kv_begin (a row's reduction order depends on its own keys
@@ -28,8 +30,11 @@
 #include "paged_kv.cuh"
 #include "variant.cuh"
 
-constexpr int WARPS = TILE_ROWS / 16;
+constexpr int ROW_WARPS = TILE_ROWS / 16;          // warps along the rows, 16 rows each
+constexpr int KV_WARPS = TILE_ROWS == 16 ? 4 : 1;  // warps on the same rows, splitting the keys
+constexpr int WARPS = ROW_WARPS * KV_WARPS;
 constexpr int THREADS = 32 * WARPS;
+constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a warp takes
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr bool FP8 = is_fp8<KVT>();
@@ -38,7 +43,7 @@ constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K or V row in the rin
 constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
 constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
 constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
-constexpr int KEY_TILES = KV_TILE / 8;       // n-tiles of S
+constexpr int KEY_TILES = WARP_KEYS / 8;     // n-tiles of S per warp
 constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
 constexpr bool Q_IN_REGS = HEAD_DIM <= 128;  // else Q fragments are re-read from shared memory
@@ -49,8 +54,8 @@ constexpr int RING_BYTES = STAGES * 2 * RING_TILE_BYTES;
 constexpr int STAGING_BYTES = FP8 ? 2 * TILE_BYTES : 0;  // the widened K and V of fp8
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
-static_assert(TILE_ROWS == 64 || TILE_ROWS == 128, "4 or 8 warps of 16 rows");
-static_assert(KV_TILE % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
+static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
+static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
 static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "layout");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
@@ -213,7 +218,8 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
                             uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int key0,
                             const Rows& rows, const PrefillWorkItem& w,
                             const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
-                            const uint8_t* mask, int warp, int lane, int t) {
+                            const uint8_t* mask, int row_warp, int kv_warp, int lane, int t) {
+  const int key_w = kv_warp * WARP_KEYS;  // this warp's first key in the tile
   float s[KEY_TILES][4];
 #pragma unroll
   for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -224,25 +230,25 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[r] = qf[c][r];
     } else {
-      load_a_rows<ROW_BYTES>(a, q_tile, 16 * warp, c, lane);
+      load_a_rows<ROW_BYTES>(a, q_tile, 16 * row_warp, c, lane);
     }
 #pragma unroll
     for (int n = 0; n < KEY_TILES; n += 2) {
       uint32_t b[2][2];
-      load_k_pair<ROW_BYTES>(b, k_tile, 8 * n, c, lane);
+      load_k_pair<ROW_BYTES>(b, k_tile, key_w + 8 * n, c, lane);
       mma_16816<MT>(s[n][0], s[n][1], s[n][2], s[n][3], a, b[0][0], b[0][1]);
       mma_16816<MT>(s[n + 1][0], s[n + 1][1], s[n + 1][2], s[n + 1][3], a, b[1][0], b[1][1]);
     }
   }
 
   // Logit transform (variant.cuh) and masks: element r of n-tile n is row g + 8 (r / 2), key
-  // key0 + 8n + 2t + r % 2.
+  // key0 + key_w + 8n + 2t + r % 2.
   float row_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int n = 0; n < KEY_TILES; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int i = r / 2, key = key0 + 8 * n + 2 * t + r % 2;
+      const int i = r / 2, key = key0 + key_w + 8 * n + 2 * t + r % 2;
       const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
       s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
       row_max[i] = fmaxf(row_max[i], s[n][r]);
@@ -262,13 +268,13 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
 
   // O += P V, 16 keys at a time.
 #pragma unroll
-  for (int j = 0; j < KV_TILE / 16; ++j) {
+  for (int j = 0; j < WARP_KEYS / 16; ++j) {
     uint32_t a[4];
     p_fragment<MT>(a, s[2 * j], s[2 * j + 1]);
 #pragma unroll
     for (int c = 0; c < HEAD_DIM / 16; ++c) {
       uint32_t b[2][2];
-      load_v_pair<ROW_BYTES>(b, v_tile, j, c, lane);
+      load_v_pair<ROW_BYTES>(b, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int n = 2 * c + h;  // dims 8n..8n + 7
@@ -276,6 +282,42 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
                       b[h][0], b[h][1]);
       }
     }
+  }
+}
+
+// KV_WARPS > 1: the states of the warps sharing rows merged into the first one's, lane by lane
+// (lane L of every warp holds the same rows and dims; d is still per thread, so the partial
+// sums merge as they are and finish_rows reduces them). `scratch`: shared memory no longer in
+// use, [KV_WARPS - 1][FIELDS][32] floats.
+constexpr int STATE_FLOATS = 2 + 2 * DIM_TILES;  // m, d, o of one row
+constexpr int COMBINE_BYTES = KV_WARPS > 1 ? (KV_WARPS - 1) * 2 * STATE_FLOATS * 32 * 4 : 0;
+static_assert(COMBINE_BYTES <= RING_BYTES, "the exchange fits in the ring");
+
+RTC_DEVICE void combine_warps(State (&st)[2], float* scratch, int kv_warp, int lane) {
+  constexpr int FIELDS = 2 * STATE_FLOATS;
+  if (kv_warp > 0) {
+    float* mine = scratch + (kv_warp - 1) * FIELDS * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float* row = mine + i * STATE_FLOATS * 32;
+      row[0] = st[i].m, row[32] = st[i].d;
+#pragma unroll
+      for (int e = 0; e < 2 * DIM_TILES; ++e) row[(2 + e) * 32] = st[i].o[e];
+    }
+  }
+  __syncthreads();
+  if (kv_warp == 0) {
+#pragma unroll 1
+    for (int w = 1; w < KV_WARPS; ++w)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float* row = scratch + ((w - 1) * FIELDS + i * STATE_FLOATS) * 32 + lane;
+        State other;
+        other.m = row[0], other.d = row[32];
+#pragma unroll
+        for (int e = 0; e < 2 * DIM_TILES; ++e) other.o[e] = row[(2 + e) * 32];
+        st[i].merge(other);
+      }
   }
 }
 
@@ -351,6 +393,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   if (item >= __ldg(p.plan)) return;
   const int kv_head = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row_warp = warp / KV_WARPS, kv_warp = warp % KV_WARPS;
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
   unsigned char* staging = smem + Q_BYTES + RING_BYTES;
   float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
@@ -394,9 +437,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
 #pragma unroll
-    for (int c = 0; c < K_STEPS; ++c) load_a_rows<ROW_BYTES>(qf[c], q_tile, 16 * warp, c, lane);
+    for (int c = 0; c < K_STEPS; ++c)
+      load_a_rows<ROW_BYTES>(qf[c], q_tile, 16 * row_warp, c, lane);
   Rows rows;
-  rows.init(w, p, kv_head, warp, g);
+  rows.init(w, p, kv_head, row_warp, g);
   LogitTransform<ALIBI, SOFT_CAP> transform;
   transform.init(p.qk_scale, p.soft_cap);
   State st[2];
@@ -424,11 +468,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       __syncthreads();
     }
     attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + TILE_BYTES),
-                key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, warp, lane,
-                t);
+                key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, row_warp,
+                kv_warp, lane, t);
   }
   cp_async_wait<0>();
-  finish_rows(st, rows, w, p, kv_head, warp, g, t);
+  if constexpr (KV_WARPS > 1) {
+    __syncthreads();  // every warp is done with the ring: it holds the exchange
+    combine_warps(st, reinterpret_cast<float*>(smem + Q_BYTES), kv_warp, lane);
+  }
+  if (kv_warp == 0) finish_rows(st, rows, w, p, kv_head, row_warp, g, t);
   if (w.slot < 0) return;
 
   // A split tile: the last of its items merges the partials. The barrier orders this CTA's

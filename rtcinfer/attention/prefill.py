@@ -103,11 +103,10 @@ def kv_storage(kv_dtype: str) -> tuple[str, ...]:
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr) -> int:
-    """Packed query rows per CTA for a batch: 64 or 128 (64 at head_dim 256)."""
+    """Packed query rows per CTA for a batch: 16 (decode-like), 64 or 128 (plan/prefill.py's
+    choice from the average packed query length)."""
     attn = cfg.attn
-    if attn.head_dim == 256:
-        return 64
-    return max(64, choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim))
+    return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim)
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int):

@@ -17,7 +17,7 @@ from ..launch import Kernel
 from .decode_kernel import PosEncoding
 
 HEAD_DIMS = (64, 128, 256)
-TILE_ROWS = (64, 128)
+TILE_ROWS = (16, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class PrefillSpec:
     q_dtype: str
     o_dtype: str
     head_dim: int
-    tile_rows: int  # packed query rows per CTA (16 per warp)
+    tile_rows: int  # packed query rows per CTA (16 per warp; a 16-row tile has 4 warps)
     kv_tile: int  # keys per pipeline stage
     stages: int
     causal: bool
@@ -39,7 +39,8 @@ class PrefillSpec:
 
     @property
     def threads(self) -> int:
-        return 2 * self.tile_rows  # a warp of 32 threads per 16 rows
+        """A warp per 16 rows; four warps splitting the keys of a 16-row tile."""
+        return 128 if self.tile_rows == 16 else 2 * self.tile_rows
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -72,9 +73,9 @@ def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None,
 ) -> PrefillSpec:  # fmt: skip
-    """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256), as deep a
-    ring (3 or 2 stages) as fits beside the Q tile."""
-    kv_tile = 32 if head_dim == 256 else 64
+    """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
+    tile of 64 rows), as deep a ring (3 or 2 stages) as fits beside the Q tile."""
+    kv_tile = 32 if head_dim == 256 and tile_rows > 16 else 64
     for stages in (3, 2):
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
