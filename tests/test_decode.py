@@ -418,3 +418,22 @@ def test_memcheck_subset():
         batch = make_batch(rng, [600, 1, 0, 17], **kwargs)
         o, lse = run_batch(batch, **features)
         check_attention(o, lse, *batch.reference(**features), "bfloat16")
+
+
+@pytest.mark.parametrize("feature", ["plain", "rope", "alibi_cap_window", "window0"])
+@pytest.mark.parametrize("case", ["group1", "group4", "group5_fp16", "group32", "d64", "d256",
+                                  "page1", "hnd_tuple_fp16", "hnd_strided_tuple"])  # fmt: skip
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_tensor_core_decode_through_the_prefill_kernel(feature, case, kv_dtype):
+    """use_tensor_cores=True (the prefill kernel, one query per request) gives the reference's
+    results, as the decode kernel does: 16-row tiles up to 16 heads a group, 64 beyond."""
+    rng = seeded("tc", feature, case, kv_dtype)
+    kwargs = {**BASE, **CASES[case], "kv_dtype": kv_dtype}
+    batch = make_batch(rng, standard_lengths(kwargs["page_size"], rng), **kwargs)
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout,
+                                                          use_tensor_cores=True)  # fmt: skip
+    o, lse = run_batch(batch, wrapper, k_scale=0.8, v_scale=1.25, **FEATURES[feature])
+    tile_rows = wrapper._tc._launch.launch.kernel.spec.tile_rows
+    assert tile_rows == (16 if kwargs["group_size"] <= 16 else 64)
+    o_ref, lse_ref = batch.reference(k_scale=0.8, v_scale=1.25, **FEATURES[feature])
+    check_attention(o, lse, o_ref, lse_ref, batch.q_dtype)

@@ -336,3 +336,19 @@ def test_graph_mode_fixes_rows_grid_and_layout(wrappers):
         wrapper._prepare_run([info((300, 8, 128)), kv, kv, None, None], 16, static)
     prep = wrapper._prepare_run([info((301, 8, 128)), kv, kv, None, None], 16, static)
     assert prep.command_buffer  # XLA may record it: every launch argument is fixed
+
+
+def test_tensor_core_decode_plans_one_query_per_request(wrappers):
+    from rtcinfer.attention.decode import BatchDecodeWithPagedKVCacheWrapper
+
+    _, packed = wrappers
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+    wrapper.plan([0, 2, 2, 5], [7, 3, 0, 9, 4], [5, 0, 1], 32, 8, 128, 16,
+                 q_data_type="bfloat16", window_left=10)  # fmt: skip
+    items, _ = items_of(packed)
+    assert set(items["qo_len"]) == {1} and set(items["kv_len"]) <= {21, 0, 33}
+    st = wrapper._tc._launch
+    assert st.nnz_q == 3 and st.launch.kernel.spec.tile_rows == 16
+    assert not st.launch.kernel.spec.causal  # one query sees every key (the window aside)
+    with pytest.raises(ValueError, match=r"run\(window_left=3\) differs"):
+        wrapper.run(None, None, window_left=3)

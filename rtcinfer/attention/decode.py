@@ -3,8 +3,10 @@
     s_j = q . k_j * sm_scale * q_scale * k_scale (+ ALiBi slope * (j - (kv_len - 1)), then cap)
     o = softmax(s) @ V * v_scale;  lse = log2(sum_j exp(s_j))  (o = 0, lse = -inf if empty)
 
-``use_tensor_cores`` is accepted for drop-in compatibility and has no effect: there is one
-kernel (tensor cores for every group size).
+The decode kernel runs on tensor cores for every group size (the query heads of a group are
+the MMA's n dimension). ``use_tensor_cores=True`` takes FlashInfer's other route: the batch
+prefill kernel with one query per request, the group's heads packed into 16-row query tiles
+(attention/prefill.py); same results, another kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_
 from .decode_plan import Capacity, pack_plan
 from .paged_kv import cache_views, check_cache_view, token_head
 from .planned import PlannedWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
 _UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item size
@@ -143,6 +146,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
         self._launch: _Launch | None = None
+        self._tc = None  # use_tensor_cores: the prefill wrapper that serves plan() and run()
+        if use_tensor_cores:
+            self._tc = BatchPrefillWithPagedKVCacheWrapper(
+                workspace, kv_layout, use_cuda_graph, qo_indptr_buf=paged_kv_indptr_buffer,
+                paged_kv_indices_buf=paged_kv_indices_buffer,
+            )  # fmt: skip
 
     def _setup(self, cfg: Config) -> None:
         """A new configuration: its kernel, the planner's view of the GPU, graph capacity."""
@@ -170,6 +179,18 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         """
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
+        if self._tc is not None:  # one query per request through the prefill kernel
+            kv_indptr = _host_ints("indptr", indptr)
+            qo_indptr = np.arange(kv_indptr.shape[0], dtype=np.int64)
+            self._tc.plan(
+                qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+                window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+                kv_data_type=kv_data_type, o_data_type=o_data_type,
+                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            )  # fmt: skip
+            return
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
                 rope_theta)  # fmt: skip
@@ -261,6 +282,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         window_left may repeat the plan's value (None: the plan's); enable_pdl is accepted for
         drop-in compatibility and has no effect (no programmatic dependent launch).
         """
+        if self._tc is not None:
+            return self._run_tensor_cores(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
+                                          return_lse, window_left)  # fmt: skip
         st = self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
@@ -280,6 +304,20 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         if return_lse:
             return result
         return result[0] if with_lse else result
+
+    def _run_tensor_cores(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
+                          return_lse, window_left):  # fmt: skip
+        st = self._tc._launch
+        if st is None:
+            raise RuntimeError("plan() must be called before run()")
+        if window_left is not None and window_left != st.cfg.attn.window_left:
+            raise ValueError(
+                f"run(window_left={window_left!r}) differs from the plan's window_left "
+                f"({st.cfg.attn.window_left}): pass None or plan() again"
+            )
+        qk, vs = kv_scales(k_scale, v_scale, q_scale)
+        return self._tc.run(q, paged_kv_cache, k_scale=qk, v_scale=vs, out=out, lse=lse,
+                            return_lse=return_lse)  # fmt: skip
 
     def _prepare_run(self, infos, align, static) -> Prepared:
         """Validate run()'s arrays against the plan's configuration (once per signature)."""
