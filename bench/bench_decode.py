@@ -3,7 +3,8 @@ from the graph view (K and V read once, plus q and o), % of copy bandwidth, and 
 views of FlashInfer's best (by graph view) of use_tensor_cores False/True measured in the same
 run; then plan() host time at batch 256 and append_paged_kv_cache bandwidth. rtcinfer is
 called with PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is
-the same call on CuPy arrays captured with CuPy's stream capture."""
+the same call on CuPy arrays captured with CuPy's stream capture; "tc graph us" the same with
+use_tensor_cores=True (the prefill kernel's 16-row tiles)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ def decode_rows(table: Table, fi, torch, rng) -> None:
         wrapper.plan(indptr, indices, last, hq, hkv, HEAD_DIM, page, q_data_type="bfloat16",
                      kv_data_type=dtype)  # fmt: skip
         cupy_graph = graph_time_us(lambda: wrapper.run(q, cache, out=out))
+        tc = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+        tc.plan(indptr, indices, last, hq, hkv, HEAD_DIM, page, q_data_type="bfloat16",
+                kv_data_type=dtype)  # fmt: skip
+        tc_graph = graph_time_us(lambda: tc.run(q, cache, out=out))  # noqa: B023 - called at once
         (tq, tcache, tout), is_torch = callers(q, cache, out)
         if is_torch and dtype != "bfloat16":
             tcache = tcache.view(getattr(torch, dtype))
@@ -112,7 +117,7 @@ def decode_rows(table: Table, fi, torch, rng) -> None:
         if fi is not None and torch is not None:
             best = flashinfer_best(fi, torch, (indptr, indices, last, hq, hkv, page), q, cache,
                                    dtype)  # fmt: skip
-        table.add(label, *ours.cells(), cupy_graph, tbps, 100 * tbps / copy_tbps(),
+        table.add(label, *ours.cells(), cupy_graph, tc_graph, tbps, 100 * tbps / copy_tbps(),
                   *peer_cells(ours, best[0] if best else None),
                   "" if best is None else f"tc={int(best[1])}")  # fmt: skip
 
@@ -138,7 +143,7 @@ def plan_row(table: Table, fi, torch, rng) -> None:
             fw.plan(*host, 32, 8, HEAD_DIM, 16, q_data_type=torch.bfloat16)
             times[i] = time.perf_counter() - start
         theirs = float(np.median(times[20:100])) * 1e6
-    blank = (None,) * 5  # loop, graph, CuPy graph, TB/s, % copy of a kernel row
+    blank = (None,) * 6  # loop, graph, CuPy graph, tc graph, TB/s, % copy of a kernel row
     table.add(
         "plan(), batch 256 (host us)",
         ours,
@@ -189,7 +194,8 @@ def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
-    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "TB/s", "% copy", *PEER_COLUMNS,
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "tc graph us", "TB/s", "% copy",
+               *PEER_COLUMNS,
                "FI best"]  # fmt: skip
     table = Table("batch decode (bf16 q, head_dim 128, page 16 unless noted)", columns)
     decode_rows(table, fi, torch, rng)
