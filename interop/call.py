@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from .. import gpu
 from .arrays import as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 
@@ -171,6 +172,7 @@ def _prepare(op: Op, key: tuple, arrays, info, bits: int, static: tuple) -> Prep
     devices = {n: i.device for n, i in zip(op.slots, infos, strict=True) if i is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
+    gpu.runtime()  # a missing driver or CUDA extra is named before the op touches the device
     prep = op.prepare(infos, _align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     with op._lock:
@@ -195,7 +197,7 @@ def _torch():
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     stream = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
-    return torch, torch.Tensor, stream, torch.empty_like, _runtime().getDevice
+    return torch, torch.Tensor, stream, torch.empty_like
 
 
 _TORCH_DTYPES: dict[str, object] = {}
@@ -218,7 +220,7 @@ def _torch_info(x, name: str) -> ArrayInfo | None:
 
 
 def _call_torch(op: Op, arrays, static, scalars):
-    torch, tensor, raw_stream, empty_like, get_device = _torch()
+    torch, tensor, raw_stream, empty_like = _torch()
     key, ptrs, bits = [op, static], [], 0
     for x in arrays:
         if x is None:
@@ -250,7 +252,7 @@ def _call_torch(op: Op, arrays, static, scalars):
             t = torch.empty(slot.shape, dtype=_torch_dtype(slot.dtype), device=first.device)
         ptrs.append(t.data_ptr())
         results.append(t)
-    if get_device() == device:
+    if gpu.runtime().getDevice() == device:
         prep.run(raw_stream(device), device, ptrs, scalars)
     else:
         with _on_device(device):
@@ -347,13 +349,6 @@ def _densify_cupy(prep: Prepared, arrays, ptrs):
 # ---------------------------------------------------------------- devices and mixed inputs
 
 
-@functools.cache
-def _runtime():
-    from cupy_backends.cuda.api import runtime
-
-    return runtime
-
-
 class _on_device:
     """Makes `device` current for the block when it is not, and restores the previous one."""
 
@@ -363,7 +358,7 @@ class _on_device:
         self.device, self.previous = device, None
 
     def __enter__(self):
-        runtime = _runtime()
+        runtime = gpu.runtime()
         current = runtime.getDevice()
         if current != self.device:
             self.previous = current
@@ -371,7 +366,7 @@ class _on_device:
 
     def __exit__(self, *exc):
         if self.previous is not None:
-            _runtime().setDevice(self.previous)
+            gpu.runtime().setDevice(self.previous)
 
 
 def _mixed(op: Op, arrays, static, scalars):
@@ -436,7 +431,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
 
     from . import jax_ffi
 
-    runtime = _runtime()
+    runtime = gpu.runtime()
     prep.preload(runtime.getDevice())
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)

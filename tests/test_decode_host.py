@@ -16,7 +16,7 @@ from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_confi
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
-from .fakes import FakeStream
+from .fakes import FakeStream, fake_gpu
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -252,6 +252,7 @@ def host_wrapper(monkeypatch):
         def __exit__(self, *args):
             return False
 
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))

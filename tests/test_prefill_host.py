@@ -9,6 +9,8 @@ import pytest
 from rtcinfer.attention.prefill_plan import HEADER_INTS, ITEM_INTS, RAGGED_PAGE, WORK_ITEM
 from rtcinfer.interop import ArrayInfo, dense_strides
 
+from .fakes import fake_gpu
+
 
 @pytest.fixture
 def wrappers(monkeypatch):
@@ -40,6 +42,7 @@ def wrappers(monkeypatch):
         packed["plan"] = buf[: fill(buf)]
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
