@@ -373,6 +373,17 @@ def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
         host_wrapper.run(None, None, window_left=32)
 
 
+def test_run_names_host_arrays_and_lists_before_checking_shapes(host_wrapper):
+    """q of a wrong shape as well: what is not on the GPU is said first."""
+    host_wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    k = np.zeros((3, 16, 2, 128), np.float16)
+    with pytest.raises(TypeError, match=r"^q: expected a CUDA array .* host numpy.ndarray of "
+                                        r"shape \(7, 3\); move it to the GPU first$"):  # fmt: skip
+        host_wrapper.run(np.zeros((7, 3), np.float32), (k, k))
+    with pytest.raises(TypeError, match=r"^q must be an array .* got list$"):
+        host_wrapper.run([[0.0] * 128] * 16, (k, k))
+
+
 def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):
     """run()'s prepared launch on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page
     16, bf16), as the call path drives it; returns the recorded kernel launches."""
