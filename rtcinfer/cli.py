@@ -7,8 +7,10 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from importlib import metadata
+from pathlib import Path
 
 from . import __version__, catalog, gpu, jit
 
@@ -116,10 +118,23 @@ def list_modules(args) -> int:
     return 0
 
 
+def _check_writable(folder: Path) -> None:
+    """Raise OSError, one line naming the folder and the reason, unless files can be written
+    there (the cache's own writes only warn: a library call still runs without a cache)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(f"cannot write the kernel cache at {folder}: {e.strerror or e}") from None
+
+
 def warmup(args) -> int:
     if args.arch is not None and not re.fullmatch(r"sm_\d+a?", args.arch):
         raise ValueError(f"--arch must look like sm_90a or sm_80, got {args.arch!r}")
+    gpu.require_cuda_wheels()  # NVRTC and the CUDA headers come with the extra
     arch = args.arch or gpu_arch() or "sm_90a"
+    _check_writable(jit.cache_dir() / arch)
     specs = catalog.model_specs(args.model, args.dtype)
     os.environ.pop("RTCINFER_NO_COMPILE", None)  # warming up is compiling
     print(f"warming up {len(specs)} modules for {args.model} ({args.dtype}) on {arch}")
@@ -154,7 +169,7 @@ def clear_cache(args) -> int:
 def demo(args) -> int:
     from .demo import run_demo
 
-    try:
+    try:  # without the CUDA extra this raises gpu.CudaExtraMissing: the pip command
         arch = gpu.compile_arch(gpu.current())
     except gpu.NoGpuFound as e:
         print(e)
