@@ -34,7 +34,7 @@ class CudaExtraMissing(GpuUnavailable):
 
 def driver_cuda_version() -> int | None:
     """The CUDA version the NVIDIA driver supports (1000 * major + 10 * minor), asked of the
-    driver library itself (no CuPy needed); None without a driver."""
+    driver library itself, for when CuPy is missing; None without a driver."""
     for name in ("libcuda.so.1", "nvcuda.dll"):
         try:
             library = ctypes.CDLL(name)
@@ -76,8 +76,8 @@ def require_cuda_wheels() -> None:
 def check(runtime) -> None:
     """Raise GpuUnavailable (NoGpuFound for a missing driver or device) unless CuPy's CUDA
     `runtime` can use a GPU here."""
-    driver = driver_cuda_version()
-    if driver is None:
+    driver = runtime.driverGetVersion()  # 0 without a driver
+    if driver == 0:
         raise NoGpuFound(NO_GPU.format(cause="no NVIDIA driver is installed"))
     wheels = runtime.runtimeGetVersion()
     if driver // 1000 < wheels // 1000:

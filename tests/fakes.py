@@ -53,18 +53,22 @@ def launched(monkeypatch, prep, ptrs, scalars=()):
 
 
 class FakeRuntime:
-    """CuPy's CUDA runtime as rtcinfer.gpu reads it: the CUDA version of the installed wheels,
-    the devices the driver sees (or the CUDA error, (status, text), that counting them raises)
-    and their compute capability."""
+    """CuPy's CUDA runtime as rtcinfer.gpu reads it: the CUDA version the driver supports (0:
+    no driver), that of the installed wheels, the devices the driver sees (or the CUDA error,
+    (status, text), that counting them raises) and their compute capability."""
 
     class CUDARuntimeError(RuntimeError):
         def __init__(self, status: int, text: str):
             super().__init__(text)
             self.status = status
 
-    def __init__(self, wheels=13020, devices=1, error=None, compute_capability=(9, 0)):
-        self.wheels, self.devices, self.error = wheels, devices, error
+    def __init__(self, driver=13000, wheels=13020, devices=1, error=None,
+                 compute_capability=(9, 0)):  # fmt: skip
+        self.driver, self.wheels, self.devices, self.error = driver, wheels, devices, error
         self.compute_capability = compute_capability
+
+    def driverGetVersion(self):
+        return self.driver
 
     def runtimeGetVersion(self):
         return self.wheels
@@ -81,9 +85,9 @@ class FakeRuntime:
         return dict(zip((75, 76), self.compute_capability, strict=True))[attribute]
 
 
-def fake_gpu(monkeypatch, driver=13000, **runtime) -> FakeRuntime:
-    """Make rtcinfer.gpu see a driver supporting CUDA `driver` (None: no driver) and a CUDA
-    runtime FakeRuntime(**runtime); gpu.runtime() runs its real check on them."""
+def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
+    """Make rtcinfer.gpu see FakeRuntime(**runtime) as CuPy's CUDA runtime (driver=0: no
+    driver); gpu.runtime() runs its real check on it."""
     from rtcinfer import gpu
 
     fake = FakeRuntime(**runtime)
@@ -92,6 +96,5 @@ def fake_gpu(monkeypatch, driver=13000, **runtime) -> FakeRuntime:
         gpu.check(fake)
         return fake
 
-    monkeypatch.setattr(gpu, "driver_cuda_version", lambda: driver)
     monkeypatch.setattr(gpu, "runtime", checked_runtime)
     return fake

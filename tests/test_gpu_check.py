@@ -21,7 +21,7 @@ NO_GPU = r"rtcinfer needs an NVIDIA GPU and driver; none was found \("
 
 
 def test_no_driver(monkeypatch):
-    fake_gpu(monkeypatch, driver=None)
+    fake_gpu(monkeypatch, driver=0)
     with pytest.raises(gpu.NoGpuFound, match=NO_GPU + r"no NVIDIA driver is installed\)$"):
         gpu.runtime()
 
@@ -65,6 +65,16 @@ def test_other_cuda_errors_are_said_in_a_sentence(monkeypatch):
         gpu.runtime()
 
 
+def test_the_driver_version_without_cupy_agrees_with_cupys():
+    version = gpu.driver_cuda_version()
+    if gpu_available():
+        from cupy_backends.cuda.api import runtime
+
+        assert version == runtime.driverGetVersion()
+    else:
+        assert version is None or version >= 1000  # a driver without a visible device
+
+
 def test_the_extra_to_install_follows_the_driver():
     assert gpu.install_hint(13000) == "pip install 'rtcinfer[cuda13]'"
     assert gpu.install_hint(14010) == "pip install 'rtcinfer[cuda13]'"
@@ -91,7 +101,7 @@ def test_this_machine_without_a_gpu_says_so():
     ],
 )
 def test_wrapper_construction_says_what_is_missing(monkeypatch, make):
-    fake_gpu(monkeypatch, driver=None)
+    fake_gpu(monkeypatch, driver=0)
     with pytest.raises(gpu.NoGpuFound, match=NO_GPU):
         make()
     fake_gpu(monkeypatch, driver=12020)
@@ -164,6 +174,6 @@ def test_demo_on_an_unusable_gpu_is_one_line_and_exit_code_one(monkeypatch, caps
 
 
 def test_host_arrays_are_named_before_the_gpu_is_asked_about(monkeypatch):
-    fake_gpu(monkeypatch, driver=None)
+    fake_gpu(monkeypatch, driver=0)
     with pytest.raises(TypeError, match="input: expected a CUDA array .* host numpy.ndarray"):
         rtcinfer.rmsnorm(np.zeros((4, 128), np.float32), np.ones(128, np.float32))
