@@ -35,7 +35,7 @@ from bench.common import (
     torch_view,
     views,
 )
-from rtcinfer import jit
+from rtcinfer import gpu, jit
 from rtcinfer.layout import widest_vec
 from rtcinfer.sampling import sample_spec
 from rtcinfer.sampling.cluster import ClusterSampleSpec, cluster_size
@@ -114,7 +114,7 @@ def cold_compile_seconds(arch: str) -> tuple[float, int]:
 def main() -> Table:
     cp, fi, torch = cupy(), peer("flashinfer"), peer("torch")
     print(header())
-    arch = jit.arch_of(cp.cuda.Device().compute_capability)
+    arch = gpu.compile_arch(cp.cuda.Device().id)
     seconds, count = cold_compile_seconds(arch)
     print(f"cold start: {count} sampling kernels compiled by NVRTC for {arch} in {seconds:.1f} s")
     columns = ["op", "batch x vocab", *VIEW_COLUMNS, f"graph us, mean of {OFFSETS} offsets",

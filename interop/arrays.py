@@ -1,7 +1,8 @@
 """Arrays of any framework without importing one the caller did not use: which framework an
-array comes from, its dtype name and device, host copies, and `as_cupy`, the zero-copy CuPy
-view (through DLPack) that the call path takes of producers other than PyTorch, CuPy and JAX.
-fp8 tensors become uint8 views with their name kept by `dtype_name`.
+array comes from, its dtype name and device, host copies, the refusal by name of what no kernel
+can read (`check_device_array`: lists, host arrays, arrays off the GPU), and `as_cupy`, the
+zero-copy CuPy view (through DLPack) that the call path takes of producers other than PyTorch,
+CuPy and JAX. fp8 tensors become uint8 views with their name kept by `dtype_name`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from .dtypes import FP8_DTYPES, normalize
 
 
 def framework(x) -> str:
-    """ "torch", "jax", "cupy", "numpy" or "dlpack" (anything else exporting __dlpack__)."""
+    """ "torch", "jax", "cupy", "numpy", "sequence" (a list or tuple) or "dlpack" (anything
+    else: exporting __dlpack__ is checked where it is needed)."""
+    if isinstance(x, (list, tuple)):
+        return "sequence"
     module = type(x).__module__.partition(".")[0]
     if module in ("torch", "jax", "jaxlib", "cupy", "numpy"):
         return "jax" if module == "jaxlib" else module
@@ -29,29 +33,55 @@ def _describe(x) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__} of shape {shape}"
 
 
-def as_cupy(x, name: str):
-    """Zero-copy CuPy view of a CUDA array from any framework; host arrays raise TypeError."""
-    import cupy
+def jax_platforms(x) -> set[str]:
+    """The platforms ("gpu", "cpu", ...) a JAX array is on. An array traced inside jax.jit has
+    no devices yet: the computation runs on the devices of the mesh set around it, if any, else
+    on JAX's default backend."""
+    import jax
 
-    fw = framework(x)
-    if fw == "cupy":
-        return x
+    if not isinstance(x, jax.core.Tracer):
+        return {d.platform for d in x.devices()}
+    mesh = getattr(getattr(x.aval, "sharding", None), "mesh", None)
+    device = getattr(mesh, "abstract_device", None)
+    return {device.platform if device is not None else jax.default_backend()}
+
+
+def check_device_array(x, name: str, fw: str) -> None:
+    """Refuse by name what no kernel can read: a list or tuple, a host NumPy array, a PyTorch
+    tensor off the GPU, a JAX array off the GPU (all TypeError). `fw` is framework(x)."""
+    if fw == "sequence":
+        raise TypeError(
+            f"{name} must be an array (PyTorch, JAX, CuPy or DLPack), got {type(x).__name__}"
+        )
     if fw == "numpy":
         raise TypeError(
             f"{name}: expected a CUDA array (CuPy, PyTorch or JAX), got a host numpy.ndarray "
             f"of shape {x.shape}; move it to the GPU first"
         )
-    if fw == "torch":
-        if x.device.type != "cuda":
-            raise TypeError(f"{name}: expected a CUDA tensor, got a torch.Tensor on {x.device}")
-        if dtype_name(x) in FP8_DTYPES:
-            x = x.view(sys.modules["torch"].uint8)
-    elif fw == "jax":
-        devices = {d.platform for d in x.devices()}
-        if devices != {"gpu"}:
-            raise TypeError(f"{name}: expected a JAX array on a GPU, got one on {devices}")
+    if fw == "torch" and x.device.type != "cuda":
+        raise TypeError(f"{name}: expected a CUDA tensor, got a torch.Tensor on {x.device}")
+    if fw == "jax" and (platforms := jax_platforms(x)) != {"gpu"}:
+        raise TypeError(f"{name}: expected a JAX array on a GPU, got one on {platforms}")
+
+
+def as_cupy(x, name: str):
+    """Zero-copy CuPy view of a CUDA array from any framework; what check_device_array refuses
+    raises TypeError."""
+    fw = framework(x)
+    if fw == "cupy":
+        return x
+    check_device_array(x, name, fw)
+    if fw == "torch" and dtype_name(x) in FP8_DTYPES:
+        x = x.view(sys.modules["torch"].uint8)
     if not hasattr(x, "__dlpack__"):
         raise TypeError(f"{name}: expected a CUDA array with __dlpack__, got {_describe(x)}")
+    try:
+        import cupy
+    except ImportError:
+        from .. import gpu
+
+        gpu.require_cuda_wheels()  # raises: which extra to install
+        raise
     try:
         return cupy.from_dlpack(x)
     except (TypeError, ValueError, BufferError, RuntimeError) as e:

@@ -12,7 +12,8 @@ JAX arrays, eager or traced inside `jax.jit`, go through the XLA FFI target (jax
 launch is prepared when the call is traced, and the handler XLA runs passes it the buffers'
 pointers and XLA's stream. An output that aliases input `j` updates that input in place
 (PyTorch, CuPy) or returns its new value (JAX, donatable). Other producers of `__dlpack__`
-are taken as CuPy arrays.
+are taken as CuPy arrays. Lists and tuples, host arrays and arrays off the GPU are refused
+with the name of their slot, before any shape or dtype is checked.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from .arrays import as_cupy, framework
+from .. import gpu
+from .arrays import as_cupy, check_device_array, framework
 from .dtypes import normalize, numpy_dtype
 
 
@@ -171,6 +173,7 @@ def _prepare(op: Op, key: tuple, arrays, info, bits: int, static: tuple) -> Prep
     devices = {n: i.device for n, i in zip(op.slots, infos, strict=True) if i is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
+    gpu.runtime()  # a missing driver or CUDA extra is named before the op touches the device
     prep = op.prepare(infos, _align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     with op._lock:
@@ -195,7 +198,7 @@ def _torch():
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     stream = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
-    return torch, torch.Tensor, stream, torch.empty_like, _runtime().getDevice
+    return torch, torch.Tensor, stream, torch.empty_like
 
 
 _TORCH_DTYPES: dict[str, object] = {}
@@ -218,7 +221,7 @@ def _torch_info(x, name: str) -> ArrayInfo | None:
 
 
 def _call_torch(op: Op, arrays, static, scalars):
-    torch, tensor, raw_stream, empty_like, get_device = _torch()
+    torch, tensor, raw_stream, empty_like = _torch()
     key, ptrs, bits = [op, static], [], 0
     for x in arrays:
         if x is None:
@@ -250,7 +253,7 @@ def _call_torch(op: Op, arrays, static, scalars):
             t = torch.empty(slot.shape, dtype=_torch_dtype(slot.dtype), device=first.device)
         ptrs.append(t.data_ptr())
         results.append(t)
-    if get_device() == device:
+    if gpu.runtime().getDevice() == device:
         prep.run(raw_stream(device), device, ptrs, scalars)
     else:
         with _on_device(device):
@@ -347,13 +350,6 @@ def _densify_cupy(prep: Prepared, arrays, ptrs):
 # ---------------------------------------------------------------- devices and mixed inputs
 
 
-@functools.cache
-def _runtime():
-    from cupy_backends.cuda.api import runtime
-
-    return runtime
-
-
 class _on_device:
     """Makes `device` current for the block when it is not, and restores the previous one."""
 
@@ -363,7 +359,7 @@ class _on_device:
         self.device, self.previous = device, None
 
     def __enter__(self):
-        runtime = _runtime()
+        runtime = gpu.runtime()
         current = runtime.getDevice()
         if current != self.device:
             self.previous = current
@@ -371,7 +367,7 @@ class _on_device:
 
     def __exit__(self, *exc):
         if self.previous is not None:
-            _runtime().setDevice(self.previous)
+            gpu.runtime().setDevice(self.previous)
 
 
 def _mixed(op: Op, arrays, static, scalars):
@@ -405,29 +401,46 @@ def _call_jax(op: Op, arrays, static, scalars):
     if any(arrays[i] is not None for i in op.given):
         raise TypeError("out= is not supported for JAX arrays (they are immutable)")
     key = ["jax", op, static]
-    for x in arrays:
-        key.append(None if x is None else (x.shape, x.dtype))
+    for x, name in zip(arrays, op.slots, strict=True):
+        if x is None:
+            key.append(None)
+            continue
+        kind = _KINDS.get(type(x)) or _kind(x)
+        if kind != "jax":
+            check_device_array(x, name, kind)  # raises for host arrays and sequences
+            raise TypeError(f"{name}: expected a JAX array like the other arguments, got {kind}")
+        key.append((x.shape, x.dtype))
     key = tuple(key)
     prep = op.cache.get(key)
-    if prep is None:
-        for x, name in zip(arrays, op.slots, strict=True):
-            if x is not None:
-                _check_jax_array(x, name)
-        prep = _prepare(op, key, arrays, _jax_info, 0, static)
+    if prep is None or isinstance(arrays[0], _tracer()):
+        _check_on_gpu(op, arrays)
+        prep = prep or _prepare(op, key, arrays, _jax_info, 0, static)
     fn = prep._jax.get(scalars)
     if fn is None:
         fn = prep._jax[scalars] = _jax_callable(prep, [x is not None for x in arrays], scalars)
-    return fn(*[x for x in arrays if x is not None])
+    try:
+        return fn(*[x for x in arrays if x is not None])
+    except Exception:
+        # Where concrete arrays are is checked with a new signature only (it costs a microsecond
+        # an array): arrays of a known signature off the GPU fail in XLA, which has no handler
+        # for them there; say which argument it was.
+        _check_on_gpu(op, arrays)
+        raise
 
 
-def _check_jax_array(x, name: str) -> None:
+@functools.cache
+def _tracer() -> type:
     import jax
 
-    if isinstance(x, jax.core.Tracer):  # traced inside jax.jit: XLA places it
-        return
-    platforms = {d.platform for d in x.devices()}
-    if platforms != {"gpu"}:
-        raise TypeError(f"{name}: expected a JAX array on a GPU, got one on {platforms}")
+    return jax.core.Tracer
+
+
+def _check_on_gpu(op: Op, arrays) -> None:
+    """TypeError naming the first JAX array that is not on a GPU (concrete, or traced for one):
+    the FFI target exists for CUDA only, and XLA's own error would not say which argument."""
+    for x, name in zip(arrays, op.slots, strict=True):
+        if x is not None:
+            check_device_array(x, name, "jax")
 
 
 def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
@@ -436,7 +449,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
 
     from . import jax_ffi
 
-    runtime = _runtime()
+    runtime = gpu.runtime()
     prep.preload(runtime.getDevice())
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)

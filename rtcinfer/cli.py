@@ -7,35 +7,21 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from importlib import metadata
+from pathlib import Path
 
-from . import __version__, catalog, jit
-
-
-class GpuUnusable(RuntimeError):
-    """A CUDA driver is installed but the GPU cannot be used (too old a driver, ...)."""
+from . import __version__, catalog, gpu, jit
 
 
 def gpu_arch() -> str | None:
-    """Compile target of the current GPU; None without CuPy, a CUDA driver or a device. A driver
-    that is there but fails (older than the CUDA runtime, ...) raises GpuUnusable."""
+    """Compile target of the current GPU; None when there is none (no CUDA extra, driver or
+    device). A GPU that is there but cannot be used raises gpu.GpuUnavailable."""
     try:
-        import cupy
-
-        runtime = cupy.cuda.runtime
-        if runtime.driverGetVersion() == 0:  # no driver installed: no GPU
-            return None
-    except Exception:  # noqa: BLE001 - no CuPy (or no CUDA runtime) means no GPU either
+        return gpu.compile_arch(gpu.current())
+    except (gpu.NoGpuFound, gpu.CudaExtraMissing):
         return None
-    try:
-        if runtime.getDeviceCount() == 0:
-            return None
-        return jit.arch_of(cupy.cuda.Device().compute_capability)
-    except runtime.CUDARuntimeError as e:
-        if "cudaErrorNoDevice" in str(e):
-            return None
-        raise GpuUnusable(f"CUDA cannot use this machine's GPU: {e}") from e
 
 
 def _version(dist: str) -> str:
@@ -90,7 +76,7 @@ def show_config(args) -> int:
         rows.append(("nvrtc", f"unavailable ({e})"))
     try:
         arch = gpu_arch()
-    except GpuUnusable as e:
+    except gpu.GpuUnavailable as e:
         arch = None
         rows.append(("gpu", f"unusable: {e}"))
     if arch:
@@ -132,10 +118,23 @@ def list_modules(args) -> int:
     return 0
 
 
+def _check_writable(folder: Path) -> None:
+    """Raise OSError, one line naming the folder and the reason, unless files can be written
+    there (the cache's own writes only warn: a library call still runs without a cache)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(f"cannot write the kernel cache at {folder}: {e.strerror or e}") from None
+
+
 def warmup(args) -> int:
     if args.arch is not None and not re.fullmatch(r"sm_\d+a?", args.arch):
         raise ValueError(f"--arch must look like sm_90a or sm_80, got {args.arch!r}")
+    gpu.require_cuda_wheels()  # NVRTC and the CUDA headers come with the extra
     arch = args.arch or gpu_arch() or "sm_90a"
+    _check_writable(jit.cache_dir() / arch)
     specs = catalog.model_specs(args.model, args.dtype)
     os.environ.pop("RTCINFER_NO_COMPILE", None)  # warming up is compiling
     print(f"warming up {len(specs)} modules for {args.model} ({args.dtype}) on {arch}")
@@ -170,7 +169,12 @@ def clear_cache(args) -> int:
 def demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(gpu_arch())
+    try:  # without the CUDA extra this raises gpu.CudaExtraMissing: the pip command
+        arch = gpu.compile_arch(gpu.current())
+    except gpu.NoGpuFound as e:
+        print(e)
+        arch = None
+    return run_demo(arch)
 
 
 def main(argv=None) -> int:
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
     }[args.command]
     try:
         return command(args)
-    except (GpuUnusable, jit.CompileError, jit.CacheMissError, OSError, ValueError) as e:
+    except (gpu.GpuUnavailable, jit.CompileError, jit.CacheMissError, OSError, ValueError) as e:
         print(f"rtcinfer {args.command}: error: {e}", file=sys.stderr)
         return 1
 

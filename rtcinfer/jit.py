@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import params
+from . import gpu, params
 from .interop.dtypes import cuda_type
 from .params import StructLayout
 from .toolchain import cache_dir, fingerprint, header_dir, nvrtc_version
@@ -283,18 +283,12 @@ def compile_spec(spec, arch: str) -> Compiled:
     return Compiled(spec, arch, cubin, path, meta, cache_hit=False)
 
 
-def arch_of(compute_capability: str | int) -> str:
-    """Compile target for a device: sm_90 gets the arch-specific sm_90a (wgmma, setmaxnreg)."""
-    cc = str(compute_capability)
-    return "sm_90a" if cc == "90" else f"sm_{cc}"
-
-
 @functools.cache
 def _module(spec, device_id: int):
     import cupy
 
-    with cupy.cuda.Device(device_id) as dev:
-        compiled = compile_spec(spec, arch_of(dev.compute_capability))
+    with cupy.cuda.Device(device_id):
+        compiled = compile_spec(spec, gpu.compile_arch(device_id))
         module = cupy.cuda.function.Module()
         module.load(compiled.cubin)
     return module
@@ -308,10 +302,8 @@ def get_function(spec, name: str, device_id: int | None = None, dynamic_smem: in
     largest size asked for so far (the default limit is 48 KB less the static shared memory, so
     even a size below 48 KB may need it), never lowered under an earlier caller.
     """
-    import cupy
-
     if device_id is None:
-        device_id = cupy.cuda.runtime.getDevice()
+        device_id = gpu.current()
     key = (spec, name, device_id)
     loaded = _FUNCTIONS.get(key)
     if loaded is None or dynamic_smem > loaded.smem_limit:
@@ -348,16 +340,14 @@ _LOCK = threading.Lock()
 @functools.cache
 def sm_count(device_id: int) -> int:
     """Streaming multiprocessors of a device (for persistent grids and the split-KV planner)."""
-    from cupy_backends.cuda.api import runtime
-
+    runtime = gpu.runtime()
     return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
 @functools.cache
 def device_limits(device_id: int) -> tuple[int, int]:
     """(SM count, opt-in shared memory per block) of a device."""
-    from cupy_backends.cuda.api import runtime
-
+    runtime = gpu.runtime()
     smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
     return sm_count(device_id), smem
 

@@ -1,14 +1,26 @@
-"""GPU tests (marker `gpu`) run only where CuPy sees a CUDA device; the rest run anywhere."""
+"""GPU tests (marker `gpu`) run only where CuPy sees a CUDA device; the rest run anywhere.
+
+The kernel cache of the whole session is a temporary folder, set before rtcinfer is imported
+and inherited by the subprocesses tests start: the suite never writes the user's cache.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 
 # JAX must not take 75% of the GPU at import: CuPy and PyTorch share the device in these tests.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+SESSION_CACHE = tempfile.mkdtemp(prefix="rtcinfer-test-cache-")
+os.environ["RTCINFER_CACHE_DIR"] = SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def gpu_available() -> bool:

@@ -50,3 +50,51 @@ def launched(monkeypatch, prep, ptrs, scalars=()):
     (launch,) = seen
     fields = {f[0]: getattr(launch.params, f[0]) for f in launch.params._fields_}
     return launch, {k: v for k, v in fields.items() if not k.startswith("_pad")}
+
+
+class FakeRuntime:
+    """CuPy's CUDA runtime as rtcinfer.gpu reads it: the CUDA version the driver supports (0:
+    no driver), that of the installed wheels, the devices the driver sees (or the CUDA error,
+    (status, text), that counting them raises) and their compute capability."""
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status: int, text: str):
+            super().__init__(text)
+            self.status = status
+
+    def __init__(self, driver=13000, wheels=13020, devices=1, error=None,
+                 compute_capability=(9, 0)):  # fmt: skip
+        self.driver, self.wheels, self.devices, self.error = driver, wheels, devices, error
+        self.compute_capability = compute_capability
+
+    def driverGetVersion(self):
+        return self.driver
+
+    def runtimeGetVersion(self):
+        return self.wheels
+
+    def getDeviceCount(self):
+        if self.error is not None:
+            raise self.CUDARuntimeError(*self.error)
+        return self.devices
+
+    def getDevice(self):
+        return 0
+
+    def deviceGetAttribute(self, attribute, device):
+        return dict(zip((75, 76), self.compute_capability, strict=True))[attribute]
+
+
+def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
+    """Make rtcinfer.gpu see FakeRuntime(**runtime) as CuPy's CUDA runtime (driver=0: no
+    driver); gpu.runtime() runs its real check on it."""
+    from rtcinfer import gpu
+
+    fake = FakeRuntime(**runtime)
+
+    def checked_runtime():
+        gpu.check(fake)
+        return fake
+
+    monkeypatch.setattr(gpu, "runtime", checked_runtime)
+    return fake

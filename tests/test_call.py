@@ -10,6 +10,8 @@ import pytest
 
 from rtcinfer.interop import Op, OutSlot, Prepared, call
 
+from .fakes import fake_gpu
+
 torch = pytest.importorskip("torch")
 path = importlib.import_module("rtcinfer.interop.call")
 
@@ -25,10 +27,10 @@ def recorded(monkeypatch):
         strides, offset = tuple(x.stride()), x.data_ptr() & 15
         return path.ArrayInfo(tuple(x.shape), strides, str(x.dtype)[6:], 0, offset)
 
+    fake_gpu(monkeypatch)
     real = path._torch()
     monkeypatch.setattr(path, "_torch_info", info)
-    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3],
-                                                 lambda: 0))  # fmt: skip
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
 
     def prepare(infos, align, static):

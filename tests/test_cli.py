@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,7 +63,8 @@ def test_unknown_model_is_refused(capsys):
 def test_demo_without_gpu_compiles_and_exits_zero(cache_dir, capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "no CUDA GPU visible" in out and "modules ready" in out
+    assert "rtcinfer needs an NVIDIA GPU and driver; none was found (" in out
+    assert "modules ready" in out
     assert list(cache_dir.rglob("*.rtci"))
 
 
@@ -104,3 +108,62 @@ def test_warmup_compiles_even_with_no_compile_set(cache_dir, monkeypatch, capsys
     assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
     n = len(catalog.model_specs("llama3-8b"))
     assert f"({n} compiled, 0 cached)" in capsys.readouterr().out
+
+
+# The base install: neither CuPy nor the CUDA wheels import.
+_BASE_INSTALL_CLI = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends", "cuda"):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+from rtcinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [["warmup", "--model", "llama3-8b", "--arch", "sm_80"], ["warmup", "--model",
+                "llama3-8b"], ["demo"]]
+)  # fmt: skip
+def test_the_base_install_names_the_extra_to_install(command):
+    done = subprocess.run([sys.executable, "-c", _BASE_INSTALL_CLI, *command],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith(f"rtcinfer {command[0]}: error: rtcinfer needs CuPy and the ")
+    assert "pip install 'rtcinfer[cuda1" in done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_the_base_install_still_shows_its_configuration():
+    done = subprocess.run([sys.executable, "-c", _BASE_INSTALL_CLI, "show-config"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert "gpu" in done.stdout and "cache" in done.stdout
+
+
+def test_warmup_into_a_cache_it_cannot_create_says_why(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"  # under a file: not even root can create it
+    monkeypatch.setenv("RTCINFER_CACHE_DIR", str(cache))
+    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 1
+    captured = capsys.readouterr()
+    expect = f"rtcinfer warmup: error: cannot write the kernel cache at {cache / 'sm_80'}: "
+    assert captured.err == expect + "Not a directory\n" and captured.out == ""
+
+
+@pytest.mark.skipif(
+    getattr(os, "geteuid", lambda: 1)() == 0, reason="root writes into a read-only folder anyway"
+)
+def test_warmup_into_a_read_only_cache_says_why(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    (cache / "sm_80").mkdir(parents=True)
+    (cache / "sm_80").chmod(0o500)
+    monkeypatch.setenv("RTCINFER_CACHE_DIR", str(cache))
+    try:
+        assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 1
+    finally:
+        (cache / "sm_80").chmod(0o700)
+    expect = f"rtcinfer warmup: error: cannot write the kernel cache at {cache / 'sm_80'}: "
+    assert capsys.readouterr().err == expect + "Permission denied\n"

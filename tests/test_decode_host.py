@@ -16,7 +16,7 @@ from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_confi
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
-from .fakes import FakeStream
+from .fakes import FakeStream, fake_gpu
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -252,6 +252,7 @@ def host_wrapper(monkeypatch):
         def __exit__(self, *args):
             return False
 
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
@@ -370,6 +371,17 @@ def test_run_refuses_a_window_other_than_the_plans(host_wrapper):
     with pytest.raises(ValueError, match=r"run\(window_left=32\) differs from the plan's "
                                          r"window_left \(64\)"):  # fmt: skip
         host_wrapper.run(None, None, window_left=32)
+
+
+def test_run_names_host_arrays_and_lists_before_checking_shapes(host_wrapper):
+    """q of a wrong shape as well: what is not on the GPU is said first."""
+    host_wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    k = np.zeros((3, 16, 2, 128), np.float16)
+    with pytest.raises(TypeError, match=r"^q: expected a CUDA array .* host numpy.ndarray of "
+                                        r"shape \(7, 3\); move it to the GPU first$"):  # fmt: skip
+        host_wrapper.run(np.zeros((7, 3), np.float32), (k, k))
+    with pytest.raises(TypeError, match=r"^q must be an array .* got list$"):
+        host_wrapper.run([[0.0] * 128] * 16, (k, k))
 
 
 def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):

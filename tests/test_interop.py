@@ -9,7 +9,7 @@ import pytest
 from rtcinfer import interop, layout, rmsnorm
 from rtcinfer.interop import dtypes
 
-from .fakes import FakeArray
+from .fakes import FakeArray, fake_gpu
 
 
 @pytest.mark.parametrize(
@@ -41,12 +41,79 @@ def test_dtype_tables():
 def test_framework_detection():
     assert interop.framework(np.zeros(2)) == "numpy"
     assert interop.framework(object()) == "dlpack"
+    assert interop.framework([1.0]) == interop.framework((1.0,)) == "sequence"
+
+
+@pytest.mark.parametrize("sequence", [[[0.0] * 8] * 4, ((0.0,) * 8,) * 4])
+def test_lists_and_tuples_are_refused_by_name(sequence):
+    kind = type(sequence).__name__
+    with pytest.raises(TypeError, match=rf"^input must be an array \(PyTorch, JAX, CuPy or "
+                                        rf"DLPack\), got {kind}$"):  # fmt: skip
+        rmsnorm(sequence, np.ones(8, np.float32))
+
+
+def test_a_list_after_an_array_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^weight must be an array .* got list$"):
+        rmsnorm(torch.zeros(4, 8), [1.0] * 8)
 
 
 def test_host_array_is_refused_by_name():
     x = np.zeros((4, 8), np.float32)
     with pytest.raises(TypeError, match=r"input: expected a CUDA array .* host numpy.ndarray"):
         rmsnorm(x, np.ones(8, np.float32))
+
+
+def test_jax_arrays_off_the_gpu_are_refused_eagerly_and_inside_jit():
+    """Before XLA could look for an FFI handler on the CPU: JAX's own placement decides, the
+    array's devices eagerly, the mesh or the default backend under jax.jit."""
+    jax = pytest.importorskip("jax")
+    cpu = jax.devices("cpu")[0]
+    x, w = (jax.device_put(a, cpu) for a in (jax.numpy.ones((4, 128)), jax.numpy.ones(128)))
+    message = r"input: expected a JAX array on a GPU, got one on \{'cpu'\}"
+    with pytest.raises(TypeError, match=message):
+        rmsnorm(x, w)
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=[cpu])):
+        with pytest.raises(TypeError, match=message):
+            jax.jit(rmsnorm)(x, w)
+    if jax.default_backend() == "cpu":
+        with pytest.raises(TypeError, match=message):
+            jax.jit(rmsnorm)(x, w)
+
+
+def test_a_known_signature_off_the_gpu_is_named_when_xla_fails(monkeypatch):
+    """Where concrete JAX arrays are is checked with a new signature; a later call of that
+    signature with arrays on the CPU fails in XLA (no CPU handler) and is told which one."""
+    jax = pytest.importorskip("jax")
+    fake_gpu(monkeypatch)
+    op = interop.Op("toy", ("x",), lambda infos, align, static: interop.Prepared(
+        (interop.OutSlot(infos[0].shape, infos[0].dtype),), lambda *args: None))  # fmt: skip
+    x = jax.device_put(jax.numpy.ones(4), jax.devices("cpu")[0])
+    with monkeypatch.context() as m:
+        m.setattr(interop.arrays, "jax_platforms", lambda x: {"gpu"})  # the signature is new
+        with pytest.raises(Exception, match="rtcinfer_cuda"):  # XLA has no handler on the CPU
+            interop.call(op, (x,))
+    assert op.cache  # prepared: the next call is a known signature
+    with pytest.raises(TypeError, match=r"^x: expected a JAX array on a GPU, got one on \{'cpu'"):
+        interop.call(op, (x,))
+    interop.release(op)
+
+
+def test_what_comes_with_a_jax_array_is_refused_by_name(monkeypatch):
+    """Host arrays, sequences and CPU tensors beside a JAX array (one on a GPU, as far as the
+    check can tell)."""
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(interop.arrays, "jax_platforms", lambda x: {"gpu"})
+    x = jax.numpy.ones((4, 128))
+    for weight, message in (
+        (np.ones(128, np.float32), r"weight: expected a CUDA array .* host numpy.ndarray of shape "
+                                   r"\(128,\); move it to the GPU first"),
+        ((1.0,) * 128, r"weight must be an array \(PyTorch, JAX, CuPy or DLPack\), got tuple"),
+        (torch.ones(128), "weight: expected a CUDA tensor, got a torch.Tensor on cpu"),
+    ):  # fmt: skip
+        with pytest.raises(TypeError, match=message):
+            rmsnorm(x, weight)
 
 
 def test_object_without_dlpack_is_refused():

@@ -262,10 +262,6 @@ def test_threads_asking_together_compile_and_load_once(monkeypatch):
         jit._FUNCTIONS.clear()
 
 
-def test_arch_of():
-    assert jit.arch_of(90) == "sm_90a" and jit.arch_of("80") == "sm_80"
-
-
 def test_dynamic_smem_limit_only_rises(monkeypatch):
     """get_function raises a kernel's dynamic shared-memory limit to the largest size asked for
     and never lowers it, whatever order the callers come in."""

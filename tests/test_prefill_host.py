@@ -15,6 +15,8 @@ from rtcinfer.attention.prefill_plan import (
 )
 from rtcinfer.interop import ArrayInfo, dense_strides
 
+from .fakes import fake_gpu
+
 
 @pytest.fixture
 def wrappers(monkeypatch):
@@ -46,6 +48,7 @@ def wrappers(monkeypatch):
         packed["plan"] = buf[: fill(buf)]
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    fake_gpu(monkeypatch)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
@@ -128,6 +131,18 @@ def test_mismatched_batches_and_bad_page_ids_are_refused(wrappers):
 
 def info(shape, dtype="bfloat16"):
     return ArrayInfo(tuple(shape), dense_strides(shape), dtype, 0)
+
+
+def test_run_names_host_arrays_and_lists_before_checking_shapes(wrappers):
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 3, 10], [0, 5, 20], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    kv = np.zeros((20, 2, 128), np.float16)
+    with pytest.raises(TypeError, match=r"^q: expected a CUDA array .* host numpy.ndarray of "
+                                        r"shape \(4, 4\); move it to the GPU first$"):  # fmt: skip
+        wrapper.run(np.zeros((4, 4), np.float32), kv, kv)
+    with pytest.raises(TypeError, match=r"^q must be an array .* got tuple$"):
+        wrapper.run((0.0, 1.0), kv, kv)
 
 
 def test_run_checks_arrays_against_the_plan(wrappers):

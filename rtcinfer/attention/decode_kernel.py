@@ -20,6 +20,7 @@ from .. import jit
 from ..interop.dtypes import FP8_DTYPES, itemsize, normalize
 from ..launch import Kernel
 from ..plan._checks import INT32_MAX, as_int
+from .scalars import attention_scalars
 
 
 class PosEncoding(enum.IntEnum):
@@ -248,9 +249,9 @@ def make_config(
     window_left = as_int("window_left", window_left, minimum=-1)
     if window_left > INT32_MAX:
         raise ValueError(f"window_left must be -1 or fit in int32, got {window_left}")
-    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if cap < 0 or not math.isfinite(cap):
-        raise ValueError(f"logits_soft_cap must be None or >= 0, got {logits_soft_cap}")
+    sm_scale, cap, rope_scale, rope_theta = attention_scalars(
+        head_dim, sm_scale, logits_soft_cap, rope_scale, rope_theta
+    )
     q_dtype = normalize(q_dtype)
     kv_dtype = q_dtype if kv_dtype is None else normalize(kv_dtype)
     o_dtype = q_dtype if o_dtype is None else normalize(o_dtype)
@@ -262,10 +263,8 @@ def make_config(
         )
     if o_dtype not in Q_DTYPES:
         raise TypeError(f"o_data_type must be one of {Q_DTYPES}, got {o_dtype}")
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return Config(
         num_qo_heads, num_kv_heads, head_dim, as_int("page_size", page_size, minimum=1),
-        pos_encoding_mode, window_left, cap, q_dtype, kv_dtype, o_dtype, sm_scale,
-        1.0 if rope_scale is None else float(rope_scale),
-        1e4 if rope_theta is None else float(rope_theta),
+        pos_encoding_mode, window_left, cap, q_dtype, kv_dtype, o_dtype, sm_scale, rope_scale,
+        rope_theta,
     )  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 
+from .. import gpu
 from ..interop import Op, as_cupy, call, release
 from ..interop.arrays import device_of
 from ..launch import is_capturing, record_event, wait_event
@@ -68,12 +69,10 @@ class PlannedWrapper:
     RUN_GIVEN: Sequence[str] = ()
 
     def __init__(self, workspace=None, kv_layout: str = "NHD", use_cuda_graph: bool = False):
-        import cupy
-
         check_layout(kv_layout)
         self._kv_layout = kv_layout
         self._graph = bool(use_cuda_graph)
-        self._device = device_of(workspace) if workspace is not None else cupy.cuda.Device().id
+        self._device = device_of(workspace) if workspace is not None else gpu.current()
         buffer = as_cupy(workspace, "workspace") if workspace is not None else None
         self._ws = Workspace(self._device, buffer)
         self._config = None

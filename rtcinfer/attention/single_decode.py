@@ -8,8 +8,6 @@ tokens so that the host planner can split a long request across the GPU.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..interop import Op, OutSlot, Prepared, call
@@ -57,10 +55,9 @@ def _prepare(infos, align, static) -> Prepared:
         )
     (kv_len, num_kv_heads), _ = token_head(k.shape, (0, 0, 0), kv_layout)
     pages = -(-kv_len // PAGE)
-    scale = 1.0 / math.sqrt(q.shape[1]) if sm_scale is None else sm_scale
     cfg = make_config(
         q.shape[0], num_kv_heads, q.shape[1], PAGE, pos_encoding_mode, window_left, cap,
-        q.dtype, k.dtype, None, scale, rope_scale, rope_theta,
+        q.dtype, k.dtype, None, sm_scale, rope_scale, rope_theta,
     )  # fmt: skip
     if v.dtype != k.dtype or k.shape[2] != cfg.head_dim:
         raise ValueError(

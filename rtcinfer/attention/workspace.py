@@ -11,9 +11,9 @@ copy may still be reading it.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from .. import gpu
 
 ALIGN = 256
 
@@ -30,14 +30,6 @@ def region_offsets(sizes: dict[str, int]) -> dict[str, int]:
         at += _align(size)
     out["end"] = at
     return out
-
-
-@functools.cache
-def _runtime():
-    """CuPy's CUDA runtime module (imported on first use: this module loads without CuPy)."""
-    from cupy_backends.cuda.api import runtime
-
-    return runtime
 
 
 def device_copy(host, device: int):
@@ -94,7 +86,7 @@ class Workspace:
             return
         import cupy
 
-        runtime = _runtime()
+        runtime = gpu.runtime()
         cap = self.capacity.grown(need) if grow and self.capacity is not None else need
         nbytes = cap.offsets()["end"]
         if self.capacity is not None:
@@ -122,7 +114,7 @@ class Workspace:
 
     def upload(self, fill, stream) -> None:
         """fill(int32 host buffer) -> ints written; one async copy of them to the plan region."""
-        runtime = _runtime()
+        runtime = gpu.runtime()
         i = self._next
         self._next ^= 1
         if self._pending[i]:
