@@ -216,20 +216,25 @@ def _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget) -> int
 def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row, begin,
            end, items) -> PrefillPlan:  # fmt: skip
     num_tiles = tile_request.shape[0]
-    item_indptr = np.zeros(num_tiles + 1, dtype=np.int64)
-    np.cumsum(items, out=item_indptr[1:])
-    num_work = int(item_indptr[-1])
-    work_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), items)
-    k = np.arange(num_work, dtype=np.int64) - item_indptr[work_tile]  # chunk of the tile
-    first_chunk = begin // chunk
-    lo = (first_chunk[work_tile] + k) * chunk
-    work_begin = np.maximum(lo, begin[work_tile])
-    work_end = np.minimum(lo + chunk, end[work_tile])
-    work_end = np.maximum(work_end, work_begin)  # an empty tile's single item stays empty
-    split = items > 1
-    tile_slot = np.full(num_tiles, -1, dtype=np.int64)
-    tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]]) if split.any() else []
-    work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
+    num_work = int(items.sum())
+    if num_work == num_tiles:  # one item per tile (the common case): no slots, no repeats
+        work_tile = np.arange(num_tiles, dtype=np.int64)
+        work_begin, work_end = begin, end
+        tile_slot = work_slot = np.full(num_tiles, -1, dtype=np.int64)
+    else:
+        item_indptr = np.zeros(num_tiles + 1, dtype=np.int64)
+        np.cumsum(items, out=item_indptr[1:])
+        work_tile = np.repeat(np.arange(num_tiles, dtype=np.int64), items)
+        k = np.arange(num_work, dtype=np.int64) - item_indptr[work_tile]  # chunk of the tile
+        first_chunk = begin // chunk
+        lo = (first_chunk[work_tile] + k) * chunk
+        work_begin = np.maximum(lo, begin[work_tile])
+        work_end = np.minimum(lo + chunk, end[work_tile])
+        work_end = np.maximum(work_end, work_begin)  # an empty tile's single item stays empty
+        split = items > 1
+        tile_slot = np.full(num_tiles, -1, dtype=np.int64)
+        tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]])
+        work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
 
     def i32(a):
         out = np.ascontiguousarray(a, dtype=np.int32)
@@ -241,7 +246,7 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
         group_size=group_size,
         tile_rows=tile_rows,
         chunk_tokens=int(min(chunk, INT32_MAX)),
-        split_kv=bool(split.any()),
+        split_kv=num_work > num_tiles,
         qo_len=i32(qo_len),
         kv_len=i32(kv),
         tile_request=i32(tile_request),
