@@ -1,10 +1,10 @@
 """Batch prefill on the GPU over a ragged and a paged KV cache (page 16, permuted pages), three
 views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph view (visible
-(query, key) pairs only), % of a bf16 GEMM measured in the same run, and the three views of
-FlashInfer's wrapper of the same form measured in the same run (FI_BACKEND); then plan() host
-time for a 64-request batch. rtcinfer is called with PyTorch tensors when PyTorch is installed
-(as FlashInfer is); "CuPy graph us" is the same call on CuPy arrays captured with CuPy's stream
-capture."""
+(query, key) pairs only), % of a bf16 GEMM measured in the same run, the three views of
+FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
+same run; then plan() host time for a 64-request batch (against fa2). rtcinfer is called with
+PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
+on CuPy arrays captured with CuPy's stream capture."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ MIXED = tuple(int(n) for n in np.random.default_rng(1).integers(16, 241, 64))
 # label, qo_len of each request, keys cached before its queries, Hq, Hkv, head_dim, causal
 ROWS = [
     ("1 x 4096", (4096,), 0, 32, 8, 128, True),
+    ("1 x 16384", (16384,), 0, 32, 8, 128, True),
+    ("1 x 16384, non-causal", (16384,), 0, 32, 8, 128, False),
     ("4 x 4096", (4096,) * 4, 0, 32, 8, 128, True),
+    ("4 x 4096, non-causal", (4096,) * 4, 0, 32, 8, 128, False),
     ("16 x 1024", (1024,) * 16, 0, 32, 8, 128, True),
     ("32 x 512", (512,) * 32, 0, 32, 8, 128, True),
     (f"64 x 16-240 (mixed, {sum(MIXED)} tokens)", MIXED, 0, 32, 8, 128, True),
@@ -49,13 +52,14 @@ ROWS = [
     ("16 x 1024, non-causal", (1024,) * 16, 0, 32, 8, 128, False),
     ("16 x 1024, MHA (Hkv 32)", (1024,) * 16, 0, 32, 32, 128, True),
     ("4 x 4096, head_dim 64", (4096,) * 4, 0, 32, 8, 64, True),
+    ("4 x 4096, head_dim 256", (4096,) * 4, 0, 32, 8, 256, True),
 ]  # fmt: skip
 FORMS = {"ragged": "BatchPrefillWithRaggedKVCacheWrapper",
          "paged": "BatchPrefillWithPagedKVCacheWrapper"}  # fmt: skip
-# FlashInfer's backend per head_dim: fa3 is its own choice on sm90 (backend="auto"); its nvcc
-# JIT takes ~100 s per head_dim, so head_dim 64 is measured against fa2 (~15 s), as in
-# shared/anchors.md. One module per (backend, head_dim) serves both forms, causal or not.
-FI_BACKEND = {128: "fa3", 64: "fa2"}
+# FlashInfer is measured with fa2 on every row (the three views and the ratios) and with fa3,
+# its own choice on sm90, in the graph view at head_dim 128 (its nvcc JIT takes ~100 s per
+# head_dim, fa2's ~15 s). One module per (backend, head_dim) serves both forms, causal or not.
+FA3_HEAD_DIMS = (128,)
 
 
 def indptr_of(lengths: np.ndarray) -> np.ndarray:
@@ -173,12 +177,16 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
         ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
         tflops = flops / ours.graph / 1e6
-        backend, theirs = FI_BACKEND[head_dim], None
+        theirs = fa3 = None
         if fi is not None and torch is not None:
-            theirs = flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal,
+            theirs = flashinfer_views(fi, torch, wrappers, form, "fa2", tables, dims, causal,
                                       tq, tkv)  # fmt: skip
+            if head_dim in FA3_HEAD_DIMS:
+                fa3 = flashinfer_views(fi, torch, wrappers, form, "fa3", tables, dims, causal,
+                                       tq, tkv)  # fmt: skip
+        fa3_graph = None if fa3 is None else fa3.graph
         table.add(label, *ours.cells(), cupy_graph, tflops, 100 * tflops / gemm_tflops(),
-                  *peer_cells(ours, theirs), "" if theirs is None else backend)  # fmt: skip
+                  *peer_cells(ours, theirs), fa3_graph, ratio(ours.graph, fa3_graph))  # fmt: skip
 
 
 def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
@@ -193,7 +201,7 @@ def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
         wrapper.plan(*tables, *dims, causal=True, q_data_type="bfloat16")
         times.append(time.perf_counter() - start)
     ours = float(np.median(times[50:])) * 1e6
-    theirs, backend = None, FI_BACKEND[128]
+    theirs, backend = None, "fa2"
     fw = None
     if fi is not None and torch is not None:
         fw = flashinfer_wrapper(fi, torch, wrappers, form, backend)
@@ -209,7 +217,7 @@ def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
             print(f"# flashinfer {form} plan failed: {type(e).__name__}: {str(e)[:200]}")
     blank = (None,) * 5  # loop, graph, CuPy graph, TFLOP/s, % GEMM of a kernel row
     table.add("plan(), 64 mixed requests (host us)", ours, *blank, theirs, None, None,
-              ratio(ours, theirs), None, "" if theirs is None else backend)  # fmt: skip
+              ratio(ours, theirs), None, None, None)  # fmt: skip
 
 
 def main() -> Tables:
@@ -217,7 +225,7 @@ def main() -> Tables:
     rng = np.random.default_rng(0)
     print(header())
     columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "TFLOP/s", "% GEMM", *PEER_COLUMNS,
-               "FI backend"]  # fmt: skip
+               "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
     wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
     tables = Tables()
     for form, kv in (("ragged", "ragged KV"), ("paged", f"paged KV, page {PAGE}, permuted pages")):
