@@ -185,3 +185,49 @@ def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):
                 dst = tile_offset(r, 2 * c + half, 2 * head_dim)
                 staging[dst : dst + 16] = values[16 * half : 16 * half + 16]
     np.testing.assert_array_equal(staging, swizzled(x.astype(np.float16)))
+
+
+def rows_of_warp(tile_row, warp, group, qo_len, kv_len):
+    """Rows.init's positions: the valid rows' positions and (pos_first, pos_last)."""
+    packed = tile_row + 16 * warp + np.arange(16)
+    valid = packed < qo_len * group
+    pos = packed // group + kv_len - qo_len
+    first, rows_in = tile_row + 16 * warp, qo_len * group
+    last = min(first + 15, max(rows_in - 1, first))
+    return pos[valid], first // group + kv_len - qo_len, last // group + kv_len - qo_len
+
+
+def test_blocks_that_skip_the_masks_are_wholly_visible():
+    """Rows.all_see (a warp-uniform test on a block of keys [lo, hi]) implies Rows.sees for
+    every valid row and key of the block: causal and windowed, bottom-right aligned."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(20000):
+        group = int(rng.integers(1, 9))
+        qo_len = int(rng.integers(1, 300))
+        kv_len = int(rng.integers(0, 600))
+        tile_row = 16 * int(rng.integers(0, -(-qo_len * group // 16)))
+        warp = int(rng.integers(0, 8))
+        causal = bool(rng.integers(2))
+        window = int(rng.integers(-1, 100))
+        begin = int(rng.integers(0, kv_len + 1))
+        end = int(rng.integers(begin, kv_len + 1))
+        lo = int(rng.integers(0, max(kv_len, 1)))
+        hi = lo + 15
+        pos, pos_first, pos_last = rows_of_warp(tile_row, warp, group, qo_len, kv_len)
+        all_see = lo >= begin and hi < end
+        if causal:
+            all_see = all_see and hi <= pos_first
+        if window >= 0:
+            all_see = all_see and lo >= pos_last - window
+        if not all_see or pos.size == 0:
+            continue
+        keys = np.arange(lo, hi + 1)
+        sees = np.repeat((keys[None] >= begin) & (keys[None] < end), pos.size, axis=0)
+        if causal:
+            sees &= keys[None] <= pos[:, None]
+        if window >= 0:
+            sees &= keys[None] >= pos[:, None] - window
+        assert sees.all(), (group, qo_len, kv_len, tile_row, warp, causal, window, lo)
+        checked += 1
+    assert checked > 500  # blocks that skip the masks were met often enough to mean something

@@ -112,6 +112,7 @@ struct Rows {
   int query[2], head[2], pos[2];
   float slope[2];
   int64_t mask_bit[2];  // CUSTOM_MASK: the bit of (the row's query, key 0)
+  int pos_first, pos_last;  // positions of the warp's first and last rows in the request
 
   RTC_DEVICE void init(const PrefillWorkItem& w, const PrefillParams& p, int kv_head, int warp,
                        int g) {
@@ -126,6 +127,18 @@ struct Rows {
       mask_bit[i] = 8 * static_cast<int64_t>(w.mask_byte) +
                     static_cast<int64_t>(query[i]) * w.kv_len;
     }
+    const int first = w.tile_row + 16 * warp, rows_in = w.qo_len * p.group_size;
+    const int last = min(first + 15, max(rows_in - 1, first));
+    pos_first = first / p.group_size + w.kv_len - w.qo_len;
+    pos_last = last / p.group_size + w.kv_len - w.qo_len;
+  }
+
+  // Whether every row of the warp sees every key of [lo, hi] (the item's range, the causal
+  // bound and the window): such a block of keys skips the per-element masks.
+  RTC_DEVICE bool all_see(int lo, int hi, int begin, int end, int window_left) const {
+    bool ok = !CUSTOM_MASK && lo >= begin && hi < end;
+    if constexpr (CAUSAL) ok = ok && hi <= pos_first;
+    return window_left >= 0 ? ok && lo >= pos_last - window_left : ok;
   }
 
   // Whether key `key` is visible to row i within the item's keys [begin, end).
@@ -242,17 +255,30 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
   }
 
   // Logit transform (variant.cuh) and masks: element r of n-tile n is row g + 8 (r / 2), key
-  // key0 + key_w + 8n + 2t + r % 2.
+  // key0 + key_w + 8n + 2t + r % 2. Blocks that every row sees whole (all but the diagonal
+  // and edge blocks of a long prompt) skip the per-element visibility tests.
   float row_max[2] = {neg_inf(), neg_inf()};
+  const int lo = key0 + key_w;
+  if (rows.all_see(lo, lo + WARP_KEYS - 1, w.kv_begin, w.kv_end, window_left)) {
 #pragma unroll
-  for (int n = 0; n < KEY_TILES; ++n)
+    for (int n = 0; n < KEY_TILES; ++n)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = r / 2, key = key0 + key_w + 8 * n + 2 * t + r % 2;
-      const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
-      s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
-      row_max[i] = fmaxf(row_max[i], s[n][r]);
-    }
+      for (int r = 0; r < 4; ++r) {
+        const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
+        s[n][r] = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
+        row_max[i] = fmaxf(row_max[i], s[n][r]);
+      }
+  } else {
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
+        const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
+        s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+        row_max[i] = fmaxf(row_max[i], s[n][r]);
+      }
+  }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
