@@ -54,20 +54,27 @@ class Compiled:
     cache_hit: bool
 
 
-def prelude(**entries: str | int | bool | enum.Enum) -> str:
+def prelude(**entries: str | int | bool | enum.Enum | type[enum.Enum]) -> str:
     """A spec's generated lines, in order: a dtype name (str) becomes `using NAME = <CUDA
     type>;`, a bool `constexpr bool NAME = true|false;`, an int `constexpr int NAME = N;`, an
     enum member `constexpr Kind NAME = Kind::MEMBER;` after the declaration of its enum class,
-    generated from the Python enum (names and values cross the seam together)."""
+    generated from the Python enum (names and values cross the seam together); an enum class
+    itself (`Kind=Kind`) only its declaration, for code that names its members."""
     lines, declared = [], set()
+
+    def declare(kind: type[enum.Enum]) -> None:
+        if kind not in declared:
+            declared.add(kind)
+            members = ", ".join(f"{m.name} = {int(m.value)}" for m in kind)
+            lines.append(f"enum class {kind.__name__} : int {{ {members} }};")
+
     for name, value in entries.items():
-        if isinstance(value, enum.Enum):
-            kind = type(value)
-            if kind not in declared:
-                declared.add(kind)
-                members = ", ".join(f"{m.name} = {int(m.value)}" for m in kind)
-                lines.append(f"enum class {kind.__name__} : int {{ {members} }};")
-            lines.append(f"constexpr {kind.__name__} {name} = {kind.__name__}::{value.name};")
+        if isinstance(value, type) and issubclass(value, enum.Enum):
+            declare(value)
+        elif isinstance(value, enum.Enum):
+            declare(type(value))
+            kind = type(value).__name__
+            lines.append(f"constexpr {kind} {name} = {kind}::{value.name};")
         elif isinstance(value, str):
             lines.append(f"using {name} = {cuda_type(value)};")
         elif isinstance(value, bool):

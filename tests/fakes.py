@@ -55,7 +55,8 @@ def launched(monkeypatch, prep, ptrs, scalars=()):
 class FakeRuntime:
     """CuPy's CUDA runtime as rtcinfer.gpu reads it: the CUDA version the driver supports (0:
     no driver), that of the installed wheels, the devices the driver sees (or the CUDA error,
-    (status, text), that counting them raises) and their compute capability."""
+    (status, text), that counting them raises) and their compute capability; stream
+    synchronizations are recorded."""
 
     class CUDARuntimeError(RuntimeError):
         def __init__(self, status: int, text: str):
@@ -66,6 +67,7 @@ class FakeRuntime:
                  compute_capability=(9, 0)):  # fmt: skip
         self.driver, self.wheels, self.devices, self.error = driver, wheels, devices, error
         self.compute_capability = compute_capability
+        self.synchronized = []  # the streams streamSynchronize was asked to wait for
 
     def driverGetVersion(self):
         return self.driver
@@ -84,6 +86,9 @@ class FakeRuntime:
     def deviceGetAttribute(self, attribute, device):
         return dict(zip((75, 76), self.compute_capability, strict=True))[attribute]
 
+    def streamSynchronize(self, stream):
+        self.synchronized.append(stream)
+
 
 def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
     """Make rtcinfer.gpu see FakeRuntime(**runtime) as CuPy's CUDA runtime (driver=0: no
@@ -98,3 +103,53 @@ def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
 
     monkeypatch.setattr(gpu, "runtime", checked_runtime)
     return fake
+
+
+class FakeRecords:
+    """rtcinfer.errors' per-device records in host memory, so that the host logic runs without
+    a GPU: each device's record is a NumPy buffer, which `report` writes as the kernel would
+    (bad_index.cuh); `log` lists the device work asked for ("sync", "clear")."""
+
+    def __init__(self, monkeypatch):
+        import ctypes
+
+        import numpy as np
+
+        from rtcinfer import errors
+
+        self.buffers, self.log = {}, []
+
+        def allocate(device):
+            device_row, host_row = np.zeros(1, errors.RECORD), np.zeros(1, errors.RECORD)
+            self.buffers[device] = (device_row, host_row)
+            host_ptr = host_row.ctypes.data
+            reported = ctypes.c_int32.from_address(host_ptr)
+            keep = (device_row, host_row)
+            return errors.Record(device, device_row.ctypes.data, host_ptr, reported, keep)
+
+        def clear_device(rec, stream):
+            self.log.append(("clear", rec.device, stream))
+            self.buffers[rec.device][0][:] = 0
+
+        monkeypatch.setattr(errors, "_RECORDS", {})
+        monkeypatch.setattr(errors, "_allocate", allocate)
+        monkeypatch.setattr(
+            errors, "_synchronize", lambda device: self.log.append(("sync", device))
+        )
+        monkeypatch.setattr(
+            errors, "_read_device", lambda rec: self.buffers[rec.device][0][0].copy()
+        )
+        monkeypatch.setattr(errors, "_clear_device", clear_device)
+
+    def report(self, device, code, index, value, limit, count=1):
+        """What append_kernel leaves after finding `count` bad rows, the first described."""
+        device_row, host_row = self.buffers[device]
+        for row in (device_row, host_row):
+            row["code"], row["index"], row["value"], row["limit"] = int(code), index, value, limit
+        device_row["count"], host_row["count"] = count, 1
+
+    def device_row(self, device):
+        return self.buffers[device][0][0]
+
+    def host_row(self, device):
+        return self.buffers[device][1][0]
