@@ -409,15 +409,17 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
 
 
 def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
-    """What a model's attention uses (warmup): full rotary dim, theta or Llama 3.1 frequencies,
-    ragged positions in place, and one position per token in place or into new arrays."""
-    forms = [("indptr", True), ("pos_ids", True), ("pos_ids", False)]
+    """What a model's attention may call (warmup): full rotary dim, rotated halves (NeoX
+    style), every position form FlashInfer offers (theta or Llama 3.1 frequencies from ragged
+    indptr/offsets or from pos_ids, and a cos/sin cache from positions), int32 or int64
+    positions, in place or into new arrays."""
+    forms = [(mode, pos_from) for mode in ("theta", "llama31") for pos_from in ("indptr",
+             "pos_ids")] + [("cos_sin_cache", "pos_ids")]  # fmt: skip
     specs = []
     for d in dtypes:
         vec = rope_vec(d, head_dim, head_dim, False)
-        for mode in ("theta", "llama31"):
-            for pos_from, inplace in forms:
-                specs.append(
-                    RopeSpec(d, "int32", head_dim, head_dim, False, mode, pos_from, inplace, vec)
-                )
+        for mode, pos_from in forms:
+            for pos_dtype in ("int32", "int64"):
+                specs += [RopeSpec(d, pos_dtype, head_dim, head_dim, False, mode, pos_from,
+                                   inplace, vec) for inplace in (False, True)]  # fmt: skip
     return specs

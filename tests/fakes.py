@@ -153,3 +153,106 @@ class FakeRecords:
 
     def host_row(self, device):
         return self.buffers[device][1][0]
+
+
+class MetaArrays:
+    """Arrays for tests/model_step.py on a fake device: torch "meta" tensors (shape, strides
+    and dtype, no memory); FakeDevice makes the call path take them as CUDA arrays."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def zeros(self, shape, dtype: str):
+        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device="meta")
+
+    def ints(self, values, dtype: str = "int32"):
+        return self.zeros((len(values),), dtype)
+
+
+class FakeDevice:
+    """A GPU of compute capability `cc`, `sms` SMs and `max_smem` bytes of opt-in shared memory
+    per block, on which ops prepare, plan and run as they would, with PyTorch meta tensors as
+    device arrays, and launch nothing: `specs` collects the spec of every kernel launched.
+    Uploads, occupancy queries, stream queries and the bad-index records are stubbed; the ops'
+    prepared launches start empty and are put back afterwards (neither side sees the other's)."""
+
+    def __init__(self, monkeypatch, cc=(9, 0), sms=132, max_smem=227 * 1024):
+        import importlib
+        import sys
+
+        import cupy
+        import numpy as np
+        import torch
+
+        from rtcinfer import jit
+        from rtcinfer.attention import decode, page, planned, prefill
+        from rtcinfer.attention.workspace import Workspace
+        from rtcinfer.interop import ArrayInfo, Op
+        from rtcinfer.interop.dtypes import normalize
+        from rtcinfer.launch import Kernel, Launch
+
+        self.specs = []
+        for name, module in list(sys.modules.items()):
+            for value in vars(module).values() if name.startswith("rtcinfer") else ():
+                for op in value.values() if isinstance(value, dict) else (value,):
+                    if isinstance(op, Op):
+                        monkeypatch.setattr(op, "cache", {})
+        fake_gpu(monkeypatch, compute_capability=cc)
+        FakeRecords(monkeypatch)
+        limits = lambda device: (sms, max_smem)  # noqa: E731
+        for module in (jit, decode, prefill):
+            monkeypatch.setattr(module, "device_limits", limits)
+        monkeypatch.setattr(jit, "sm_count", lambda device: sms)
+        monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 2)
+        monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
+
+        def launch(self_, stream, device):
+            if not self_.empty:
+                self.specs.append(self_.kernel.spec)
+
+        monkeypatch.setattr(Launch, "__call__", launch)
+
+        class Device:  # as the samplers and the workspace use CuPy's
+            compute_capability = f"{cc[0]}{cc[1]}"
+            id, ptr = 0, 0
+
+            def __init__(self, *args):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                pass
+
+        monkeypatch.setattr(cupy.cuda, "Device", Device)
+        monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+
+        def reserve(ws, need, stream, grow):
+            ws.capacity = need
+            ws.pointers = {name: 0 for name in need.offsets()}
+
+        def upload(ws, fill, stream):
+            fill(np.zeros(ws.capacity.plan_ints, np.int32))  # packs the plan as it would
+            ws.stream_ptr = stream.ptr
+
+        monkeypatch.setattr(Workspace, "reserve", reserve)
+        monkeypatch.setattr(Workspace, "upload", upload)
+        monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
+
+        def info(x, name):  # a meta tensor as a CUDA array of device 0, 16-byte aligned
+            if x is None:
+                return None
+            return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0)
+
+        path = importlib.import_module("rtcinfer.interop.call")
+        real = path._torch()
+        monkeypatch.setattr(path, "_torch_info", info)
+        monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda device: 0, real[3]))
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+        monkeypatch.setattr(page, "_on_device", lambda x: True)  # the index ops' device form

@@ -316,9 +316,16 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     return call(_POSITIONS, (append_indptr, seq_lens), (nnz,))
 
 
+def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
+    """What a serving loop's cache bookkeeping uses (warmup): the append of rows of head_dim
+    elements of kv_dtype (16-byte copies: aligned arrays), and the index ops' module."""
+    return [PageSpec(head_dim * itemsize(kv_dtype), 16), INDEX_SPEC]
+
+
 __all__ = [
     "PageSpec",
     "append_paged_kv_cache",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "specs_for",
 ]
