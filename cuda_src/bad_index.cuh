@@ -7,10 +7,10 @@
 // Prelude: the BadIndex enum (which array held the entry), generated from rtcinfer/errors.py.
 #pragma once
 
-struct BadIndexRecord {
+struct alignas(8) BadIndexRecord {
   int count;   // rows with a bad entry since the record was cleared (the host copy: 0 or 1)
   int code;    // a BadIndex: which array held the first one
-  int index;   // its index in that array
+  int index;   // its index in that array (8-byte aligned: index and value are stored as a pair)
   int value;   // what it held
   int limit;   // the bound it broke: valid entries lie in [0, limit)
   int unused[3];  // to 32 bytes
@@ -33,4 +33,21 @@ RTC_DEVICE void report_bad_index(BadIndexRecord* record, BadIndexRecord* host_co
   record->limit = host_copy->limit = limit;
   __threadfence_system();  // the description reaches the host before the count that flags it
   *reinterpret_cast<volatile int*>(&host_copy->count) = 1;
+}
+
+// Describe a bad entry without counting it, for a kernel that must not hold an atomic: in the
+// RoPE kernel one (or a volatile store) made ptxas cap its registers and spill (sm_80). Plain
+// stores, index and value as one 8-byte store so that they stay a pair when several threads
+// write; the last writer's entry is described, and the count says "at least one".
+RTC_DEVICE void note_bad_index(BadIndexRecord* record, BadIndexRecord* host_copy, BadIndex code,
+                               int index, int value, int limit) {
+  BadIndexRecord* const records[2] = {record, host_copy};
+  for (BadIndexRecord* r : records) {
+    r->code = static_cast<int>(code);
+    r->limit = limit;
+    *reinterpret_cast<int2*>(&r->index) = make_int2(index, value);
+  }
+  if (record->count == 0) record->count = 1;
+  __threadfence_system();  // the description reaches the host before the count that flags it
+  host_copy->count = 1;
 }

@@ -1,19 +1,21 @@
 """Bad indices found on the device, raised on the host.
 
-An op that reads page ids or positions from device arrays (append_paged_kv_cache) checks every
-entry it uses on the device against its valid range, skips a bad one without touching memory
-through it, and counts it in its device's record (cuda_src/bad_index.cuh, BadIndexRecord: in
-device memory, counted with atomics, allocated once per device and kept for the process). The
-first bad entry since the record was cleared is described there and in a host copy, in pinned
-host memory that the kernel writes through its mapping, its count written last.
+An op that reads page ids or positions from device arrays (append_paged_kv_cache, and
+apply_rope_with_cos_sin_cache for the rows of its table) checks every entry it uses on the
+device against its valid range, does not follow a bad one (no memory is touched through it),
+and counts it in its device's record (cuda_src/bad_index.cuh, BadIndexRecord: in device
+memory, counted with atomics, allocated once per device and kept for the process). The first
+bad entry since the record was cleared is described there and in a host copy, in pinned host
+memory that the kernel writes through its mapping, its count written last. (The RoPE kernel
+notes its bad positions without an atomic, and without a count: bad_index.cuh says why.)
 
 BadIndexError, naming the array, the entry, what it held and its valid range, is raised by:
 - the next call of such an op on that device: before it launches, it reads the host copy's
   count (a read of host memory, no synchronization, nothing enqueued), and when it is set
   clears both records (the device one by a memset on the call's stream) and raises. A kernel
   that has not run yet when that call is made is reported by a later call;
-- `check_errors()`: synchronizes every device that has a record, reads it (the number of
-  skipped rows too), clears it and raises. Call it where a step must be known good;
+- `check_errors()`: synchronizes every device that has a record, reads it (the number of bad
+  entries too), clears it and raises. Call it where a step must be known good;
 - every such call, at once, under RTCINFER_CHECK=1 (read when a call signature is first
   prepared): the call synchronizes its stream after the launch (skipped while the stream is
   captured into a CUDA graph). A debugging aid: it stalls the host at every call.
@@ -42,39 +44,51 @@ class BadIndex(enum.IntEnum):
     """Which array held a bad entry (crosses into the kernels' prelude by name)."""
 
     NONE = 0
-    BATCH_INDICES = 1
+    BATCH_INDICES = 1  # append_paged_kv_cache's
     POSITIONS = 2
     KV_INDPTR = 3
     KV_INDICES = 4
+    COS_SIN_POSITIONS = 5  # apply_rope_with_cos_sin_cache's positions
 
 
 RECORD = record_dtype(jit.source_layout("bad_index.cuh", "BadIndexRecord"))
 _MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
+_SKIPPED = "its row was skipped, nothing written"
+# Each code: (the op, its entry with index, value and limit, what the op did instead, whether
+# its kernel counts bad entries: the RoPE kernel only notes them, bad_index.cuh).
+_ENTRIES = {
+    BadIndex.BATCH_INDICES: ("append_paged_kv_cache", "batch_indices[{index}] = {value} is not "
+                             "a request of the table (0 <= b < {limit})", _SKIPPED, True),
+    BadIndex.POSITIONS: ("append_paged_kv_cache", "positions[{index}] = {value} is past the end "
+                         "of its request, {limit} tokens by kv_indptr and kv_last_page_len",
+                         _SKIPPED, True),
+    BadIndex.KV_INDPTR: ("append_paged_kv_cache", "kv_indptr: request {index} reads "
+                         "kv_indices[{value}], outside its {limit} entries", _SKIPPED, True),
+    BadIndex.KV_INDICES: ("append_paged_kv_cache", "kv_indices[{index}] = {value} is not a page "
+                          "of the cache (0 <= page < {limit})", _SKIPPED, True),
+    BadIndex.COS_SIN_POSITIONS: ("apply_rope_with_cos_sin_cache", "positions[{index}] = {value} "
+                                 "is not a row of cos_sin_cache (0 <= position < {limit})",
+                                 "its token passed through unrotated, no row read", False),
+}  # fmt: skip
+
 
 class BadIndexError(IndexError):
-    """A device array held an entry outside its valid range; the op skipped its row."""
+    """A device array held an entry outside its valid range; the op did not follow it."""
 
 
 def describe(record, count: int | None) -> str:
-    """The message of a record (a RECORD row); count: rows skipped, None when not read."""
-    index, value, limit = int(record["index"]), int(record["value"]), int(record["limit"])
-    what = {
-        BadIndex.BATCH_INDICES: f"batch_indices[{index}] = {value} is not a request of the table "
-        f"(0 <= b < {limit})",
-        BadIndex.POSITIONS: f"positions[{index}] = {value} is past the end of its request, "
-        f"{limit} tokens by kv_indptr and kv_last_page_len",
-        BadIndex.KV_INDPTR: f"kv_indptr: request {index} reads kv_indices[{value}], outside its "
-        f"{limit} entries",
-        BadIndex.KV_INDICES: f"kv_indices[{index}] = {value} is not a page of the cache "
-        f"(0 <= page < {limit})",
-    }.get(int(record["code"]), f"an entry with unknown code {int(record['code'])}")
-    if count is None:
-        skipped = "its row was skipped, nothing written (so were later bad rows, if any)"
-    else:
-        rows = f"{count} row{'s' if count != 1 else ''}"
-        skipped = f"{rows} with bad entries skipped, nothing written"
-    return f"append_paged_kv_cache: {what}; {skipped}"
+    """The message of a record (a RECORD row): the op, the first bad entry, what the op did
+    instead; and `count`, the bad entries found since the last report, when it was read (and
+    its kernel counts them)."""
+    code = int(record["code"])
+    unknown = ("an op", f"a bad entry (code {code})", "not followed", False)
+    op, entry, instead, counted = _ENTRIES.get(code, unknown)
+    text = f"{op}: " + entry.format(index=int(record["index"]), value=int(record["value"]),
+                                    limit=int(record["limit"])) + f"; {instead}"  # fmt: skip
+    if count is not None and counted:
+        text += f"; {count} bad entr{'y' if count == 1 else 'ies'} in all since the last report"
+    return text
 
 
 @dataclass

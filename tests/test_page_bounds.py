@@ -147,8 +147,9 @@ def test_check_errors_waits_and_counts_the_bad_rows():
     table = _table([("kv_indices", 2, PAGES), ("kv_indices", 5, -2)])  # requests 1 and 2
     keys, values = _rows(rng, 3)
     _append(keys, values, table, cache)
-    with pytest.raises(rtcinfer.BadIndexError, match=r"is not a page of the cache .*; 2 rows "
-                       "with bad entries skipped, nothing written$"):  # fmt: skip
+    with pytest.raises(rtcinfer.BadIndexError, match=r"is not a page of the cache .*; its row "
+                       "was skipped, nothing written; 2 bad entries in all since the last "
+                       "report$"):  # fmt: skip
         rtcinfer.check_errors()
     assert rtcinfer.check_errors() is None
     _guards_untouched(whole)
@@ -178,6 +179,7 @@ def test_rtcinfer_check_raises_at_the_call():
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("raised by the call: append_paged_kv_cache: kv_indices[1] = 9 is "
-                               "not a page of the cache (0 <= page < 4); 1 row ")  # fmt: skip
+    assert lines[0] == ("raised by the call: append_paged_kv_cache: kv_indices[1] = 9 is not a "
+                        "page of the cache (0 <= page < 4); its row was skipped, nothing written; "
+                        "1 bad entry in all since the last report")  # fmt: skip
     assert lines[1] == "written: 1 1"
