@@ -1,7 +1,8 @@
 // Rotary position embedding on q and k in one launch.
 //   angle(pos, i) = pos * inv_freq[i], inv_freq[i] = theta^(-2i/R) / rope_scale (Llama 3.1:
 //   the low-frequency band is divided by rope_scale with a smooth ramp), or cos/sin read from a
-//   [max_pos, R] cache (cos in [:, :R/2], sin in [:, R/2:]).
+//   [max_pos, R] cache (cos in [:, :R/2], sin in [:, R/2:]); a position outside [0, max_pos)
+//   reads no row: its token passes through unrotated, reported (bad_index.cuh).
 //   Non-interleaved: (x[i], x[i + R/2]) rotate by angle i; interleaved: (x[2i], x[2i+1]).
 //   Elements in [R, HEAD_DIM) pass through.
 // Mapping: a work item is (token, a chunk of rows_per_item head rows; q heads then k heads). A
@@ -15,7 +16,8 @@
 // fp64 once per CTA into shared memory, the product pos * f is split with an FMA and reduced to
 // [-1/2, 1/2] turns before sincospif.
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
-// (RopeMode), POS_FROM (PositionSource), INPLACE.
+// (RopeMode), POS_FROM (PositionSource), INPLACE, the BadIndex enum.
+#include "bad_index.cuh"
 
 constexpr int HALF = ROTARY_DIM / 2;
 constexpr int LANES = HEAD_DIM / VEC;
@@ -41,8 +43,10 @@ struct RopeParams {
   const POS_T* indptr;         // [batch_size + 1] (INDPTR_OFFSETS)
   const POS_T* offsets;        // [batch_size] (INDPTR_OFFSETS)
   const float* cos_sin_cache;  // [max_pos, ROTARY_DIM] (COS_SIN_CACHE)
+  BadIndexRecord* bad;         // COS_SIN_CACHE: this device's record of bad entries
+  BadIndexRecord* bad_host;    // its host copy (pinned host memory, mapped)
   int64_t q_tok, q_head, k_tok, k_head, qo_tok, qo_head, ko_tok, ko_head;
-  int nnz, num_q_heads, num_k_heads, batch_size, rows_per_item;
+  int nnz, num_q_heads, num_k_heads, batch_size, rows_per_item, max_pos;
   float rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len;
 };
 
@@ -128,6 +132,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   if constexpr (MODE != RopeMode::COS_SIN_CACHE) {
     for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, p);
     __syncthreads();
+  } else {  // note the positions outside the table, apart from the rotation loop
+    for (int t = blockIdx.x * THREADS + threadIdx.x; t < nnz; t += gridDim.x * THREADS) {
+      const int64_t pos = int64_t(pos_ids[t]);
+      if (pos < 0 || pos >= p.max_pos) {
+        note_bad_index(p.bad, p.bad_host, BadIndex::COS_SIN_POSITIONS, t, saturate_int(pos),
+                       p.max_pos);
+      }
+    }
   }
 
   for (int item0 = blockIdx.x * GROUPS; item0 < items; item0 += gridDim.x * GROUPS) {
@@ -139,12 +151,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     float2 cs[PAIRS];
     if (active && rotary) {
       const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
+      const bool in_cache = MODE != RopeMode::COS_SIN_CACHE || (pos >= 0 && pos < p.max_pos);
 #pragma unroll
       for (int j = 0; j < PAIRS; ++j) {
         if constexpr (MODE == RopeMode::COS_SIN_CACHE) {
-          const float* row = cos_sin_cache + pos * ROTARY_DIM;
           const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
-          cs[j] = make_float2(row[i], row[HALF + i]);
+          if (in_cache) {
+            const float* row = cos_sin_cache + pos * ROTARY_DIM;
+            cs[j] = make_float2(row[i], row[HALF + i]);
+          } else {
+            cs[j] = make_float2(1.f, 0.f);  // cos 0, sin 0: the token passes through
+          }
         } else {
           cs[j] = cos_sin(float(pos), freq[pair_of(e0, INTERLEAVE ? 2 * j : j)]);
         }

@@ -34,6 +34,7 @@ from .attention.single_prefill import (  # noqa: E402
     single_prefill_with_kv_cache_return_lse,
 )
 from .bitpack import packbits, segment_packbits  # noqa: E402
+from .errors import BadIndexError, check_errors  # noqa: E402
 from .norm import (  # noqa: E402
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
@@ -43,6 +44,7 @@ from .norm import (  # noqa: E402
 )
 
 __all__ = [
+    "BadIndexError",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
@@ -51,6 +53,7 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
+    "check_errors",
     "get_batch_indices_positions",
     "get_seq_lens",
     "merge_state",

@@ -1,17 +1,21 @@
-"""What rtcinfer ships: named model shapes, the kernel specs each one needs (for `warmup`), and
-one spec per code path of every family (compiled for sm_80 and sm_90a in CI; the cluster
-sampler, which needs sm_90, for sm_90a only)."""
+"""What rtcinfer ships: named model shapes, the kernel specs a serving loop of each one runs
+(for `warmup`), and one spec per code path of every family (compiled for sm_80 and sm_90a in
+CI; the cluster sampler, which needs sm_90, for sm_90a only)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from . import activation, bitpack, norm, rope
 from .attention import cascade, decode_kernel, page, prefill_kernel
-from .sampling.cluster import ClusterSampleSpec
+from .sampling.cluster import ClusterSampleSpec, cluster_choices
 from .sampling.renorm import RenormSpec
+from .sampling.renorm import specs_for as renorm_specs
 from .sampling.samplers import SampleSpec
+from .sampling.samplers import specs_for as sampler_specs
 from .sampling.softmax import softmax_spec
+from .sampling.softmax import specs_for as softmax_specs
 from .sampling.speculative import SpeculativeSpec
 
 
@@ -22,33 +26,73 @@ class ModelShape:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+    vocab: int
     qk_norm: bool = False
 
 
 MODELS = {
-    "llama3-8b": ModelShape(4096, 14336, 32, 8, 128),
-    "llama3-70b": ModelShape(8192, 28672, 64, 8, 128),
-    "qwen3-32b": ModelShape(5120, 25600, 64, 8, 128, qk_norm=True),
+    "llama3-8b": ModelShape(4096, 14336, 32, 8, 128, 128256),
+    "llama3-70b": ModelShape(8192, 28672, 64, 8, 128, 128256),
+    "qwen3-32b": ModelShape(5120, 25600, 64, 8, 128, 151936, qk_norm=True),
 }
 
+# Opt-in shared memory per block (KB) by compute capability, which decode and prefill size their
+# pipelines by and the cluster sampler needs: warmup's assumption for a GPU it cannot ask.
+OPTIN_SMEM_KB = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
 
-def model_specs(name: str, dtype: str = "bfloat16") -> list:
-    """Every kernel spec a forward step of the named model uses, in one dtype."""
+
+@dataclass(frozen=True)
+class Target:
+    """What a step's kernels depend on besides the model: the compile target and the GPU's
+    opt-in shared memory per block (bytes)."""
+
+    arch: str
+    max_smem: int
+
+    @property
+    def compute_capability(self) -> int:
+        return int(re.fullmatch(r"sm_(\d+)a?", self.arch)[1])
+
+
+def target(arch: str, max_smem: int | None = None) -> Target:
+    """The target `arch` with max_smem (the GPU's, when known), else OPTIN_SMEM_KB's value for
+    it (99 KB, the least of them, for an arch not in it)."""
+    if max_smem is None:
+        cc = Target(arch, 0).compute_capability
+        max_smem = OPTIN_SMEM_KB.get(cc, min(OPTIN_SMEM_KB.values())) * 1024
+    return Target(arch, max_smem)
+
+
+def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
+                on: Target | None = None) -> list:  # fmt: skip
+    """Every kernel spec a serving loop of the named model launches: a decode step (norms,
+    RoPE in every position form, the activation, the KV append, batch decode, merges, softmax,
+    every sampler and renorm at the model's vocabulary, each at every block and cluster size a
+    batch may get) and a prefill step (causal prefill in every query tile). Activations and
+    logits in `dtype`, the paged KV cache in kv_dtype (None: dtype; or an fp8 type), for the
+    target `on` (default: sm_90a with 227 KB of shared memory per block)."""
     try:
         m = MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+    kv_dtype = kv_dtype or dtype
+    on = on or target("sm_90a")
+    attention = (m.num_qo_heads, m.num_kv_heads, m.head_dim, dtype, kv_dtype, on.max_smem)
     specs = norm.specs_for(m.hidden, (dtype,))
     if m.qk_norm:
         specs.append(norm.norm_spec("rmsnorm", dtype, dtype, m.head_dim))
     specs += activation.specs_for(m.intermediate, (dtype,))
     specs += rope.specs_for(m.head_dim, (dtype,))
-    specs += decode_kernel.specs_for(m.num_qo_heads, m.num_kv_heads, m.head_dim, (dtype,))
-    specs += [prefill_kernel.prefill_spec(dtype, dtype, m.head_dim, rows, True)
-              for rows in prefill_kernel.TILE_ROWS]  # fmt: skip
-    specs.append(page.PageSpec(m.head_dim * 2, 16))
-    specs.append(page.INDEX_SPEC)
-    return specs
+    specs += page.specs_for(m.head_dim, kv_dtype)
+    specs += decode_kernel.specs_for(*attention)
+    specs += prefill_kernel.specs_for(*attention)
+    specs += cascade.specs_for(m.head_dim, dtype)
+    logits = tuple(dict.fromkeys(("float32", dtype)))
+    specs += softmax_specs(m.vocab, logits)
+    clusters = cluster_choices(m.vocab, 4, on.compute_capability, on.max_smem)  # float32 probs
+    specs += sampler_specs(m.vocab, clusters)
+    specs += renorm_specs(m.vocab, logits)
+    return list(dict.fromkeys(specs))
 
 
 def shipped_specs() -> list:

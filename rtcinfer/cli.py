@@ -133,11 +133,18 @@ def warmup(args) -> int:
     if args.arch is not None and not re.fullmatch(r"sm_\d+a?", args.arch):
         raise ValueError(f"--arch must look like sm_90a or sm_80, got {args.arch!r}")
     gpu.require_cuda_wheels()  # NVRTC and the CUDA headers come with the extra
-    arch = args.arch or gpu_arch() or "sm_90a"
+    here = gpu_arch() if args.arch is None else None
+    arch = args.arch or here or "sm_90a"
+    # This GPU's shared memory per block when compiling for it, else the catalog's for the arch
+    on = catalog.target(arch, jit.device_limits(gpu.current())[1] if here else None)
     _check_writable(jit.cache_dir() / arch)
-    specs = catalog.model_specs(args.model, args.dtype)
+    kv_dtype = args.kv_dtype or args.dtype
+    specs = catalog.model_specs(args.model, args.dtype, kv_dtype, on)
     os.environ.pop("RTCINFER_NO_COMPILE", None)  # warming up is compiling
-    print(f"warming up {len(specs)} modules for {args.model} ({args.dtype}) on {arch}")
+    print(
+        f"warming up {len(specs)} modules for {args.model} ({args.dtype}, KV {kv_dtype}) on "
+        f"{arch} ({on.max_smem // 1024} KB of shared memory per block)"
+    )
     start, compiled = time.perf_counter(), 0
     for i, spec in enumerate(specs, 1):
         t = time.perf_counter()
@@ -183,10 +190,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("show-config", help="versions, GPU and arch, NVRTC, headers, cache")
     sub.add_parser("list-modules", help="cached kernels: arch, size, compile time, spec")
-    w = sub.add_parser("warmup", help="precompile the kernels a model shape needs (no GPU needed)")
+    w = sub.add_parser("warmup", help="precompile the kernels a model's serving loop launches "
+                       "(no GPU needed)")  # fmt: skip
     w.add_argument("--model", required=True, choices=sorted(catalog.MODELS))
     w.add_argument("--arch", help="compile target, e.g. sm_90a (default: this GPU, else sm_90a)")
     w.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    w.add_argument("--kv-dtype", choices=["float8_e4m3fn", "float8_e5m2"],
+                   help="the paged KV cache's dtype (default: --dtype)")  # fmt: skip
     sub.add_parser("clear-cache", help="delete every cached kernel")
     sub.add_parser("demo", help="run the ops against float64 references on the GPU, with timings")
     args = parser.parse_args(argv)

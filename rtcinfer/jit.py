@@ -54,20 +54,27 @@ class Compiled:
     cache_hit: bool
 
 
-def prelude(**entries: str | int | bool | enum.Enum) -> str:
+def prelude(**entries: str | int | bool | enum.Enum | type[enum.Enum]) -> str:
     """A spec's generated lines, in order: a dtype name (str) becomes `using NAME = <CUDA
     type>;`, a bool `constexpr bool NAME = true|false;`, an int `constexpr int NAME = N;`, an
     enum member `constexpr Kind NAME = Kind::MEMBER;` after the declaration of its enum class,
-    generated from the Python enum (names and values cross the seam together)."""
+    generated from the Python enum (names and values cross the seam together); an enum class
+    itself (`Kind=Kind`) only its declaration, for code that names its members."""
     lines, declared = [], set()
+
+    def declare(kind: type[enum.Enum]) -> None:
+        if kind not in declared:
+            declared.add(kind)
+            members = ", ".join(f"{m.name} = {int(m.value)}" for m in kind)
+            lines.append(f"enum class {kind.__name__} : int {{ {members} }};")
+
     for name, value in entries.items():
-        if isinstance(value, enum.Enum):
-            kind = type(value)
-            if kind not in declared:
-                declared.add(kind)
-                members = ", ".join(f"{m.name} = {int(m.value)}" for m in kind)
-                lines.append(f"enum class {kind.__name__} : int {{ {members} }};")
-            lines.append(f"constexpr {kind.__name__} {name} = {kind.__name__}::{value.name};")
+        if isinstance(value, type) and issubclass(value, enum.Enum):
+            declare(value)
+        elif isinstance(value, enum.Enum):
+            declare(type(value))
+            kind = type(value).__name__
+            lines.append(f"constexpr {kind} {name} = {kind}::{value.name};")
         elif isinstance(value, str):
             lines.append(f"using {name} = {cuda_type(value)};")
         elif isinstance(value, bool):
@@ -209,20 +216,25 @@ def _write_entry(path: Path, meta: dict, cubin: bytes) -> None:
 
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)'")
+_PTXAS_PROPS = re.compile(r"Function properties for (\w+)")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
-    """Per entry point: registers, stack, spill_stores, spill_loads, smem (static bytes)."""
+    """Per entry point: registers, stack, spill_stores, spill_loads, smem (static bytes); a
+    device function that was not inlined has its own stack, spill_stores and spill_loads (its
+    properties follow an entry's in the log and are not that entry's)."""
     out: dict[str, dict[str, int]] = {}
-    current = None
+    current = props = None  # the entry compiled, the function whose properties follow
     for line in log.splitlines():
         if m := _PTXAS_FUNC.search(line):
             current = out.setdefault(m.group(1), {"registers": 0, "stack": 0, "smem": 0})
-        elif current is not None and (m := _PTXAS_STACK.search(line)):
-            current.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif m := _PTXAS_PROPS.search(line):
+            props = out.setdefault(m.group(1), {"stack": 0})
+        elif props is not None and (m := _PTXAS_STACK.search(line)):
+            props.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
         elif current is not None and (m := _PTXAS_REGS.search(line)):
             current["registers"] = int(m[1])
             if s := _PTXAS_SMEM.search(line):

@@ -88,6 +88,12 @@ def row_threads(vocab: int, batch: int, sm_count: int) -> int:
     return threads
 
 
+def row_thread_choices(vocab: int) -> tuple[int, ...]:
+    """Every block size row_threads gives rows of `vocab` on some GPU (batches within its SM
+    count, within 4x it, and beyond), largest first: what warmup compiles."""
+    return tuple(dict.fromkeys(row_threads(vocab, batch, 1) for batch in (1, 2, 5)))
+
+
 def row_smem_bytes(threads: int) -> int:
     """Dynamic shared memory of the row kernels: a candidate list of 8 (value, token) pairs per
     thread and 256 block maxima per warp (cuda_src/sampling/row_scan.cuh, list_memory)."""

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from . import jit
+from . import errors, jit
+from .errors import BadIndex
 from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
@@ -77,6 +78,7 @@ class RopeSpec:
             MODE=MODES[self.mode],
             POS_FROM=POSITION_SOURCES[self.pos_from],
             INPLACE=self.inplace,
+            BadIndex=BadIndex,
         )
 
 
@@ -229,7 +231,12 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
     if not _lanes_fit(vec, head_dim, spec.interleave):
         raise ValueError(f"q and k rows are not aligned to {spec.vec} elements")
     launch = _launch(dataclasses.replace(spec, vec=vec), *geometry)
-    return Prepared(outs, _step(launch), preload=launch.preload, dense=dense)
+    rec = None
+    if spec.mode == "cos_sin_cache":  # positions index the table: checked on the device
+        launch.params.max_pos = infos[3].shape[0]
+        rec = errors.record(q.device)
+    return Prepared(outs, _step(launch, rec, errors.checking()), preload=launch.preload,
+                    dense=dense)  # fmt: skip
 
 
 def _nothing(stream, device, ptrs, scalars) -> None:
@@ -256,15 +263,22 @@ def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
     return launch
 
 
-def _step(launch: Launch):
+def _step(launch: Launch, rec: errors.Record | None, check: bool):
     """The per-call step of `launch`: pointers (q, k, the position slots, ..., then q_out and
-    k_out) and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none)."""
+    k_out) and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none). With a
+    cos/sin cache (`rec`: the record of its device), a call first raises what an earlier one
+    reported (errors.py), and under RTCINFER_CHECK=1 (`check`) waits for its own launch."""
     spec = launch.kernel.spec
     p, inplace = launch.params, spec.inplace
     ragged, cache = spec.pos_from == "indptr", spec.mode == "cos_sin_cache"
     theta, llama31 = spec.mode == "theta", spec.mode == "llama31"
 
     def run(stream, device, ptrs, scalars):
+        found = None
+        if cache:
+            found = rec if device == rec.device else errors.record(device)
+            if found.reported.value:
+                errors.raise_reported(found, stream)
         with launch.lock:
             if inplace:  # the outputs: q and k (their XLA copies for JAX)
                 p.q = p.q_out = ptrs[-2]
@@ -277,12 +291,15 @@ def _step(launch: Launch):
                 p.pos_ids = ptrs[2]
                 if cache:
                     p.cos_sin_cache = ptrs[3]
+                    p.bad, p.bad_host = found.device_ptr, found.host_ptr
             if theta:
                 p.rope_scale, p.rope_theta = scalars
             elif llama31:
                 (p.rope_scale, p.rope_theta, p.low_freq_factor, p.high_freq_factor,
                  p.old_context_len) = scalars  # fmt: skip
             launch(stream, device)
+        if found is not None and check:
+            errors.check_launch(found, stream)
 
     return run
 
@@ -395,6 +412,9 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
 
     query: [nnz, Hq * head_size] or [nnz, Hq, head_size]; key likewise; positions [nnz];
     is_neox=True rotates halves, False rotates interleaved pairs. Returns (query, key) rotated.
+    A position outside [0, max_pos) reads no row of the table: its token passes through
+    unrotated and is raised as rtcinfer.BadIndexError by the next such call, by
+    rtcinfer.check_errors(), or at once under RTCINFER_CHECK=1 (rtcinfer/errors.py).
     """
     q_out, k_out = (None, None) if out is None else out
     return call(_CACHE, (query, key, positions, cos_sin_cache, q_out, k_out),
@@ -409,15 +429,17 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
 
 
 def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
-    """What a model's attention uses (warmup): full rotary dim, theta or Llama 3.1 frequencies,
-    ragged positions in place, and one position per token in place or into new arrays."""
-    forms = [("indptr", True), ("pos_ids", True), ("pos_ids", False)]
+    """What a model's attention may call (warmup): full rotary dim, rotated halves (NeoX
+    style), every position form FlashInfer offers (theta or Llama 3.1 frequencies from ragged
+    indptr/offsets or from pos_ids, and a cos/sin cache from positions), int32 or int64
+    positions, in place or into new arrays."""
+    forms = [(mode, pos_from) for mode in ("theta", "llama31") for pos_from in ("indptr",
+             "pos_ids")] + [("cos_sin_cache", "pos_ids")]  # fmt: skip
     specs = []
     for d in dtypes:
         vec = rope_vec(d, head_dim, head_dim, False)
-        for mode in ("theta", "llama31"):
-            for pos_from, inplace in forms:
-                specs.append(
-                    RopeSpec(d, "int32", head_dim, head_dim, False, mode, pos_from, inplace, vec)
-                )
+        for mode, pos_from in forms:
+            for pos_dtype in ("int32", "int64"):
+                specs += [RopeSpec(d, pos_dtype, head_dim, head_dim, False, mode, pos_from,
+                                   inplace, vec) for inplace in (False, True)]  # fmt: skip
     return specs

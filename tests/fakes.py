@@ -55,7 +55,8 @@ def launched(monkeypatch, prep, ptrs, scalars=()):
 class FakeRuntime:
     """CuPy's CUDA runtime as rtcinfer.gpu reads it: the CUDA version the driver supports (0:
     no driver), that of the installed wheels, the devices the driver sees (or the CUDA error,
-    (status, text), that counting them raises) and their compute capability."""
+    (status, text), that counting them raises) and their compute capability; stream
+    synchronizations are recorded."""
 
     class CUDARuntimeError(RuntimeError):
         def __init__(self, status: int, text: str):
@@ -66,6 +67,7 @@ class FakeRuntime:
                  compute_capability=(9, 0)):  # fmt: skip
         self.driver, self.wheels, self.devices, self.error = driver, wheels, devices, error
         self.compute_capability = compute_capability
+        self.synchronized = []  # the streams streamSynchronize was asked to wait for
 
     def driverGetVersion(self):
         return self.driver
@@ -84,6 +86,9 @@ class FakeRuntime:
     def deviceGetAttribute(self, attribute, device):
         return dict(zip((75, 76), self.compute_capability, strict=True))[attribute]
 
+    def streamSynchronize(self, stream):
+        self.synchronized.append(stream)
+
 
 def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
     """Make rtcinfer.gpu see FakeRuntime(**runtime) as CuPy's CUDA runtime (driver=0: no
@@ -98,3 +103,156 @@ def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
 
     monkeypatch.setattr(gpu, "runtime", checked_runtime)
     return fake
+
+
+class FakeRecords:
+    """rtcinfer.errors' per-device records in host memory, so that the host logic runs without
+    a GPU: each device's record is a NumPy buffer, which `report` writes as the kernel would
+    (bad_index.cuh); `log` lists the device work asked for ("sync", "clear")."""
+
+    def __init__(self, monkeypatch):
+        import ctypes
+
+        import numpy as np
+
+        from rtcinfer import errors
+
+        self.buffers, self.log = {}, []
+
+        def allocate(device):
+            device_row, host_row = np.zeros(1, errors.RECORD), np.zeros(1, errors.RECORD)
+            self.buffers[device] = (device_row, host_row)
+            host_ptr = host_row.ctypes.data
+            reported = ctypes.c_int32.from_address(host_ptr)
+            keep = (device_row, host_row)
+            return errors.Record(device, device_row.ctypes.data, host_ptr, reported, keep)
+
+        def clear_device(rec, stream):
+            self.log.append(("clear", rec.device, stream))
+            self.buffers[rec.device][0][:] = 0
+
+        monkeypatch.setattr(errors, "_RECORDS", {})
+        monkeypatch.setattr(errors, "_allocate", allocate)
+        monkeypatch.setattr(
+            errors, "_synchronize", lambda device: self.log.append(("sync", device))
+        )
+        monkeypatch.setattr(
+            errors, "_read_device", lambda rec: self.buffers[rec.device][0][0].copy()
+        )
+        monkeypatch.setattr(errors, "_clear_device", clear_device)
+
+    def report(self, device, code, index, value, limit, count=1):
+        """What append_kernel leaves after finding `count` bad rows, the first described."""
+        device_row, host_row = self.buffers[device]
+        for row in (device_row, host_row):
+            row["code"], row["index"], row["value"], row["limit"] = int(code), index, value, limit
+        device_row["count"], host_row["count"] = count, 1
+
+    def device_row(self, device):
+        return self.buffers[device][0][0]
+
+    def host_row(self, device):
+        return self.buffers[device][1][0]
+
+
+class MetaArrays:
+    """Arrays for tests/model_step.py on a fake device: torch "meta" tensors (shape, strides
+    and dtype, no memory); FakeDevice makes the call path take them as CUDA arrays."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def zeros(self, shape, dtype: str):
+        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device="meta")
+
+    def ints(self, values, dtype: str = "int32"):
+        return self.zeros((len(values),), dtype)
+
+
+class FakeDevice:
+    """A GPU of compute capability `cc`, `sms` SMs and `max_smem` bytes of opt-in shared memory
+    per block, on which ops prepare, plan and run as they would, with PyTorch meta tensors as
+    device arrays, and launch nothing: `specs` collects the spec of every kernel launched.
+    Uploads, occupancy queries, stream queries and the bad-index records are stubbed; the ops'
+    prepared launches start empty and are put back afterwards (neither side sees the other's)."""
+
+    def __init__(self, monkeypatch, cc=(9, 0), sms=132, max_smem=227 * 1024):
+        import importlib
+        import sys
+
+        import cupy
+        import numpy as np
+        import torch
+
+        from rtcinfer import jit
+        from rtcinfer.attention import decode, page, planned, prefill
+        from rtcinfer.attention.workspace import Workspace
+        from rtcinfer.interop import ArrayInfo, Op
+        from rtcinfer.interop.dtypes import normalize
+        from rtcinfer.launch import Kernel, Launch
+
+        self.specs = []
+        for name, module in list(sys.modules.items()):
+            for value in vars(module).values() if name.startswith("rtcinfer") else ():
+                for op in value.values() if isinstance(value, dict) else (value,):
+                    if isinstance(op, Op):
+                        monkeypatch.setattr(op, "cache", {})
+        fake_gpu(monkeypatch, compute_capability=cc)
+        FakeRecords(monkeypatch)
+        limits = lambda device: (sms, max_smem)  # noqa: E731
+        for module in (jit, decode, prefill):
+            monkeypatch.setattr(module, "device_limits", limits)
+        monkeypatch.setattr(jit, "sm_count", lambda device: sms)
+        monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 2)
+        monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
+
+        def launch(self_, stream, device):
+            if not self_.empty:
+                self.specs.append(self_.kernel.spec)
+
+        monkeypatch.setattr(Launch, "__call__", launch)
+
+        class Device:  # as the samplers and the workspace use CuPy's
+            compute_capability = f"{cc[0]}{cc[1]}"
+            id, ptr = 0, 0
+
+            def __init__(self, *args):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                pass
+
+        monkeypatch.setattr(cupy.cuda, "Device", Device)
+        monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+
+        def reserve(ws, need, stream, grow):
+            ws.capacity = need
+            ws.pointers = {name: 0 for name in need.offsets()}
+
+        def upload(ws, fill, stream):
+            fill(np.zeros(ws.capacity.plan_ints, np.int32))  # packs the plan as it would
+            ws.stream_ptr = stream.ptr
+
+        monkeypatch.setattr(Workspace, "reserve", reserve)
+        monkeypatch.setattr(Workspace, "upload", upload)
+        monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
+
+        def info(x, name):  # a meta tensor as a CUDA array of device 0, 16-byte aligned
+            if x is None:
+                return None
+            return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0)
+
+        path = importlib.import_module("rtcinfer.interop.call")
+        real = path._torch()
+        monkeypatch.setattr(path, "_torch_info", info)
+        monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda device: 0, real[3]))
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+        monkeypatch.setattr(page, "_on_device", lambda x: True)  # the index ops' device form

@@ -22,29 +22,70 @@ def test_help(capsys):
         assert command in out
 
 
+@pytest.fixture
+def few_specs(monkeypatch):
+    """warmup of a few of a model's specs (for the tests of the cache, not of what a model
+    needs: tests/test_warmup.py); the arguments catalog.model_specs was called with are kept."""
+    calls, real = [], catalog.model_specs
+
+    def model_specs(*args):
+        calls.append(args)
+        return real(*args)[:5]
+
+    monkeypatch.setattr(catalog, "model_specs", model_specs)
+    return calls
+
+
 def test_warmup_list_clear(cache_dir, capsys):
-    n = len(catalog.model_specs("llama3-8b"))
-    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
+    """The whole warmup of a model with fp8 KV for sm_90a (the cluster samplers included): it
+    compiles, without spills, then serves from the cache."""
+    fp8 = "float8_e4m3fn"
+    n = len(catalog.model_specs("llama3-8b", "bfloat16", fp8, catalog.target("sm_90a")))
+    argv = ["warmup", "--model", "llama3-8b", "--arch", "sm_90a", "--kv-dtype", fp8]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
+    assert out.startswith(f"warming up {n} modules for llama3-8b (bfloat16, KV {fp8}) on "
+                          "sm_90a (227 KB of shared memory per block)\n")  # fmt: skip
     assert f"done: {n} modules ({n} compiled, 0 cached)" in out and f"[{n}/{n}]" in out
-    assert "PrefillSpec(" in out  # a model's serving loop prefills too
-    assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
+    for family in (
+        "PrefillSpec(",
+        "DecodeSpec(",
+        "ClusterSampleSpec(",
+        "RenormSpec(",
+        "MergeSpec(",
+    ):
+        assert family in out  # a model's serving loop prefills, decodes and samples
+    for entry in cache_dir.rglob("*.rtci"):
+        for kernel, usage in jit.read_entry(entry)[0]["resources"].items():
+            assert usage["spill_stores"] == usage["spill_loads"] == 0, (entry.name, kernel)
+    assert cli.main(argv) == 0
     assert f"(0 compiled, {n} cached)" in capsys.readouterr().out
 
     assert cli.main(["list-modules"]) == 0
     out = capsys.readouterr().out
-    assert f"{n} modules in" in out and "NormSpec(op='rmsnorm'" in out and "sm_80" in out
+    assert f"{n} modules in" in out and "NormSpec(op='rmsnorm'" in out and "sm_90a" in out
 
     assert cli.main(["show-config"]) == 0
     out = capsys.readouterr().out
     assert "nvrtc" in out and f"{n} modules" in out and str(cache_dir) in out
 
     assert cli.main(["clear-cache"]) == 0
-    assert f"removed {len(catalog.model_specs('llama3-8b'))} modules" in capsys.readouterr().out
+    assert f"removed {n} modules" in capsys.readouterr().out
     assert not list(cache_dir.rglob("*.rtci"))
 
 
-def test_list_modules_flags_corrupt_entries(cache_dir, capsys):
+def test_warmup_takes_the_kv_dtype_and_the_archs_shared_memory(cache_dir, few_specs, capsys):
+    argv = ["warmup", "--model", "qwen3-32b", "--arch", "sm_86", "--kv-dtype", "float8_e4m3fn"]
+    assert cli.main(argv) == 0
+    assert few_specs == [("qwen3-32b", "bfloat16", "float8_e4m3fn", catalog.target("sm_86"))]
+    assert capsys.readouterr().out.startswith(
+        "warming up 5 modules for qwen3-32b (bfloat16, KV float8_e4m3fn) on sm_86 (99 KB of "
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--model", "qwen3-32b", "--kv-dtype", "int8"])
+
+
+def test_list_modules_flags_corrupt_entries(cache_dir, few_specs, capsys):
     cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"])
     victim = next(cache_dir.rglob("*.rtci"))
     victim.write_bytes(b"junk")
@@ -64,8 +105,8 @@ def test_demo_without_gpu_compiles_and_exits_zero(cache_dir, capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "rtcinfer needs an NVIDIA GPU and driver; none was found (" in out
-    assert "modules ready" in out
-    assert list(cache_dir.rglob("*.rtci"))
+    assert "4 modules ready" in out
+    assert len(list(cache_dir.rglob("*.rtci"))) == 4
 
 
 @pytest.mark.gpu
@@ -75,7 +116,7 @@ def test_demo_on_gpu(cache_dir, capsys):
     assert "FAILED" not in out and out.count(" ok ") >= 4
 
 
-def test_clear_cache_deletes_only_what_the_cache_wrote(cache_dir, capsys):
+def test_clear_cache_deletes_only_what_the_cache_wrote(cache_dir, few_specs, capsys):
     cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"])
     (cache_dir / "notes.txt").write_text("keep")
     (cache_dir / "data").mkdir()
@@ -85,7 +126,7 @@ def test_clear_cache_deletes_only_what_the_cache_wrote(cache_dir, capsys):
     orphan.write_bytes(b"half written")
     capsys.readouterr()
     assert cli.main(["clear-cache"]) == 0
-    assert f"removed {len(catalog.model_specs('llama3-8b'))} modules" in capsys.readouterr().out
+    assert "removed 5 modules" in capsys.readouterr().out
     left = sorted(str(p.relative_to(cache_dir)) for p in cache_dir.rglob("*") if p.is_file())
     assert left == ["data/kernel.cu", "notes.txt", "sm_80/README"]
 
@@ -103,11 +144,10 @@ def test_errors_are_messages_with_exit_code_one(cache_dir, capsys):
     assert "rtcinfer warmup: error: --arch must look like sm_90a" in err and "Traceback" not in err
 
 
-def test_warmup_compiles_even_with_no_compile_set(cache_dir, monkeypatch, capsys):
+def test_warmup_compiles_even_with_no_compile_set(cache_dir, few_specs, monkeypatch, capsys):
     monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")
     assert cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"]) == 0
-    n = len(catalog.model_specs("llama3-8b"))
-    assert f"({n} compiled, 0 cached)" in capsys.readouterr().out
+    assert "(5 compiled, 0 cached)" in capsys.readouterr().out
 
 
 # The base install: neither CuPy nor the CUDA wheels import.

@@ -384,14 +384,15 @@ def test_run_names_host_arrays_and_lists_before_checking_shapes(host_wrapper):
         host_wrapper.run([[0.0] * 128] * 16, (k, k))
 
 
-def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False):
+def _launch_with_fakes(wrapper, monkeypatch, out_strides=None, capturing=False, calls=None):
     """run()'s prepared launch on fake arrays (batch 2, 8 query heads, 2 kv heads, d 128, page
-    16, bf16), as the call path drives it; returns the recorded kernel launches."""
+    16, bf16, a cache of 4 pages), as the call path drives it; returns the recorded kernel
+    launches (appended to `calls` when given)."""
     from rtcinfer.attention import planned
     from rtcinfer.interop import ArrayInfo, dense_strides
     from rtcinfer.launch import Launch
 
-    calls = []
+    calls = [] if calls is None else calls
     monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: calls.append(stream))
     monkeypatch.setattr(planned, "is_capturing", lambda stream: capturing)
     wrapper._ws.stream_ptr = 5  # the plan's stream: run() on it needs no event
@@ -413,6 +414,22 @@ def test_run_launches_on_contiguous_rows_and_rejects_a_strided_out(host_wrapper,
         _launch_with_fakes(host_wrapper, monkeypatch, out_strides=(2048, 256, 2))
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
         _launch_with_fakes(host_wrapper, monkeypatch, out_strides=(1024, 128, -1))
+
+
+@pytest.mark.parametrize("largest", [4, 2**31 - 1])
+def test_run_refuses_a_plan_with_a_page_past_the_cache(host_wrapper, monkeypatch, largest):
+    """Decode reads its page ids from the plan, checked on the host: run() on a cache without
+    the plan's largest page id raises before anything is launched, and runs once the plan
+    fits the cache."""
+    host_wrapper.plan([0, 1, 3], [0, largest, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    calls = []
+    with pytest.raises(ValueError, match=rf"indices holds page id {largest}, but the cache has "
+                                         r"4 pages"):  # fmt: skip
+        _launch_with_fakes(host_wrapper, monkeypatch, calls=calls)
+    assert calls == []
+    host_wrapper._ws.stream_ptr = None  # uploads on the fake current stream again
+    host_wrapper.plan([0, 1, 3], [0, 3, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    assert len(_launch_with_fakes(host_wrapper, monkeypatch, calls=calls)) == 1
 
 
 def test_a_captured_run_records_its_batch(host_wrapper, monkeypatch):

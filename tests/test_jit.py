@@ -209,6 +209,12 @@ def test_parse_ptxas_log():
     assert jit.parse_ptxas_log(log) == {
         "k": {"registers": 40, "stack": 16, "smem": 128, "spill_stores": 8, "spill_loads": 4}
     }
+    device_function = (  # not inlined: its properties come after the entry's, and are its own
+        "ptxas info    : Function properties for _Z6helperPi\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    )
+    parsed = jit.parse_ptxas_log(log + device_function)
+    assert parsed["k"]["spill_stores"] == 8 and parsed["_Z6helperPi"]["spill_stores"] == 0
 
 
 def test_entries_are_readable_by_others_and_writes_are_best_effort(cache_dir, toy_sources,

@@ -1,6 +1,7 @@
 """append_paged_kv_cache and the index ops without a GPU: the argument checks of each call
-signature (the ops' prepare step, on host arrays taken as device ones) and the launch each
-signature prepares."""
+signature (the ops' prepare step, on host arrays taken as device ones), the launch each
+signature prepares, and how bad entries the device reports are raised (the device's record
+faked in host memory)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import numpy as np
 import pytest
 
 import rtcinfer
+from rtcinfer import errors
 from rtcinfer.attention import page
+from rtcinfer.errors import BadIndex
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
 
-from .fakes import launched
+from .fakes import FakeRecords, fake_gpu, launched
+
+
+@pytest.fixture(autouse=True)
+def records(monkeypatch):
+    """The devices' records of bad entries, in host memory."""
+    return FakeRecords(monkeypatch)
 
 
 def info(x) -> ArrayInfo:
@@ -106,8 +115,11 @@ def test_append_into_a_5d_cache(monkeypatch, kv_layout):
     launch, p = launched(monkeypatch, prep, [0x100 * (i + 1) for i in range(8)] + [0x10000])
     assert (p["key"], p["value"]) == (0x100, 0x200)
     assert (p["batch_indices"], p["positions"]) == (0x300, 0x400)
-    assert (p["kv_indices"], p["kv_indptr"]) == (0x600, 0x700)
+    assert (p["kv_indices"], p["kv_indptr"], p["kv_last_page_len"]) == (0x600, 0x700, 0x800)
     assert (p["k_cache"], p["v_cache"]) == (0x10000, 0x10000 + 4096 * 2)
+    assert (p["batch_size"], p["num_indices"], p["num_pages"]) == (3, 10, 10)  # the bounds
+    rec = errors.record(0)
+    assert (p["bad"], p["bad_host"]) == (rec.device_ptr, rec.host_ptr)
     token, head = (512, 256) if kv_layout == "NHD" else (256, 4096)
     assert (p["kp"], p["kt"], p["kh"]) == (p["vp"], p["vt"], p["vh"]) == (16384, token, head)
     assert (p["key_token"], p["key_head"]) == (p["value_token"], p["value_head"]) == (512, 256)
@@ -171,3 +183,102 @@ def test_nnz_is_any_integral_value():
         count(5.7)
     with pytest.raises(ValueError, match="nnz must be >= 0, got -1"):
         count(-1)
+
+
+def _append_run(monkeypatch, report=None):
+    """The prepared append of _append_5d and a run of it: its launches are recorded, and
+    `report` (if given) is what the kernel reports while it runs."""
+    cache = ArrayInfo((10, 2, 16, 2, 128), (8192, 4096, 256, 128, 1), "bfloat16", 0)
+    prep = _append_5d(cache)
+    launches = []
+
+    def launch(self, stream, device):
+        launches.append(stream)
+        if report is not None:
+            report()
+
+    monkeypatch.setattr(page.Launch, "__call__", launch)
+
+    def run(stream=5):
+        prep.run(stream, 0, [0x100 * (i + 1) for i in range(8)] + [0x10000], ())
+
+    return run, launches
+
+
+@pytest.mark.parametrize(
+    "code, index, value, limit, message",
+    [
+        (BadIndex.BATCH_INDICES, 4, 7, 3, r"batch_indices\[4\] = 7 is not a request of the table "
+         r"\(0 <= b < 3\)"),
+        (BadIndex.POSITIONS, 2, 40, 33, r"positions\[2\] = 40 is past the end of its request, 33 "
+         r"tokens by kv_indptr and kv_last_page_len"),
+        (BadIndex.KV_INDPTR, 1, 12, 10, r"kv_indptr: request 1 reads kv_indices\[12\], outside "
+         r"its 10 entries"),
+        (BadIndex.KV_INDICES, 5, 1000, 10, r"kv_indices\[5\] = 1000 is not a page of the cache "
+         r"\(0 <= page < 10\)"),
+    ],
+)  # fmt: skip
+def test_the_next_call_raises_what_the_device_reported(monkeypatch, records, code, index, value,
+                                                       limit, message):  # fmt: skip
+    """Without a synchronization: the host copy names the array and the entry; the call
+    launches nothing, clears both records (the device's on its stream), and the next call
+    runs."""
+    run, launches = _append_run(monkeypatch)
+    run()
+    records.report(0, code, index, value, limit, count=3)
+    with pytest.raises(rtcinfer.BadIndexError, match="^append_paged_kv_cache: " + message +
+                       "; its row was skipped, nothing written$"):  # fmt: skip
+        run(stream=9)
+    assert launches == [5] and records.log == [("clear", 0, 9)]
+    assert records.host_row(0)["count"] == records.device_row(0)["count"] == 0
+    run()
+    assert launches == [5, 5]
+    assert rtcinfer.check_errors() is None
+
+
+def test_check_errors_waits_counts_and_clears(monkeypatch, records):
+    run, _ = _append_run(monkeypatch)
+    run()
+    assert rtcinfer.check_errors() is None and records.log == [("sync", 0)]
+    records.report(0, BadIndex.KV_INDICES, 5, 1000, 10, count=3)
+    counted = "; its row was skipped, nothing written; 3 bad entries in all since the last report$"
+    with pytest.raises(rtcinfer.BadIndexError, match=r"kv_indices\[5\] = 1000 .*" + counted):
+        rtcinfer.check_errors()
+    assert records.log[1:] == [("sync", 0), ("clear", 0, None)]
+    assert records.host_row(0)["count"] == records.device_row(0)["count"] == 0
+    assert rtcinfer.check_errors() is None
+    run()  # nothing left to raise
+
+
+def test_check_errors_without_any_record_touches_no_device(records):
+    assert rtcinfer.check_errors() is None and records.log == []
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_rtcinfer_check_raises_at_the_call_that_found_it(monkeypatch, records, capturing):
+    """RTCINFER_CHECK=1: the call waits for its stream after the launch and raises what its own
+    kernel reported (one bad row here); not while its stream is captured into a CUDA graph."""
+    runtime = fake_gpu(monkeypatch)
+    monkeypatch.setattr(errors, "is_capturing", lambda stream: capturing)
+    monkeypatch.setenv("RTCINFER_CHECK", "1")
+    bad = (BadIndex.POSITIONS, 0, 16, 16)
+    run, launches = _append_run(monkeypatch, report=lambda: records.report(0, *bad))
+    if capturing:
+        run(stream=7)
+        assert runtime.synchronized == [] and records.host_row(0)["count"] == 1
+        return
+    with pytest.raises(rtcinfer.BadIndexError, match=r"positions\[0\] = 16 is past the end .* "
+                       "16 tokens .*; 1 bad entry in all since the last report$"):  # fmt: skip
+        run(stream=7)
+    assert launches == [7] and runtime.synchronized == [7]
+    assert records.host_row(0)["count"] == records.device_row(0)["count"] == 0
+
+
+def test_without_rtcinfer_check_a_call_does_not_wait(monkeypatch, records):
+    runtime = fake_gpu(monkeypatch)
+    monkeypatch.delenv("RTCINFER_CHECK", raising=False)
+    run, launches = _append_run(monkeypatch, report=lambda: records.report(0, 4, 3, 12, 10))
+    run(stream=7)
+    assert launches == [7] and runtime.synchronized == []
+    with pytest.raises(rtcinfer.BadIndexError, match=r"kv_indices\[3\] = 12 is not a page"):
+        run(stream=7)

@@ -83,6 +83,10 @@ def test_enums_cross_the_seam_by_name():
         "constexpr Color OTHER = Color::RED;",
         "constexpr int N = 4;",
     ]
+    assert jit.prelude(Color=Color, MODE=Color.RED).splitlines() == [  # the declaration alone
+        "enum class Color : int { RED = 0, BLUE = 3 };",
+        "constexpr Color MODE = Color::RED;",
+    ]
 
 
 def _families():

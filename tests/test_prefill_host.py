@@ -162,6 +162,36 @@ def test_run_checks_arrays_against_the_plan(wrappers):
         wrapper._prepare_run([good[0]._replace(offset=8)] + good[1:], 16, static)
 
 
+@pytest.mark.parametrize("largest", [4, 2**31 - 1])
+def test_run_refuses_a_plan_with_a_page_past_the_cache(wrappers, monkeypatch, largest):
+    """Paged prefill (and decode with use_tensor_cores) reads page ids from the plan, checked on
+    the host: run() on a cache without the plan's largest page id raises before anything is
+    launched, and runs once the plan fits the cache."""
+    prefill, _ = wrappers
+    from rtcinfer.launch import Launch
+
+    calls = []
+    monkeypatch.setattr(Launch, "__call__", lambda self, stream, device: calls.append(stream))
+    wrapper = prefill.BatchPrefillWithPagedKVCacheWrapper()
+
+    def run(indices):
+        wrapper._ws.stream_ptr = None  # the fake upload records no stream
+        wrapper.plan([0, 3, 10], [0, 1, 3], np.array(indices, np.int32), [5, 16], 8, 2, 128,
+                     16, causal=True, q_data_type="bfloat16")  # fmt: skip
+        st = wrapper._launch
+        q, cache = info((10, 8, 128)), info((4, 2, 16, 2, 128))
+        prep = wrapper._prepare_run([q, cache, None, None, None], 16, (st.cfg, st.nnz_q, False))
+        wrapper._ws.stream_ptr = 5  # run() on the plan's stream: no event to record
+        prep.run(5, 0, [1 << 20, 1 << 21, 0, 0, 0, 1 << 22], (1.0, 1.0))
+
+    with pytest.raises(ValueError, match=rf"the plan reads {largest + 1} key rows \(pages\), but "
+                                         r"the cache has 4"):  # fmt: skip
+        run([0, largest, 2])
+    assert calls == []
+    run([0, 3, 2])
+    assert calls == [5]
+
+
 @pytest.fixture
 def single(monkeypatch, wrappers):
     """single_prefill's prepare without a GPU (the wrappers fixture stubs the kernel's

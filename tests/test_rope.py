@@ -7,7 +7,7 @@ import pytest
 
 import rtcinfer
 from tests import reference as ref
-from tests.checks import assert_close
+from tests.checks import assert_close, to_host
 from tests.gpu import randn, upload
 
 pytestmark = pytest.mark.gpu
@@ -93,6 +93,42 @@ def test_cos_sin_cache(rng, dtype, is_neox, inplace, rotary_dim):
     expect_k = ref.rope_cos_sin_cache_ref(k.reshape(nnz, hk, d), pos, cache, not is_neox)
     assert_close(q_out, expect_q.reshape(nnz, hq * d), dtype, "q")
     assert_close(k_out, expect_k.reshape(nnz, hk * d), dtype, "k")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_position_outside_the_cos_sin_cache_reads_no_row(rng, inplace):
+    """Positions past the table or negative: those tokens pass through unrotated while the
+    others rotate, no row past the table is read (rows of NaN follow it in memory), and the
+    next call raises BadIndexError naming the first; then nothing is left to raise."""
+    import contextlib
+
+    import cupy
+
+    with contextlib.suppress(rtcinfer.BadIndexError):  # nothing left from earlier tests
+        rtcinfer.check_errors()
+    max_pos, d = 64, 128
+    table = rng.standard_normal((max_pos, d)).astype(np.float32)
+    whole = cupy.full((max_pos + 8, d), np.nan, dtype=cupy.float32)
+    whole[:max_pos] = upload(table)
+    pos = np.array([0, 5, max_pos, 63, -1, max_pos + 7, 2**40], np.int64)
+    good = (pos >= 0) & (pos < max_pos)
+    q, k = randn(rng, (len(pos), 4, d), "float32"), randn(rng, (len(pos), 1, d), "float32")
+    fn = (rtcinfer.apply_rope_with_cos_sin_cache_inplace if inplace
+          else rtcinfer.apply_rope_with_cos_sin_cache)  # fmt: skip
+    q_out, k_out = fn(upload(pos), upload(q), upload(k), d, whole[:max_pos])
+    cupy.cuda.Device().synchronize()
+    for got, x in ((q_out, q), (k_out, k)):
+        expect = ref.rope_cos_sin_cache_ref(x[good], pos[good], table)
+        assert_close(to_host(got)[good], expect, "float32")
+        np.testing.assert_array_equal(to_host(got)[~good], x[~good])  # unrotated, not NaN
+    shown = np.clip(pos, -(2**31), 2**31 - 1)  # the record holds ints
+    first = r"positions\[(" + "|".join(rf"{i}\] = {shown[i]}" for i in np.flatnonzero(~good))
+    first += r") is not a row "
+    with pytest.raises(rtcinfer.BadIndexError, match=r"^apply_rope_with_cos_sin_cache: " + first +
+                       r"of cos_sin_cache \(0 <= position < 64\); its token passed through "
+                       r"unrotated, no row read$"):  # fmt: skip
+        fn(upload(pos[good]), upload(q[good]), upload(k[good]), d, whole[:max_pos])
+    assert rtcinfer.check_errors() is None
 
 
 def test_out_arrays_are_written(rng):

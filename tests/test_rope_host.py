@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer import jit, rope
+from rtcinfer import errors, jit, rope
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
 from rtcinfer.launch import Kernel
 
-from .fakes import launched
+from .fakes import FakeRecords, launched
 
 Q = np.zeros((3, 4, 64), np.float16)
 K = np.zeros((3, 2, 64), np.float16)
@@ -43,6 +43,12 @@ def prepare(monkeypatch):
     monkeypatch.setattr(jit, "sm_count", lambda device: SMS)
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: OCCUPANCY)
     return offsets
+
+
+@pytest.fixture(autouse=True)
+def records(monkeypatch):
+    """The devices' records of bad entries (read by the cos/sin cache form), in host memory."""
+    return FakeRecords(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +164,32 @@ def test_cos_sin_cache_on_flattened_heads(prepare, monkeypatch):
                                                                          0x800)  # fmt: skip
     assert (p["q_tok"], p["q_head"], p["k_tok"], p["k_head"]) == (256, 64, 64, 64)
     assert (p["num_q_heads"], p["num_k_heads"]) == (4, 1)
+    rec = errors.record(0)
+    assert (p["max_pos"], p["bad"], p["bad_host"]) == (100, rec.device_ptr, rec.host_ptr)
+
+
+def test_a_position_outside_the_cos_sin_cache_is_raised_by_the_next_call(prepare, monkeypatch,
+                                                                         records):  # fmt: skip
+    """What the kernel reported (faked here) stops the next cos/sin-cache call before it
+    launches; the forms that compute their angles read no table and do not look."""
+    q, k = np.zeros((5, 4, 64), np.float32), np.zeros((5, 1, 64), np.float32)
+    positions = np.arange(5)
+    prep, scalars = rtcinfer.apply_rope_with_cos_sin_cache(positions, q, k, 64, CACHE)
+    ptrs = [0x100, 0x200, 0x300, 0x400, 0, 0, 0x700, 0x800]
+    launched(monkeypatch, prep, ptrs, scalars)
+    records.report(0, errors.BadIndex.COS_SIN_POSITIONS, 3, 16, 16)
+    theta, theta_scalars = rtcinfer.apply_rope_pos_ids(q, k, positions)
+    launched(monkeypatch, theta, [0x100, 0x200, 0x300, 0, 0, 0x700, 0x800], theta_scalars)
+    message = (r"^apply_rope_with_cos_sin_cache: positions\[3\] = 16 is not a row of "
+               r"cos_sin_cache \(0 <= position < 16\); its token passed through unrotated, no "
+               r"row read$")  # fmt: skip
+    with pytest.raises(rtcinfer.BadIndexError, match=message):
+        prep.run(7, 0, ptrs, scalars)
+    assert records.log == [("clear", 0, 7)] and records.host_row(0)["count"] == 0
+    launched(monkeypatch, prep, ptrs, scalars)  # cleared
+    records.report(0, errors.BadIndex.COS_SIN_POSITIONS, 3, 16, 16)
+    with pytest.raises(rtcinfer.BadIndexError, match=message):  # the RoPE kernel keeps no count
+        rtcinfer.check_errors()
 
 
 def test_position_arrays_do_not_narrow_the_vectors(prepare, monkeypatch):

@@ -1,7 +1,9 @@
 // Paged KV-cache bookkeeping on the device.
 //   append:  b = batch_indices[t], p = positions[t], page = kv_indices[kv_indptr[b] + p / ps]
 //            K[page, p % ps, h] = append_key[t, h]; V likewise       (a byte copy of each row)
-//            rows with b < 0 or p < 0 (the padding written below) are skipped
+//            rows with b < 0 or p < 0 (the padding written below) are skipped; so are rows with
+//            b >= B, p >= seq_len[b], an entry of kv_indices outside the array or a page id
+//            outside the cache, which are reported (bad_index.cuh) instead of written
 //   seq_lens[b] = max(kv_indptr[b+1] - kv_indptr[b] - 1, 0) * page_size + kv_last_page_len[b]
 //   batch_indices[t], positions[t] = b, seq_lens[b] - append_indptr[b+1] + t  (-1 past the end)
 // append grid: one thread per 16-byte unit (VEC bytes when not aligned) of the rows (token,
@@ -15,7 +17,9 @@
 // uniform append, which the compiler folded back into kv_indptr[b]; and, forcing that read and
 // the K/V reads ahead of everything, a kernel whose CTAs resolve each token's page once in
 // shared memory (two dependent reads instead of three): equal times.
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA).
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA), the
+// BadIndex enum.
+#include "bad_index.cuh"
 #include "paged_kv.cuh"
 
 // A copy unit as one machine word of VEC bytes (a struct of chars would live in VEC registers).
@@ -25,19 +29,23 @@ constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
 static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 
 struct AppendParams {
-  const char* key;           // [nnz, H, D] at t * key_token + h * key_head (bytes)
-  const char* value;         // [nnz, H, D] at t * value_token + h * value_head (bytes)
-  const int* batch_indices;  // [nnz]
-  const int* positions;      // [nnz]
-  char* k_cache;             // page, slot, head at page * kp + slot * kt + head * kh bytes
-  char* v_cache;             // page, slot, head at page * vp + slot * vt + head * vh bytes
-  const int* kv_indices;     // [pages]
-  const int* kv_indptr;      // [B + 1]
+  const char* key;              // [nnz, H, D] at t * key_token + h * key_head (bytes)
+  const char* value;            // [nnz, H, D] at t * value_token + h * value_head (bytes)
+  const int* batch_indices;     // [nnz]
+  const int* positions;         // [nnz]
+  char* k_cache;                // page, slot, head at page * kp + slot * kt + head * kh bytes
+  char* v_cache;                // page, slot, head at page * vp + slot * vt + head * vh bytes
+  const int* kv_indices;        // [num_indices]
+  const int* kv_indptr;         // [B + 1]
+  const int* kv_last_page_len;  // [B]
+  BadIndexRecord* bad;          // this device's record of bad entries (device memory)
+  BadIndexRecord* bad_host;     // its host copy (pinned host memory, mapped)
   int64_t key_token, key_head, value_token, value_head;
   int64_t kp, kt, kh, vp, vt, vh;
-  int64_t units;             // nnz * H * UNITS: one per thread
+  int64_t units;  // nnz * H * UNITS: one per thread
   int num_heads, head_shift, page_size, page_shift;
   uint32_t head_magic, page_magic;
+  int batch_size, num_indices, num_pages;  // B, entries of kv_indices, pages of the cache
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -50,6 +58,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   char* __restrict__ v_cache = params.v_cache;
   const int* __restrict__ kv_indices = params.kv_indices;
   const int* __restrict__ kv_indptr = params.kv_indptr;
+  const int* __restrict__ kv_last_page_len = params.kv_last_page_len;
   const int64_t key_token = params.key_token, key_head = params.key_head;
   const int64_t value_token = params.value_token, value_head = params.value_head;
   const int64_t kp = params.kp, kt = params.kt, kh = params.kh;
@@ -69,11 +78,48 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
   const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
   if (b < 0 || p < 0) return;  // padding
+  // Every thread of a bad row skips it; its first unit's thread reports it (once per row).
+  const bool reporter = h == 0 && byte == 0;
+  if (b >= params.batch_size) {
+    if (reporter) {
+      report_bad_index(params.bad, params.bad_host, BadIndex::BATCH_INDICES, t, b,
+                       params.batch_size);
+    }
+    return;
+  }
+  // Three independent reads: the bounds of request b cost no extra step in the chain to the
+  // page id.
+  const int begin = __ldg(kv_indptr + b), end = __ldg(kv_indptr + b + 1);
+  const int last = __ldg(kv_last_page_len + b);
   const int page_in_request = page_div.div(p);
-  const int64_t page = __ldg(kv_indices + __ldg(kv_indptr + b) + page_in_request);
+  const int64_t pages = int64_t(end) - begin;
+  const int64_t seq_len = (pages > 1 ? pages - 1 : 0) * page_size + last;
+  if (page_in_request >= pages || p >= seq_len) {
+    if (reporter) {
+      report_bad_index(params.bad, params.bad_host, BadIndex::POSITIONS, t, p,
+                       saturate_int(seq_len < 0 ? 0 : seq_len));
+    }
+    return;
+  }
+  const int64_t entry = int64_t(begin) + page_in_request;  // of kv_indices
+  if (begin < 0 || entry >= params.num_indices) {
+    if (reporter) {
+      report_bad_index(params.bad, params.bad_host, BadIndex::KV_INDPTR, b, saturate_int(entry),
+                       params.num_indices);
+    }
+    return;
+  }
+  const int page = __ldg(kv_indices + entry);
+  if (page < 0 || page >= params.num_pages) {
+    if (reporter) {
+      report_bad_index(params.bad, params.bad_host, BadIndex::KV_INDICES, int(entry), page,
+                       params.num_pages);
+    }
+    return;
+  }
   const int slot = p - page_in_request * page_size;
-  *reinterpret_cast<Unit*>(k_cache + page * kp + slot * kt + h * kh + byte) = k;
-  *reinterpret_cast<Unit*>(v_cache + page * vp + slot * vt + h * vh + byte) = v;
+  *reinterpret_cast<Unit*>(k_cache + int64_t(page) * kp + slot * kt + h * kh + byte) = k;
+  *reinterpret_cast<Unit*>(v_cache + int64_t(page) * vp + slot * vt + h * vh + byte) = v;
 }
 
 struct SeqLensParams {

@@ -185,4 +185,12 @@ def merge_states(v, s):
     return call(_STATES, (v, s), ("merge_states",))
 
 
-__all__ = ["MergeSpec", "merge_state", "merge_state_in_place", "merge_states"]
+def specs_for(head_dim: int, dtype: str) -> list[MergeSpec]:
+    """What a serving loop's merges use (warmup): merge_state, merge_state_in_place with and
+    without a mask, merge_states, on attention outputs of `dtype`."""
+    vec = widest_vec(head_dim, itemsize(dtype))
+    return [MergeSpec(dtype, vec, has_b, mask)
+            for has_b, mask in ((True, False), (True, True), (False, False))]  # fmt: skip
+
+
+__all__ = ["MergeSpec", "merge_state", "merge_state_in_place", "merge_states", "specs_for"]

@@ -140,16 +140,17 @@ def heads_per_cta(group_size: int, head_dim: int) -> int:
     return 8 if group_size <= 8 or head_dim == 256 else 16
 
 
-def specs_for(num_qo_heads, num_kv_heads, head_dim, dtypes=("bfloat16", "float16")):
-    """The decode kernels a model uses (warmup): plain attention, KV in the model dtype, with
-    the ring's lookahead and with one tile ahead (what plan() picks for long rows in large
-    pages, see decode._lookahead), so that neither compiles while serving."""
-    group = num_qo_heads // num_kv_heads
-    specs = []
-    for d in dtypes:
-        spec = decode_spec(d, d, d, head_dim, group)
-        specs += [spec, replace(spec, lookahead=1)]
-    return specs
+def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem):
+    """The decode kernels a model's batch decode may launch (warmup), KV of kv_dtype on a GPU
+    with max_smem bytes of shared memory per block: plain attention with the ring's lookahead
+    and with one tile ahead (plan() picks it for long rows in large pages, see
+    decode._lookahead), and with fp8 KV the kernel of half tiles (plans of whole requests, see
+    decode._half_tile_kernel), so that none of them compiles while serving."""
+    spec = decode_spec(q_dtype, kv_dtype, q_dtype, head_dim, num_qo_heads // num_kv_heads,
+                       max_smem=max_smem)  # fmt: skip
+    specs = [spec, replace(spec, lookahead=1)]
+    half = half_tiles(spec) if kv_dtype in FP8_DTYPES else None
+    return specs + ([half] if half is not None else [])
 
 
 def fast_div(d: int) -> tuple[int, int]:

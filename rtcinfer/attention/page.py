@@ -3,7 +3,9 @@
     append:  b, p = batch_indices[t], positions[t]
              page = kv_indices[kv_indptr[b] + p // page_size];  slot = p % page_size
              K[page, slot, h] = append_key[t, h];  V[page, slot, h] = append_value[t, h]  (NHD)
-             (a row with b < 0 or p < 0, padding, is skipped)
+             (a row with b < 0 or p < 0, padding, is skipped; a row with b >= B,
+             p >= seq_lens[b], or an entry of kv_indptr or kv_indices outside kv_indices or the
+             cache is skipped and reported: rtcinfer/errors.py)
     get_seq_lens: max(pages_b - 1, 0) * page_size + kv_last_page_len[b]
     get_batch_indices_positions: (b, seq_lens[b] - append_indptr[b + 1] + t) for each token t
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .. import jit
+from .. import errors, jit
+from ..errors import BadIndex
 from ..interop import Op, OutSlot, Prepared, call, dtype_name
 from ..interop.arrays import framework
 from ..interop.dtypes import itemsize
@@ -43,6 +46,7 @@ class PageSpec:
         "AppendParams",
         "SeqLensParams",
         "BatchIndicesPositionsParams",
+        "BadIndexRecord",
     )
 
     def prelude(self) -> str:
@@ -50,6 +54,7 @@ class PageSpec:
             ROW_BYTES=self.row_bytes,
             VEC=self.vec,
             THREADS=THREADS,
+            BadIndex=BadIndex,
         )
 
 
@@ -124,8 +129,10 @@ def _check_append(key, value, batch_indices, positions, caches, table, kv_layout
 
 def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     """Slots: append_key, append_value, batch_indices, positions, the cache (paged_kv_cache, or
-    k_cache and v_cache), kv_indices, kv_indptr, kv_last_page_len (checked, not read). Outputs:
-    the cache array(s), updated in place. Pointers: the slots', then the outputs'."""
+    k_cache and v_cache), kv_indices, kv_indptr, kv_last_page_len. Outputs: the cache array(s),
+    updated in place. Pointers: the slots', then the outputs'. Before it launches, a call
+    raises what an earlier one reported (errors.py); under RTCINFER_CHECK=1 it waits for its
+    own launch and raises what it reported."""
     (kv_layout,) = static
     key, value, batch_indices, positions = infos[:4]
     caches = infos[4:-3]
@@ -133,21 +140,32 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     align = min(x.align for x in (key, value, *caches))  # of what the copies move
     launch, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align)
     pair, first_out = len(caches) == 2, len(infos)
-    table = len(infos) - 3  # kv_indices, then kv_indptr
+    table = len(infos) - 3  # kv_indices, kv_indptr, kv_last_page_len
     p = launch.params
+    p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
+    p.num_pages = caches[0].shape[0]
+    rec = errors.record(key.device)
+    check = errors.checking()
 
     def run(stream, device, ptrs, scalars):
+        found = rec if device == rec.device else errors.record(device)
+        if found.reported.value:
+            errors.raise_reported(found, stream)
         with launch.lock:
             p.key, p.value = ptrs[0], ptrs[1]
             p.batch_indices, p.positions = ptrs[2], ptrs[3]
             p.kv_indices, p.kv_indptr = ptrs[table], ptrs[table + 1]
+            p.kv_last_page_len = ptrs[table + 2]
+            p.bad, p.bad_host = found.device_ptr, found.host_ptr
             k_cache = ptrs[first_out]  # the outputs: the caches (their XLA copies for JAX)
             p.k_cache = k_cache
             p.v_cache = ptrs[first_out + 1] if pair else k_cache + v_offset
             launch(stream, device)
+        if check:
+            errors.check_launch(found, stream)
 
     outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
-    dense = tuple(i for i in (2, 3, table, table + 1) if not infos[i].contiguous)
+    dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
     return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
@@ -208,8 +226,12 @@ def append_paged_kv_cache(
     negative entry (its padding past append_indptr[-1]) are skipped; paged_kv_cache:
     [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND) or a (k, v) pair;
     kv_indices, kv_indptr [B + 1], kv_last_page_len [B]: int32, the table that already includes
-    the new tokens. The device does not check b < B or p < seq_len of request b: such a row
-    writes outside the request's pages.
+    the new tokens.
+    Bad entries: every entry used is checked on the device; a row with b >= B, p >= seq_len of
+    request b (its pages and kv_last_page_len), a kv_indptr that leads outside kv_indices, or a
+    page id outside the cache is skipped (nothing is written through it) and raised as
+    rtcinfer.BadIndexError, naming the array and the entry, by the next call of this op, by
+    rtcinfer.check_errors(), or at once under RTCINFER_CHECK=1 (rtcinfer/errors.py).
     Returns the cache (for JAX, whose arrays are immutable, the updated copy).
     """
     head = (append_key, append_value, batch_indices, positions)
@@ -294,9 +316,16 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     return call(_POSITIONS, (append_indptr, seq_lens), (nnz,))
 
 
+def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
+    """What a serving loop's cache bookkeeping uses (warmup): the append of rows of head_dim
+    elements of kv_dtype (16-byte copies: aligned arrays), and the index ops' module."""
+    return [PageSpec(head_dim * itemsize(kv_dtype), 16), INDEX_SPEC]
+
+
 __all__ = [
     "PageSpec",
     "append_paged_kv_cache",
     "get_batch_indices_positions",
     "get_seq_lens",
+    "specs_for",
 ]

@@ -11,9 +11,12 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from .. import jit
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..launch import Kernel
+from ..plan.prefill import choose_tile_rows
 from .decode_kernel import PosEncoding
 
 HEAD_DIMS = (64, 128, 256)
@@ -88,9 +91,24 @@ def prefill_spec(
     )
 
 
+def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem) -> list:
+    """The prefill kernels a model's serving loop may launch (warmup) on a GPU with max_smem
+    bytes of shared memory per block: causal prefill in every query tile plan() may choose,
+    over KV of kv_dtype (the paged cache) and of q's dtype (new keys, ragged), and the tile of
+    decode with use_tensor_cores=True (one query per request, not causal)."""
+    group = num_qo_heads // num_kv_heads
+    tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256]
+    specs = [prefill_spec(q_dtype, q_dtype, head_dim, rows, True, max_smem=max_smem, kv_dtype=kv)
+             for kv in dict.fromkeys((kv_dtype, q_dtype)) for rows in tiles]  # fmt: skip
+    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim)
+    specs.append(prefill_spec(q_dtype, q_dtype, head_dim, decode_rows, False, max_smem=max_smem,
+                              kv_dtype=kv_dtype))  # fmt: skip
+    return specs
+
+
 @functools.cache
 def kernel(spec: PrefillSpec) -> Kernel:
     return Kernel(spec, "prefill_kernel", "PrefillParams", spec.smem_bytes)
 
 
-__all__ = ["HEAD_DIMS", "PrefillSpec", "TILE_ROWS", "kernel", "prefill_spec"]
+__all__ = ["HEAD_DIMS", "PrefillSpec", "TILE_ROWS", "kernel", "prefill_spec", "specs_for"]

@@ -68,6 +68,15 @@ def cluster_size(batch: int, vocab: int, vec: int, sm_count: int, compute_capabi
     return 0
 
 
+def cluster_choices(vocab: int, vec: int, compute_capability: int,
+                    smem_per_block: int = 227 * 1024) -> tuple[int, ...]:  # fmt: skip
+    """Every cluster size `cluster_size` may give rows of `vocab` on such a GPU (the batch and
+    the SM count choose among them), largest first; () where clusters are not used."""
+    if compute_capability < 90 or smem_per_block < SLICE_BYTES + STATIC_BYTES:
+        return ()
+    return tuple(c for c in CLUSTERS if 4 * slice_elements(vocab, c, vec) <= SLICE_BYTES)
+
+
 def cluster_launch(spec: ClusterSampleSpec, batch: int, vocab: int) -> Launch:
     """cluster_sample_kernel over `batch` rows of `vocab` (its SampleParams as sample_kernel's;
     the cluster shape is compiled in, __cluster_dims__, so a plain launch forms the clusters)."""
@@ -76,4 +85,5 @@ def cluster_launch(spec: ClusterSampleSpec, batch: int, vocab: int) -> Launch:
     return Launch(kernel, (batch * spec.cluster, 1, 1), (spec.threads, 1, 1))
 
 
-__all__ = ["ClusterSampleSpec", "cluster_launch", "cluster_size", "slice_elements"]
+__all__ = ["ClusterSampleSpec", "cluster_choices", "cluster_launch", "cluster_size",
+           "slice_elements"]  # fmt: skip

@@ -16,7 +16,14 @@ from .. import jit
 from ..interop import Op, OutSlot, Prepared, call
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
-from ..layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
+from ..layout import (
+    fit_vec,
+    leading_rows,
+    row_smem_bytes,
+    row_thread_choices,
+    row_threads,
+    widest_vec,
+)
 
 
 class RenormOp(enum.IntEnum):
@@ -167,5 +174,15 @@ def top_k_mask_logits(logits, top_k):
     return _threshold_op("top_k_mask", logits, top_k, int)
 
 
-__all__ = ["RenormOp", "RenormSpec", "per_row", "renorm_spec", "top_k_mask_logits",
+def specs_for(vocab: int, logits_dtypes=("float32",)) -> list[RenormSpec]:
+    """What a serving loop may launch (warmup) on rows of `vocab`: top_k_renorm_probs and
+    top_p_renorm_probs on float32 probabilities (softmax's), top_k_mask_logits on logits of
+    `logits_dtypes`, each at every block size a batch may get (row_thread_choices)."""
+    threads = row_thread_choices(vocab)
+    ops = [(op, "float32") for op in ("top_k_renorm", "top_p_renorm")]
+    ops += [("top_k_mask", d) for d in logits_dtypes]
+    return [RenormSpec(op, d, widest_vec(vocab, itemsize(d)), t) for op, d in ops for t in threads]
+
+
+__all__ = ["RenormOp", "RenormSpec", "per_row", "renorm_spec", "specs_for", "top_k_mask_logits",
            "top_k_renorm_probs", "top_p_renorm_probs"]  # fmt: skip

@@ -25,7 +25,14 @@ from .. import jit
 from ..interop import Op, OutSlot, Prepared, call, framework
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch, memset_d32
-from ..layout import fit_vec, leading_rows, row_smem_bytes, row_threads, widest_vec
+from ..layout import (
+    fit_vec,
+    leading_rows,
+    row_smem_bytes,
+    row_thread_choices,
+    row_threads,
+    widest_vec,
+)
 from .cluster import ClusterSampleSpec, cluster_launch, cluster_size
 from .philox import Generator, check_array, kernel_inputs
 from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
@@ -306,6 +313,17 @@ def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, *,
     )  # fmt: skip
 
 
+def specs_for(vocab: int, clusters: tuple[int, ...] = ()) -> list:
+    """The samplers a serving loop may launch (warmup) on float32 probabilities (softmax's) of
+    `vocab` tokens with int32 ids: every op at each block size a batch may get
+    (row_thread_choices) and at each cluster size `clusters` (cluster.cluster_choices)."""
+    vec = widest_vec(vocab, itemsize("float32"))
+    specs = [SampleSpec(op, "float32", "int32", vec, threads) for op in SAMPLE_OPS
+             for threads in row_thread_choices(vocab)]  # fmt: skip
+    return specs + [ClusterSampleSpec(op, "float32", "int32", vec, cluster) for op in SAMPLE_OPS
+                    for cluster in clusters]  # fmt: skip
+
+
 top_k_renorm_prob = top_k_renorm_probs
 top_p_renorm_prob = top_p_renorm_probs
 
@@ -319,6 +337,7 @@ __all__ = [
     "sampling_from_logits",
     "sampling_from_probs",
     "softmax",
+    "specs_for",
     "top_k_mask_logits",
     "top_k_renorm_prob",
     "top_k_renorm_probs",

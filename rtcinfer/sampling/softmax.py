@@ -94,4 +94,9 @@ def softmax(logits, temperature=None, enable_pdl=None):
     return call(_OP, (logits, temperature), (), (1.0,))
 
 
-__all__ = ["SoftmaxSpec", "softmax", "softmax_spec"]
+def specs_for(vocab: int, dtypes=("float32",)) -> list[SoftmaxSpec]:
+    """What a serving loop may launch (warmup): softmax of logits of each dtype, aligned rows."""
+    return [softmax_spec(d, vocab) for d in dtypes]
+
+
+__all__ = ["SoftmaxSpec", "softmax", "softmax_spec", "specs_for"]

@@ -1,0 +1,104 @@
+"""The decode examples: their NumPy references agree with the suite's (CPU), and each example
+runs to its OK on the GPU (PyTorch, and JAX inside jax.jit)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from . import reference as ref
+
+ROOT = Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("paged_cache", ROOT / "examples" / "paged_cache.py")
+paged_cache = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(paged_cache)
+
+PAGE, PAGES, HQ, HKV, D = 16, 64, 8, 2, 32
+
+
+def _grown_table(rng):
+    table = paged_cache.PageTable([37, 16, 1, 100], PAGE, PAGES, rng)
+    table.grow()
+    table.grow()
+    return table
+
+
+def test_the_page_table_grows_by_a_page_at_each_boundary():
+    table = paged_cache.PageTable([15, 16, 1], PAGE, PAGES, np.random.default_rng(0))
+    before = [list(p) for p in table.pages]
+    table.grow()
+    assert table.lengths == [16, 17, 2]
+    assert [len(p) for p in table.pages] == [1, 2, 1] and table.pages[0] == before[0]
+    indptr, indices, last = table.arrays()
+    np.testing.assert_array_equal(indptr, [0, 1, 3, 4])
+    np.testing.assert_array_equal(last, [16, 1, 2])
+    assert len(set(indices.tolist())) == 4 and indices.dtype == np.int32
+    assert table.last_tokens() == [(table.pages[0][0], 15), (table.pages[1][1], 0),
+                                   (table.pages[2][0], 1)]  # fmt: skip
+
+
+def test_the_examples_references_agree_with_the_suites():
+    """The examples' append and attention against tests/reference.py on the same table."""
+    rng = np.random.default_rng(0)
+    table = _grown_table(rng)
+    indptr, indices, last = table.arrays()
+    cache = rng.standard_normal((PAGES, 2, PAGE, HKV, D))
+    k, v = rng.standard_normal((2, 4, HKV, D))
+    positions = np.array(table.lengths) - 1
+    expected = ref.append_paged_kv_cache_ref(k, v, np.arange(4), positions, cache, indices,
+                                             indptr, last)  # fmt: skip
+    paged_cache.append(cache, table, k, v)
+    np.testing.assert_array_equal(cache, expected)
+    q = rng.standard_normal((4, HQ, D))
+    np.testing.assert_allclose(paged_cache.attention(q, cache, table),
+                               ref.batch_decode_paged_ref(q, cache, indptr, indices, last),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+def test_check_step_says_ok_only_when_everything_holds(capsys):
+    rng = np.random.default_rng(1)
+    table = _grown_table(rng)
+    cache = rng.standard_normal((PAGES, 2, PAGE, HKV, D))
+    q = rng.standard_normal((4, HQ, D))
+    o = paged_cache.attention(q, cache, table)
+    logits = rng.standard_normal((4, 1000))
+    best = np.argmax(logits, axis=1)
+    assert paged_cache.check_step(0, table, cache, q, o, cache.copy(), logits, best, 50)
+    assert capsys.readouterr().out.endswith(": OK\n")
+    worst = np.argmin(logits, axis=1)
+    assert not paged_cache.check_step(1, table, cache, q, o, cache, logits, worst, 50)
+    assert "NOT in the top 50: FAIL" in capsys.readouterr().out
+    assert not paged_cache.check_step(2, table, cache, q, o * 1.1, cache, logits, best, 50)
+    changed = cache.copy()
+    changed[table.pages[0][0], 0, 0, 0, 0] += 1
+    assert not paged_cache.check_step(3, table, cache, q, o, changed, logits, best, 50)
+    assert "cache WRONG" in capsys.readouterr().out
+
+
+def _run(example: str):
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "OK" and sum(line.endswith(": OK") for line in lines) == 3
+
+
+@pytest.mark.gpu
+def test_the_pytorch_decode_example_runs():
+    pytest.importorskip("torch")
+    _run("decode_step.py")
+
+
+@pytest.mark.gpu
+def test_the_jax_decode_example_runs():
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    _run("decode_step_jax.py")
