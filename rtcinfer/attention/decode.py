@@ -21,16 +21,15 @@ from ..interop.arrays import to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
-from ..plan._checks import INT32_MAX, as_int, as_int_array, first_bad
+from ..plan._checks import as_int, as_int_array
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
-from .paged_kv import cache_views, check_cache_view, token_head
-from .planned import PlannedWrapper
+from .paged_kv import cache_views, check_cache_view, largest_page_id, token_head
+from .planned import PlannedWrapper, weak_hooks, write_run_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
-_UNSIGNED = {4: np.uint32, 8: np.uint64}  # page ids seen as unsigned, by item size
 
 
 # Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
@@ -214,19 +213,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                 "fixed_split_size"
             )
         num_pages = int(kv_indptr[-1])
-        if kv_indices.shape[0] != num_pages:
-            raise ValueError(
-                f"indices must have indptr[-1] ({num_pages}) entries, got {kv_indices.shape[0]}"
-            )
-        max_page = -1
-        if num_pages:
-            # One reduction: seen as unsigned (of at least 32 bits), a negative id is larger
-            # than any valid one.
-            ids = kv_indices if kv_indices.itemsize >= 4 else kv_indices.astype(np.int32)
-            max_page = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
-            if max_page > INT32_MAX:
-                i = first_bad((kv_indices < 0) | (kv_indices > INT32_MAX))
-                raise ValueError(f"indices[{i}] ({int(kv_indices[i])}) is not a valid page id")
+        max_page = largest_page_id(kv_indices, num_pages)
         if self._graph:
             if plan.batch_size > self._max_batch or num_pages > self._max_pages:
                 raise ValueError(
@@ -384,26 +371,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                     for name, value in fields.items():
                         setattr(p, name, value)
                     launch.tag = fields
-                p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
-                p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
-                p.lse = ptrs[6] if with_lse else 0
-                p.qk_scale, p.v_scale = scalars
+                write_run_arguments(p, ptrs, v_offset if five_d else None, with_lse, scalars)
                 if launch.empty:
                     return
                 wrapper._note_capture(stream, batch)
                 wrapper._order(stream)
                 launch(stream, device)
 
-        def on_trace():
-            wrapper = ref()
-            if wrapper is not None:
-                wrapper._traced()
-
-        def preload(device):
-            wrapper = ref()
-            if wrapper is not None:
-                wrapper._launch.launch.preload(device)
-
+        on_trace, preload = weak_hooks(self)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,
                         on_trace=on_trace)  # fmt: skip
 

@@ -12,12 +12,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..plan._checks import INT32_MAX, first_bad
+
 KV_LAYOUTS = ("NHD", "HND")
 
 
 def check_layout(kv_layout) -> None:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+
+
+_UNSIGNED = {4: np.uint32, 8: np.uint64}
+
+
+def largest_page_id(indices: np.ndarray, num_pages: int, names=("indices", "indptr")) -> int:
+    """The largest page id of a page table's host `indices` (-1 without pages), after checking
+    it has indptr[-1] = num_pages entries, each a valid page id (0 <= id < 2^31); `names`:
+    (indices, indptr) as the caller calls them. Whether the ids fit the cache is run()'s
+    check."""
+    if indices.shape[0] != num_pages:
+        raise ValueError(
+            f"{names[0]} must have {names[1]}[-1] ({num_pages}) entries, got {indices.shape[0]}"
+        )
+    if not num_pages:
+        return -1
+    # One reduction: seen as unsigned (of at least 32 bits), a negative id is larger than any
+    # valid one.
+    ids = indices if indices.itemsize >= 4 else indices.astype(np.int32)
+    largest = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
+    if largest > INT32_MAX:
+        i = first_bad((indices < 0) | (indices > INT32_MAX))
+        raise ValueError(f"{names[0]}[{i}] ({int(indices[i])}) is not a valid page id")
+    return largest
 
 
 def token_head(shape, strides, kv_layout: str):

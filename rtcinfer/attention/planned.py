@@ -48,6 +48,34 @@ def _weak_method(obj, name: str):
     return method
 
 
+def weak_hooks(wrapper) -> tuple[Callable, Callable]:
+    """(on_trace, preload) of a prepared run() that holds its wrapper weakly: a JAX trace
+    switches the wrapper to synchronized plans; preload loads the current launch's kernel."""
+    ref = weakref.ref(wrapper)
+
+    def on_trace():
+        target = ref()
+        if target is not None:
+            target._traced()
+
+    def preload(device):
+        target = ref()
+        if target is not None:
+            target._launch.launch.preload(device)
+
+    return on_trace, preload
+
+
+def write_run_arguments(p, ptrs, v_offset: int | None, with_lse: bool, scalars) -> None:
+    """An attention launch's run() arguments into its parameter block `p` (under its lock):
+    the pointers of run()'s slots (q, k, v, out, lse, then the outputs o, lse; V is K +
+    v_offset bytes for a 5-D cache, v_offset None for a (k, v) pair) and the scales."""
+    p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
+    p.v_cache = ptrs[1] + v_offset if v_offset is not None else ptrs[2]
+    p.lse = ptrs[6] if with_lse else 0
+    p.qk_scale, p.v_scale = scalars
+
+
 def _arg_key(args: tuple) -> tuple:
     """plan()'s static arguments with their types: equal keys make the same configuration
     (1 and 1.0 or True compare equal but are not the same argument)."""

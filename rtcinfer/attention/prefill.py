@@ -25,18 +25,17 @@ from ..interop.arrays import to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
-from ..plan._checks import INT32_MAX, as_int_array, first_bad, indptr_counts
+from ..plan._checks import as_int_array, indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
-from .paged_kv import cache_views, check_cache_view, token_head
-from .planned import PlannedWrapper
+from .paged_kv import cache_views, check_cache_view, largest_page_id, token_head
+from .planned import PlannedWrapper, weak_hooks, write_run_arguments
 from .prefill_kernel import kernel, prefill_spec
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
 
 MAX_GRID_Y = 65535
-_UNSIGNED = {4: np.uint32, 8: np.uint64}
 
 
 def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
@@ -350,23 +349,11 @@ class _PrefillWrapper(PlannedWrapper):
                     for name, value in fields.items():
                         setattr(p, name, value)
                     launch.tag = fields
-                p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
-                p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
-                p.lse = ptrs[6] if with_lse else 0
-                p.qk_scale, p.v_scale = scalars
+                write_run_arguments(p, ptrs, v_offset if five_d else None, with_lse, scalars)
                 wrapper._order(stream)
                 launch(stream, device)
 
-        def on_trace():
-            wrapper = ref()
-            if wrapper is not None:
-                wrapper._traced()
-
-        def preload(device):
-            wrapper = ref()
-            if wrapper is not None:
-                wrapper._launch.launch.preload(device)
-
+        on_trace, preload = weak_hooks(self)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
                         on_trace=on_trace)  # fmt: skip
 
@@ -478,21 +465,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             )
         page = int(page_size) if not isinstance(page_size, bool) else page_size
         _, _, kv_len, _ = _pages_and_lens(indptr, last, max(page, 1))
-        num_pages = int(indptr[-1])
-        if indices.shape[0] != num_pages:
-            raise ValueError(
-                f"paged_kv_indices must have paged_kv_indptr[-1] ({num_pages}) entries, got "
-                f"{indices.shape[0]}"
-            )
-        max_page = -1
-        if num_pages:
-            ids = indices if indices.itemsize >= 4 else indices.astype(np.int32)
-            max_page = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
-            if max_page > INT32_MAX:
-                i = first_bad((indices < 0) | (indices > INT32_MAX))
-                raise ValueError(
-                    f"paged_kv_indices[{i}] ({int(indices[i])}) is not a valid page id"
-                )
+        max_page = largest_page_id(indices, int(indptr[-1]),
+                                   ("paged_kv_indices", "paged_kv_indptr"))  # fmt: skip
         args = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, pos_encoding_mode,
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
