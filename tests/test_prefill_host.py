@@ -596,3 +596,36 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
         np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
         finite = np.isfinite(lse_ref)
         np.testing.assert_allclose(lse[qs][finite], lse_ref[finite], rtol=1e-9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernels_flow_over_a_ragged_cache(wrappers, causal):
+    """The ragged form: one "page" of 2^30 slots per request at row kv_indptr[b] (FastDiv by
+    2^30, page stride = token stride), split and whole."""
+    from . import reference as ref
+
+    prefill, packed = wrappers
+    rng = np.random.default_rng(causal)
+    qo, kv = np.array([3, 0, 70, 9]), np.array([3, 12, 200, 40])
+    hkv, group, d = 2, 3, 64
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)])
+    kv_indptr = np.concatenate([[0], np.cumsum(kv)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hkv * group, d))
+    k = rng.standard_normal((int(kv_indptr[-1]), hkv, d))
+    v = rng.standard_normal(k.shape)
+    for split in (dict(fixed_split_size=32), dict(disable_split_kv=True)):
+        wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+        wrapper.plan(qo_indptr, kv_indptr, hkv * group, hkv, d, causal=causal, sm_scale=0.25,
+                     q_data_type="bfloat16", **split)  # fmt: skip
+        st = wrapper._launch
+        p = st.launch.params
+        p.qk_scale, p.v_scale = 0.25, 1.0
+        fields = wrapper._run_fields(info(q.shape), info(k.shape), info(v.shape), None, None,
+                                     st.cfg.attn)  # fmt: skip
+        o, lse = prefill_flow(packed["plan"], p, fields, st.launch.kernel.spec, q,
+                              k.reshape(-1), v.reshape(-1))  # fmt: skip
+        for b in range(len(qo)):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+            o_ref, lse_ref = ref.attention_ref(q[qs], k[ks], v[ks], sm_scale=0.25, causal=causal)
+            np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
+            np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
