@@ -1,7 +1,8 @@
 """Bad indices found on the device, raised on the host.
 
-An op that reads page ids or positions from device arrays (append_paged_kv_cache, and
-apply_rope_with_cos_sin_cache for the rows of its table) checks every entry it uses on the
+An op that reads page ids or positions from device arrays (append_paged_kv_cache,
+apply_rope_with_cos_sin_cache for the rows of its table, the samplers for the rows of probs
+their `indices` name) checks every entry it uses on the
 device against its valid range, does not follow a bad one (no memory is touched through it),
 and counts it in its device's record (cuda_src/bad_index.cuh, BadIndexRecord: in device
 memory, counted with atomics, allocated once per device and kept for the process). The first
@@ -49,6 +50,7 @@ class BadIndex(enum.IntEnum):
     KV_INDPTR = 3
     KV_INDICES = 4
     COS_SIN_POSITIONS = 5  # apply_rope_with_cos_sin_cache's positions
+    SAMPLE_INDICES = 6  # the samplers' indices (rows of probs)
 
 
 RECORD = record_dtype(jit.source_layout("bad_index.cuh", "BadIndexRecord"))
@@ -70,6 +72,8 @@ _ENTRIES = {
     BadIndex.COS_SIN_POSITIONS: ("apply_rope_with_cos_sin_cache", "positions[{index}] = {value} "
                                  "is not a row of cos_sin_cache (0 <= position < {limit})",
                                  "its token passed through unrotated, no row read", False),
+    BadIndex.SAMPLE_INDICES: ("a sampler", "indices[{index}] = {value} is not a row of probs "
+                              "(0 <= row < {limit})", "its sample is -1, no row read", True),
 }  # fmt: skip
 
 

@@ -148,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   const ListMemory mem = list_memory(smem);
   const int b = blockIdx.x, lane = lane_id(), w = warp_id();
   const int64_t row = indices ? int64_t(indices[b]) : int64_t(b);
+  if (!row_in_range(p, b, row, true)) return;  // the whole block: row is uniform
   const int seg = (vocab / VEC + WARPS - 1) / WARPS * VEC;
   const Steps g(seg, VEC);
   const RowSource<T, VEC, ProbPolicy> rows{probs + row * row_stride, vocab, seg};

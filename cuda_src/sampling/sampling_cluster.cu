@@ -55,6 +55,7 @@ extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THR
   const uint32_t rank = cluster_rank();
   const int b = int(cluster_index());
   const int64_t row = indices ? int64_t(indices[b]) : int64_t(b);
+  if (!row_in_range(p, b, row, rank == 0)) return;  // the whole cluster: row is uniform
   const int seg = ((vocab + CLUSTER - 1) / CLUSTER + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN;
   const int base = int(rank) * seg;
   const int n = max(0, min(seg, vocab - base));  // a multiple of VEC

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import jit
+from ..errors import BadIndex
 from ..launch import Kernel, Launch
 
 THREADS = 512
@@ -43,6 +44,7 @@ class ClusterSampleSpec:
             VEC=self.vec,
             THREADS=self.threads,
             CLUSTER=self.cluster,
+            BadIndex=BadIndex,
         )
 
 

@@ -4,8 +4,10 @@ Samplers draw one token per output row from probs[indices[b]] (or probs[b]) rest
 kept set, renormalized (cuda_src/sampling/sampling.cu: dual-pivot rejection sampling, no sort;
 small batches on sm_90+ split each row over a cluster of CTAs, sampling_cluster.cu). A token
 with probability <= 0 (or NaN) or outside the kept set is never returned; ids are always in
-[0, vocab); a row without any positive probability returns 0. `indices` must hold valid rows of
-probs (not checked on the host). Per-row parameters are scalars or [batch] device arrays.
+[0, vocab); a row without any positive probability returns 0. An `indices` entry outside the
+rows of probs is checked on the device: its sample is -1 and it is reported as
+rtcinfer.BadIndexError by the next sampler call, rtcinfer.check_errors(), or at once under
+RTCINFER_CHECK=1 (rtcinfer/errors.py). Per-row parameters are scalars or [batch] device arrays.
 Randomness: rtcinfer.sampling.philox (seed, offset, generator); the same seed, offset and inputs
 give the same tokens. The kernels are deterministic, so `deterministic` is accepted and ignored.
 check_nan=True raises ValueError when probs holds NaN, negative or infinite values; it reads one
@@ -21,7 +23,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import jit
+from .. import errors, jit
+from ..errors import BadIndex
 from ..interop import Op, OutSlot, Prepared, call, framework
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch, memset_d32
@@ -83,6 +86,7 @@ class SampleSpec:
             VEC=self.vec,
             THREADS=self.threads,
             CAP=self.cap,
+            BadIndex=BadIndex,
         )
 
 
@@ -173,6 +177,9 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                            probs.device)  # fmt: skip
     p = launch.params
     p.row_stride, p.vocab, p.seed_len, p.offset_len = stride, vocab, seed_len, offset_len
+    p.num_rows = rows
+    rec = errors.record(probs.device) if indices is not None else None
+    check = rec is not None and errors.checking()
     pointers = [(field, i) for i, field in _POINTER_FIELDS.items() if infos[i] is not None]
     if top_k is not None:
         pointers.append(("top_k_arr" if top_k.dtype == "int32" else "top_k_arr64", 2))
@@ -180,6 +187,11 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
         pointers.append(("error_flag", _FLAG))
 
     def run(stream, device, ptrs, scalars):
+        found = None
+        if rec is not None:  # indices are read on the device: raise what a call reported
+            found = rec if device == rec.device else errors.record(device)
+            if found.reported.value:
+                errors.raise_reported(found, stream)
         if check_nan:
             memset_d32(ptrs[_FLAG], 0, 1, stream)
         with launch.lock:
@@ -187,7 +199,11 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             for field, i in pointers:
                 setattr(p, field, ptrs[i])
             p.top_k_val, p.top_p_val, p.min_p_val, p.seed_val, p.offset_val = scalars
+            if found is not None:
+                p.bad, p.bad_host = found.device_ptr, found.host_ptr
             launch(stream, device)
+        if check:
+            errors.check_launch(found, stream)
 
     outs = (OutSlot((batch,), out_dtype, 7 if out is not None else None),)
     if check_nan:
