@@ -285,7 +285,8 @@ def _cupy_info(x, name: str) -> ArrayInfo | None:
     if x is None:
         return None
     item, data = x.itemsize, x.data
-    strides = tuple(s // item for s in x.strides)
+    # an empty array addresses nothing; CuPy may give it zero strides, so it gets dense ones
+    strides = tuple(s // item for s in x.strides) if x.size else dense_strides(x.shape)
     return ArrayInfo(tuple(x.shape), strides, normalize(x.dtype), data.device_id, data.ptr & 15)
 
 

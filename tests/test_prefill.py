@@ -4,6 +4,8 @@ and whole plans, re-plans, and PyTorch / JAX / CuPy inputs."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,7 @@ def reference(q, k, v, qo_indptr, kv_indptr, masks=None, **features):
 def check(o, lse, o_ref, lse_ref, dtype):
     o, lse = to_host(o), to_host(lse)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
-    assert_close(o, o_ref, dtype, "o")
+    assert_close(o, o_ref, dtype, "o", per_vector=True)
     assert_close(lse, lse_ref, "float32", "lse", tol=2e-3)
 
 
@@ -68,7 +70,7 @@ def ref_features(features, hq, d, causal):
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("split", [False, True])
 def test_ragged(causal, feature, split):
-    rng = np.random.default_rng(hash((causal, feature, split)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((causal, feature, split)).encode()))
     qo = [int(x) for x in rng.permutation(LENGTHS)]
     extra = [int(x) for x in rng.integers(0, 200, len(qo))]
     q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
@@ -206,7 +208,7 @@ def test_single_prefill_window_soft_cap_and_strided_kv():
     g = to_gpu(kv)
     o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), g[:, 0, :2], g[:, 1, 1:], causal=True,
                                               window_left=100, logits_soft_cap=20.0)  # fmt: skip
-    assert_close(to_host(o), o_ref, "bfloat16", "o")
+    assert_close(to_host(o), o_ref, "bfloat16", "o", per_vector=True)
 
 
 def random_masks(rng, qo_indptr, kv_indptr):
