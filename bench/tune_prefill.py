@@ -1,0 +1,88 @@
+"""The prefill kernel's configurations timed on this GPU (graph view, CuPy arrays, ragged KV):
+query tile rows x KV tile keys x ring stages, for a few prompt shapes, with the registers,
+shared memory and resident CTAs per SM of each. The defaults (rtcinfer/attention/
+prefill_kernel.py, plan/prefill.py) come from these numbers.
+
+    python -m bench.tune_prefill
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+import rtcinfer
+from bench.bench_decode import random_cache
+from bench.bench_prefill import indptr_of, visible_pairs
+from bench.common import Table, Tables, cupy, graph_time_us, header
+from rtcinfer import jit
+from rtcinfer.gpu import arch_of
+from rtcinfer.attention import prefill as prefill_module
+from rtcinfer.attention.prefill_kernel import PrefillSpec
+from rtcinfer.interop.dtypes import numpy_dtype
+
+# label, qo_len of each request, Hq, Hkv, head_dim, causal
+SHAPES = [
+    ("4 x 4096", (4096,) * 4, 32, 8, 128, True),
+    ("4 x 4096, non-causal", (4096,) * 4, 32, 8, 128, False),
+    ("16 x 1024", (1024,) * 16, 32, 8, 128, True),
+    ("4 x 4096, head_dim 64", (4096,) * 4, 32, 8, 64, True),
+]
+TILE_ROWS = (64, 128)
+KV_TILES = (32, 64)
+STAGES = (2, 3)
+
+
+def forced(tile_rows: int, kv_tile: int, stages: int):
+    """prefill_spec and pick_tile_rows replaced by one fixed configuration."""
+
+    def spec(q_dtype, o_dtype, head_dim, rows, causal=False, pos_encoding_mode="NONE",
+             soft_cap=False, max_smem=0, custom_mask=False, kv_dtype=None):  # fmt: skip
+        return PrefillSpec(q_dtype, o_dtype, head_dim, rows, kv_tile, stages, bool(causal),
+                           bool(custom_mask), pos_encoding_mode, bool(soft_cap),
+                           kv_dtype or q_dtype)  # fmt: skip
+
+    prefill_module.prefill_spec = spec
+    prefill_module.pick_tile_rows = lambda cfg, qo_indptr: tile_rows
+
+
+def main() -> Tables:
+    cp = cupy()
+    bf16 = numpy_dtype("bfloat16")
+    _, max_smem = jit.device_limits(cp.cuda.Device().id)
+    print(header())
+    table = Table("prefill kernel configurations (ragged KV, bf16, graph view)",
+                  ["case", "tile rows", "KV tile", "stages", "regs", "smem KiB", "CTAs/SM",
+                   "us", "TFLOP/s"])  # fmt: skip
+    for label, qo_lens, hq, hkv, head_dim, causal in SHAPES:
+        qo_len = np.array(qo_lens, dtype=np.int32)
+        indptr = indptr_of(qo_len)
+        q = random_cache((int(qo_len.sum()), hq, head_dim), "bfloat16")
+        k, v = (random_cache((int(qo_len.sum()), hkv, head_dim), "bfloat16") for _ in range(2))
+        out = cp.empty(q.shape, dtype=bf16)
+        flops = 4 * head_dim * hq * visible_pairs(qo_len, qo_len, causal)
+        for rows, kv_tile, stages in itertools.product(TILE_ROWS, KV_TILES, STAGES):
+            forced(rows, kv_tile, stages)
+            spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal)
+            if spec.smem_bytes > max_smem:
+                continue
+            wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+            try:
+                wrapper.plan(indptr, indptr, hq, hkv, head_dim, causal=causal,
+                             q_data_type="bfloat16")  # fmt: skip
+                us = graph_time_us(lambda w=wrapper: w.run(q, k, v, out=out))
+            except Exception as e:  # noqa: BLE001 - a configuration that fails is reported
+                print(f"# {label} {rows}/{kv_tile}/{stages}: {type(e).__name__}: {e}"[:300])
+                continue
+            usage = jit.compile_spec(spec, arch_of(cp.cuda.Device().compute_capability)).meta["resources"]
+            ctas = wrapper._launch.launch.kernel.occupancy(cp.cuda.Device().id, spec.threads)
+            table.add(label, rows, kv_tile, stages, usage["prefill_kernel"]["registers"],
+                      spec.smem_bytes / 1024, ctas, us, flops / us / 1e6)  # fmt: skip
+    tables = Tables()
+    tables.append(table)
+    return tables
+
+
+if __name__ == "__main__":
+    print(main().markdown())
