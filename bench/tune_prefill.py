@@ -17,9 +17,9 @@ from bench.bench_decode import random_cache
 from bench.bench_prefill import indptr_of, visible_pairs
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer import jit
-from rtcinfer.gpu import arch_of
 from rtcinfer.attention import prefill as prefill_module
 from rtcinfer.attention.prefill_kernel import PrefillSpec
+from rtcinfer.gpu import arch_of
 from rtcinfer.interop.dtypes import numpy_dtype
 
 # label, qo_len of each request, Hq, Hkv, head_dim, causal
@@ -75,7 +75,8 @@ def main() -> Tables:
             except Exception as e:  # noqa: BLE001 - a configuration that fails is reported
                 print(f"# {label} {rows}/{kv_tile}/{stages}: {type(e).__name__}: {e}"[:300])
                 continue
-            usage = jit.compile_spec(spec, arch_of(cp.cuda.Device().compute_capability)).meta["resources"]
+            arch = arch_of(cp.cuda.Device().compute_capability)
+            usage = jit.compile_spec(spec, arch).meta["resources"]
             ctas = wrapper._launch.launch.kernel.occupancy(cp.cuda.Device().id, spec.threads)
             table.add(label, rows, kv_tile, stages, usage["prefill_kernel"]["registers"],
                       spec.smem_bytes / 1024, ctas, us, flops / us / 1e6)  # fmt: skip
