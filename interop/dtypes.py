@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 # name -> (CUDA C type, bytes). fp8 travels as uint8 storage plus this declared name.
@@ -33,8 +32,11 @@ def normalize(dtype) -> str:
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """NumPy dtype for a canonical name (ml_dtypes for bfloat16 and fp8)."""
+    """NumPy dtype for a canonical name (ml_dtypes for bfloat16 and fp8, imported only when
+    such a dtype is first asked for: it takes longer to import than the rest of rtcinfer)."""
     if name in ("bfloat16", *FP8_DTYPES):
+        import ml_dtypes
+
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 

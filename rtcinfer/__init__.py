@@ -2,40 +2,37 @@
 
 __version__ = "0.1.0"
 
-try:  # loaded with the package, so that the first call does not pay for them
-    import cupy as _cupy  # noqa: F401
-    from cuda.bindings import driver as _driver  # noqa: F401
-except ImportError:  # the base install (no CUDA extra): planning and the CLI still work
-    pass
-
-from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul  # noqa: E402
-from .attention.cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
-from .attention.decode import (  # noqa: E402
+# CuPy (with ml_dtypes), the CUDA bindings, PyTorch and JAX are imported by the first call that
+# needs them, not here: `import rtcinfer` stays fast, and the base install (no CUDA extra) can
+# still plan and run the CLI.
+from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
+from .attention.cascade import merge_state, merge_state_in_place, merge_states
+from .attention.decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
 )
-from .attention.page import (  # noqa: E402
+from .attention.page import (
     append_paged_kv_cache,
     get_batch_indices_positions,
     get_seq_lens,
 )
-from .attention.prefill import (  # noqa: E402
+from .attention.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
 )
-from .attention.shared_prefix import (  # noqa: E402
+from .attention.shared_prefix import (
     BatchDecodeWithSharedPrefixPagedKVCacheWrapper,
     BatchPrefillWithSharedPrefixPagedKVCacheWrapper,
     MultiLevelCascadeAttentionWrapper,
 )
-from .attention.single_decode import single_decode_with_kv_cache  # noqa: E402
-from .attention.single_prefill import (  # noqa: E402
+from .attention.single_decode import single_decode_with_kv_cache
+from .attention.single_prefill import (
     single_prefill_with_kv_cache,
     single_prefill_with_kv_cache_return_lse,
 )
-from .bitpack import packbits, segment_packbits  # noqa: E402
-from .errors import BadIndexError, check_errors  # noqa: E402
-from .norm import (  # noqa: E402
+from .bitpack import packbits, segment_packbits
+from .errors import BadIndexError, check_errors
+from .norm import (
     fused_add_rmsnorm,
     gemma_fused_add_rmsnorm,
     gemma_rmsnorm,
@@ -70,7 +67,7 @@ __all__ = [
     "layernorm",
     "rmsnorm",
 ]
-from .rope import (  # noqa: E402
+from .rope import (
     apply_llama31_rope,
     apply_llama31_rope_inplace,
     apply_llama31_rope_pos_ids,

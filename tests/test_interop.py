@@ -254,3 +254,19 @@ def test_base_install_imports_and_plans_without_cupy_torch_or_jax():
     done = subprocess.run([sys.executable, "-c", _WITHOUT_CUPY], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "[]"  # neither torch nor jax was imported
+
+
+def test_import_loads_no_gpu_framework_or_ml_dtypes():
+    """`import rtcinfer` with everything installed imports none of CuPy, the CUDA bindings,
+    ml_dtypes, PyTorch or JAX (together most of a second on a slow CPU); the first call that
+    needs one imports it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rtcinfer; print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'cupy', 'cupy_backends', 'cuda', 'ml_dtypes', 'torch', 'jax', 'jaxlib'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[]"

@@ -256,8 +256,15 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
 
   // Logit transform (variant.cuh) and masks: element r of n-tile n is row g + 8 (r / 2), key
   // key0 + key_w + 8n + 2t + r % 2. Blocks that every row sees whole (all but the diagonal
-  // and edge blocks of a long prompt) skip the per-element visibility tests.
-  float row_max[2] = {neg_inf(), neg_inf()};
+  // and edge blocks of a long prompt) skip the per-element visibility tests. The row maxima
+  // and sums run as PARTS independent chains per row (short dependency chains: a warp here
+  // has few neighbours on its scheduler to hide latency behind).
+  constexpr int PARTS = KEY_TILES >= 4 && HEAD_DIM > 64 ? 4 : 2;
+  float part_max[2][PARTS];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int k = 0; k < PARTS; ++k) part_max[i][k] = neg_inf();
   const int lo = key0 + key_w;
   if (rows.all_see(lo, lo + WARP_KEYS - 1, w.kv_begin, w.kv_end, window_left)) {
 #pragma unroll
@@ -266,7 +273,8 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
       for (int r = 0; r < 4; ++r) {
         const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
         s[n][r] = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
-        row_max[i] = fmaxf(row_max[i], s[n][r]);
+        float& m = part_max[i][(2 * n + r % 2) % PARTS];
+        m = fmaxf(m, s[n][r]);
       }
   } else {
 #pragma unroll
@@ -276,20 +284,36 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
         const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
         const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
         s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
-        row_max[i] = fmaxf(row_max[i], s[n][r]);
+        float& m = part_max[i][(2 * n + r % 2) % PARTS];
+        m = fmaxf(m, s[n][r]);
       }
   }
+  float row_max[2];
+  bool same = true;  // no row's running max moves: the rescale (by exactly 1) is skipped
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
+    row_max[i] = part_max[i][0];
+#pragma unroll
+    for (int k = 1; k < PARTS; ++k) row_max[i] = fmaxf(row_max[i], part_max[i][k]);
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-    const float base = st[i].rescale(row_max[i]);
+    same = same && !(row_max[i] > st[i].m);
+  }
+  same = __all_sync(0xffffffffu, same);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float base = same ? st[i].offset() : st[i].rescale(row_max[i]);
+    float part_sum[PARTS] = {};
 #pragma unroll
     for (int n = 0; n < KEY_TILES; ++n) {
       s[n][2 * i] = fast_exp2(s[n][2 * i] - base);
       s[n][2 * i + 1] = fast_exp2(s[n][2 * i + 1] - base);
-      st[i].d += s[n][2 * i] + s[n][2 * i + 1];
+      part_sum[n % PARTS] += s[n][2 * i] + s[n][2 * i + 1];
     }
+    float sum = part_sum[0];
+#pragma unroll
+    for (int k = 1; k < PARTS; ++k) sum += part_sum[k];
+    st[i].d += sum;
   }
 
   // O += P V, 16 keys at a time.
