@@ -37,10 +37,11 @@ def forced(tile_rows: int, kv_tile: int, stages: int):
     """prefill_spec and pick_tile_rows replaced by one fixed configuration."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, causal=False, pos_encoding_mode="NONE",
-             soft_cap=False, max_smem=0, custom_mask=False, kv_dtype=None):  # fmt: skip
+             soft_cap=False, max_smem=0, custom_mask=False, kv_dtype=None,
+             ragged=False):  # fmt: skip
         return PrefillSpec(q_dtype, o_dtype, head_dim, rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged))  # fmt: skip
 
     prefill_module.prefill_spec = spec
     prefill_module.pick_tile_rows = lambda cfg, qo_indptr: tile_rows
@@ -63,7 +64,8 @@ def main() -> Tables:
         flops = 4 * head_dim * hq * visible_pairs(qo_len, qo_len, causal)
         for rows, kv_tile, stages in itertools.product(TILE_ROWS, KV_TILES, STAGES):
             forced(rows, kv_tile, stages)
-            spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal)
+            spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal,
+                                               ragged=True)  # fmt: skip
             if spec.smem_bytes > max_smem:
                 continue
             wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()

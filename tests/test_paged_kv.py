@@ -58,3 +58,13 @@ def test_cp_async_needs_16_byte_rows():
         check_cache_view("v", 0, (4, 16, 2), (8192, 520, 256), 2, 2)
     check_cache_view("v", 0, (4, 1, 2), (8192, 520, 256), 2, 2)  # a size-1 dim: any stride
     check_cache_view("v", 8, (0, 16, 2), (8192, 512, 256), 2, 2)  # empty: never read
+
+
+def test_strides_and_slot_offsets_must_fit_32_bits():
+    """The loaders take page and token strides and a slot's byte offset in its page as 32-bit
+    ints (the page's offset in the cache is 64-bit)."""
+    check_cache_view("k", 0, (4, 16, 2), (2**31 - 16, 2**27, 256), 2, 2)
+    with pytest.raises(ValueError, match=r"k: strides must be below 2\^31 bytes, got \(2147483648"):
+        check_cache_view("k", 0, (4, 16, 2), (2**31, 512, 256), 2, 2)
+    with pytest.raises(ValueError, match=r"v: strides must be below 2\^31 bytes, got \(4026531840"):
+        check_cache_view("v", 0, (4, 16, 2), (2**31 - 16, 2**28, 256), 2, 2)  # 15 slots of 2^28

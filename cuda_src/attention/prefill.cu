@@ -21,7 +21,8 @@
 // fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly) into a
 // staging tile as each tile lands; k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
-// POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES.
+// POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
+// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -61,7 +62,7 @@ static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
 
 using MT = QT;
-using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS>;
+using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS, RAGGED>;
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
 #include "prefill_fragments.cuh"
@@ -259,7 +260,8 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
   // and edge blocks of a long prompt) skip the per-element visibility tests. The row maxima
   // and sums run as PARTS independent chains per row (short dependency chains: a warp here
   // has few neighbours on its scheduler to hide latency behind).
-  constexpr int PARTS = KEY_TILES >= 4 && HEAD_DIM > 64 ? 4 : 2;
+  constexpr int PARTS = KEY_TILES >= 4 ? 4 : 2;
+  static_assert(KEY_TILES >= PARTS, "a partial per chain");
   float part_max[2][PARTS];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -303,12 +305,13 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float base = same ? st[i].offset() : st[i].rescale(row_max[i]);
-    float part_sum[PARTS] = {};
+    float part_sum[PARTS];
 #pragma unroll
     for (int n = 0; n < KEY_TILES; ++n) {
       s[n][2 * i] = fast_exp2(s[n][2 * i] - base);
       s[n][2 * i + 1] = fast_exp2(s[n][2 * i + 1] - base);
-      part_sum[n % PARTS] += s[n][2 * i] + s[n][2 * i + 1];
+      const float pair = s[n][2 * i] + s[n][2 * i + 1];
+      part_sum[n % PARTS] = n < PARTS ? pair : part_sum[n % PARTS] + pair;
     }
     float sum = part_sum[0];
 #pragma unroll

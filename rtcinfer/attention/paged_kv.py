@@ -87,12 +87,22 @@ def paged_view(arr, kv_layout: str, item: int, tokens_per_page: int) -> CacheVie
     return CacheView(tokens_per_page * token * item, token * item, head * item)
 
 
+def check_strides_fit(name: str, strides) -> None:
+    """The kernels' loaders take the page and token strides (bytes), and a slot's offset in its
+    page, as 32-bit ints."""
+    if any(not -(2**31) < s < 2**31 for s in strides):
+        raise ValueError(f"{name}: strides must be below 2^31 bytes, got {tuple(strides)} bytes")
+
+
 def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_stride: int) -> None:
     """cp.async moves 16-byte chunks: base (`offset`: the address modulo 16) and page/token/head
-    strides (bytes) must be 16-byte multiples (dims of size 1 excepted) and head_dim
-    contiguous. An empty cache is never read."""
+    strides (bytes) must be 16-byte multiples (dims of size 1 excepted), below 2^31 bytes, and
+    head_dim contiguous. An empty cache is never read."""
     if 0 in dims:
         return
+    check_strides_fit(name, strides)
+    if len(strides) == 3:  # (page, token, head): a page's slots are addressed in 32 bits
+        check_strides_fit(name, ((dims[1] - 1) * strides[1],))
     bad = offset % 16 or any(s % 16 for s, n in zip(strides, dims, strict=True) if n > 1)
     if bad or d_stride != itemsize:
         raise ValueError(
@@ -103,4 +113,4 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
 
 
 __all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
-           "paged_view", "token_head"]  # fmt: skip
+           "check_strides_fit", "paged_view", "token_head"]  # fmt: skip

@@ -113,7 +113,7 @@ def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int):
     attn = cfg.attn
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
-                        cfg.custom_mask, attn.kv_dtype)  # fmt: skip
+                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE)  # fmt: skip
     k = kernel(spec)
     return k, max(1, k.occupancy(device, spec.threads))
 

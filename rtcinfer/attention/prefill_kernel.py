@@ -36,6 +36,7 @@ class PrefillSpec:
     pos_encoding_mode: str  # "NONE", "ROPE_LLAMA" or "ALIBI"
     soft_cap: bool
     kv_dtype: str  # q's, or an fp8 type (widened to q's in shared memory)
+    ragged: bool = False  # K/V rows of each request contiguous (no page table to read)
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
@@ -69,20 +70,22 @@ class PrefillSpec:
             POS_ENCODING=PosEncoding[self.pos_encoding_mode],
             SOFT_CAP=self.soft_cap,
             SMEM_BYTES=self.smem_bytes,
+            RAGGED=self.ragged,
         )
 
 
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
-    max_smem=227 * 1024, custom_mask=False, kv_dtype=None,
+    max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
-    tile of 64 rows), as deep a ring (3 or 2 stages) as fits beside the Q tile."""
+    tile of 64 rows), as deep a ring (3 or 2 stages) as fits beside the Q tile; `ragged`: K/V
+    rows addressed from each request's first row, without a page table."""
     kv_tile = 32 if head_dim == 256 and tile_rows > 16 else 64
     for stages in (3, 2):
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged))  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
@@ -94,12 +97,13 @@ def prefill_spec(
 def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem) -> list:
     """The prefill kernels a model's serving loop may launch (warmup) on a GPU with max_smem
     bytes of shared memory per block: causal prefill in every query tile plan() may choose,
-    over KV of kv_dtype (the paged cache) and of q's dtype (new keys, ragged), and the tile of
+    over the paged cache (kv_dtype) and over ragged new keys (q's dtype), and the tile of
     decode with use_tensor_cores=True (one query per request, not causal)."""
     group = num_qo_heads // num_kv_heads
     tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256]
-    specs = [prefill_spec(q_dtype, q_dtype, head_dim, rows, True, max_smem=max_smem, kv_dtype=kv)
-             for kv in dict.fromkeys((kv_dtype, q_dtype)) for rows in tiles]  # fmt: skip
+    specs = [prefill_spec(q_dtype, q_dtype, head_dim, rows, True, max_smem=max_smem, kv_dtype=kv,
+                          ragged=ragged)
+             for kv, ragged in ((kv_dtype, False), (q_dtype, True)) for rows in tiles]  # fmt: skip
     decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim)
     specs.append(prefill_spec(q_dtype, q_dtype, head_dim, decode_rows, False, max_smem=max_smem,
                               kv_dtype=kv_dtype))  # fmt: skip

@@ -16,7 +16,7 @@ from ..launch import Launch, memset_d32
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
 from .decode_plan import ITEM_INTS, header_ints, pack_plan
-from .paged_kv import check_cache_view, check_layout, paged_view, token_head
+from .paged_kv import check_cache_view, check_layout, check_strides_fit, paged_view, token_head
 from .workspace import device_copy
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
@@ -93,6 +93,8 @@ def _prepare(infos, align, static) -> Prepared:
         dims, _ = token_head(arr.shape, arr.strides, kv_layout)
         check_cache_view(name, arr.offset, dims, (view.token, view.head), item,
                          arr.strides[2] * item)  # fmt: skip
+        if 0 not in dims:
+            check_strides_fit(name, (view.page,))
     p.k_page, p.k_token, p.k_head = k_view.page, k_view.token, k_view.head
     p.v_page, p.v_token, p.v_head = v_view.page, v_view.token, v_view.head
     p.q_stride_n, p.q_stride_h = 0, q.strides[0]
