@@ -28,12 +28,13 @@ SHAPES = [
     ("4 x 4096, non-causal", (4096,) * 4, 32, 8, 128, False),
     ("16 x 1024", (1024,) * 16, 32, 8, 128, True),
 ]
-TILE_ROWS = (64, 128)
+# (query tile rows, rows per warp): 16 rows a warp, or 32 (two MMA row blocks) in 128-row tiles
+TILES = ((64, 16), (128, 16), (128, 32))
 KV_TILES = (32, 64)
 STAGES = (2, 3)
 
 
-def forced(tile_rows: int, kv_tile: int, stages: int):
+def forced(tile_rows: int, warp_rows: int, kv_tile: int, stages: int):
     """prefill_spec and pick_tile_rows replaced by one fixed configuration."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, causal=False, pos_encoding_mode="NONE",
@@ -41,7 +42,7 @@ def forced(tile_rows: int, kv_tile: int, stages: int):
              ragged=False):  # fmt: skip
         return PrefillSpec(q_dtype, o_dtype, head_dim, rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged))  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows)  # fmt: skip
 
     prefill_module.prefill_spec = spec
     prefill_module.pick_tile_rows = lambda cfg, qo_indptr: tile_rows
@@ -53,8 +54,8 @@ def main() -> Tables:
     _, max_smem = jit.device_limits(cp.cuda.Device().id)
     print(header())
     table = Table("prefill kernel configurations (ragged KV, bf16, graph view)",
-                  ["case", "tile rows", "KV tile", "stages", "regs", "smem KiB", "CTAs/SM",
-                   "us", "TFLOP/s"])  # fmt: skip
+                  ["case", "tile rows", "warp rows", "KV tile", "stages", "regs", "smem KiB",
+                   "CTAs/SM", "us", "TFLOP/s"])  # fmt: skip
     for label, qo_lens, hq, hkv, head_dim, causal in SHAPES:
         qo_len = np.array(qo_lens, dtype=np.int32)
         indptr = indptr_of(qo_len)
@@ -62,8 +63,10 @@ def main() -> Tables:
         k, v = (random_cache((int(qo_len.sum()), hkv, head_dim), "bfloat16") for _ in range(2))
         out = cp.empty(q.shape, dtype=bf16)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, qo_len, causal)
-        for rows, kv_tile, stages in itertools.product(TILE_ROWS, KV_TILES, STAGES):
-            forced(rows, kv_tile, stages)
+        for (rows, warp_rows), kv_tile, stages in itertools.product(TILES, KV_TILES, STAGES):
+            if warp_rows == 32 and kv_tile == 64:
+                continue  # S of 32 rows x 64 keys would not fit in registers beside O
+            forced(rows, warp_rows, kv_tile, stages)
             spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal,
                                                ragged=True)  # fmt: skip
             if spec.smem_bytes > max_smem:
@@ -74,12 +77,13 @@ def main() -> Tables:
                              q_data_type="bfloat16")  # fmt: skip
                 us = graph_time_us(lambda w=wrapper: w.run(q, k, v, out=out))
             except Exception as e:  # noqa: BLE001 - a configuration that fails is reported
-                print(f"# {label} {rows}/{kv_tile}/{stages}: {type(e).__name__}: {e}"[:300])
+                print(f"# {label} {rows}/{warp_rows}/{kv_tile}/{stages}: {type(e).__name__}: "
+                      f"{e}"[:300])  # fmt: skip
                 continue
             arch = arch_of(cp.cuda.Device().compute_capability)
             usage = jit.compile_spec(spec, arch).meta["resources"]
             ctas = wrapper._launch.launch.kernel.occupancy(cp.cuda.Device().id, spec.threads)
-            table.add(label, rows, kv_tile, stages, usage["prefill_kernel"]["registers"],
+            table.add(label, rows, warp_rows, kv_tile, stages, usage["prefill_kernel"]["registers"],
                       spec.smem_bytes / 1024, ctas, us, flops / us / 1e6)  # fmt: skip
     tables = Tables()
     tables.append(table)

@@ -150,7 +150,7 @@ def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
     head_dim 64/128/256, query tiles of 16 (four warps on the keys), 64 and 128 rows, causal,
     custom mask or neither, RoPE or ALiBi, soft cap, fp8 KV, the 2-stage ring (small shared
-    memory)."""
+    memory), ragged K/V, 32-row warps."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True),
@@ -168,6 +168,12 @@ def prefill_specs() -> list:
         spec("bfloat16", "bfloat16", 128, 16, True),
         spec("float16", "float16", 256, 16, False, "ROPE_LLAMA", True),
         spec("bfloat16", "bfloat16", 64, 16, True, kv_dtype="float8_e4m3fn"),
+        spec("bfloat16", "bfloat16", 128, 128, True, ragged=True),
+        spec("float16", "float16", 64, 64, False, "ALIBI", True, ragged=True),
+        spec("float16", "bfloat16", 256, 16, True, ragged=True),
+        spec("bfloat16", "bfloat16", 128, 128, True, ragged=True, warp_rows=32),
+        spec("float16", "float16", 128, 128, False, "ROPE_LLAMA", True, warp_rows=32),
+        spec("bfloat16", "bfloat16", 128, 128, True, kv_dtype="float8_e4m3fn", warp_rows=32),
     ]
 
 

@@ -357,6 +357,54 @@ def test_fp8_kv(kv_dtype, q_dtype, head_dim):
     check(*out, *expect, q_dtype)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", ["causal", "plain", "rope_cap", "fp8", "window_split"])
+def test_32_row_warps(monkeypatch, head_dim, variant):
+    """The kernel with two 16-row MMA blocks a warp (warp_rows=32, 128-row tiles, forced: plan()
+    does not choose it yet), ragged and paged, against the float64 reference."""
+    from rtcinfer.attention import prefill
+
+    spec_of = prefill.prefill_spec
+    monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(*a, **k, warp_rows=32))
+    monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr: 128)
+    rng = np.random.default_rng(zlib.crc32(repr((head_dim, variant)).encode()))
+    qo, extra = [300, 1, 0, 129, 40], [0, 700, 9, 64, 1000]
+    kv_dtype = "float8_e4m3fn" if variant == "fp8" else "bfloat16"
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra, d=head_dim)
+    if variant == "fp8":
+        k = random_values(rng, k.shape, kv_dtype)
+        v = random_values(rng, v.shape, kv_dtype)
+    causal = variant != "plain"
+    plan_kw = dict(causal=causal, q_data_type="bfloat16", kv_data_type=kv_dtype)
+    ref_kw = dict(causal=causal, sm_scale=1 / np.sqrt(head_dim))
+    if variant == "window_split":
+        plan_kw.update(window_left=100, fixed_split_size=4)
+        ref_kw.update(window_left=100)
+    if variant == "rope_cap":
+        plan_kw.update(pos_encoding_mode="ROPE_LLAMA", logits_soft_cap=20.0)
+        expect = rope_reference(q, k, v, qo_indptr, kv_indptr, 1.0, 1e4, logits_soft_cap=20.0,
+                                **ref_kw)  # fmt: skip
+    else:
+        expect = reference(q, k, v, qo_indptr, kv_indptr, **ref_kw)
+    ragged = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(qo_indptr, kv_indptr, 8, 2, head_dim, **plan_kw)
+    spec = ragged._launch.launch.kernel.spec
+    assert (spec.warp_rows, spec.tile_rows, spec.ragged) == (32, 128, True)
+    check(*ragged.run(to_gpu(q), to_gpu(k), to_gpu(v), return_lse=True), *expect, "bfloat16")
+
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
+    cache = np.zeros((num_pages, 2, 16, 2, head_dim), dtype=k.dtype)  # NHD, 5-D
+    for b, n in enumerate(kv_lens):
+        t = np.arange(n)
+        cache[indices[indptr[b] + t // 16], 0, t % 16] = k[kv_indptr[b] + t]
+        cache[indices[indptr[b] + t // 16], 1, t % 16] = v[kv_indptr[b] + t]
+    paged = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan(qo_indptr, indptr, indices, last, 8, 2, head_dim, 16, **plan_kw)
+    assert paged._launch.launch.kernel.spec.warp_rows == 32
+    check(*paged.run(to_gpu(q), to_gpu(cache), return_lse=True), *expect, "bfloat16")
+
+
 def test_cuda_graph_replays_after_replan():
     """A graph captured around run() of a use_cuda_graph wrapper replays correctly after plans
     with new lengths, fewer rows and requests, split and not (q padded to the first plan's

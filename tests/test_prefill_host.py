@@ -413,14 +413,16 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
     split between the warps sharing rows, K/V rows addressed through the page ids, the
     strides and FastDiv exactly as the loader does, blocks that skip the masks (all_see),
     online softmax, the warps' merge, then the direct write or the partials merged by the
-    last arrival in chunk order. k_flat, v_flat: the caches' elements, addressed by the byte
-    strides over itemsize 2."""
+    last arrival in chunk order; a warp's rows (the mask-skip test's unit) are spec.warp_rows
+    of them; a ragged kernel addresses row page_ids[0] + token. k_flat, v_flat: the caches'
+    elements, addressed by the byte strides over itemsize 2."""
     d = spec.head_dim
     items = buf[items_at(d) : items_at(d) + ITEM_INTS * int(buf[0])].view(WORK_ITEM)
     num_kv_heads = q.shape[1] // p.group_size
     group, rows_n, kv_tile = p.group_size, spec.tile_rows, spec.kv_tile
     kv_warps = 4 if rows_n == 16 else 1
     warp_keys = kv_tile // kv_warps
+    wr = spec.warp_rows
     o = np.full(q.shape, np.nan)
     lse = np.full(q.shape[:2], np.nan)
     partials, arrivals = {}, {}
@@ -429,6 +431,9 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
     def kv_row(flat, base_head, page_stride, token_stride, w, token):
         if token >= w["kv_end"]:
             return np.zeros(d)  # zero-filled past the item's keys
+        if spec.ragged:  # paged_kv.cuh's ONE_PAGE
+            at = ((int(buf[w["page_ids"]]) + token) * token_stride + base_head) // 2
+            return flat[at : at + d]
         div = fast_div(token, p.div_magic, p.div_shift)
         page = int(buf[w["page_ids"] + div])
         at = (page * page_stride + (token - div * p.page_size) * token_stride + base_head) // 2
@@ -456,11 +461,11 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
                     v = np.stack([kv_row(v_flat, kv_head * fields["v_head"], fields["v_page"],
                                          fields["v_token"], w, t) for t in keys])  # fmt: skip
                     x = qrows @ k.T * p.qk_scale * log2e
-                    for rw in range(rows_n // 16):  # a row warp's 16 rows
-                        r = slice(16 * rw, 16 * rw + 16)
-                        first = w["tile_row"] + 16 * rw
+                    for rw in range(rows_n // wr):  # a row warp's rows
+                        r = slice(wr * rw, wr * rw + wr)
+                        first = w["tile_row"] + wr * rw
                         rows_in = w["qo_len"] * group
-                        last = min(first + 15, max(rows_in - 1, first))
+                        last = min(first + wr - 1, max(rows_in - 1, first))
                         pos_first = first // group + w["kv_len"] - w["qo_len"]
                         pos_last = last // group + w["kv_len"] - w["qo_len"]
                         all_see = mask_bits is None and lo >= w["kv_begin"] and (
@@ -472,7 +477,7 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
                         if all_see:
                             continue
                         sees = (keys[None] >= w["kv_begin"]) & (keys[None] < w["kv_end"])
-                        sees = np.repeat(sees, 16, axis=0)
+                        sees = np.repeat(sees, wr, axis=0)
                         if spec.causal:
                             sees &= keys[None] <= pos[r, None]
                         if p.window_left >= 0:
@@ -531,18 +536,29 @@ FLOWS = {
     ([0, 1, 17, 130, 5], [40, 0, 100, 0, -5], 4),    # 64-row tiles, a zero-key request
     ([1, 2, 1, 3], [300, 64, 0, 31], 4),             # decode-like: 16-row tiles, 4 warps
     ([200, 90], [20, 500], 1),                       # 128-row tiles (MHA)
+    ([200, 90], [20, 500], -32),                     # 128-row tiles, 32 rows a warp
 ])  # fmt: skip
 def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, extra, group):
     """The paged wrapper's real plan, packed plan and run() strides, read by prefill_flow as
-    the kernel reads them, give float64 attention over each request's keys."""
+    the kernel reads them, give float64 attention over each request's keys (group -32: MHA
+    with the 32-row-warp kernel forced)."""
     from rtcinfer.attention import prefill_mask
     from rtcinfer.attention.paged_kv import cache_views
 
     from . import reference as ref
 
     prefill, packed = wrappers
-    rng = np.random.default_rng(len(qo) + group)
+    rng = np.random.default_rng(len(qo) + abs(group))
     kw = dict(FLOWS[flow])
+    if group < 0:  # warp_rows=-group where the kernel allows it
+        spec_of, warp_rows, group = prefill.prefill_spec, -group, 1
+        if "custom_mask" in kw:  # refused: the kernel would spill
+            with pytest.raises(ValueError, match="up to head_dim 128 without a custom mask"):
+                spec_of("bfloat16", "bfloat16", 64, 128, custom_mask=True, warp_rows=warp_rows)
+            return
+        monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(
+            *a, **k, warp_rows=warp_rows if a[3] == 128 else 16))  # fmt: skip
+        monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr: 128)
     qo = np.array(qo)
     kv = qo + np.array(extra)
     hkv, d, page = 2, 64, 16

@@ -8,8 +8,10 @@
 // Grid: blockIdx.x = kv head, blockIdx.y = work item: a tile of TILE_ROWS packed query rows
 // (row r = query r / group_size, head r % group_size of the kv head's group) over the keys
 // [kv_begin, kv_end) of one KV chunk. Items past the plan's count exit at once.
-// Block: TILE_ROWS / 16 row warps; row warp w owns rows 16w..16w+15 and keeps, per thread, the
-// softmax state of rows g and g + 8 (FA2 style). A 16-row tile (decode-like batches) has four
+// Block: TILE_ROWS / WARP_ROWS row warps; row warp w owns rows WARP_ROWS w.. in blocks of 16
+// (ROW_BLOCKS of them: each K/V fragment a warp loads feeds that many MMAs) and keeps, per
+// thread, the softmax state of rows g and g + 8 of each block (FA2 style). A 16-row tile
+// (decode-like batches) has four
 // warps on its rows instead, each taking a quarter of every K/V tile's keys; their states
 // merge through shared memory at the end (KV_WARPS). In each warp: S = Q K^T and O += P V by mma.m16n8k16,
 // operands through ldmatrix from swizzled tiles (prefill_fragments.cuh), P rounded to the
@@ -22,7 +24,7 @@
 // staging tile as each tile lands; k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
-// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE).
+// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -31,7 +33,9 @@
 #include "paged_kv.cuh"
 #include "variant.cuh"
 
-constexpr int ROW_WARPS = TILE_ROWS / 16;          // warps along the rows, 16 rows each
+constexpr int ROW_BLOCKS = WARP_ROWS / 16;         // 16-row MMA blocks of a warp
+constexpr int ROWS = 2 * ROW_BLOCKS;               // rows of a thread (g and g + 8 of each block)
+constexpr int ROW_WARPS = TILE_ROWS / WARP_ROWS;   // warps along the rows
 constexpr int KV_WARPS = TILE_ROWS == 16 ? 4 : 1;  // warps on the same rows, splitting the keys
 constexpr int WARPS = ROW_WARPS * KV_WARPS;
 constexpr int THREADS = 32 * WARPS;
@@ -47,7 +51,8 @@ constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
 constexpr int KEY_TILES = WARP_KEYS / 8;     // n-tiles of S per warp
 constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
-constexpr bool Q_IN_REGS = HEAD_DIM <= 128;  // else Q fragments are re-read from shared memory
+// Q fragments held in registers for the whole item, or re-read from shared memory per k-step
+constexpr bool Q_IN_REGS = HEAD_DIM <= 128 && ROW_BLOCKS == 1;
 constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
 constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
 constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
@@ -56,6 +61,8 @@ constexpr int STAGING_BYTES = FP8 ? 2 * TILE_BYTES : 0;  // the widened K and V 
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
 static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
+static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
+              (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");
 static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
 static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "layout");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
@@ -106,20 +113,23 @@ struct PrefillParams {
   float v_scale;
 };
 
-// This thread's two rows (g, g + 8 of its warp): where they read and write, their query
-// position and ALiBi slope; rows past the request are inert.
+// The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half).
+RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }
+
+// This thread's ROWS rows: where they read and write, their query position and ALiBi slope;
+// rows past the request are inert.
 struct Rows {
-  bool valid[2];
-  int query[2], head[2], pos[2];
-  float slope[2];
-  int64_t mask_bit[2];  // CUSTOM_MASK: the bit of (the row's query, key 0)
+  bool valid[ROWS];
+  int query[ROWS], head[ROWS], pos[ROWS];
+  float slope[ROWS];
+  int64_t mask_bit[ROWS];  // CUSTOM_MASK: the bit of (the row's query, key 0)
   int pos_first, pos_last;  // positions of the warp's first and last rows in the request
 
   RTC_DEVICE void init(const PrefillWorkItem& w, const PrefillParams& p, int kv_head, int warp,
                        int g) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int packed = w.tile_row + 16 * warp + g + 8 * i;
+    for (int i = 0; i < ROWS; ++i) {
+      const int packed = w.tile_row + WARP_ROWS * warp + warp_row(i, g);
       valid[i] = packed < w.qo_len * p.group_size;
       query[i] = packed / p.group_size;
       head[i] = kv_head * p.group_size + packed % p.group_size;
@@ -128,8 +138,8 @@ struct Rows {
       mask_bit[i] = 8 * static_cast<int64_t>(w.mask_byte) +
                     static_cast<int64_t>(query[i]) * w.kv_len;
     }
-    const int first = w.tile_row + 16 * warp, rows_in = w.qo_len * p.group_size;
-    const int last = min(first + 15, max(rows_in - 1, first));
+    const int first = w.tile_row + WARP_ROWS * warp, rows_in = w.qo_len * p.group_size;
+    const int last = min(first + WARP_ROWS - 1, max(rows_in - 1, first));
     pos_first = first / p.group_size + w.kv_len - w.qo_len;
     pos_last = last / p.group_size + w.kv_len - w.qo_len;
   }
@@ -227,73 +237,87 @@ RTC_DEVICE void rope_tile(unsigned char* tile, const float2* freq_s, Position po
   }
 }
 
-// One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows.
-RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_STEPS : 1][4],
+// One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows. s[b][n]: S of row block
+// b, key n-tile n; row i = 2b + h of the thread is element 2h, 2h + 1 of s[b][n].
+RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? K_STEPS : 1][4],
                             uint32_t q_tile, uint32_t k_tile, uint32_t v_tile, int key0,
                             const Rows& rows, const PrefillWorkItem& w,
                             const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
                             const uint8_t* mask, int row_warp, int kv_warp, int lane, int t) {
   const int key_w = kv_warp * WARP_KEYS;  // this warp's first key in the tile
-  float s[KEY_TILES][4];
+  float s[ROW_BLOCKS][KEY_TILES][4];
 #pragma unroll
-  for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  for (int b = 0; b < ROW_BLOCKS; ++b)
+#pragma unroll
+    for (int n = 0; n < KEY_TILES; ++n) s[b][n][0] = s[b][n][1] = s[b][n][2] = s[b][n][3] = 0.f;
 #pragma unroll
   for (int c = 0; c < K_STEPS; ++c) {
-    uint32_t a[4];
+    uint32_t a[ROW_BLOCKS][4];
     if constexpr (Q_IN_REGS) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = qf[c][r];
+      for (int r = 0; r < 4; ++r) a[0][r] = qf[c][r];
     } else {
-      load_a_rows<ROW_BYTES>(a, q_tile, 16 * row_warp, c, lane);
+#pragma unroll
+      for (int b = 0; b < ROW_BLOCKS; ++b)
+        load_a_rows<ROW_BYTES>(a[b], q_tile, WARP_ROWS * row_warp + 16 * b, c, lane);
     }
 #pragma unroll
     for (int n = 0; n < KEY_TILES; n += 2) {
-      uint32_t b[2][2];
-      load_k_pair<ROW_BYTES>(b, k_tile, key_w + 8 * n, c, lane);
-      mma_16816<MT>(s[n][0], s[n][1], s[n][2], s[n][3], a, b[0][0], b[0][1]);
-      mma_16816<MT>(s[n + 1][0], s[n + 1][1], s[n + 1][2], s[n + 1][3], a, b[1][0], b[1][1]);
+      uint32_t kb[2][2];
+      load_k_pair<ROW_BYTES>(kb, k_tile, key_w + 8 * n, c, lane);
+#pragma unroll
+      for (int b = 0; b < ROW_BLOCKS; ++b) {
+        mma_16816<MT>(s[b][n][0], s[b][n][1], s[b][n][2], s[b][n][3], a[b], kb[0][0], kb[0][1]);
+        mma_16816<MT>(s[b][n + 1][0], s[b][n + 1][1], s[b][n + 1][2], s[b][n + 1][3], a[b],
+                      kb[1][0], kb[1][1]);
+      }
     }
   }
 
-  // Logit transform (variant.cuh) and masks: element r of n-tile n is row g + 8 (r / 2), key
-  // key0 + key_w + 8n + 2t + r % 2. Blocks that every row sees whole (all but the diagonal
-  // and edge blocks of a long prompt) skip the per-element visibility tests. The row maxima
-  // and sums run as PARTS independent chains per row (short dependency chains: a warp here
-  // has few neighbours on its scheduler to hide latency behind).
+  // Logit transform (variant.cuh) and masks: element r of n-tile n of block b is row
+  // i = 2b + r / 2, key key0 + key_w + 8n + 2t + r % 2. Blocks that every row sees whole (all
+  // but the diagonal and edge blocks of a long prompt) skip the per-element visibility tests.
+  // The row maxima and sums run as PARTS independent chains per row (short dependency chains:
+  // a warp here has few neighbours on its scheduler to hide latency behind).
   constexpr int PARTS = KEY_TILES >= 4 ? 4 : 2;
   static_assert(KEY_TILES >= PARTS, "a partial per chain");
-  float part_max[2][PARTS];
+  float part_max[ROWS][PARTS];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < ROWS; ++i)
 #pragma unroll
     for (int k = 0; k < PARTS; ++k) part_max[i][k] = neg_inf();
   const int lo = key0 + key_w;
   if (rows.all_see(lo, lo + WARP_KEYS - 1, w.kv_begin, w.kv_end, window_left)) {
 #pragma unroll
-    for (int n = 0; n < KEY_TILES; ++n)
+    for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
-        s[n][r] = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
-        float& m = part_max[i][(2 * n + r % 2) % PARTS];
-        m = fmaxf(m, s[n][r]);
-      }
+      for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
+          s[b][n][r] = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
+          float& m = part_max[i][(2 * n + r % 2) % PARTS];
+          m = fmaxf(m, s[b][n][r]);
+        }
   } else {
 #pragma unroll
-    for (int n = 0; n < KEY_TILES; ++n)
+    for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
-        const float v = transform(s[n][r], rows.slope[i], key - rows.pos[i]);
-        s[n][r] = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
-        float& m = part_max[i][(2 * n + r % 2) % PARTS];
-        m = fmaxf(m, s[n][r]);
-      }
+      for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
+          const float v = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
+          s[b][n][r] =
+              rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+          float& m = part_max[i][(2 * n + r % 2) % PARTS];
+          m = fmaxf(m, s[b][n][r]);
+        }
   }
-  float row_max[2];
+  float row_max[ROWS];
   bool same = true;  // no row's running max moves: the rescale (by exactly 1) is skipped
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < ROWS; ++i) {
     row_max[i] = part_max[i][0];
 #pragma unroll
     for (int k = 1; k < PARTS; ++k) row_max[i] = fmaxf(row_max[i], part_max[i][k]);
@@ -303,14 +327,15 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
   }
   same = __all_sync(0xffffffffu, same);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < ROWS; ++i) {
+    const int b = i / 2, h = i % 2;
     const float base = same ? st[i].offset() : st[i].rescale(row_max[i]);
     float part_sum[PARTS];
 #pragma unroll
     for (int n = 0; n < KEY_TILES; ++n) {
-      s[n][2 * i] = fast_exp2(s[n][2 * i] - base);
-      s[n][2 * i + 1] = fast_exp2(s[n][2 * i + 1] - base);
-      const float pair = s[n][2 * i] + s[n][2 * i + 1];
+      s[b][n][2 * h] = fast_exp2(s[b][n][2 * h] - base);
+      s[b][n][2 * h + 1] = fast_exp2(s[b][n][2 * h + 1] - base);
+      const float pair = s[b][n][2 * h] + s[b][n][2 * h + 1];
       part_sum[n % PARTS] = n < PARTS ? pair : part_sum[n % PARTS] + pair;
     }
     float sum = part_sum[0];
@@ -319,21 +344,24 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
     st[i].d += sum;
   }
 
-  // O += P V, 16 keys at a time.
+  // O += P V, 16 keys at a time; each V fragment feeds every row block.
 #pragma unroll
   for (int j = 0; j < WARP_KEYS / 16; ++j) {
-    uint32_t a[4];
-    p_fragment<MT>(a, s[2 * j], s[2 * j + 1]);
+    uint32_t a[ROW_BLOCKS][4];
+#pragma unroll
+    for (int b = 0; b < ROW_BLOCKS; ++b) p_fragment<MT>(a[b], s[b][2 * j], s[b][2 * j + 1]);
 #pragma unroll
     for (int c = 0; c < HEAD_DIM / 16; ++c) {
-      uint32_t b[2][2];
-      load_v_pair<ROW_BYTES>(b, v_tile, key_w / 16 + j, c, lane);
+      uint32_t vb[2][2];
+      load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int n = 2 * c + h;  // dims 8n..8n + 7
-        mma_16816<MT>(st[0].o[2 * n], st[0].o[2 * n + 1], st[1].o[2 * n], st[1].o[2 * n + 1], a,
-                      b[h][0], b[h][1]);
-      }
+      for (int b = 0; b < ROW_BLOCKS; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = 2 * c + h;  // dims 8n..8n + 7
+          mma_16816<MT>(st[2 * b].o[2 * n], st[2 * b].o[2 * n + 1], st[2 * b + 1].o[2 * n],
+                        st[2 * b + 1].o[2 * n + 1], a[b], vb[h][0], vb[h][1]);
+        }
     }
   }
 }
@@ -345,8 +373,9 @@ RTC_DEVICE void attend_tile(State (&st)[2], const uint32_t (&qf)[Q_IN_REGS ? K_S
 constexpr int STATE_FLOATS = 2 + 2 * DIM_TILES;  // m, d, o of one row
 constexpr int COMBINE_BYTES = KV_WARPS > 1 ? (KV_WARPS - 1) * 2 * STATE_FLOATS * 32 * 4 : 0;
 static_assert(COMBINE_BYTES <= RING_BYTES, "the exchange fits in the ring");
+static_assert(KV_WARPS == 1 || ROWS == 2, "warps split the keys of 16-row tiles only");
 
-RTC_DEVICE void combine_warps(State (&st)[2], float* scratch, int kv_warp, int lane) {
+RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, int lane) {
   constexpr int FIELDS = 2 * STATE_FLOATS;
   if (kv_warp > 0) {
     float* mine = scratch + (kv_warp - 1) * FIELDS * 32 + lane;
@@ -376,10 +405,10 @@ RTC_DEVICE void combine_warps(State (&st)[2], float* scratch, int kv_warp, int l
 
 // The rows' results: normalized and written to o / lse (the tile's only item) or as fp32
 // partials to the item's slot.
-RTC_DEVICE void finish_rows(State (&st)[2], const Rows& rows, const PrefillWorkItem& w,
+RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWorkItem& w,
                             const PrefillParams& p, int kv_head, int warp, int g, int t) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < ROWS; ++i) {
     st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
     st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
     const float lse = st[i].lse();
@@ -395,7 +424,7 @@ RTC_DEVICE void finish_rows(State (&st)[2], const Rows& rows, const PrefillWorkI
       if (p.lse != nullptr && t == 0)
         p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
     } else {
-      const int row = 16 * warp + g + 8 * i;
+      const int row = WARP_ROWS * warp + warp_row(i, g);
       const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
       float* o = p.partial_o + at * HEAD_DIM;
 #pragma unroll
@@ -491,13 +520,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   if constexpr (Q_IN_REGS)
 #pragma unroll
     for (int c = 0; c < K_STEPS; ++c)
-      load_a_rows<ROW_BYTES>(qf[c], q_tile, 16 * row_warp, c, lane);
+      load_a_rows<ROW_BYTES>(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
   Rows rows;
   rows.init(w, p, kv_head, row_warp, g);
   LogitTransform<ALIBI, SOFT_CAP> transform;
   transform.init(p.qk_scale, p.soft_cap);
-  State st[2];
-  st[0].init(), st[1].init();
+  State st[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) st[i].init();
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<LOOK - 1>();

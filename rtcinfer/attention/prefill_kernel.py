@@ -37,14 +37,15 @@ class PrefillSpec:
     soft_cap: bool
     kv_dtype: str  # q's, or an fp8 type (widened to q's in shared memory)
     ragged: bool = False  # K/V rows of each request contiguous (no page table to read)
+    warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
 
     @property
     def threads(self) -> int:
-        """A warp per 16 rows; four warps splitting the keys of a 16-row tile."""
-        return 128 if self.tile_rows == 16 else 2 * self.tile_rows
+        """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile."""
+        return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -71,21 +72,31 @@ class PrefillSpec:
             SOFT_CAP=self.soft_cap,
             SMEM_BYTES=self.smem_bytes,
             RAGGED=self.ragged,
+            WARP_ROWS=self.warp_rows,
         )
 
 
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
-    max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False,
+    max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=16,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
-    tile of 64 rows), as deep a ring (3 or 2 stages) as fits beside the Q tile; `ragged`: K/V
-    rows addressed from each request's first row, without a page table."""
-    kv_tile = 32 if head_dim == 256 and tile_rows > 16 else 64
+    tile of 64 rows; 32 with two row blocks a warp), as deep a ring (3 or 2 stages) as fits
+    beside the Q tile; `ragged`: K/V rows addressed from each request's first row, without a
+    page table; `warp_rows`: 16, or 32 in 128-row tiles at head_dim <= 128 without a custom
+    mask (four warps, each K/V fragment feeding two MMAs; not chosen by plan() yet)."""
+    if warp_rows not in (16, 32) or (
+        warp_rows == 32 and (tile_rows != 128 or head_dim > 128 or custom_mask)
+    ):
+        raise ValueError(
+            f"warp_rows {warp_rows} with {tile_rows}-row tiles at head_dim {head_dim}: 16, or 32 "
+            "in 128-row tiles up to head_dim 128 without a custom mask"
+        )
+    kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
     for stages in (3, 2):
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged))  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
