@@ -2,9 +2,18 @@
 
 __version__ = "0.1.0"
 
-# CuPy (with ml_dtypes), the CUDA bindings, PyTorch and JAX are imported by the first call that
-# needs them, not here: `import rtcinfer` stays fast, and the base install (no CUDA extra) can
-# still plan and run the CLI.
+from . import gpu as _gpu
+
+# On a machine with an NVIDIA device, CuPy (which imports ml_dtypes) and the CUDA bindings load
+# with the package, so that the first call does not pay for them (half a second or more);
+# elsewhere (planning, the CLI, CI without a GPU) they wait for the first call that needs them
+# and `import rtcinfer` stays fast. PyTorch and JAX are never imported here.
+if _gpu.nvidia_device_node():
+    try:
+        import cupy as _cupy  # noqa: F401
+        from cuda.bindings import driver as _driver  # noqa: F401
+    except ImportError:  # the base install (no CUDA extra): planning and the CLI still work
+        pass
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .attention.cascade import merge_state, merge_state_in_place, merge_states
 from .attention.decode import (

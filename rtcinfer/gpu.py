@@ -32,6 +32,12 @@ class CudaExtraMissing(GpuUnavailable):
     """The base install: CuPy and the CUDA wheels (the cuda13 or cuda12 extra) are missing."""
 
 
+def nvidia_device_node() -> bool:
+    """Whether this machine exposes an NVIDIA device to processes (Linux /dev/nvidiactl, WSL's
+    /dev/dxg): a file check, no driver call."""
+    return any(os.path.exists(path) for path in ("/dev/nvidiactl", "/dev/dxg"))
+
+
 def driver_cuda_version() -> int | None:
     """The CUDA version the NVIDIA driver supports (1000 * major + 10 * minor), asked of the
     driver library itself, for when CuPy is missing; None without a driver."""
