@@ -27,6 +27,11 @@ from .workspace import region_offsets
 
 WORK_ITEM = record_dtype(jit.source_layout("attention/prefill.cu", "PrefillWorkItem"))
 ITEM_INTS = WORK_ITEM.itemsize // 4
+# field name -> its int in an item (every field of PrefillWorkItem is one int32)
+_ITEM_COLUMN = {name: WORK_ITEM.fields[name][1] // 4 for name in WORK_ITEM.names}
+assert len(_ITEM_COLUMN) == ITEM_INTS and all(
+    WORK_ITEM.fields[name][0] == np.dtype(np.int32) for name in WORK_ITEM.names
+), "PrefillWorkItem is all int32 fields"
 HEADER_INTS = 4
 RAGGED_PAGE = 1 << 30  # a ragged request is one page of this many token slots
 
@@ -107,21 +112,34 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     buf[1:start] = 0
     if freq is not None:
         buf[HEADER_INTS:start] = freq.view(np.int32).reshape(-1)
-    items = buf[start:pages_at].view(WORK_ITEM)
-    tile = plan.work_tile
-    request = plan.tile_request[tile]
-    items["qo_start"] = qo_indptr[:-1][request]
-    items["qo_len"] = plan.qo_len[request]
-    items["kv_len"] = plan.kv_len[request]
-    np.add(first_page[request], pages_at, out=items["page_ids"], casting="unsafe")
-    items["tile_row"] = plan.tile_row[tile]
-    items["kv_begin"] = plan.work_kv_begin
-    items["kv_end"] = plan.work_kv_end
-    items["slot"] = plan.work_slot
-    items["tile"] = tile
-    items["merge_slot"] = plan.tile_slot[tile]
-    items["merge_count"] = plan.tile_items[tile]
-    items["mask_byte"] = 0 if mask_byte is None else mask_byte[request]
+    # The items' fields, one contiguous row each (named by the record's layout), then written
+    # interleaved into the buffer in one transposing copy: faster than 12 strided writes.
+    cols = np.empty((ITEM_INTS, w), np.int32)
+
+    def put(name, values):
+        cols[_ITEM_COLUMN[name]] = values
+
+    if w == plan.num_tiles:  # one item per tile (work_tile is the identity): no gathers
+        tile, request = plan.work_tile, plan.tile_request
+        put("tile_row", plan.tile_row)
+        put("merge_slot", plan.tile_slot)
+        put("merge_count", plan.tile_items)
+    else:
+        tile = plan.work_tile
+        request = plan.tile_request[tile]
+        put("tile_row", plan.tile_row[tile])
+        put("merge_slot", plan.tile_slot[tile])
+        put("merge_count", plan.tile_items[tile])
+    put("qo_start", qo_indptr[:-1][request])
+    put("qo_len", plan.qo_len[request])
+    put("kv_len", plan.kv_len[request])
+    np.add(first_page[request], pages_at, out=cols[_ITEM_COLUMN["page_ids"]], casting="unsafe")
+    put("kv_begin", plan.work_kv_begin)
+    put("kv_end", plan.work_kv_end)
+    put("slot", plan.work_slot)
+    put("tile", tile)
+    put("mask_byte", 0 if mask_byte is None else mask_byte[request])
+    buf[start:pages_at].reshape(w, ITEM_INTS)[:] = cols.T
     buf[pages_at:n] = page_ids
     return n
 
