@@ -133,7 +133,8 @@ def validate_page_table(
     """Check a whole page table against a cache of ``num_pages`` pages; raise on the first error.
 
     kv_indptr: [B+1], 0 = kv_indptr[0] <= kv_indptr[1] <= ...
-    kv_indices: [kv_indptr[-1]], 0 <= kv_indices[i] < num_pages
+    kv_indices: at least kv_indptr[-1] entries (a longer buffer is read only that far, as in
+        FlashInfer), 0 <= kv_indices[i] < num_pages
     kv_last_page_len: [B], in [1, page_size] (0 for a request without pages)
     """
     page_size = as_int("page_size", page_size, minimum=1)
@@ -141,10 +142,11 @@ def validate_page_table(
     _pages_and_lens(kv_indptr, kv_last_page_len, page_size)
     total = int(np.asarray(kv_indptr)[-1])
     indices = as_int_array("kv_indices", kv_indices)
-    if indices.shape[0] != total:
+    if indices.shape[0] < total:
         raise ValueError(
-            f"kv_indices must have kv_indptr[-1] ({total}) entries, got {indices.shape[0]}"
+            f"kv_indices must have at least kv_indptr[-1] ({total}) entries, got {indices.shape[0]}"
         )
+    indices = indices[:total]
     bad = (indices < 0) | (indices >= num_pages)
     if bad.any():
         i = first_bad(bad)

@@ -282,6 +282,10 @@ def test_plan_records_the_largest_page_id(host_wrapper, dtype):
     indices = np.array([5, 900, 3, 2**15 - 1], dtype=dtype)
     host_wrapper.plan([0, 1, 4], indices, [7, 16], 8, 2, 128, 16, q_data_type="bfloat16")
     assert host_wrapper._launch.max_page == 2**15 - 1
+    # a longer, preallocated indices buffer is read only indptr[-1] entries far (FlashInfer)
+    longer = np.concatenate([indices, np.array([30000, 2**15 - 1], dtype=dtype)])
+    host_wrapper.plan([0, 1, 3], longer, [7, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    assert host_wrapper._launch.max_page == 900
 
 
 def _spec(wrapper):

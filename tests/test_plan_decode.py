@@ -286,8 +286,10 @@ def test_validation_errors_name_the_value(indptr, last, page_size, kw, exc, mess
 def test_validate_page_table():
     indptr, indices, last, num_pages = page_table_for([5, 0, 9], 4, np.random.default_rng(1))
     validate_page_table(indptr, indices, last, 4, num_pages)
-    with pytest.raises(ValueError, match=r"kv_indices must have kv_indptr\[-1\] \(5\) entries"):
+    with pytest.raises(ValueError, match=r"must have at least kv_indptr\[-1\] \(5\) entries"):
         validate_page_table(indptr, indices[:-1], last, 4, num_pages)
+    # a longer (preallocated) buffer is read only indptr[-1] entries far, as in FlashInfer
+    validate_page_table(indptr, np.concatenate([indices, [-7, num_pages]]), last, 4, num_pages)
     bad = indices.copy()
     bad[3] = num_pages
     with pytest.raises(ValueError, match=rf"kv_indices\[3\] \({num_pages}\) is not a valid"):

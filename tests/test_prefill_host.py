@@ -98,6 +98,13 @@ def test_paged_plan_reads_the_table(wrappers):
         b = 0 if it["qo_start"] == 0 else 1
         assert it["kv_len"] == [21, 48][b] and it["page_ids"] == pages_at + indptr[b]
     assert wrapper._launch.num_kv_rows == 10  # the largest page id + 1
+    # a preallocated, longer indices buffer: read only indptr[-1] entries far (FlashInfer's
+    # semantics); what lies past them (garbage, invalid ids) is neither checked nor packed
+    wrapper.plan([0, 4, 40], indptr, indices + [-1, 99, 12], last, 8, 2, 128, 16, causal=True,
+                 q_data_type="float16")  # fmt: skip
+    items, plan = items_of(packed)
+    np.testing.assert_array_equal(plan[items_at(128) + ITEM_INTS * items.shape[0] :], indices)
+    assert wrapper._launch.num_kv_rows == 10
 
 
 @pytest.mark.parametrize(
@@ -125,7 +132,7 @@ def test_mismatched_batches_and_bad_page_ids_are_refused(wrappers):
     with pytest.raises(ValueError, match=r"paged_kv_indices\[1\] \(-3\) is not a valid page id"):
         paged.plan([0, 4], [0, 2], np.array([1, -3], np.int32), [16], 8, 2, 128, 16,
                    q_data_type="bfloat16")  # fmt: skip
-    with pytest.raises(ValueError, match=r"must have paged_kv_indptr\[-1\] \(2\) entries"):
+    with pytest.raises(ValueError, match=r"must have at least paged_kv_indptr\[-1\] \(2\) "):
         paged.plan([0, 4], [0, 2], [1], [16], 8, 2, 128, 16, q_data_type="bfloat16")
 
 

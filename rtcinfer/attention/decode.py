@@ -25,7 +25,7 @@ from ..plan._checks import as_int, as_int_array
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
-from .paged_kv import cache_views, check_cache_view, largest_page_id, token_head
+from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
 from .planned import PlannedWrapper, weak_hooks, write_run_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -213,7 +213,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                 "fixed_split_size"
             )
         num_pages = int(kv_indptr[-1])
-        max_page = largest_page_id(kv_indices, num_pages)
+        kv_indices, max_page = page_table_ids(kv_indices, num_pages)
         if self._graph:
             if plan.batch_size > self._max_batch or num_pages > self._max_pages:
                 raise ValueError(

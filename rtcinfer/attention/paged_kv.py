@@ -27,15 +27,25 @@ def check_layout(kv_layout) -> None:
 _UNSIGNED = {4: np.uint32, 8: np.uint64}
 
 
-def largest_page_id(indices: np.ndarray, num_pages: int, names=("indices", "indptr")) -> int:
-    """The largest page id of a page table's host `indices` (-1 without pages), after checking
-    it has indptr[-1] = num_pages entries, each a valid page id (0 <= id < 2^31); `names`:
-    (indices, indptr) as the caller calls them. Whether the ids fit the cache is run()'s
-    check."""
-    if indices.shape[0] != num_pages:
+def page_table_ids(
+    indices: np.ndarray, num_pages: int, names=("indices", "indptr")
+) -> tuple[np.ndarray, int]:
+    """(the first indptr[-1] = num_pages entries of a page table's host `indices`, their
+    largest page id or -1 without pages). As in FlashInfer, a longer `indices` (a preallocated
+    buffer) is read only that far; a shorter one is refused. Each id read must be a valid page
+    id (0 <= id < 2^31); whether the ids fit the cache is run()'s check. `names`: (indices,
+    indptr) as the caller calls them."""
+    if indices.shape[0] < num_pages:
         raise ValueError(
-            f"{names[0]} must have {names[1]}[-1] ({num_pages}) entries, got {indices.shape[0]}"
+            f"{names[0]} must have at least {names[1]}[-1] ({num_pages}) entries, got "
+            f"{indices.shape[0]}"
         )
+    indices = indices[:num_pages]
+    return indices, _largest(indices, names[0])
+
+
+def _largest(indices: np.ndarray, name: str) -> int:
+    num_pages = indices.shape[0]
     if not num_pages:
         return -1
     # One reduction: seen as unsigned (of at least 32 bits), a negative id is larger than any
@@ -44,7 +54,7 @@ def largest_page_id(indices: np.ndarray, num_pages: int, names=("indices", "indp
     largest = int(np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize])))
     if largest > INT32_MAX:
         i = first_bad((indices < 0) | (indices > INT32_MAX))
-        raise ValueError(f"{names[0]}[{i}] ({int(indices[i])}) is not a valid page id")
+        raise ValueError(f"{name}[{i}] ({int(indices[i])}) is not a valid page id")
     return largest
 
 
@@ -113,4 +123,4 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
 
 
 __all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
-           "check_strides_fit", "paged_view", "token_head"]  # fmt: skip
+           "check_strides_fit", "page_table_ids", "paged_view", "token_head"]  # fmt: skip

@@ -29,7 +29,7 @@ from ..plan._checks import as_int_array, indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
-from .paged_kv import cache_views, check_cache_view, largest_page_id, token_head
+from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
 from .planned import PlannedWrapper, weak_hooks, write_run_arguments
 from .prefill_kernel import kernel, prefill_spec
 from .prefill_mask import packed_mask
@@ -465,8 +465,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             )
         page = int(page_size) if not isinstance(page_size, bool) else page_size
         _, _, kv_len, _ = _pages_and_lens(indptr, last, max(page, 1))
-        max_page = largest_page_id(indices, int(indptr[-1]),
-                                   ("paged_kv_indices", "paged_kv_indptr"))  # fmt: skip
+        indices, max_page = page_table_ids(indices, int(indptr[-1]),
+                                           ("paged_kv_indices", "paged_kv_indptr"))  # fmt: skip
         args = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, pos_encoding_mode,
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
