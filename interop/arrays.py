@@ -28,6 +28,19 @@ def dtype_name(x) -> str:
     return normalize(x.dtype)
 
 
+def cast(x, dtype: str, keep: tuple[str, ...] = ()):
+    """x in dtype (a canonical name), converted by its own framework (PyTorch .to, CuPy and
+    JAX .astype: a new array on x's device, inside jax.jit a traced convert), or x itself when
+    its dtype is dtype or one of `keep`; other objects are returned as they are, for the call
+    path to accept or refuse by name."""
+    fw = framework(x)
+    if fw not in ("torch", "cupy", "jax") or normalize(x.dtype) in (dtype, *keep):
+        return x
+    if fw == "torch":
+        return x.to(getattr(sys.modules["torch"], dtype))
+    return x.astype(dtype)
+
+
 def _describe(x) -> str:
     shape = tuple(getattr(x, "shape", ()))
     return f"{type(x).__module__}.{type(x).__qualname__} of shape {shape}"

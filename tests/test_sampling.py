@@ -245,6 +245,33 @@ def test_per_row_parameters(rng):
             assert keep[np.arange(rows), tokens.get()].all(), op
 
 
+def test_parameter_arrays_of_other_dtypes_are_converted(rng):
+    """As FlashInfer: a min_p or top_p tensor of ints (torch.full((B,), 1) is int64) counts as
+    float32, a float top_k as int32; the draws equal those with the scalar (same seed)."""
+    torch = pytest.importorskip("torch")
+    rows, vocab = 32, 5000
+    probs = torch.from_numpy(probs_rows(rng, rows, vocab, 2.0)).cuda()
+    draw = dict(seed=4, offset=0)
+    ones = torch.full((rows,), 1, device="cuda")  # int64
+    assert ones.dtype == torch.int64
+    for got, want in [
+        (rtcinfer.top_p_sampling_from_probs(probs, ones, **draw),
+         rtcinfer.top_p_sampling_from_probs(probs, 1.0, **draw)),
+        (rtcinfer.min_p_sampling_from_probs(probs, torch.zeros(rows, dtype=torch.int32,
+                                                               device="cuda"), **draw),
+         rtcinfer.min_p_sampling_from_probs(probs, 0.0, **draw)),
+        (rtcinfer.top_k_sampling_from_probs(probs, torch.full((rows,), 7.0, device="cuda"),
+                                            **draw),
+         rtcinfer.top_k_sampling_from_probs(probs, 7, **draw)),
+        (rtcinfer.top_k_renorm_probs(probs, torch.full((rows,), 9.0, device="cuda")),
+         rtcinfer.top_k_renorm_probs(probs, 9)),
+    ]:  # fmt: skip
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"top_p: .* got a rank-2 float32 array of shape "
+                                         r"\(32, 1\)"):  # fmt: skip
+        rtcinfer.top_p_sampling_from_probs(probs, torch.ones((rows, 1), device="cuda"), **draw)
+
+
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 def test_indices_map_outputs_to_rows_and_set_the_dtype(rng, index_dtype):
     cp = cupy()

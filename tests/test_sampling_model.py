@@ -315,10 +315,15 @@ def test_argument_errors_name_what_they_received():
         return prepare(sample_op, (op, False), *arrays)
 
     with pytest.raises(ValueError, match=r"top_k: expected a scalar or a int32/int64 array of "
-                                         r"shape \(4,\), got float32 of shape \(4,\)"):  # fmt: skip
+                                         r"shape \(4,\), got a rank-1 float32 array of shape "
+                                         r"\(4,\)"):  # fmt: skip
         sample("top_k", probs, top_k=np.zeros(4, np.float32))
-    with pytest.raises(ValueError, match=r"top_p: .* shape \(4,\), got float32 of shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"top_p: .* shape \(4,\), got a rank-1 float32 array of "
+                                         r"shape \(3,\)"):  # fmt: skip
         sample("top_p", probs, top_p=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"top_p: .* shape \(4,\), got a rank-2 float32 array of "
+                                         r"shape \(4, 1\)"):  # fmt: skip
+        sample("top_p", probs, top_p=np.zeros((4, 1), np.float32))
     with pytest.raises(ValueError, match="filter_apply_order must be 'top_k_first' or 'joint'"):
         rtcinfer.top_k_top_p_sampling_from_probs(probs, 3, 0.5, filter_apply_order="both")
     with pytest.raises(ValueError, match=r"probs: expected shape \(batch, vocab\)"):

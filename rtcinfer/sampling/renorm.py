@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call
+from ..interop.arrays import cast
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import (
@@ -73,13 +74,17 @@ _NUMBERS = (int, float, np.integer, np.floating)
 
 def per_row(value, kind: type) -> tuple:
     """(scalar, None) for a per-row parameter given as a number (kind int or float; ints are
-    clamped to int32, where <= 0 and >= vocab already mean the same); (kind(0), value) for an
-    array of one entry per row (checked by the op's prepare)."""
+    clamped to int32, where <= 0 and >= vocab already mean the same); (kind(0), array) for an
+    array of one entry per row (its shape checked by the op's prepare), converted as FlashInfer
+    does by the caller's framework when its dtype is another: to int32 for kind int (int64
+    kept), to float32 for kind float (a min_p from torch.full((B,), 1) is int64)."""
     if isinstance(value, _NUMBERS) and not isinstance(value, bool):
         if kind is int:
             return max(-(2**31), min(int(value), 2**31 - 1)), None
         return float(value), None
-    return kind(0), value
+    if kind is int:
+        return 0, cast(value, "int32", keep=("int64",))
+    return 0.0, cast(value, "float32")
 
 
 # Each op's parameter (its name in messages, the dtypes of its per-row array); the field of
@@ -108,7 +113,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
         if param.dtype not in dtypes or param.shape != (rows,):
             raise ValueError(
                 f"{name}: expected a scalar or a {'/'.join(dtypes)} array of shape "
-                f"({rows},), got {param.dtype} of shape {param.shape}"
+                f"({rows},), got a rank-{len(param.shape)} {param.dtype} array of shape "
+                f"{param.shape}"
             )
     _, _, xs, _ = leading_rows(x, arg)
     ys = vocab  # the output is allocated dense

@@ -111,7 +111,7 @@ def _check_param(name: str, info, batch: int, dtypes: tuple[str, ...]) -> None:
     if info is not None and (info.dtype not in dtypes or info.shape != (batch,)):
         raise ValueError(
             f"{name}: expected a scalar or a {'/'.join(dtypes)} array of shape ({batch},), "
-            f"got {info.dtype} of shape {info.shape}"
+            f"got a rank-{len(info.shape)} {info.dtype} array of shape {info.shape}"
         )
 
 
