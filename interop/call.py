@@ -399,8 +399,9 @@ def _jax_info(x, name: str) -> ArrayInfo | None:
 
 
 def _call_jax(op: Op, arrays, static, scalars):
-    if any(arrays[i] is not None for i in op.given):
-        raise TypeError("out= is not supported for JAX arrays (they are immutable)")
+    for i in op.given:
+        if arrays[i] is not None:
+            raise TypeError(f"{op.slots[i]}= is not supported for JAX arrays (they are immutable)")
     key = ["jax", op, static]
     for x, name in zip(arrays, op.slots, strict=True):
         if x is None:

@@ -31,7 +31,8 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray:
     return seq_lens.astype(np.int32)
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None,
+                                positions=None):  # fmt: skip
     """Request id and cache position of every appended token (CSR -> COO).
 
         for b, t in enumerate(range(append_indptr[b], append_indptr[b + 1])):
@@ -39,9 +40,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
             positions[t] = seq_lens[b] - append_indptr[b + 1] + t
 
     ``seq_lens`` are the lengths *after* the append, so the new tokens of request b sit at the
-    end of its sequence. Returns two int32[nnz] arrays. ``nnz`` may exceed
-    ``append_indptr[-1]`` (a padded buffer); the tail entries are set to -1 (FlashInfer leaves
-    them unwritten).
+    end of its sequence. Returns two int32[nnz] arrays: ``batch_indices`` and ``positions``
+    when given (int32 NumPy arrays of shape (nnz,), written), else new ones. ``nnz`` may exceed
+    ``append_indptr[-1]`` (a padded buffer); the tail entries are set to -1.
     """
     indptr = as_int_array("append_indptr", append_indptr)
     lens = as_int_array("seq_lens", seq_lens)
@@ -65,10 +66,25 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
             f"seq_lens[{b}] ({int(lens[b])}) is smaller than the {int(counts[b])} tokens "
             f"appended to request {b}"
         )
-    batch_indices = np.full(nnz, -1, dtype=np.int32)
-    positions = np.full(nnz, -1, dtype=np.int32)
+    batch_indices = _output("batch_indices", batch_indices, nnz)
+    positions = _output("positions", positions, nnz)
+    batch_indices[total:] = -1
+    positions[total:] = -1
     request = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
     token = np.arange(total, dtype=np.int64)
     batch_indices[:total] = request
     positions[:total] = token + (lens - indptr[1:])[request]
     return batch_indices, positions
+
+
+def _output(name: str, buffer, nnz: int) -> np.ndarray:
+    """A caller's int32 [nnz] NumPy buffer to write, or a new one."""
+    if buffer is None:
+        return np.empty(nnz, dtype=np.int32)
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != np.int32 or buffer.shape != (nnz,):
+        raise ValueError(
+            f"{name}: expected an int32 NumPy array of shape ({nnz},) like append_indptr, got "
+            f"{type(buffer).__name__} {getattr(buffer, 'dtype', '')} of shape "
+            f"{getattr(buffer, 'shape', None)}"
+        )
+    return buffer

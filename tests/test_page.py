@@ -36,6 +36,16 @@ def test_seq_lens_and_positions_match_numpy(rng):
     want_bi, want_pos = host_page.get_batch_indices_positions(append_indptr, want, nnz)
     np.testing.assert_array_equal(to_host(bi), want_bi)
     np.testing.assert_array_equal(to_host(pos), want_pos)
+    # the caller's buffers (FlashInfer's preallocated outputs): written and returned
+    given = to_gpu(np.full(nnz, 99, np.int32)), to_gpu(np.full(nnz, 99, np.int32))
+    bi, pos = rtcinfer.get_batch_indices_positions(to_gpu(append_indptr), seq_lens, nnz, *given)
+    assert bi is given[0] and pos is given[1]
+    np.testing.assert_array_equal(to_host(bi), want_bi)
+    np.testing.assert_array_equal(to_host(pos), want_pos)
+    with pytest.raises(ValueError, match=r"batch_indices: expected a contiguous int32 array of "
+                                         r"shape \(11,\), got int32 of shape \(10,\)"):  # fmt: skip
+        rtcinfer.get_batch_indices_positions(to_gpu(append_indptr), seq_lens, nnz,
+                                             to_gpu(np.zeros(10, np.int32)))  # fmt: skip
 
 
 CASES = [

@@ -32,8 +32,9 @@ def info(x) -> ArrayInfo:
 def prepare(op, arrays, static, align=16):
     """What call() does for a new signature, with host arrays seen as device arrays whose
     addresses are all aligned to `align` bytes (at most 16)."""
-    infos = [x if isinstance(x, ArrayInfo) else info(x) for x in arrays]
-    return op.prepare([i._replace(offset=align % 16) for i in infos], align, static)
+    infos = [x if isinstance(x, ArrayInfo) or x is None else info(x) for x in arrays]
+    infos = [i if i is None else i._replace(offset=align % 16) for i in infos]
+    return op.prepare(infos, align, static)
 
 
 def _table():
@@ -163,12 +164,19 @@ def test_index_ops(monkeypatch):
     assert (p["batch_size"], p["page_size"]) == (3, 16)
     with pytest.raises(TypeError, match="kv_last_page_len: device index arrays must be int32"):
         prepare(page._SEQ_LENS, (indptr, last.astype(np.int64)), ())
-    prep = prepare(page._POSITIONS, (indptr, last), (11,))
+    prep = prepare(page._POSITIONS, (indptr, last, None, None), (11,))
     assert [o.shape for o in prep.outs] == [(11,), (11,)] and prep.dense == ()  # contiguous
-    _, p = launched(monkeypatch, prep, [0x100, 0x200, 0x300, 0x400])
-    assert (p["batch_indices"], p["positions"], p["batch_size"], p["nnz"]) == (0x300, 0x400, 3, 11)
+    assert [o.source for o in prep.outs] == [None, None]  # allocated
+    _, p = launched(monkeypatch, prep, [0x100, 0x200, 0, 0, 0x500, 0x600])
+    assert (p["batch_indices"], p["positions"], p["batch_size"], p["nnz"]) == (0x500, 0x600, 3, 11)
+    given = np.zeros(11, np.int32)
+    prep = prepare(page._POSITIONS, (indptr, last, given, given), (11,))
+    assert [o.source for o in prep.outs] == [2, 3]  # the caller's buffers
     with pytest.raises(ValueError, match=r"append_indptr must have shape \(4,\), got \(3,\)"):
-        prepare(page._POSITIONS, (indptr[:3], last), (11,))
+        prepare(page._POSITIONS, (indptr[:3], last, None, None), (11,))
+    with pytest.raises(ValueError, match=r"positions: expected a contiguous int32 array of "
+                                         r"shape \(11,\), got int64 of shape \(11,\)"):  # fmt: skip
+        prepare(page._POSITIONS, (indptr, last, None, given.astype(np.int64)), (11,))
 
 
 def test_nnz_is_any_integral_value():

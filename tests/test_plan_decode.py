@@ -335,6 +335,16 @@ def test_get_batch_indices_positions_known_values():
     batch, pos = get_batch_indices_positions([0, 2, 2], [7, 3], 4)
     np.testing.assert_array_equal(batch, [0, 0, -1, -1])
     np.testing.assert_array_equal(pos, [5, 6, -1, -1])
+    # the caller's buffers (FlashInfer's preallocated outputs), written whole and returned
+    out_b, out_p = np.full(4, 99, np.int32), np.full(4, 99, np.int32)
+    batch, pos = get_batch_indices_positions([0, 2, 2], [7, 3], 4, out_b, positions=out_p)
+    assert batch is out_b and pos is out_p
+    np.testing.assert_array_equal(out_b, [0, 0, -1, -1])
+    np.testing.assert_array_equal(out_p, [5, 6, -1, -1])
+    with pytest.raises(ValueError, match=r"positions: expected an int32 NumPy array of "
+                                         r"shape \(4,\) like append_indptr, got ndarray "
+                                         r"int64"):  # fmt: skip
+        get_batch_indices_positions([0, 2, 2], [7, 3], 4, positions=np.zeros(4, np.int64))
 
 
 def test_get_batch_indices_positions_errors():

@@ -279,11 +279,23 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     return call(_SEQ_LENS, (kv_indptr, kv_last_page_len), (), (page_size,))
 
 
+def _check_given(name: str, info, nnz: int) -> None:
+    """A caller's output buffer: a contiguous int32 array of shape (nnz,)."""
+    if info is not None and (info.dtype != "int32" or info.shape != (nnz,) or not info.contiguous):
+        raise ValueError(
+            f"{name}: expected a contiguous int32 array of shape ({nnz},), got {info.dtype} of "
+            f"shape {info.shape}"
+        )
+
+
 def _prepare_positions(infos, align: int, static: tuple) -> Prepared:
-    """Slots: append_indptr, seq_lens -> (batch_indices, positions) [nnz]; static: (nnz,)."""
-    append_indptr, seq_lens = infos
+    """Slots: append_indptr, seq_lens, and the caller's batch_indices and positions buffers
+    if given -> (batch_indices, positions) [nnz]; static: (nnz,)."""
+    append_indptr, seq_lens, given_indices, given_positions = infos
     batch = _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
     (nnz,) = static
+    _check_given("batch_indices", given_indices, nnz)
+    _check_given("positions", given_positions, nnz)
     kernel = Kernel(INDEX_SPEC, "batch_indices_positions_kernel", "BatchIndicesPositionsParams")
     launch = Launch(kernel, (-(-nnz // THREADS), 1, 1), (THREADS, 1, 1))
     p = launch.params
@@ -292,28 +304,34 @@ def _prepare_positions(infos, align: int, static: tuple) -> Prepared:
     def run(stream, device, ptrs, scalars):
         with launch.lock:
             p.append_indptr, p.seq_lens = ptrs[0], ptrs[1]
-            p.batch_indices, p.positions = ptrs[2], ptrs[3]
+            p.batch_indices, p.positions = ptrs[4], ptrs[5]  # the outputs follow the slots
             launch(stream, device)
 
-    outs = (OutSlot((nnz,), "int32"), OutSlot((nnz,), "int32"))
+    outs = (OutSlot((nnz,), "int32", 2 if given_indices is not None else None),
+            OutSlot((nnz,), "int32", 3 if given_positions is not None else None))  # fmt: skip
     dense = tuple(i for i in (0, 1) if not infos[i].contiguous)
     return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
-_POSITIONS = Op("get_batch_indices_positions", ("append_indptr", "seq_lens"), _prepare_positions)
+_POSITIONS = Op("get_batch_indices_positions",
+                ("append_indptr", "seq_lens", "batch_indices", "positions"), _prepare_positions,
+                given=("batch_indices", "positions"))  # fmt: skip
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices=None,
+                                positions=None):  # fmt: skip
     """(batch_indices, positions), int32 [nnz], of every appended token (CSR to COO):
     b owns tokens append_indptr[b]:append_indptr[b + 1], at positions ending at seq_lens[b];
-    entries past append_indptr[-1] (a padded nnz) are -1. Host arrays use NumPy, and are
-    checked (seq_lens[b] covers the appended tokens, nnz >= append_indptr[-1]); device arrays
-    are not: a seq_lens[b] shorter than its append gives negative positions, which
-    append_paged_kv_cache skips as padding."""
+    entries past append_indptr[-1] (a padded nnz) are -1. batch_indices, positions: buffers
+    to write (int32 [nnz], as FlashInfer's preallocated outputs), returned; else allocated.
+    Host arrays use NumPy, and are checked (seq_lens[b] covers the appended tokens, nnz >=
+    append_indptr[-1]); device arrays are not: a seq_lens[b] shorter than its append gives
+    negative positions, which append_paged_kv_cache skips as padding."""
     if not _on_device(append_indptr):
-        return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+        return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz,
+                                                     batch_indices, positions)  # fmt: skip
     nnz = as_int("nnz", nnz, minimum=0)
-    return call(_POSITIONS, (append_indptr, seq_lens), (nnz,))
+    return call(_POSITIONS, (append_indptr, seq_lens, batch_indices, positions), (nnz,))
 
 
 def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
