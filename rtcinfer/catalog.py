@@ -120,7 +120,8 @@ def shipped_specs() -> list:
     specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
               for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
                                      ("float32", False, False)]]  # fmt: skip
-    specs += [page.PageSpec(256, 16), page.PageSpec(64, 4)]  # page.INDEX_SPEC is PageSpec(16, 16)
+    specs += [page.PageSpec(256, 16), page.PageSpec(64, 4), page.PageSpec(256, 16, "int64")]
+    specs += list(page.INDEX_SPECS.values())
     specs += sampling_specs()
     specs += [bitpack.PackbitsSpec(True, "int32"), bitpack.PackbitsSpec(False, "int64")]
     return list(dict.fromkeys(specs))

@@ -89,17 +89,22 @@ def _paged(m, kv_dtype: str, arrays, lengths, page_size: int):
 
 
 def _append(m, kv_dtype: str, arrays, cache, table, page_size: int) -> None:
-    """One new token per request, written by the device index ops' positions, into the cache
-    as one array and as a (k, v) pair."""
-    indptr, indices, last = (arrays.ints(x) for x in table)
+    """One new token per request, written by the device index ops' positions (int32), into the
+    cache as one array and as a (k, v) pair, through a page table of int32 and of int64; and
+    with int64 positions of the engine's own."""
     batch = len(table[2])
-    seq_lens = rtcinfer.get_seq_lens(indptr, last, page_size)
-    bi, pos = rtcinfer.get_batch_indices_positions(arrays.ints(np.arange(batch + 1)), seq_lens,
-                                                   batch)  # fmt: skip
     rows = [arrays.zeros((batch, m.num_kv_heads, m.head_dim), kv_dtype) for _ in range(2)]
-    rtcinfer.append_paged_kv_cache(*rows, bi, pos, cache, indices, indptr, last)
-    rtcinfer.append_paged_kv_cache(*rows, bi, pos, (cache[:, 0], cache[:, 1]), indices, indptr,
-                                   last)  # fmt: skip
+    for index in ("int32", "int64"):
+        indptr, indices, last = (arrays.ints(x, index) for x in table)
+        seq_lens = rtcinfer.get_seq_lens(indptr, last, page_size)
+        bi, pos = rtcinfer.get_batch_indices_positions(arrays.ints(np.arange(batch + 1), index),
+                                                       seq_lens, batch)  # fmt: skip
+        for rows_index in ("int32", "int64"):
+            if rows_index == "int64":
+                bi, pos = (arrays.ints(np.zeros(batch), "int64") for _ in range(2))
+            rtcinfer.append_paged_kv_cache(*rows, bi, pos, cache, indices, indptr, last)
+            rtcinfer.append_paged_kv_cache(*rows, bi, pos, (cache[:, 0], cache[:, 1]), indices,
+                                           indptr, last)  # fmt: skip
 
 
 def _decode(m, dtype: str, kv_dtype: str, arrays) -> None:

@@ -139,6 +139,42 @@ def test_append_skips_padding_and_takes_tokens_in_any_order(rng, added):
         _append_matches_reference(batch, keys, values, bi, pos)
 
 
+@pytest.mark.parametrize("table_dtype, rows_dtype",
+                         [("int64", "int32"), ("int32", "int64"), ("int64", "int64")])  # fmt: skip
+def test_int64_index_arrays(rng, table_dtype, rows_dtype):
+    """int64 page tables (PyTorch's default integer) and int64 batch_indices / positions, each
+    group of one type, as FlashInfer takes them: the index ops and the append equal the int32
+    results and the reference append bit for bit, padding rows included."""
+    lengths, added = [37, 16, 5, 64, 300], 3
+    append_indptr = np.arange(len(lengths) + 1) * added
+    nnz = int(append_indptr[-1]) + 4  # padded
+    batch = make_batch(rng, lengths)
+    seq_lens = rtcinfer.get_seq_lens(to_gpu(batch.indptr.astype(table_dtype)),
+                                     to_gpu(batch.last.astype(table_dtype)), 16)  # fmt: skip
+    assert to_host(seq_lens).tolist() == lengths
+    assert str(seq_lens.dtype) == table_dtype
+    bi, pos = rtcinfer.get_batch_indices_positions(to_gpu(append_indptr.astype(table_dtype)),
+                                                   seq_lens, nnz)  # fmt: skip
+    want_bi, want_pos = host_page.get_batch_indices_positions(append_indptr, lengths, nnz)
+    np.testing.assert_array_equal(to_host(bi), want_bi)
+    np.testing.assert_array_equal(to_host(pos), want_pos)
+    keys, values = (random_values(rng, (nnz, 2, 128), "bfloat16") for _ in range(2))
+    expected = ref.append_paged_kv_cache_ref(
+        keys, values, want_bi, want_pos, batch.cache, batch.indices, batch.indptr, batch.last
+    )
+    table = [to_gpu(x.astype(table_dtype)) for x in (batch.indices, batch.indptr, batch.last)]
+    rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values),
+                                   to_gpu(want_bi.astype(rows_dtype)),
+                                   to_gpu(want_pos.astype(rows_dtype)), batch.cache_dev,
+                                   *table)  # fmt: skip
+    np.testing.assert_array_equal(to_host(batch.cache_dev), expected.astype(np.float64))
+    with pytest.raises(TypeError, match="batch_indices and positions must be both int32"):
+        rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values),
+                                       to_gpu(want_bi.astype(np.int64)),
+                                       to_gpu(want_pos.astype(np.int32)), batch.cache_dev,
+                                       *table)  # fmt: skip
+
+
 def test_append_rejects_mismatched_rows(rng):
     batch = make_batch(rng, [10, 3])
     keys = to_gpu(random_values(rng, (2, 2, 128), "bfloat16"))

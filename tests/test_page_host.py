@@ -79,8 +79,38 @@ def test_the_table_shapes_must_match():
     indices, indptr, last = _table()
     with pytest.raises(ValueError, match=r"kv_indptr must have shape \(2,\), got \(3,\)"):
         prepare(page._APPEND, (keys, keys, idx, idx, cache, indices, indptr, last[:1]), ("NHD",))
-    with pytest.raises(TypeError, match="batch_indices: device index arrays must be int32"):
+    with pytest.raises(
+        TypeError,
+        match="batch_indices and positions must be both int32 or both "
+        "int64 .*, got batch_indices int64, positions int32",
+    ):
         prepare(page._APPEND, (keys, keys, idx.astype(np.int64), idx, cache, *_table()), ("NHD",))
+    with pytest.raises(TypeError, match=r"kv_indices, kv_indptr and kv_last_page_len must be all "
+                                        r"int32 or all int64 \(device index arrays\), got "
+                                        r"kv_indices int32, kv_indptr int16"):  # fmt: skip
+        prepare(page._APPEND, (keys, keys, idx, idx, cache, indices, indptr.astype(np.int16),
+                               last), ("NHD",))  # fmt: skip
+
+
+def test_index_arrays_of_int64_pick_their_kernel(monkeypatch):
+    """int64 page tables and int64 batch_indices / positions (each group of one type; the
+    positions get_batch_indices_positions gives are int32) select kernels compiled for them;
+    the index ops take int64 too, get_seq_lens keeping the dtype."""
+    keys = np.zeros((2, 2, 128), np.float16)
+    cache = np.zeros((3, 2, 16, 2, 128), np.float16)
+    table32 = _table()
+    table64 = [x.astype(np.int64) for x in table32]
+    for rows, table in [(np.int32, table64), (np.int64, table32), (np.int64, table64)]:
+        idx = np.zeros(2, rows)
+        prep = prepare(page._APPEND, (keys, keys, idx, idx, cache, *table), ("NHD",))
+        launch, _ = launched(monkeypatch, prep, [0x100 * (i + 1) for i in range(8)] + [0x10000])
+        spec = launch.kernel.spec
+        assert (spec.index_dtype, spec.row_index_dtype) == (table[0].dtype.name, idx.dtype.name)
+    indptr, last = table64[1], table64[2]
+    prep = prepare(page._SEQ_LENS, (indptr, last), ())
+    assert prep.outs[0].dtype == "int64"
+    prep = prepare(page._POSITIONS, (indptr, last, None, None), (5,))
+    assert [o.dtype for o in prep.outs] == ["int32", "int32"]
 
 
 def _append_5d(cache, kv_layout="NHD", key_dtype=None):
@@ -162,7 +192,8 @@ def test_index_ops(monkeypatch):
     _, p = launched(monkeypatch, prep, [0x100, 0x200, 0x300], (16,))
     assert (p["kv_indptr"], p["last"], p["seq_lens"]) == (0x100, 0x200, 0x300)
     assert (p["batch_size"], p["page_size"]) == (3, 16)
-    with pytest.raises(TypeError, match="kv_last_page_len: device index arrays must be int32"):
+    with pytest.raises(TypeError, match="kv_indptr and kv_last_page_len must be both int32 or "
+                                        "both int64"):  # fmt: skip
         prepare(page._SEQ_LENS, (indptr, last.astype(np.int64)), ())
     prep = prepare(page._POSITIONS, (indptr, last, None, None), (11,))
     assert [o.shape for o in prep.outs] == [(11,), (11,)] and prep.dense == ()  # contiguous

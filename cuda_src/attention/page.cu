@@ -17,8 +17,10 @@
 // uniform append, which the compiler folded back into kv_indptr[b]; and, forcing that read and
 // the K/V reads ahead of everything, a kernel whose CTAs resolve each token's page once in
 // shared memory (two dependent reads instead of three): equal times.
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA), the
-// BadIndex enum.
+// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA), IDX (the
+// page table's and the index kernels' arrays: int32_t or int64_t, as the caller gives them),
+// ROW_IDX (append's batch_indices and positions, likewise), the BadIndex enum. 64-bit entries
+// are checked in 64 bits before they narrow.
 #include "bad_index.cuh"
 #include "paged_kv.cuh"
 
@@ -31,13 +33,13 @@ static_assert(ROW_BYTES % VEC == 0, "whole units per row");
 struct AppendParams {
   const char* key;              // [nnz, H, D] at t * key_token + h * key_head (bytes)
   const char* value;            // [nnz, H, D] at t * value_token + h * value_head (bytes)
-  const int* batch_indices;     // [nnz]
-  const int* positions;         // [nnz]
+  const ROW_IDX* batch_indices;  // [nnz]
+  const ROW_IDX* positions;      // [nnz]
   char* k_cache;                // page, slot, head at page * kp + slot * kt + head * kh bytes
   char* v_cache;                // page, slot, head at page * vp + slot * vt + head * vh bytes
-  const int* kv_indices;        // [num_indices]
-  const int* kv_indptr;         // [B + 1]
-  const int* kv_last_page_len;  // [B]
+  const IDX* kv_indices;        // [num_indices]
+  const IDX* kv_indptr;         // [B + 1]
+  const IDX* kv_last_page_len;  // [B]
   BadIndexRecord* bad;          // this device's record of bad entries (device memory)
   BadIndexRecord* bad_host;     // its host copy (pinned host memory, mapped)
   int64_t key_token, key_head, value_token, value_head;
@@ -52,13 +54,13 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     append_kernel(const __grid_constant__ AppendParams params) {
   const char* __restrict__ key = params.key;
   const char* __restrict__ value = params.value;
-  const int* __restrict__ batch_indices = params.batch_indices;
-  const int* __restrict__ positions = params.positions;
+  const ROW_IDX* __restrict__ batch_indices = params.batch_indices;
+  const ROW_IDX* __restrict__ positions = params.positions;
   char* __restrict__ k_cache = params.k_cache;
   char* __restrict__ v_cache = params.v_cache;
-  const int* __restrict__ kv_indices = params.kv_indices;
-  const int* __restrict__ kv_indptr = params.kv_indptr;
-  const int* __restrict__ kv_last_page_len = params.kv_last_page_len;
+  const IDX* __restrict__ kv_indices = params.kv_indices;
+  const IDX* __restrict__ kv_indptr = params.kv_indptr;
+  const IDX* __restrict__ kv_last_page_len = params.kv_last_page_len;
   const int64_t key_token = params.key_token, key_head = params.key_head;
   const int64_t value_token = params.value_token, value_head = params.value_head;
   const int64_t kp = params.kp, kt = params.kt, kh = params.kh;
@@ -76,28 +78,31 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const Unit k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
   const Unit v =
       __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
-  const int b = __ldg(batch_indices + t), p = __ldg(positions + t);
-  if (b < 0 || p < 0) return;  // padding
+  const ROW_IDX b_entry = __ldg(batch_indices + t), p_entry = __ldg(positions + t);
+  if (b_entry < 0 || p_entry < 0) return;  // padding
   // Every thread of a bad row skips it; its first unit's thread reports it (once per row).
   const bool reporter = h == 0 && byte == 0;
-  if (b >= params.batch_size) {
+  if (b_entry >= params.batch_size) {
     if (reporter) {
-      report_bad_index(params.bad, params.bad_host, BadIndex::BATCH_INDICES, t, b,
-                       params.batch_size);
+      report_bad_index(params.bad, params.bad_host, BadIndex::BATCH_INDICES, t,
+                       saturate_int(b_entry), params.batch_size);
     }
     return;
   }
+  const int b = int(b_entry);
   // Three independent reads: the bounds of request b cost no extra step in the chain to the
   // page id.
-  const int begin = __ldg(kv_indptr + b), end = __ldg(kv_indptr + b + 1);
-  const int last = __ldg(kv_last_page_len + b);
+  const IDX begin = __ldg(kv_indptr + b), end = __ldg(kv_indptr + b + 1);
+  const IDX last = __ldg(kv_last_page_len + b);
+  const bool narrow = sizeof(ROW_IDX) == 4 || p_entry <= 0x7fffffff;  // FastDiv takes 31 bits
+  const int p = int(narrow ? p_entry : 0x7fffffff);
   const int page_in_request = page_div.div(p);
-  const int64_t pages = int64_t(end) - begin;
-  const int64_t seq_len = (pages > 1 ? pages - 1 : 0) * page_size + last;
-  if (page_in_request >= pages || p >= seq_len) {
+  const int64_t pages = int64_t(end) - int64_t(begin);
+  const int64_t seq_len = (pages > 1 ? pages - 1 : 0) * page_size + int64_t(last);
+  if (!narrow || page_in_request >= pages || p >= seq_len) {
     if (reporter) {
-      report_bad_index(params.bad, params.bad_host, BadIndex::POSITIONS, t, p,
-                       saturate_int(seq_len < 0 ? 0 : seq_len));
+      report_bad_index(params.bad, params.bad_host, BadIndex::POSITIONS, t,
+                       saturate_int(p_entry), saturate_int(seq_len < 0 ? 0 : seq_len));
     }
     return;
   }
@@ -109,11 +114,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
     return;
   }
-  const int page = __ldg(kv_indices + entry);
+  const IDX page = __ldg(kv_indices + entry);
   if (page < 0 || page >= params.num_pages) {
     if (reporter) {
-      report_bad_index(params.bad, params.bad_host, BadIndex::KV_INDICES, int(entry), page,
-                       params.num_pages);
+      report_bad_index(params.bad, params.bad_host, BadIndex::KV_INDICES, int(entry),
+                       saturate_int(page), params.num_pages);
     }
     return;
   }
@@ -123,26 +128,26 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 struct SeqLensParams {
-  const int* kv_indptr;  // [B + 1]
-  const int* last;       // [B]
-  int* seq_lens;         // [B]
+  const IDX* kv_indptr;  // [B + 1]
+  const IDX* last;       // [B]
+  IDX* seq_lens;         // [B]
   int batch_size, page_size;
 };
 
 extern "C" __global__ void seq_lens_kernel(const __grid_constant__ SeqLensParams params) {
-  const int* __restrict__ kv_indptr = params.kv_indptr;
-  const int* __restrict__ last = params.last;
-  int* __restrict__ seq_lens = params.seq_lens;
+  const IDX* __restrict__ kv_indptr = params.kv_indptr;
+  const IDX* __restrict__ last = params.last;
+  IDX* __restrict__ seq_lens = params.seq_lens;
   const int batch_size = params.batch_size, page_size = params.page_size;
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch_size) return;
-  const int pages = kv_indptr[b + 1] - kv_indptr[b];
-  seq_lens[b] = max(pages - 1, 0) * page_size + last[b];
+  const IDX pages = kv_indptr[b + 1] - kv_indptr[b];
+  seq_lens[b] = (pages > 1 ? pages - 1 : IDX(0)) * page_size + last[b];
 }
 
 struct BatchIndicesPositionsParams {
-  const int* append_indptr;  // [B + 1]
-  const int* seq_lens;       // [B]
+  const IDX* append_indptr;  // [B + 1]
+  const IDX* seq_lens;       // [B]
   int* batch_indices;        // [nnz]
   int* positions;            // [nnz]
   int batch_size, nnz;
@@ -150,8 +155,8 @@ struct BatchIndicesPositionsParams {
 
 extern "C" __global__ void batch_indices_positions_kernel(
     const __grid_constant__ BatchIndicesPositionsParams params) {
-  const int* __restrict__ append_indptr = params.append_indptr;
-  const int* __restrict__ seq_lens = params.seq_lens;
+  const IDX* __restrict__ append_indptr = params.append_indptr;
+  const IDX* __restrict__ seq_lens = params.seq_lens;
   int* __restrict__ batch_indices = params.batch_indices;
   int* __restrict__ positions = params.positions;
   const int batch_size = params.batch_size, nnz = params.nnz;
@@ -167,5 +172,5 @@ extern "C" __global__ void batch_indices_positions_kernel(
     if (append_indptr[mid] <= t) lo = mid; else hi = mid - 1;
   }
   batch_indices[t] = lo;
-  positions[t] = seq_lens[lo] - append_indptr[lo + 1] + t;
+  positions[t] = int(seq_lens[lo] - append_indptr[lo + 1] + t);
 }

@@ -10,7 +10,9 @@
     get_batch_indices_positions: (b, seq_lens[b] - append_indptr[b + 1] + t) for each token t
 
 Host arrays (NumPy, lists) take the NumPy versions in rtcinfer.plan.page; device arrays
-(int32) run a kernel on the caller's stream and come back in the caller's array type.
+(int32 or int64: the page table's arrays of one type, append's batch_indices and positions of
+one type, which may be the other) run a kernel on the caller's stream and come back in the
+caller's array type.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ THREADS = 256
 class PageSpec:
     row_bytes: int  # head_dim * itemsize of the cache
     vec: int  # bytes per copy unit
+    index_dtype: str = "int32"  # of the page table / the index ops' arrays (int32 or int64)
+    row_index_dtype: str = "int32"  # of append's batch_indices and positions
     source: ClassVar[str] = "attention/page.cu"
     kernels: ClassVar[tuple[str, ...]] = (
         "append_kernel",
@@ -54,30 +58,42 @@ class PageSpec:
             ROW_BYTES=self.row_bytes,
             VEC=self.vec,
             THREADS=THREADS,
+            IDX=self.index_dtype,
+            ROW_IDX=self.row_index_dtype,
             BadIndex=BadIndex,
         )
 
 
-INDEX_SPEC = PageSpec(16, 16)  # the module that serves the two index kernels
+INDEX_SPECS = {d: PageSpec(16, 16, d) for d in ("int32", "int64")}  # the index kernels' modules
 
 
 def _on_device(x) -> bool:
     return framework(x) in ("cupy", "jax") or (framework(x) == "torch" and x.device.type == "cuda")
 
 
-def _int32(name: str, x) -> None:
-    if x.dtype != "int32":
-        raise TypeError(f"{name}: device index arrays must be int32, got {x.dtype}")
+def _index_dtype(**arrays) -> str:
+    """The one dtype (int32 or int64) of device index arrays that go together."""
+    dtypes = {name: x.dtype for name, x in arrays.items()}
+    kinds = set(dtypes.values())
+    if len(kinds) > 1 or not kinds <= {"int32", "int64"}:
+        names = list(dtypes)
+        which = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+        each = "both" if len(names) == 2 else "all"
+        raise TypeError(
+            f"{which} must be {each} int32 or {each} int64 (device index arrays), got "
+            + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        )
+    return kinds.pop()
 
 
-def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> int:
-    """Device int32 indptr [B + 1] with a per-request int32 array [B]; returns B."""
-    _int32(indptr_name, indptr)
-    _int32(rows_name, rows)
+def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> tuple[int, str]:
+    """Device indptr [B + 1] with a per-request array [B], both int32 or both int64; returns
+    (B, their dtype)."""
+    dtype = _index_dtype(**{indptr_name: indptr, rows_name: rows})
     batch = rows.shape[0]
     if indptr.shape != (batch + 1,):
         raise ValueError(f"{indptr_name} must have shape ({batch + 1},), got {indptr.shape}")
-    return batch
+    return batch, dtype
 
 
 def _pair_error(shapes) -> ValueError:
@@ -103,9 +119,12 @@ def _check_cache(caches, kv_layout: str) -> tuple[str, int, int]:
     return dtype, num_heads, inner[-1]
 
 
-def _check_append(key, value, batch_indices, positions, caches, table, kv_layout: str) -> str:
+def _check_append(
+    key, value, batch_indices, positions, caches, table, kv_layout: str
+) -> tuple[str, str]:
     """The checks of append_paged_kv_cache's arguments (table: kv_indices, kv_indptr,
-    kv_last_page_len); returns the cache's dtype."""
+    kv_last_page_len); returns (the cache's dtype, the table's index dtype, that of
+    batch_indices and positions)."""
     dtype, num_heads, head_dim = _check_cache(caches, kv_layout)
     expect = (num_heads, head_dim)
     for name, x in (("append_key", key), ("append_value", value)):
@@ -115,16 +134,15 @@ def _check_append(key, value, batch_indices, positions, caches, table, kv_layout
                 f"cache's), got {x.shape} of {x.dtype}"
             )
     nnz = key.shape[0]
-    _int32("batch_indices", batch_indices)
-    _int32("positions", positions)
-    _int32("kv_indices", table[0])
+    rows = _index_dtype(batch_indices=batch_indices, positions=positions)
+    index = _index_dtype(kv_indices=table[0], kv_indptr=table[1], kv_last_page_len=table[2])
     _check_csr("kv_indptr", table[1], "kv_last_page_len", table[2])
     if value.shape[0] != nnz or batch_indices.shape[0] != nnz or positions.shape[0] != nnz:
         raise ValueError(
             f"append_key ({nnz}), append_value ({value.shape[0]}), batch_indices "
             f"({batch_indices.shape[0]}) and positions ({positions.shape[0]}) differ in length"
         )
-    return dtype
+    return dtype, index, rows
 
 
 def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
@@ -136,9 +154,11 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     (kv_layout,) = static
     key, value, batch_indices, positions = infos[:4]
     caches = infos[4:-3]
-    dtype = _check_append(key, value, batch_indices, positions, caches, infos[-3:], kv_layout)
+    dtype, *index = _check_append(key, value, batch_indices, positions, caches, infos[-3:],
+                                  kv_layout)  # fmt: skip
     align = min(x.align for x in (key, value, *caches))  # of what the copies move
-    launch, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align)
+    launch, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align,
+                                      index)  # fmt: skip
     pair, first_out = len(caches) == 2, len(infos)
     table = len(infos) - 3  # kv_indices, kv_indptr, kv_last_page_len
     p = launch.params
@@ -169,7 +189,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
-def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
+def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, index):
     """(the append launch, V's byte offset from K in a 5-D cache). Strides are in bytes for the
     kernel's byte copy; an empty append launches nothing and is not checked further."""
     nnz, num_heads, row_bytes = key.shape[0], key.shape[1], key.shape[2] * item
@@ -179,7 +199,7 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
     names = ("k_cache", "v_cache") if pair else ("paged_kv_cache",) * 2
     caches = caches if pair else caches * 2
     if nnz == 0 or num_heads == 0:
-        return Launch(_append_kernel(row_bytes, 16), (0, 1, 1), (THREADS, 1, 1)), v_offset
+        return Launch(_append_kernel(row_bytes, 16, index), (0, 1, 1), (THREADS, 1, 1)), v_offset
     cache_strides = [k_view.page, k_view.token, k_view.head, v_view.page, v_view.token,
                      v_view.head]  # fmt: skip
     src = [key.strides[0] * item, key.strides[1] * item]
@@ -195,7 +215,8 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
             raise ValueError(f"{name}: head_dim must be contiguous, got strides {got} (bytes)")
     units = nnz * num_heads * (row_bytes // vec)
     page_size = token_head(caches[0].shape, caches[0].strides, kv_layout)[0][0]
-    launch = Launch(_append_kernel(row_bytes, vec), (-(-units // THREADS), 1, 1), (THREADS, 1, 1))
+    launch = Launch(_append_kernel(row_bytes, vec, index), (-(-units // THREADS), 1, 1),
+                    (THREADS, 1, 1))  # fmt: skip
     p = launch.params
     p.key_token, p.key_head, p.value_token, p.value_head = src
     p.kp, p.kt, p.kh, p.vp, p.vt, p.vh = cache_strides
@@ -205,8 +226,9 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int):
     return launch, v_offset
 
 
-def _append_kernel(row_bytes: int, vec: int) -> Kernel:
-    return Kernel(PageSpec(row_bytes, vec), "append_kernel", "AppendParams")
+def _append_kernel(row_bytes: int, vec: int, index) -> Kernel:
+    """index: (the table's index dtype, batch_indices and positions')."""
+    return Kernel(PageSpec(row_bytes, vec, *index), "append_kernel", "AppendParams")
 
 
 _ROWS = ("append_key", "append_value", "batch_indices", "positions")
@@ -222,11 +244,11 @@ def append_paged_kv_cache(
     """Write new tokens into a paged KV cache in place (math in the module docstring).
 
     append_key, append_value: [nnz, H, D] in the cache's dtype (fp8 caches take fp8 rows);
-    batch_indices, positions: int32 [nnz] (see get_batch_indices_positions), rows with a
-    negative entry (its padding past append_indptr[-1]) are skipped; paged_kv_cache:
+    batch_indices, positions: [nnz] (see get_batch_indices_positions), rows with a negative
+    entry (its padding past append_indptr[-1]) are skipped; paged_kv_cache:
     [pages, 2, page_size, H, D] (NHD) / [pages, 2, H, page_size, D] (HND) or a (k, v) pair;
-    kv_indices, kv_indptr [B + 1], kv_last_page_len [B]: int32, the table that already includes
-    the new tokens.
+    kv_indices, kv_indptr [B + 1], kv_last_page_len [B]: the table that already includes the
+    new tokens. The five index arrays are all int32 or all int64.
     Bad entries: every entry used is checked on the device; a row with b >= B, p >= seq_len of
     request b (its pages and kv_last_page_len), a kv_indptr that leads outside kv_indices, or a
     page id outside the cache is skipped (nothing is written through it) and raised as
@@ -247,8 +269,8 @@ def append_paged_kv_cache(
 def _prepare_seq_lens(infos, align: int, static: tuple) -> Prepared:
     """Slots: kv_indptr, kv_last_page_len -> seq_lens; the scalar: page_size."""
     kv_indptr, last = infos
-    batch = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", last)
-    kernel = Kernel(INDEX_SPEC, "seq_lens_kernel", "SeqLensParams")
+    batch, index = _check_csr("kv_indptr", kv_indptr, "kv_last_page_len", last)
+    kernel = Kernel(INDEX_SPECS[index], "seq_lens_kernel", "SeqLensParams")
     launch = Launch(kernel, (-(-batch // THREADS), 1, 1), (THREADS, 1, 1))
     p = launch.params
     p.batch_size = batch
@@ -260,16 +282,17 @@ def _prepare_seq_lens(infos, align: int, static: tuple) -> Prepared:
             launch(stream, device)
 
     dense = tuple(i for i in (0, 1) if not infos[i].contiguous)
-    return Prepared((OutSlot((batch,), "int32"),), run, preload=launch.preload, dense=dense)
+    return Prepared((OutSlot((batch,), index),), run, preload=launch.preload, dense=dense)
 
 
 _SEQ_LENS = Op("get_seq_lens", ("kv_indptr", "kv_last_page_len"), _prepare_seq_lens)
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
-    """Tokens per request: max(pages - 1, 0) * page_size + kv_last_page_len, int32 [B].
+    """Tokens per request: max(pages - 1, 0) * page_size + kv_last_page_len, [B].
 
-    Host arrays give a NumPy array; int32 device arrays a device array of their framework.
+    Host arrays give an int32 NumPy array; device arrays (both int32 or both int64) a device
+    array of their framework and dtype (as FlashInfer's tensor arithmetic does).
     The host version checks the table and that every length fits in int32; the device version
     reads the table where it lies and does not (a check there would cost a synchronization).
     """
@@ -292,11 +315,12 @@ def _prepare_positions(infos, align: int, static: tuple) -> Prepared:
     """Slots: append_indptr, seq_lens, and the caller's batch_indices and positions buffers
     if given -> (batch_indices, positions) [nnz]; static: (nnz,)."""
     append_indptr, seq_lens, given_indices, given_positions = infos
-    batch = _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
+    batch, index = _check_csr("append_indptr", append_indptr, "seq_lens", seq_lens)
     (nnz,) = static
     _check_given("batch_indices", given_indices, nnz)
     _check_given("positions", given_positions, nnz)
-    kernel = Kernel(INDEX_SPEC, "batch_indices_positions_kernel", "BatchIndicesPositionsParams")
+    kernel = Kernel(INDEX_SPECS[index], "batch_indices_positions_kernel",
+                    "BatchIndicesPositionsParams")  # fmt: skip
     launch = Launch(kernel, (-(-nnz // THREADS), 1, 1), (THREADS, 1, 1))
     p = launch.params
     p.batch_size, p.nnz = batch, nnz
@@ -336,8 +360,11 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
 
 def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
     """What a serving loop's cache bookkeeping uses (warmup): the append of rows of head_dim
-    elements of kv_dtype (16-byte copies: aligned arrays), and the index ops' module."""
-    return [PageSpec(head_dim * itemsize(kv_dtype), 16), INDEX_SPEC]
+    elements of kv_dtype (16-byte copies: aligned arrays) and the index ops' modules, for int32
+    and int64 index arrays (a table of one, positions from get_batch_indices_positions int32)."""
+    row_bytes = head_dim * itemsize(kv_dtype)
+    kinds = ("int32", "int64")
+    return [PageSpec(row_bytes, 16, t, r) for t in kinds for r in kinds] + [*INDEX_SPECS.values()]
 
 
 __all__ = [
