@@ -8,9 +8,12 @@
 // Each thread reads back only what it copied itself, so only the reductions need barriers.
 // Row r sits at (r / n1) * s0 + (r % n1) * s1 elements: 2-D and 3-D strided views.
 // Shared memory: HIDDEN * sizeof(T), twice for the fused ops (x and residual).
-// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, THREADS.
+// VEC and THREADS fix the arithmetic (which thread sums which elements, in which order); global
+// memory moves in LOAD_VEC pieces (VEC unless the arrays' alignment or strides allow less), so a
+// strided or misaligned view gives the bits of the same rows made contiguous.
+// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, LOAD_VEC, THREADS.
 
-static_assert(HIDDEN % VEC == 0, "VEC divides HIDDEN");
+static_assert(HIDDEN % VEC == 0 && VEC % LOAD_VEC == 0, "VEC divides HIDDEN, LOAD_VEC VEC");
 constexpr int NVEC = HIDDEN / VEC;
 constexpr int ITEMS = (NVEC + THREADS - 1) / THREADS;
 constexpr bool FUSED = OP == NormOp::FUSED_ADD_RMS || OP == NormOp::GEMMA_FUSED_ADD_RMS;
@@ -24,6 +27,28 @@ RTC_DEVICE int64_t row_offset(int row, int n1, int64_t s0, int64_t s1) {
 
 using TVec = Vec<T, VEC>;
 using WVec = Vec<W, VEC>;
+constexpr int PIECES = VEC / LOAD_VEC;  // global accesses per vector
+
+// A vector of VEC elements to or from global memory in PIECES accesses of LOAD_VEC elements.
+template <typename E>
+RTC_DEVICE void load_vec(Vec<E, VEC>& v, const E* src) {
+  using Piece = Vec<E, LOAD_VEC>;
+#pragma unroll
+  for (int k = 0; k < PIECES; ++k) reinterpret_cast<Piece*>(&v)[k].load(src + k * LOAD_VEC);
+}
+template <typename E>
+RTC_DEVICE void store_vec(const Vec<E, VEC>& v, E* dst) {
+  using Piece = Vec<E, LOAD_VEC>;
+#pragma unroll
+  for (int k = 0; k < PIECES; ++k) reinterpret_cast<const Piece*>(&v)[k].store(dst + k * LOAD_VEC);
+}
+// ... and from global into shared memory (cp.async where a piece has 4, 8 or 16 bytes).
+RTC_DEVICE void copy_vec_async(TVec* dst, const T* src) {
+  using Piece = Vec<T, LOAD_VEC>;
+#pragma unroll
+  for (int k = 0; k < PIECES; ++k)
+    copy_async(reinterpret_cast<Piece*>(dst) + k, reinterpret_cast<const Piece*>(src) + k);
+}
 
 RTC_DEVICE int item(int i) { return i * THREADS + threadIdx.x; }  // this thread's i-th vector
 RTC_DEVICE bool owns(int i) { return ITEMS * THREADS == NVEC || item(i) < NVEC; }
@@ -52,13 +77,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   TVec* rs = xs + NVEC;                      // [NVEC] fused ops: the residual row
   __shared__ float scratch[1][32];
   const int row = blockIdx.x;
-  const TVec* x_row = reinterpret_cast<const TVec*>(x + row_offset(row, n1, p.xs0, p.xs1));
+  const T* x_row = x + row_offset(row, n1, p.xs0, p.xs1);
   T* r_row = residual + row_offset(row, n1, p.rs0, p.rs1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
-    copy_async(&xs[item(i)], x_row + item(i));
-    if constexpr (FUSED) copy_async(&rs[item(i)], reinterpret_cast<const TVec*>(r_row) + item(i));
+    copy_vec_async(&xs[item(i)], x_row + col(i));
+    if constexpr (FUSED) copy_vec_async(&rs[item(i)], r_row + col(i));
   }
   cp_async_wait_all();
 
@@ -71,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
 #pragma unroll
       for (int j = 0; j < VEC; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
       xs[item(i)] = v;
-      v.store(r_row + col(i));
+      store_vec(v, r_row + col(i));
     }
   }
 
@@ -104,8 +129,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
     WVec w, b;
-    w.load(weight + col(i));
-    if constexpr (LAYER) b.load(bias + col(i));
+    load_vec(w, weight + col(i));
+    if constexpr (LAYER) load_vec(b, bias + col(i));
     const TVec v = xs[item(i)];
     TVec y;
 #pragma unroll
@@ -116,6 +141,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
       if constexpr (LAYER) r += to_float(b[j]);
       y[j] = from_float<T>(r);
     }
-    y.store(o_row + col(i));
+    store_vec(y, o_row + col(i));
   }
 }

@@ -104,6 +104,8 @@ def shipped_specs() -> list:
         specs += [activation.ActivationSpec(a, dtype, 16 // (2 if dtype != "float32" else 4))
                   for a in activation.ACTIVATIONS]  # fmt: skip
     specs += [norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 65536)]  # the widest row
+    for op, wdtype, load_vec in (("fused_add_rmsnorm", "bfloat16", 1), ("layernorm", "float32", 2)):
+        specs.append(replace(norm.norm_spec(op, "bfloat16", wdtype, 4096), load_vec=load_vec))
     for dtype in ("bfloat16", "float32"):
         for mode in rope.MODES:
             for interleave in (False, True):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import jit
@@ -38,8 +38,9 @@ class NormSpec:
     dtype: str
     weight_dtype: str
     hidden: int
-    vec: int
+    vec: int  # elements per thread-vector: with threads, the arithmetic's order
     threads: int
+    load_vec: int = 0  # elements per global access (0: vec); narrower for misaligned views
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("NormParams",)  # crossing the seam
@@ -56,6 +57,7 @@ class NormSpec:
             W=self.weight_dtype,
             HIDDEN=self.hidden,
             VEC=self.vec,
+            LOAD_VEC=self.load_vec or self.vec,
             THREADS=self.threads,
         )
 
@@ -118,9 +120,11 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     rows, n1, layouts = common_rows(arrays, names)
     (xs0, xs1), (rs0, rs1), (ys0, ys1) = layouts
     spec = norm_spec(op, dtype, weight.dtype, hidden)
+    # Only the access width follows the layout: the same rows give the same bits however
+    # they are laid out.
     vec = fit_vec(spec.vec, itemsize(dtype), align, [xs0, xs1, rs0, rs1, ys0, ys1])
     if vec != spec.vec:
-        spec = norm_spec(op, dtype, weight.dtype, hidden, vec)
+        spec = replace(spec, load_vec=vec)
     launch = Launch(Kernel(spec, "norm_kernel", "NormParams", spec.smem), (rows, 1, 1),
                     (spec.threads, 1, 1))  # fmt: skip
     p = launch.params

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from rtcinfer.interop import Op, OutSlot, Prepared, call
+from rtcinfer.interop import ArrayInfo, Op, OutSlot, Prepared, call
 
 from .fakes import fake_gpu
 
@@ -93,3 +93,19 @@ def test_an_absent_slot_differs_from_a_present_one(recorded):
     call(op, (x, None))
     assert len(log["prepared"]) == 2
     assert log["runs"][-1][1][1] == 0  # an absent slot's pointer
+
+
+def test_a_norm_over_misaligned_rows_keeps_the_contiguous_arithmetic():
+    """Only the access width follows a view's alignment and strides: threads and the vector
+    each thread sums stay those of contiguous rows, so the bits are the same."""
+    from rtcinfer import norm
+
+    hidden = 4096
+    x = ArrayInfo((3, hidden), (4097, 1), "bfloat16", 0)
+    w = ArrayInfo((hidden,), (1,), "bfloat16", 0)
+    dense = ArrayInfo((3, hidden), (hidden, 1), "bfloat16", 0)
+    narrow = norm._FUSED.prepare([x, x, w], 2, ("fused_add_rmsnorm",))
+    wide = norm._FUSED.prepare([dense, dense, w], 16, ("fused_add_rmsnorm",))
+    narrow_spec, wide_spec = (p.preload.__self__.kernel.spec for p in (narrow, wide))
+    assert (narrow_spec.vec, narrow_spec.threads) == (wide_spec.vec, wide_spec.threads) == (8, 128)
+    assert (narrow_spec.load_vec, wide_spec.load_vec) == (1, 0)

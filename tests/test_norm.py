@@ -65,6 +65,34 @@ def test_misaligned_rows_fall_back_to_narrow_vectors(rng):
     assert_close(rtcinfer.rmsnorm(x, upload(w)), ref.rmsnorm_ref(big[:, 1:], w), "bfloat16")
 
 
+@pytest.mark.parametrize("row_stride", [4097, 2**31 + 3])  # 2-byte aligned; past 2^31 elements
+def test_strided_rows_give_the_contiguous_bits(rng, row_stride):
+    """fused_add_rmsnorm, rmsnorm and layernorm on rows laid out with any stride (narrow
+    accesses) give bit for bit what the same rows made contiguous give."""
+    import cupy
+
+    rows, hidden = 3, 4096
+    x, r = randn(rng, (rows, hidden), "bfloat16"), randn(rng, (rows, hidden), "bfloat16")
+    w = upload(randn(rng, (hidden,), "bfloat16"))
+    wf = upload(randn(rng, (hidden,), "float32"))
+    flat_x = cupy.zeros((rows - 1) * row_stride + hidden, dtype=upload(x).dtype)
+    flat_r = cupy.zeros_like(flat_x)
+
+    def strided(flat, values):
+        item = flat.itemsize
+        v = cupy.ndarray((rows, hidden), flat.dtype, flat.data, strides=(row_stride * item, item))
+        v[...] = upload(values)
+        return v
+
+    xs, rs = strided(flat_x, x), strided(flat_r, r)
+    xd, rd = upload(x), upload(r)
+    rtcinfer.fused_add_rmsnorm(xs, rs, w, 1e-6)
+    rtcinfer.fused_add_rmsnorm(xd, rd, w, 1e-6)
+    assert (xs == xd).all() and (rs == rd).all()
+    assert (rtcinfer.rmsnorm(xs, wf) == rtcinfer.rmsnorm(xd, wf)).all()
+    assert (rtcinfer.layernorm(xs, wf, wf) == rtcinfer.layernorm(xd, wf, wf)).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 8), (7, 1001), (129, 8192), (3, 16384)])
 @pytest.mark.parametrize("gemma", [False, True])
