@@ -179,3 +179,33 @@ def test_cupy_run_on_another_stream_waits_for_the_plan():
         other.synchronize()
     check_attention(o, lse, *batch.reference(), "bfloat16")
     assert to_host(o).shape == (3, 8, 128)
+
+
+def test_single_decode_in_a_torch_cuda_graph():
+    """single_decode_with_kv_cache captured with torch.cuda.graph after the usual warm-up call
+    (which uploads its plan for these shapes) replays correctly on new contents; a first call
+    inside a capture says to warm up instead of failing inside CUDA."""
+    torch = pytest.importorskip("torch")
+    from . import reference as ref
+
+    q = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(777, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rtcinfer.single_decode_with_kv_cache(q, k, v)  # warm-up: compiles, uploads the plan
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = rtcinfer.single_decode_with_kv_cache(q, k, v)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.single_decode_ref(to_host(q), to_host(k), to_host(v))
+        assert_close(o, want, "bfloat16")
+    k2 = torch.randn(778, 8, 128, device="cuda", dtype=torch.bfloat16)  # unseen shapes
+    with pytest.raises(RuntimeError, match="make the same call once before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            rtcinfer.single_decode_with_kv_cache(q, k2, k2)

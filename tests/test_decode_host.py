@@ -561,3 +561,37 @@ def test_whole_request_plans_pack_the_same_after_a_larger_one():
         constant = ["request", "token_begin", "merge_begin", "merge_count", "unused"]
         packed.setdefault(batch, items[constant].copy())
         np.testing.assert_array_equal(items[constant], packed[batch])
+
+
+def test_a_plan_upload_inside_a_capture_says_to_warm_up(monkeypatch):
+    """device_copy turns CUDA's capture errors into the advice to make the call once before
+    capturing; other errors pass through."""
+    import cupy
+
+    from rtcinfer.attention import workspace
+
+    def failing(status):
+        def alloc(nbytes):
+            raise cupy.cuda.runtime.CUDARuntimeError(status)
+
+        return alloc
+
+    class Device:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return False
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda, "alloc", failing(900))  # cudaErrorStreamCaptureUnsupported
+    with pytest.raises(RuntimeError, match=r"^single_decode_with_kv_cache uploads its plan "
+                       r"once for its shapes, which cannot happen inside a CUDA-graph "
+                       r"capture"):  # fmt: skip
+        workspace.device_copy(np.zeros(4, np.int32), 0, "single_decode_with_kv_cache")
+    monkeypatch.setattr(cupy.cuda, "alloc", failing(2))  # cudaErrorMemoryAllocation
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        workspace.device_copy(np.zeros(4, np.int32), 0)

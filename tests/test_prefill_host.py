@@ -210,7 +210,7 @@ def single(monkeypatch, wrappers):
     class Memory:
         ptr = 4096
 
-    def device_copy(host, device):
+    def device_copy(host, device, what=None):
         uploads.append(host.copy())
         return Memory()
 
@@ -265,7 +265,7 @@ def test_custom_mask_is_packed_per_request_and_replaces_causal(wrappers, monkeyp
     class Memory:
         ptr = 1 << 20
 
-    def device_copy(host, device):
+    def device_copy(host, device, what=None):
         copies.append(host)
         return Memory()
 
@@ -585,7 +585,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
         class Memory:
             ptr = 0
 
-        def device_copy(host, device):
+        def device_copy(host, device, what=None):
             copies.append(host)
             return Memory()
 

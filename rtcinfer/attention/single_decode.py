@@ -75,7 +75,7 @@ def _prepare(infos, align, static) -> Prepared:
                        ctas_per_sm=ctas_per_sm(spec, device))  # fmt: skip
     host = np.zeros(header_ints(cfg.head_dim) + ITEM_INTS * plan.num_work + pages, np.int32)
     pack_plan(host, plan, indptr, np.arange(pages, dtype=np.int32), cfg.head_dim, cfg.freq())
-    plan_buffer = device_copy(host, device)
+    plan_buffer = device_copy(host, device, "single_decode_with_kv_cache")
     w, hq, d = plan.num_work, cfg.num_qo_heads, cfg.head_dim
     split = w > 1
     outs = [OutSlot((hq, d), cfg.o_dtype)]

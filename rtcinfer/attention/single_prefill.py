@@ -107,7 +107,7 @@ def _prepare(infos, align, static) -> Prepared:
     pack_plan(
         host, plan, qo_indptr, np.zeros(1, np.int64), np.zeros(1, np.int32), head_dim, attn.freq()
     )
-    plan_buffer = device_copy(host, device)
+    plan_buffer = device_copy(host, device, "single_prefill_with_kv_cache")
 
     outs = [OutSlot((qo_len, num_qo_heads, head_dim), attn.o_dtype)]
     if with_lse:

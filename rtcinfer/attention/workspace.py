@@ -32,14 +32,30 @@ def region_offsets(sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def device_copy(host, device: int):
+# cudaErrorStreamCaptureUnsupported ... cudaErrorStreamCaptureImplicit, cudaErrorCapturedEvent,
+# cudaErrorStreamCaptureWrongThread: what a synchronous copy or allocation meets during capture
+_CAPTURE_ERRORS = range(900, 909)
+
+
+def device_copy(host, device: int, what: str = "this call"):
     """A device copy of the host array `host` (CuPy memory: it lives as long as it is
-    referenced, e.g. by the prepared launch that reads it)."""
+    referenced, e.g. by the prepared launch that reads it). It is made once per call
+    signature, synchronously: inside a CUDA-graph capture it cannot be, and the error says to
+    make `what` once before capturing (as plan() comes before a captured run())."""
     import cupy
 
-    with cupy.cuda.Device(device):
-        memory = cupy.cuda.alloc(host.nbytes)
-        memory.copy_from_host(host.ctypes.data, host.nbytes)
+    try:
+        with cupy.cuda.Device(device):
+            memory = cupy.cuda.alloc(host.nbytes)
+            memory.copy_from_host(host.ctypes.data, host.nbytes)
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        if e.status not in _CAPTURE_ERRORS:
+            raise
+        raise RuntimeError(
+            f"{what} uploads its plan once for its shapes, which cannot happen inside a "
+            f"CUDA-graph capture ({e}): make the same call once before capturing (the warm-up "
+            "run CUDA graphs want anyway), then capture it"
+        ) from e
     return memory
 
 
