@@ -6,6 +6,25 @@ import math
 import types
 
 
+class NullDevice:
+    """Stands in for cupy.cuda.Device (and a stream) where no GPU is: device 0, a context
+    manager that does nothing, synchronize() a no-op."""
+
+    id, ptr = 0, 0
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
 class FakeArray:
     """Shape, byte strides, item size and address: what the launch code reads of an array."""
 
@@ -214,21 +233,8 @@ class FakeDevice:
 
         monkeypatch.setattr(Launch, "__call__", launch)
 
-        class Device:  # as the samplers and the workspace use CuPy's
+        class Device(NullDevice):  # as the samplers and the workspace use CuPy's
             compute_capability = f"{cc[0]}{cc[1]}"
-            id, ptr = 0, 0
-
-            def __init__(self, *args):
-                pass
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return False
-
-            def synchronize(self):
-                pass
 
         monkeypatch.setattr(cupy.cuda, "Device", Device)
         monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())

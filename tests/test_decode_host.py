@@ -16,7 +16,7 @@ from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_confi
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
-from .fakes import FakeStream, fake_gpu
+from .fakes import FakeStream, NullDevice, fake_gpu
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -240,19 +240,11 @@ def host_wrapper(monkeypatch):
     from rtcinfer.attention import decode
     from rtcinfer.attention.workspace import Workspace
 
-    class Device:
-        id = 0
-
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            return False
-
     fake_gpu(monkeypatch)
+
+    class Device(NullDevice):  # this test's own: its attributes may be patched
+        pass
+
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
@@ -576,17 +568,7 @@ def test_a_plan_upload_inside_a_capture_says_to_warm_up(monkeypatch):
 
         return alloc
 
-    class Device:
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            return False
-
-    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda, "Device", NullDevice)
     monkeypatch.setattr(cupy.cuda, "alloc", failing(900))  # cudaErrorStreamCaptureUnsupported
     with pytest.raises(RuntimeError, match=r"^single_decode_with_kv_cache uploads its plan "
                        r"once for its shapes, which cannot happen inside a CUDA-graph "

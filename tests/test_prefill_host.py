@@ -15,7 +15,7 @@ from rtcinfer.attention.prefill_plan import (
 )
 from rtcinfer.interop import ArrayInfo, dense_strides
 
-from .fakes import fake_gpu
+from .fakes import NullDevice, fake_gpu
 
 
 @pytest.fixture
@@ -28,19 +28,6 @@ def wrappers(monkeypatch):
     from rtcinfer.attention.workspace import Workspace
     from rtcinfer.launch import Kernel
 
-    class Device:
-        id = 0
-        ptr = 0
-
-        def __init__(self, *args):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *args):
-            return False
-
     packed = {}
 
     def upload(self, fill, stream):
@@ -49,6 +36,10 @@ def wrappers(monkeypatch):
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
     fake_gpu(monkeypatch)
+
+    class Device(NullDevice):  # this test's own: its attributes may be patched
+        pass
+
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
