@@ -283,25 +283,35 @@ def test_import_loads_the_gpu_stack_only_where_there_is_a_gpu():
 
 def test_cast_converts_in_the_callers_framework():
     """Per-row sampling parameters of another dtype are converted by their own framework (as
-    FlashInfer's .int() / .float()): PyTorch and JAX here (on the CPU), the dtype kept when it
-    is the target or an accepted one, other objects passed through."""
+    FlashInfer's .int() / .float()): JAX here (on the CPU), the dtype kept when it is the
+    target or an accepted one, other objects passed through for the call path to refuse."""
     import jax.numpy as jnp
-    import torch
 
     from rtcinfer.interop.arrays import cast
     from rtcinfer.sampling.renorm import per_row
 
-    t = torch.full((3,), 1)  # int64
+    ints = jnp.ones(2, jnp.int32)
+    j = cast(ints, "float32")
+    assert j.dtype == jnp.float32 and j.tolist() == [1.0, 1.0]
+    assert cast(ints, "int32", keep=("int64",)) is ints and cast(j, "float32") is j
+    host = np.ones(2, np.int64)
+    assert cast(host, "float32") is host  # refused by name later: a host array
+    k, arr = per_row(jnp.array([5.0, 7.0]), int)
+    assert k == 0 and arr.dtype == jnp.int32 and arr.tolist() == [5, 7]
+    p, arr = per_row(jnp.array([1, 0]), float)
+    assert p == 0.0 and arr.dtype == jnp.float32
+    assert per_row(3, int) == (3, None) and per_row(0.5, float) == (0.5, None)
+
+
+def test_cast_of_torch_tensors():
+    """The same with PyTorch (.to), where it is installed: torch.full((B,), 1) is int64."""
+    torch = pytest.importorskip("torch")
+    from rtcinfer.interop.arrays import cast
+    from rtcinfer.sampling.renorm import per_row
+
+    t = torch.full((3,), 1)
     out = cast(t, "float32")
     assert out.dtype == torch.float32 and out.tolist() == [1.0, 1.0, 1.0]
     assert cast(t, "int32", keep=("int64",)) is t
-    assert cast(out, "float32") is out
-    j = cast(jnp.ones(2, jnp.int32), "float32")
-    assert j.dtype == jnp.float32
-    host = np.ones(2, np.int64)
-    assert cast(host, "float32") is host  # refused by name later: a host array
     k, arr = per_row(torch.tensor([5.0, 7.0]), int)
     assert k == 0 and arr.dtype == torch.int32 and arr.tolist() == [5, 7]
-    p, arr = per_row(torch.tensor([1, 0]), float)
-    assert p == 0.0 and arr.dtype == torch.float32
-    assert per_row(3, int) == (3, None) and per_row(0.5, float) == (0.5, None)
