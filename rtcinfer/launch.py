@@ -53,6 +53,16 @@ def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
             raise CudaError(rc, "cuMemsetD32Async")
 
 
+def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
+    """Copy `nbytes` from device address `src` to `dst` on `stream` (a CuPy stream or a raw
+    handle): stream-ordered, device to device."""
+    if nbytes:
+        handle = getattr(stream, "ptr", stream)
+        (rc,) = driver().cuMemcpyDtoDAsync(dst, src, nbytes, handle)
+        if rc:
+            raise CudaError(rc, "cuMemcpyDtoDAsync")
+
+
 def record_event(event: int, stream: int) -> None:
     """Record CUevent `event` on `stream`."""
     (rc,) = driver().cuEventRecord(event, stream)

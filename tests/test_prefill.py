@@ -446,6 +446,52 @@ def test_cuda_graph_replays_after_replan():
             check(out[:n], lse[:n], *expect, "bfloat16")
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_cuda_graph_replays_custom_masks_after_replan(on_device):
+    """Custom masks in CUDA-graph mode: the packed mask travels in the workspace at a fixed
+    place, so a graph captured around run() replays each later plan's own mask (host masks
+    uploaded with the plan, device masks copied behind it), split and not."""
+    import cupy
+
+    rng = np.random.default_rng(22 + on_device)
+    rows = 200
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=cupy.empty(4, np.int32),
+        custom_mask_buf=cupy.empty(1 << 16, np.uint8),
+    )  # fmt: skip
+    q_all = random_values(rng, (rows, 8, 128), "bfloat16")
+    k_all = random_values(rng, (3000, 2, 128), "bfloat16")
+    v_all = random_values(rng, (3000, 2, 128), "bfloat16")
+    q, k, v = to_gpu(q_all), to_gpu(k_all), to_gpu(v_all)
+    out = cupy.empty((rows, 8, 128), dtype=q.dtype)
+    lse = cupy.empty((rows, 8), dtype=np.float32)
+    plans = [([120, 80], [300, 900], {}), ([50, 3, 100], [1000, 3, 400], {"fixed_split_size": 2}),
+             ([200], [1500], {})]  # fmt: skip
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i, (qo, kv, split) in enumerate(plans):
+            qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+            kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+            masks = random_masks(rng, qo_indptr, kv_indptr)
+            flat = np.concatenate([m.ravel() for m in masks])
+            mask = to_gpu(flat) if on_device else flat
+            wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, custom_mask=mask,
+                         q_data_type="bfloat16", **split)  # fmt: skip
+            if i == 0:  # compile and load outside the capture, then capture
+                wrapper.run(q, k, v, out=out, lse=lse)
+                stream.synchronize()
+                stream.begin_capture()
+                wrapper.run(q, k, v, out=out, lse=lse)
+                graph = stream.end_capture()
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            n = int(qo_indptr[-1])
+            expect = reference(q_all[:n], k_all, v_all, qo_indptr, kv_indptr, masks=masks,
+                               sm_scale=1 / np.sqrt(128))  # fmt: skip
+            check(out[:n], lse[:n], *expect, "bfloat16")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])

@@ -245,38 +245,34 @@ def test_single_prefill_refuses_what_it_cannot_do():
         rtcinfer.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones(15, bool))
 
 
-def test_custom_mask_is_packed_per_request_and_replaces_causal(wrappers, monkeypatch):
+def mask_in_plan(packed, launch, nbytes: int) -> np.ndarray:
+    """The packed mask bytes that travelled with the plan (the fixture's regions sit at
+    address 0, so the kernel's mask pointer is their byte offset in the plan region)."""
+    at = launch.params.mask
+    return packed["plan"].view(np.uint8)[at : at + nbytes]
+
+
+def test_custom_mask_is_packed_per_request_and_replaces_causal(wrappers):
     """A boolean host mask: each request's qo_len x kv_len bits packed (little-endian) on whole
-    bytes of its own, its first byte in every work item of the request; causal is dropped."""
-    from rtcinfer.attention import prefill_mask
-
+    bytes of its own, its first byte in every work item of the request, the bytes uploaded
+    with the plan after its page ids; causal is dropped."""
     prefill, packed = wrappers
-    copies = []
-
-    class Memory:
-        ptr = 1 << 20
-
-    def device_copy(host, device, what=None):
-        copies.append(host)
-        return Memory()
-
-    monkeypatch.setattr(prefill_mask, "device_copy", device_copy)
     qo_indptr, kv_indptr = [0, 3, 3, 8], [0, 5, 9, 20]  # blocks of 3 x 5, 0 x 4, 5 x 11 bits
     rng = np.random.default_rng(0)
     mask = rng.random(15 + 55) < 0.5
     wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
     wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, custom_mask=mask, causal=True,
                  q_data_type="bfloat16")  # fmt: skip
-    (bits,) = copies
     want = np.concatenate([np.packbits(mask[:15], bitorder="little"),
                            np.packbits(mask[15:], bitorder="little")])  # fmt: skip
-    np.testing.assert_array_equal(bits, want)
+    launch = wrapper._launch.launch
     items, _ = items_of(packed)
+    assert launch.params.mask == 4 * (items_at(128) + ITEM_INTS * len(items) + 3)  # 3 page ids
+    np.testing.assert_array_equal(mask_in_plan(packed, launch, 9), want)
     for it in items:
         assert it["mask_byte"] == {0: 0, 3: 2}[int(it["qo_start"])]  # 15 bits = 2 bytes
-    launch = wrapper._launch.launch
     spec = launch.kernel.spec
-    assert spec.custom_mask and not spec.causal and launch.params.mask == 1 << 20
+    assert spec.custom_mask and not spec.causal
     with pytest.raises(ValueError, match=r"custom_mask: expected bool with .* = 70 elements"):
         wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, custom_mask=mask[:69],
                      q_data_type="bfloat16")  # fmt: skip
@@ -370,8 +366,6 @@ def test_graph_mode_fixes_rows_grid_and_layout(wrappers):
         wrapper.plan([0, 302], [0, 400], 8, 2, 128, **kw)
     with pytest.raises(ValueError, match="batch of 5 requests .* exceeds the CUDA-graph"):
         wrapper.plan([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], 8, 2, 128, **kw)
-    with pytest.raises(ValueError, match="custom masks are not supported yet with use_cuda"):
-        wrapper.plan([0, 1], [0, 1], 8, 2, 128, custom_mask=np.ones(1, bool), **kw)
     st = wrapper._launch
     static = (st.cfg, st.nnz_q, False)
     kv = info((1201, 2, 128))
@@ -379,6 +373,40 @@ def test_graph_mode_fixes_rows_grid_and_layout(wrappers):
         wrapper._prepare_run([info((300, 8, 128)), kv, kv, None, None], 16, static)
     prep = wrapper._prepare_run([info((301, 8, 128)), kv, kv, None, None], 16, static)
     assert prep.command_buffer  # XLA may record it: every launch argument is fixed
+
+
+def test_graph_mode_custom_masks_travel_at_a_fixed_place(wrappers):
+    """A CUDA-graph wrapper's packed mask rides in the workspace at a place that later plans
+    keep (the captured kernel reads it there): room from the first masked plan, or from
+    custom_mask_buf's size; a larger mask is refused with what to do."""
+    prefill, packed = wrappers
+    kw = dict(q_data_type="bfloat16")
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper(use_cuda_graph=True,
+                                                           qo_indptr_buf=Buf(5))  # fmt: skip
+    rng = np.random.default_rng(5)
+    first = rng.random(3 * 10) < 0.5  # 30 bits: 4 bytes of room
+    wrapper.plan([0, 3], [0, 10], 8, 2, 128, custom_mask=first, **kw)
+    launch = wrapper._launch.launch
+    where, layout = launch.params.mask, wrapper._reserved
+    np.testing.assert_array_equal(mask_in_plan(packed, launch, 4),
+                                  np.packbits(first, bitorder="little"))  # fmt: skip
+    again = rng.random(2 * 12) < 0.5  # 3 bytes
+    wrapper.plan([0, 2], [0, 12], 8, 2, 128, custom_mask=again, **kw)
+    launch = wrapper._launch.launch
+    assert launch.params.mask == where and wrapper._reserved == layout
+    np.testing.assert_array_equal(mask_in_plan(packed, launch, 3),
+                                  np.packbits(again, bitorder="little"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"takes 8 bytes, more than this CUDA-graph wrapper's "
+                                         r"room \(4 bytes, from its first plan\)"):  # fmt: skip
+        wrapper.plan([0, 3], [0, 20], 8, 2, 128, custom_mask=np.ones(60, bool), **kw)
+    roomy = prefill.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=Buf(5), custom_mask_buf=np.zeros(64, np.uint8)
+    )
+    roomy.plan([0, 3], [0, 10], 8, 2, 128, custom_mask=first, **kw)
+    roomy.plan([0, 3], [0, 20], 8, 2, 128, custom_mask=np.ones(60, bool), **kw)
+    assert roomy._reserved.max_mask_ints == 16
+    with pytest.raises(ValueError, match="custom_mask_buf: expected uint8, got int32"):
+        prefill.BatchPrefillWithRaggedKVCacheWrapper(custom_mask_buf=np.zeros(4, np.int32))
 
 
 def test_tensor_core_decode_plans_one_query_per_request(wrappers):
@@ -540,7 +568,6 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     """The paged wrapper's real plan, packed plan and run() strides, read by prefill_flow as
     the kernel reads them, give float64 attention over each request's keys (group -32: MHA
     with the 32-row-warp kernel forced)."""
-    from rtcinfer.attention import prefill_mask
     from rtcinfer.attention.paged_kv import cache_views
 
     from . import reference as ref
@@ -571,22 +598,14 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     masks = [rng.random((a, b)) < 0.7 for a, b in zip(qo, kv, strict=True)]
     bits = None
     if kw.pop("custom_mask", False):
-        copies = []
-
-        class Memory:
-            ptr = 0
-
-        def device_copy(host, device, what=None):
-            copies.append(host)
-            return Memory()
-
-        monkeypatch.setattr(prefill_mask, "device_copy", device_copy)
         kw["custom_mask"] = np.concatenate([m.ravel() for m in masks])
     wrapper = prefill.BatchPrefillWithPagedKVCacheWrapper()
     wrapper.plan(qo_indptr, indptr, indices, last, hkv * group, hkv, d, page,
                  q_data_type="bfloat16", sm_scale=0.25, **kw)  # fmt: skip
-    if "custom_mask" in kw:
-        bits = np.unpackbits(copies[0], bitorder="little").astype(bool)
+    if "custom_mask" in kw:  # the packed bytes travel with the plan: read them from there
+        nbytes = sum(-(-m.size // 8) for m in masks)
+        in_plan = mask_in_plan(packed, wrapper._launch.launch, nbytes)
+        bits = np.unpackbits(in_plan, bitorder="little").astype(bool)
     st = wrapper._launch
     p = st.launch.params
     p.qk_scale, p.v_scale = 0.25, 1.0  # exact in float32

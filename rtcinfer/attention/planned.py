@@ -141,10 +141,11 @@ class PlannedWrapper:
                 "the captured batch size, padded if need be)"
             )
 
-    def _upload(self, capacity, fill: Callable) -> dict[str, int]:
+    def _upload(self, capacity, fill: Callable, after: Callable | None = None) -> dict[str, int]:
         """Lay the workspace out for `capacity` (when it changed), order the upload after runs
-        on other streams, and send fill(int32 host buffer) -> ints written in one copy; returns
-        the regions' device addresses."""
+        on other streams, and send fill(int32 host buffer) -> ints written in one copy, then
+        after(regions, stream) (more device work ordered behind the upload); returns the
+        regions' device addresses."""
         import cupy
 
         with cupy.cuda.Device(self._device):
@@ -163,6 +164,8 @@ class PlannedWrapper:
                     stream.wait_event(self._run_events[ptr])
             self._unwaited.clear()
             self._ws.upload(fill, stream)
+            if after is not None:
+                after(self._ws.pointers, stream)
             if self._jax:
                 self._ws.last_upload().synchronize()
         return self._ws.pointers

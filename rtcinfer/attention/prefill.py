@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..interop import OutSlot, Prepared
-from ..interop.arrays import to_numpy
+from ..interop.arrays import dtype_name, to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
-from ..launch import Launch
+from ..launch import Launch, memcpy_async
 from ..plan._checks import as_int_array, indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
@@ -84,15 +84,23 @@ class _Launch:
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
 
 
-def check_backend(backend, jit_args=None, custom_mask_buf=None, mask_indptr_buf=None) -> None:
+def check_backend(backend, jit_args=None) -> None:
     """FlashInfer's constructor options that have no counterpart here raise; the backends
     that compute the same thing are accepted."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if jit_args is not None:
         raise ValueError("jit_args (custom attention variants) are not supported")
-    if custom_mask_buf is not None or mask_indptr_buf is not None:
-        raise ValueError("custom masks are not supported yet with use_cuda_graph=True")
+
+
+def mask_capacity_bytes(custom_mask_buf) -> int | None:
+    """The packed-mask bytes a CUDA-graph wrapper reserves, from FlashInfer's custom_mask_buf
+    (a uint8 device buffer: its size; the mask itself travels in the workspace), or None."""
+    if custom_mask_buf is None:
+        return None
+    if dtype_name(custom_mask_buf) != "uint8":
+        raise ValueError(f"custom_mask_buf: expected uint8, got {dtype_name(custom_mask_buf)}")
+    return int(np.prod(custom_mask_buf.shape))
 
 
 def kv_storage(kv_dtype: str) -> tuple[str, ...]:
@@ -196,16 +204,18 @@ class _PrefillWrapper(PlannedWrapper):
     and later plans may use fewer (rows past them are left alone) but not more, with at most
     len(qo_indptr_buf) - 1 requests (and, paged, len(paged_kv_indices_buf) pages). The kernel,
     its grid and the workspace layout stay fixed, so a graph captured around run() replays
-    correctly after later plans. Custom masks are not available in this mode yet."""
+    correctly after later plans. A custom mask travels in the workspace, at a fixed place:
+    custom_mask_buf's size (bytes) is the room for it, else the first masked plan's."""
 
     RUN_SLOTS = ("q", "k", "v", "out", "lse")
     RUN_GIVEN = ("out", "lse")
 
     def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
-                 qo_indptr_buf=None, max_pages=None):  # fmt: skip
+                 qo_indptr_buf=None, max_pages=None, custom_mask_buf=None):  # fmt: skip
         super().__init__(workspace, kv_layout, use_cuda_graph)
         self._launch: _Launch | None = None
         self._mask = None  # what keeps the plan's packed custom mask alive
+        self._mask_bytes = mask_capacity_bytes(custom_mask_buf)
         self._fixed: _GraphCapacity | None = None
         if self._graph:
             if qo_indptr_buf is None:
@@ -232,8 +242,9 @@ class _PrefillWrapper(PlannedWrapper):
         custom = masks[0] is not None or masks[1] is not None
         cfg = self._configure((*args, custom), make_prefill_config, self._setup)
         rows = int(qo_indptr[-1])
+        mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
         if self._graph:
-            fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], custom)
+            fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv, fixed.tile_rows,
                                        fixed.capacity.max_work)  # fmt: skip
@@ -241,29 +252,39 @@ class _PrefillWrapper(PlannedWrapper):
         else:
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv)  # fmt: skip
+            host_mask = mask is not None and mask.host is not None
             capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
                                 plan.num_slots, cfg.attn.num_kv_heads,
-                                launch.kernel.spec.tile_rows, cfg.attn.head_dim)  # fmt: skip
-        mask_byte = None
-        if custom:
-            self._mask, launch.params.mask, mask_byte = packed_mask(
-                *masks, np.diff(qo_indptr), kv_len, self._device
-            )
+                                launch.kernel.spec.tile_rows, cfg.attn.head_dim,
+                                mask.ints if host_mask else 0)  # fmt: skip
+        # The mask travels with the plan (a host mask; any mask of a graph wrapper, copied
+        # on the device behind the upload) or is read where it lies (a device mask).
+        in_plan = mask is not None and (mask.host is not None or self._graph)
+        after = None
+        if in_plan and mask.host is None:
+
+            def after(regions, stream):
+                dst = regions["plan"] + 4 * capacity.mask_at
+                memcpy_async(dst, mask.device, mask.nbytes, stream)
+
         attn = cfg.attn
         freq = attn.freq()
         regions = self._upload(capacity, lambda buf: pack_plan(
-            buf, plan, qo_indptr, first_page, page_ids, attn.head_dim, freq, mask_byte
-        ))  # fmt: skip
+            buf, plan, qo_indptr, first_page, page_ids, attn.head_dim, freq,
+            None if mask is None else mask.mask_byte, None if mask is None else mask.host,
+            capacity.mask_at,
+        ), after)  # fmt: skip
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
         p.partial_lse, p.counters = regions["lse"], regions["counters"]
+        if mask is not None:
+            p.mask = regions["plan"] + 4 * capacity.mask_at if in_plan else mask.device
+            self._mask = mask.keep  # a device mask read in place (or copied) stays alive
         self._launch = _Launch(launch, cfg, rows, num_kv_rows)
 
-    def _graph_capacity(self, cfg, qo_indptr, num_pages: int, custom: bool) -> _GraphCapacity:
+    def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> _GraphCapacity:
         """The fixed capacity of a CUDA-graph wrapper for this plan (set by the first plan of
-        the configuration), after checking that the plan fits it."""
-        if custom:
-            raise ValueError("custom masks are not supported yet with use_cuda_graph=True")
+        the configuration), after checking that the plan (and its packed mask) fits it."""
         batch, rows = qo_indptr.shape[0] - 1, int(qo_indptr[-1])
         if batch > self._max_batch or num_pages > self._max_pages:
             raise ValueError(
@@ -278,13 +299,24 @@ class _PrefillWrapper(PlannedWrapper):
             num_sms, max_smem = self._limits
             _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem)
             work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
+            mask_ints = 0
+            if mask is not None:
+                room = self._mask_bytes if self._mask_bytes is not None else mask.nbytes
+                mask_ints = -(-room // 4)
             capacity = Capacity(work, self._max_pages, tiles, work, attn.num_kv_heads,
-                                tile_rows, attn.head_dim)  # fmt: skip
+                                tile_rows, attn.head_dim, mask_ints)  # fmt: skip
             fixed = self._fixed = _GraphCapacity(cfg, tile_rows, rows, capacity)
         elif rows > fixed.rows:
             raise ValueError(
                 f"{rows} query rows, but this CUDA-graph wrapper's run() takes {fixed.rows} "
                 "(fixed by its first plan): plan at most that many, padding q to it"
+            )
+        if mask is not None and mask.ints > fixed.capacity.max_mask_ints:
+            raise ValueError(
+                f"the packed custom mask takes {mask.nbytes} bytes, more than this CUDA-graph "
+                f"wrapper's room ({4 * fixed.capacity.max_mask_ints} bytes, from "
+                f"{'custom_mask_buf' if self._mask_bytes is not None else 'its first plan'}): "
+                "give a larger custom_mask_buf to the constructor"
             )
         return fixed
 
@@ -371,8 +403,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
                  mask_indptr_buf=None, backend="auto", jit_args=None):  # fmt: skip
-        check_backend(backend, jit_args, custom_mask_buf, mask_indptr_buf)
-        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf)
+        check_backend(backend, jit_args)
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf,
+                         custom_mask_buf=custom_mask_buf)  # fmt: skip
 
     def plan(
         self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
@@ -436,13 +469,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend="auto", jit_args=None):  # fmt: skip
-        check_backend(backend, jit_args, custom_mask_buf, mask_indptr_buf)
+        check_backend(backend, jit_args)
         if use_cuda_graph and paged_kv_indices_buf is None:
             raise ValueError(
                 "use_cuda_graph=True needs paged_kv_indices_buf: its length fixes the pages"
             )
         max_pages = None if paged_kv_indices_buf is None else paged_kv_indices_buf.shape[0]
-        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf, max_pages)
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf, max_pages,
+                         custom_mask_buf)  # fmt: skip
 
     def plan(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,

@@ -6,12 +6,13 @@ i * kv_len_b + j of request b from its first byte (mask_byte[b])."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..bitpack import segment_packbits
 from ..interop.arrays import as_cupy, device_of, dtype_name, framework
 from ..plan._checks import INT32_MAX
-from .workspace import device_copy
 
 
 def mask_layout(qo_len: np.ndarray, kv_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,19 +30,36 @@ def _size(x) -> int:
     return int(np.prod(x.shape))
 
 
-def packed_mask(custom_mask, packed_custom_mask, qo_len, kv_len, device: int):
-    """The packed mask on `device` for a batch: (what keeps it alive, its address, mask_byte
-    int64[B]). A boolean custom_mask is packed on its device (or by NumPy on the host); a
-    host mask is copied to the device."""
+@dataclass(frozen=True)
+class PackedMask:
+    """A batch's packed custom mask: on the host (`host`, uint8, to travel with the plan) or on
+    the device (`device`: its address, `keep`: what keeps it alive); mask_byte: int64[B], each
+    request's first byte; nbytes: its bytes."""
+
+    host: np.ndarray | None
+    device: int
+    keep: object
+    mask_byte: np.ndarray
+    nbytes: int
+
+    @property
+    def ints(self) -> int:
+        return -(-self.nbytes // 4)
+
+
+def packed_mask(custom_mask, packed_custom_mask, qo_len, kv_len, device: int) -> PackedMask:
+    """The packed mask of a batch: a boolean custom_mask is packed on its device (or by NumPy
+    on the host); a packed one is taken as it is."""
     bit_indptr, mask_byte = mask_layout(qo_len, kv_len)
-    if int(mask_byte[-1]) > INT32_MAX:
-        raise ValueError(f"the packed mask would take {int(mask_byte[-1])} bytes (at most 2^31)")
+    nbytes = int(mask_byte[-1])
+    if nbytes > INT32_MAX:
+        raise ValueError(f"the packed mask would take {nbytes} bytes (at most 2^31)")
     if packed_custom_mask is not None:
         packed, name = packed_custom_mask, "packed_custom_mask"
-        if dtype_name(packed) != "uint8" or _size(packed) < int(mask_byte[-1]):
+        if dtype_name(packed) != "uint8" or _size(packed) < nbytes:
             raise ValueError(
-                f"packed_custom_mask: expected uint8 with at least {int(mask_byte[-1])} bytes "
-                f"(each request's qo_len x kv_len bits on whole bytes), got {dtype_name(packed)} "
+                f"packed_custom_mask: expected uint8 with at least {nbytes} bytes (each "
+                f"request's qo_len x kv_len bits on whole bytes), got {dtype_name(packed)} "
                 f"{tuple(packed.shape)}"
             )
     else:
@@ -53,14 +71,14 @@ def packed_mask(custom_mask, packed_custom_mask, qo_len, kv_len, device: int):
             )
         packed, _ = segment_packbits(custom_mask, bit_indptr, "little")
     if framework(packed) == "numpy":
-        memory = device_copy(np.ascontiguousarray(packed, np.uint8), device)
-        return memory, memory.ptr, mask_byte[:-1]
+        host = np.ascontiguousarray(packed, np.uint8).reshape(-1)[:nbytes]
+        return PackedMask(host, 0, None, mask_byte[:-1], nbytes)
     if device_of(packed) != device:
         raise ValueError(f"{name} is on device {device_of(packed)}, the plan on device {device}")
     view = as_cupy(packed, name)
     if not view.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous")
-    return (packed, view), view.data.ptr, mask_byte[:-1]
+    return PackedMask(None, view.data.ptr, (packed, view), mask_byte[:-1], nbytes)
 
 
-__all__ = ["mask_layout", "packed_mask"]
+__all__ = ["PackedMask", "mask_layout", "packed_mask"]

@@ -2,7 +2,8 @@
 
 Device layout (each region 256-byte aligned, the plan first):
 
-    plan       int32[4 + D + 12 * max_work + max_pages]        header | RoPE | items | page ids
+    plan       int32[4 + D + 12 * max_work + max_pages + max_mask_ints]
+                                             header | RoPE | items | page ids | packed mask
     counters   int32[max_tiles * num_kv_heads]                  merge arrivals, zero at rest
     lse        float32[max_slots * num_kv_heads * tile_rows]    partial LSE of split tiles
     o          float32[max_slots * num_kv_heads * tile_rows, head_dim]   partial outputs
@@ -12,7 +13,9 @@ The header is [num_work, 0, 0, 0], then D ints of RoPE frequencies (head_dim / 2
 PrefillWorkItem structs (cuda_src/attention/prefill.cu) written by field name through a NumPy
 record of the same layout; their `page_ids` index the page ids inside the plan region. A ragged
 KV cache is a paged one whose request b is one "page" starting at row kv_indptr[b] (page size
-2^30).
+2^30). A custom mask's packed bytes, when they travel with the plan (a host mask, or any mask
+of a CUDA-graph wrapper, whose address must not move), start at int `mask_at` of the region,
+a fixed place for a given capacity; the items' mask_byte count from there.
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ class Capacity:
     num_kv_heads: int
     tile_rows: int
     head_dim: int
+    max_mask_ints: int = 0  # the packed custom mask's room in the plan region
+
+    @property
+    def mask_at(self) -> int:
+        """Where the packed mask starts in the plan region (ints)."""
+        return items_at(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
 
     @property
     def plan_ints(self) -> int:
-        return items_at(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
+        return self.mask_at + self.max_mask_ints
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of every region, and "end" (the bytes needed)."""
@@ -72,7 +81,7 @@ class Capacity:
         """Whether this layout serves `other`: the same shape and every count at least its."""
         return self._shape() == other._shape() and all(
             getattr(self, f) >= getattr(other, f)
-            for f in ("max_work", "max_pages", "max_tiles", "max_slots")
+            for f in ("max_work", "max_pages", "max_tiles", "max_slots", "max_mask_ints")
         )
 
     def grown(self, need: Capacity) -> Capacity:
@@ -86,7 +95,7 @@ class Capacity:
 
         return Capacity(grow(self.max_work, need.max_work), grow(self.max_pages, need.max_pages),
                         grow(self.max_tiles, need.max_tiles), grow(self.max_slots, need.max_slots),
-                        *need._shape())  # fmt: skip
+                        *need._shape(), grow(self.max_mask_ints, need.max_mask_ints))  # fmt: skip
 
 
 def items_at(head_dim: int) -> int:
@@ -96,14 +105,16 @@ def items_at(head_dim: int) -> int:
 
 def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarray,
               page_ids: np.ndarray, head_dim: int, freq: np.ndarray | None = None,
-              mask_byte: np.ndarray | None = None) -> int:  # fmt: skip
+              mask_byte: np.ndarray | None = None, mask: np.ndarray | None = None,
+              mask_at: int = 0) -> int:  # fmt: skip
     """Write a PrefillPlan into the int32 host buffer `buf`; returns the ints used.
 
     qo_indptr: int64[B + 1]; first_page: int64[B], where request b's page ids start in
     `page_ids` (the paged table's kv_indptr[:-1], or arange(B) for a ragged cache whose page
     ids are its kv_indptr[:-1]); freq: float32 [head_dim / 2, 2] RoPE frequencies or None;
     mask_byte: int64[B], where request b's bits start in the packed custom mask (None: no
-    mask)."""
+    mask); mask: the packed mask's bytes (uint8, host) to write at int mask_at, or None (the
+    mask is elsewhere, or copied there on the device)."""
     w = plan.num_work
     start = items_at(head_dim)
     pages_at = start + ITEM_INTS * w
@@ -141,6 +152,9 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     put("mask_byte", 0 if mask_byte is None else mask_byte[request])
     buf[start:pages_at].reshape(w, ITEM_INTS)[:] = cols.T
     buf[pages_at:n] = page_ids
+    if mask is not None:
+        buf.view(np.uint8)[4 * mask_at : 4 * mask_at + mask.shape[0]] = mask
+        n = max(n, mask_at + -(-mask.shape[0] // 4))
     return n
 
 
