@@ -205,7 +205,8 @@ class _PrefillWrapper(PlannedWrapper):
     len(qo_indptr_buf) - 1 requests (and, paged, len(paged_kv_indices_buf) pages). The kernel,
     its grid and the workspace layout stay fixed, so a graph captured around run() replays
     correctly after later plans. A custom mask travels in the workspace, at a fixed place:
-    custom_mask_buf's size (bytes) is the room for it, else the first masked plan's."""
+    custom_mask_buf's size (bytes) is the room for it, else the first masked plan's
+    (FlashInfer's mask_indptr_buf is accepted and not needed: the offsets travel in the plan)."""
 
     RUN_SLOTS = ("q", "k", "v", "out", "lse")
     RUN_GIVEN = ("out", "lse")
