@@ -4,10 +4,13 @@ views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph vi
 FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
 same run; then plan() host time for a 64-request batch (against fa2). rtcinfer is called with
 PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
-on CuPy arrays captured with CuPy's stream capture."""
+on CuPy arrays captured with CuPy's stream capture; "32-row warps graph us" the same with the
+opt-in kernel whose warps take two 16-row blocks (128-row tiles, head_dim <= 128), plan()'s
+choice otherwise unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -31,6 +34,7 @@ from bench.common import (
     time_us,
     views,
 )
+from rtcinfer.attention import prefill as prefill_module
 from rtcinfer.interop.dtypes import numpy_dtype
 
 PAGE = 16
@@ -60,6 +64,24 @@ FORMS = {"ragged": "BatchPrefillWithRaggedKVCacheWrapper",
 # its own choice on sm90, in the graph view at head_dim 128 (its nvcc JIT takes ~100 s per
 # head_dim, fa2's ~15 s). One module per (backend, head_dim) serves both forms, causal or not.
 FA3_HEAD_DIMS = (128,)
+
+
+@contextlib.contextmanager
+def warp_rows_forced(warp_rows: int):
+    """Kernels planned inside take `warp_rows` rows a warp where the kernel allows it (128-row
+    tiles, head_dim <= 128, no custom mask)."""
+    original = prefill_module.prefill_spec
+
+    def spec(*args, **kwargs):
+        head_dim, rows, custom = args[2], args[3], len(args) > 8 and args[8]
+        allowed = rows == 128 and head_dim <= 128 and not custom
+        return original(*args, **kwargs, warp_rows=warp_rows if allowed else 16)
+
+    prefill_module.prefill_spec = spec
+    try:
+        yield
+    finally:
+        prefill_module.prefill_spec = original
 
 
 def indptr_of(lengths: np.ndarray) -> np.ndarray:
@@ -173,6 +195,12 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
         wrapper = getattr(rtcinfer, FORMS[form])()
         wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
         cupy_graph = graph_time_us(lambda: wrapper.run(q, *kv, out=out))
+        two_blocks = None
+        with warp_rows_forced(32):
+            alt = getattr(rtcinfer, FORMS[form])()
+            alt.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
+        if alt._launch.launch.kernel.spec.warp_rows == 32:
+            two_blocks = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
         (tq, tout, *tkv), is_torch = callers(q, out, *kv)
         ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
@@ -185,7 +213,8 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
                 fa3 = flashinfer_views(fi, torch, wrappers, form, "fa3", tables, dims, causal,
                                        tq, tkv)  # fmt: skip
         fa3_graph = None if fa3 is None else fa3.graph
-        table.add(label, *ours.cells(), cupy_graph, tflops, 100 * tflops / gemm_tflops(),
+        table.add(label, *ours.cells(), cupy_graph, two_blocks, tflops,
+                  100 * tflops / gemm_tflops(),
                   *peer_cells(ours, theirs), fa3_graph, ratio(ours.graph, fa3_graph))  # fmt: skip
 
 
@@ -215,7 +244,7 @@ def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
             theirs = float(np.median(times[20:100])) * 1e6
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
             print(f"# flashinfer {form} plan failed: {type(e).__name__}: {str(e)[:200]}")
-    blank = (None,) * 5  # loop, graph, CuPy graph, TFLOP/s, % GEMM of a kernel row
+    blank = (None,) * 6  # loop, graph, CuPy graph, 32-row graph, TFLOP/s, % GEMM of a kernel row
     table.add("plan(), 64 mixed requests (host us)", ours, *blank, theirs, None, None,
               ratio(ours, theirs), None, None, None)  # fmt: skip
 
@@ -224,8 +253,8 @@ def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
-    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "TFLOP/s", "% GEMM", *PEER_COLUMNS,
-               "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "32-row warps graph us", "TFLOP/s",
+               "% GEMM", *PEER_COLUMNS, "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
     wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
     tables = Tables()
     for form, kv in (("ragged", "ragged KV"), ("paged", f"paged KV, page {PAGE}, permuted pages")):
