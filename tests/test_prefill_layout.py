@@ -94,6 +94,65 @@ def test_one_warp_computes_s_and_o_exactly(head_dim, dtype):
             np.testing.assert_allclose(o[n][r], expect_o[rows, dims], rtol=1e-10, atol=1e-10)
 
 
+def warp_row(i: int, g):
+    """prefill.cu's warp_row: the warp's row of the thread's row i (i = 2 block + half)."""
+    return 16 * (i // 2) + g + 8 * (i % 2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_warp_of_two_row_blocks_shares_each_fragment(head_dim):
+    """attend_tile with WARP_ROWS = 32 (ROW_BLOCKS = 2), its loops transcribed: Q fragments of
+    each block at WARP_ROWS * warp + 16 b, one K fragment pair feeding both blocks' MMAs into
+    s[b], one V fragment feeding the PV MMAs into the states st[2b] (row g of block b) and
+    st[2b + 1] (row g + 8); finish_rows' rows (warp_row) then hold the right outputs."""
+    dtype = ml_dtypes.bfloat16
+    rng = np.random.default_rng(head_dim + 32)
+    tile_rows, keys, warp, warp_rows, blocks = 128, 32, 3, 32, 2  # the warp: rows 96..127
+    q = rng.standard_normal((tile_rows, head_dim)).astype(dtype)
+    k = rng.standard_normal((keys, head_dim)).astype(dtype)
+    v = rng.standard_normal((keys, head_dim)).astype(dtype)
+    q_s, k_s, v_s = swizzled(q), swizzled(k), swizzled(v)
+    row_bytes = 2 * head_dim
+    key_tiles = keys // 8
+
+    s = [[np.zeros((4, 32)) for _ in range(key_tiles)] for _ in range(blocks)]
+    for c in range(head_dim // 16):
+        a = [load_a_rows(q_s, warp_rows * warp + 16 * b, c, row_bytes) for b in range(blocks)]
+        for n in range(0, key_tiles, 2):
+            kb = load_k_pair(k_s, 8 * n, c, row_bytes)
+            for b in range(blocks):
+                s[b][n] = mma(s[b][n], a[b], kb[0], dtype)
+                s[b][n + 1] = mma(s[b][n + 1], a[b], kb[1], dtype)
+    o = [[np.zeros(32) for _ in range(2 * head_dim // 8)] for _ in range(2 * blocks)]  # st[i]
+    for j in range(keys // 16):
+        a = [p_fragment(s[b][2 * j], s[b][2 * j + 1], dtype) for b in range(blocks)]
+        for c in range(head_dim // 16):
+            vb = load_v_pair(v_s, j, c, row_bytes)
+            for b in range(blocks):
+                for h in range(2):
+                    n = 2 * c + h
+                    acc = np.stack([o[2 * b][2 * n], o[2 * b][2 * n + 1],
+                                    o[2 * b + 1][2 * n], o[2 * b + 1][2 * n + 1]])  # fmt: skip
+                    acc = mma(acc, a[b], vb[h], dtype)
+                    o[2 * b][2 * n], o[2 * b][2 * n + 1] = acc[0], acc[1]
+                    o[2 * b + 1][2 * n], o[2 * b + 1][2 * n + 1] = acc[2], acc[3]
+    rows = slice(warp_rows * warp, warp_rows * warp + warp_rows)
+    expect_s = q[rows].astype(np.float64) @ k.astype(np.float64).T
+    expect_o = expect_s.astype(dtype).astype(np.float64) @ v.astype(np.float64)
+    for i in range(2 * blocks):  # the thread's rows as finish_rows writes them
+        row = warp_row(i, G)
+        for n in range(head_dim // 8):
+            for e in range(2):
+                dims = 8 * n + 2 * T + e
+                np.testing.assert_allclose(o[i][2 * n + e], expect_o[row, dims], rtol=1e-10,
+                                           atol=1e-10)  # fmt: skip
+        b, h = i // 2, i % 2
+        for n in range(key_tiles):
+            for e in range(2):
+                np.testing.assert_allclose(s[b][n][2 * h + e], expect_s[row, 8 * n + 2 * T + e],
+                                           rtol=1e-12)  # fmt: skip
+
+
 def test_the_p_fragment_is_the_a_layout_of_s():
     """p_fragment repacks C-layout accumulators of n-tiles 2j, 2j + 1 into the A layout of
     the 16 keys they hold: a0 (g, 2t), a1 (g + 8, 2t), a2 (g, 2t + 8), a3 (g + 8, 2t + 8)."""
