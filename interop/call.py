@@ -449,10 +449,12 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     """A jitted function of the present inputs that runs `prep` through the FFI target."""
     import jax
 
+    from ..launch import stream_device
     from . import jax_ffi
 
-    runtime = gpu.runtime()
-    prep.preload(runtime.getDevice())
+    gpu.runtime()  # the checks of a first use (driver, CUDA extra, a device)
+    for device in _jax_gpu_ordinals():  # load now: never inside XLA's execution or capture
+        prep.preload(device)
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)
 
@@ -467,7 +469,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
         if bits & 15:
             raise ValueError("XLA passed a buffer not aligned to 16 bytes")
         ptrs += outs
-        prep.run(stream, runtime.getDevice(), ptrs, scalars)
+        prep.run(stream, stream_device(stream), ptrs, scalars)  # the buffers' device
 
     handler = jax_ffi.add_launch_handler(launch)
     prep._handlers.append(handler)
@@ -483,6 +485,14 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
         return results[0] if len(results) == 1 else tuple(results)
 
     return jax.jit(run)
+
+
+def _jax_gpu_ordinals() -> list[int]:
+    """The CUDA ordinals of the GPUs JAX sees in this process."""
+    import jax
+
+    return [getattr(d, "local_hardware_id", d.id) for d in jax.local_devices()
+            if d.platform == "gpu"]  # fmt: skip
 
 
 def release(op: Op) -> None:

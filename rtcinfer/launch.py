@@ -85,6 +85,42 @@ def is_capturing(stream: int) -> bool:
     return int(status) != 0
 
 
+_STREAM_DEVICES: dict[int, int] = {}  # stream handle -> the CUDA ordinal of its device
+_DEFAULT_STREAMS = (0, 1, 2)  # legacy, per-thread default: the current context's device
+
+
+def stream_device(stream: int) -> int:
+    """The CUDA ordinal of the device `stream` belongs to, asked of the driver once per stream
+    handle (the streams XLA runs custom calls on live as long as its executors): a JAX handler
+    launches where the computation's buffers are, whichever device is current in its thread."""
+    device = _STREAM_DEVICES.get(stream)
+    if device is None:
+        device = _STREAM_DEVICES[stream] = _ask_stream_device(stream)
+    return device
+
+
+def _ask_stream_device(stream: int) -> int:
+    cu = driver()
+    if stream in _DEFAULT_STREAMS:
+        rc, device = cu.cuCtxGetDevice()
+        if rc:
+            raise CudaError(rc, "cuCtxGetDevice")
+        return int(device)
+    rc, ctx = cu.cuStreamGetCtx(stream)
+    if rc:
+        raise CudaError(rc, "cuStreamGetCtx")
+    (rc,) = cu.cuCtxPushCurrent(ctx)
+    if rc:
+        raise CudaError(rc, "cuCtxPushCurrent")
+    try:
+        rc, device = cu.cuCtxGetDevice()
+        if rc:
+            raise CudaError(rc, "cuCtxGetDevice")
+    finally:
+        cu.cuCtxPopCurrent()
+    return int(device)
+
+
 class Kernel:
     """An entry point of a spec: its parameter struct and its loaded function on each device.
 
@@ -169,5 +205,6 @@ __all__ = [
     "is_capturing",
     "memset_d32",
     "record_event",
+    "stream_device",
     "wait_event",
 ]

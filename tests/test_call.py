@@ -109,3 +109,42 @@ def test_a_norm_over_misaligned_rows_keeps_the_contiguous_arithmetic():
     narrow_spec, wide_spec = (p.preload.__self__.kernel.spec for p in (narrow, wide))
     assert (narrow_spec.vec, narrow_spec.threads) == (wide_spec.vec, wide_spec.threads) == (8, 128)
     assert (narrow_spec.load_vec, wide_spec.load_vec) == (1, 0)
+
+
+def test_the_device_of_a_stream_is_asked_of_the_driver_once(monkeypatch):
+    """What a JAX handler launches on: the device of XLA's stream, asked of the driver once
+    per stream handle (its context's device); the default streams answer with the current
+    context's device."""
+    from rtcinfer import launch
+
+    asked = []
+
+    class Driver:
+        @staticmethod
+        def cuStreamGetCtx(stream):
+            asked.append(("ctx", stream))
+            return 0, f"ctx-of-{stream}"
+
+        @staticmethod
+        def cuCtxPushCurrent(ctx):
+            asked.append(("push", ctx))
+            Driver.current = ctx
+            return (0,)
+
+        @staticmethod
+        def cuCtxPopCurrent():
+            asked.append(("pop",))
+            Driver.current = "ctx-main"
+            return 0, None
+
+        @staticmethod
+        def cuCtxGetDevice():
+            return 0, {"ctx-of-160": 1, "ctx-of-176": 2, "ctx-main": 0}[Driver.current]
+
+    Driver.current = "ctx-main"
+    monkeypatch.setattr(launch, "driver", lambda: Driver)
+    monkeypatch.setattr(launch, "_STREAM_DEVICES", {})
+    assert launch.stream_device(0xA0) == 1 and launch.stream_device(0xB0) == 2
+    assert launch.stream_device(0xA0) == 1  # cached: one query per stream
+    assert asked.count(("ctx", 0xA0)) == 1 and Driver.current == "ctx-main"
+    assert launch.stream_device(0) == 0  # the legacy default stream: the current context's
