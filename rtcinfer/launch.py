@@ -100,24 +100,21 @@ def stream_device(stream: int) -> int:
 
 
 def _ask_stream_device(stream: int) -> int:
+    """The stream's context's device; the current context's for a default stream, or if the
+    driver cannot say (the launch then goes where it went before: the current device)."""
     cu = driver()
-    if stream in _DEFAULT_STREAMS:
-        rc, device = cu.cuCtxGetDevice()
-        if rc:
-            raise CudaError(rc, "cuCtxGetDevice")
-        return int(device)
-    rc, ctx = cu.cuStreamGetCtx(stream)
+    if stream not in _DEFAULT_STREAMS:
+        rc, ctx = cu.cuStreamGetCtx(stream)
+        if not rc and not cu.cuCtxPushCurrent(ctx)[0]:
+            try:
+                rc, device = cu.cuCtxGetDevice()
+            finally:
+                cu.cuCtxPopCurrent()
+            if not rc:
+                return int(device)
+    rc, device = cu.cuCtxGetDevice()
     if rc:
-        raise CudaError(rc, "cuStreamGetCtx")
-    (rc,) = cu.cuCtxPushCurrent(ctx)
-    if rc:
-        raise CudaError(rc, "cuCtxPushCurrent")
-    try:
-        rc, device = cu.cuCtxGetDevice()
-        if rc:
-            raise CudaError(rc, "cuCtxGetDevice")
-    finally:
-        cu.cuCtxPopCurrent()
+        raise CudaError(rc, "cuCtxGetDevice")
     return int(device)
 
 

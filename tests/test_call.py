@@ -148,3 +148,20 @@ def test_the_device_of_a_stream_is_asked_of_the_driver_once(monkeypatch):
     assert launch.stream_device(0xA0) == 1  # cached: one query per stream
     assert asked.count(("ctx", 0xA0)) == 1 and Driver.current == "ctx-main"
     assert launch.stream_device(0) == 0  # the legacy default stream: the current context's
+
+
+def test_a_stream_the_driver_cannot_place_goes_to_the_current_device(monkeypatch):
+    from rtcinfer import launch
+
+    class Driver:
+        @staticmethod
+        def cuStreamGetCtx(stream):
+            return 201, None  # CUDA_ERROR_INVALID_CONTEXT
+
+        @staticmethod
+        def cuCtxGetDevice():
+            return 0, 3
+
+    monkeypatch.setattr(launch, "driver", lambda: Driver)
+    monkeypatch.setattr(launch, "_STREAM_DEVICES", {})
+    assert launch.stream_device(0xC0) == 3
