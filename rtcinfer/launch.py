@@ -128,6 +128,7 @@ class Kernel:
         self.spec, self.name, self.smem = spec, name, smem
         self.params_type = params_type(jit.struct_layout(spec, params))
         self._functions: dict[int, object] = {}
+        self._occupancy: dict[tuple[int, int], int] = {}
 
     def function(self, device: int):
         """The CUfunction on `device` (compiled or read from the disk cache, loaded once)."""
@@ -138,11 +139,17 @@ class Kernel:
         return fn
 
     def occupancy(self, device: int, threads: int) -> int:
-        """CTAs of this kernel that fit on one SM at once (for persistent grids)."""
-        from cupy_backends.cuda.api import driver as cu
+        """CTAs of this kernel that fit on one SM at once (for persistent grids), asked of
+        the driver once per (device, threads): plan() asks it every time."""
+        key = (device, threads)
+        ctas = self._occupancy.get(key)
+        if ctas is None:
+            from cupy_backends.cuda.api import driver as cu
 
-        return cu.occupancyMaxActiveBlocksPerMultiprocessor(int(self.function(device)), threads,
-                                                            self.smem)  # fmt: skip
+            fn = int(self.function(device))
+            ctas = cu.occupancyMaxActiveBlocksPerMultiprocessor(fn, threads, self.smem)
+            self._occupancy[key] = ctas
+        return ctas
 
     def __repr__(self) -> str:
         return f"Kernel({self.name} of {self.spec!r})"
