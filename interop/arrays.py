@@ -23,6 +23,15 @@ def framework(x) -> str:
     return "dlpack"
 
 
+def torch_compiling(x) -> bool:
+    """Whether `x` is a PyTorch tensor seen while torch.compile traces: the call then becomes a
+    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one module-name
+    test, and PyTorch is never imported here."""
+    if type(x).__module__.partition(".")[0] != "torch":
+        return False
+    return sys.modules["torch"].compiler.is_compiling()
+
+
 def dtype_name(x) -> str:
     """Canonical dtype name of an array of any framework ("bfloat16", "float8_e4m3fn", ...)."""
     return normalize(x.dtype)
