@@ -25,24 +25,23 @@ def _op(name: str, mutates=()):
 # --- norms -------------------------------------------------------------------------------------
 
 
-@_op("rmsnorm")
-def _rmsnorm(input: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return norm.rmsnorm(input, weight, eps)
+def _rms(name: str, public):
+    """The two forms of an RMS norm: functional, and `out=` (mutating out)."""
+
+    @_op(name)
+    def functional(input: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return public(input, weight, eps)
+
+    @_op(f"{name}_out", mutates=("out",))
+    def with_out(input: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+        public(input, weight, eps, out=out)
+
+    functional.register_fake(lambda input, weight, eps: torch.empty_like(input))
+    with_out.register_fake(lambda input, weight, eps, out: None)
 
 
-@_op("rmsnorm_out", mutates=("out",))
-def _rmsnorm_out(input: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-    norm.rmsnorm(input, weight, eps, out=out)
-
-
-@_op("gemma_rmsnorm")
-def _gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return norm.gemma_rmsnorm(input, weight, eps)
-
-
-@_op("gemma_rmsnorm_out", mutates=("out",))
-def _gemma_rmsnorm_out(input: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-    norm.gemma_rmsnorm(input, weight, eps, out=out)
+_rms("rmsnorm", norm.rmsnorm)
+_rms("gemma_rmsnorm", norm.gemma_rmsnorm)
 
 
 @_op("layernorm")
@@ -66,11 +65,7 @@ def _gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor,
     norm.gemma_fused_add_rmsnorm(input, residual, weight, eps)
 
 
-for _fn in (_rmsnorm, _gemma_rmsnorm):
-    _fn.register_fake(lambda input, weight, eps: torch.empty_like(input))
 _layernorm.register_fake(lambda input, gemma, beta, eps: torch.empty_like(input))
-for _fn in (_rmsnorm_out, _gemma_rmsnorm_out):
-    _fn.register_fake(lambda input, weight, eps, out: None)
 _layernorm_out.register_fake(lambda input, gemma, beta, eps, out: None)
 for _fn in (_fused_add_rmsnorm, _gemma_fused_add_rmsnorm):
     _fn.register_fake(lambda input, residual, weight, eps: None)
