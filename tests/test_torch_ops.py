@@ -46,6 +46,35 @@ def test_compile_traces_each_call_as_one_custom_op():
                    "rtcinfer.gelu_tanh_and_mul_out"]  # fmt: skip
 
 
+def test_every_rope_form_is_one_node():
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, pos, indptr, offsets, cache):
+        rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
+        rtcinfer.apply_llama31_rope_inplace(q, k, indptr, offsets, rope_scale=8.0)
+        q2, k2 = rtcinfer.apply_rope(q, k, indptr, offsets)
+        out = (torch.empty_like(q2), torch.empty_like(k2))
+        rtcinfer.apply_llama31_rope_pos_ids(q2, k2, pos, out=out)
+        query, key = q.reshape(4, -1), k.reshape(4, -1)
+        rtcinfer.apply_rope_with_cos_sin_cache_inplace(pos, query, key, 8, cache)
+        return q2, out[0]
+
+    ints = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.int32)  # noqa: E731
+    cache = torch.empty(100, 8, device="meta", dtype=torch.float32)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    q2, q_out = compiled(_meta(4, 2, 8), _meta(4, 1, 8), ints(4), ints(3), ints(2), cache)
+    assert q2.shape == q_out.shape == (4, 2, 8)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.apply_rope_pos_ids_inplace", "rtcinfer.apply_llama31_rope_inplace",
+        "rtcinfer.apply_rope", "rtcinfer.apply_llama31_rope_pos_ids_out",
+        "rtcinfer.apply_rope_with_cos_sin_cache_inplace",
+    ]  # fmt: skip
+
+
 PUBLIC = {
     "rmsnorm": rtcinfer.rmsnorm,
     "gemma_rmsnorm": rtcinfer.gemma_rmsnorm,
@@ -56,6 +85,29 @@ PUBLIC = {
     "gelu_and_mul": rtcinfer.gelu_and_mul,
     "gelu_tanh_and_mul": rtcinfer.gelu_tanh_and_mul,
 }
+
+
+ROTATED = ("q", "k", "query", "key")
+
+
+@pytest.mark.parametrize("fn", rtcinfer.rope.PUBLIC, ids=lambda f: f.__name__)
+def test_rope_schemas_follow_the_public_signatures(fn):
+    """A RoPE op takes the function's arguments by name and in order; the in-place forms
+    mutate the rotated tensors, the _out forms their two outputs."""
+    from rtcinfer import torch_ops
+
+    assert torch_ops.call_public  # registers the ops
+    public = [p for p in inspect.signature(fn).parameters if p != "out"]
+    schema = getattr(torch.ops.rtcinfer, fn.__name__).default._schema
+    assert [a.name for a in schema.arguments] == public
+    mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    rotated = [n for n in public if n in ROTATED]
+    assert mutated == (rotated if fn.__name__.endswith("_inplace") else [])
+    out_form = getattr(torch.ops.rtcinfer, f"{fn.__name__}_out", None)
+    assert (out_form is None) == fn.__name__.endswith("_inplace")
+    if out_form is not None:
+        args = out_form.default._schema.arguments
+        assert [a.name for a in args] == [*public, *(f"{n}_out" for n in rotated)]
 
 
 @pytest.mark.parametrize("name", list(PUBLIC))
@@ -98,4 +150,22 @@ def test_compiled_calls_give_the_eager_bits():
     want = step(*eager_args)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
     for a, b in zip((*got, args[0], args[1]), (*want, eager_args[0], eager_args[1]), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_compiled_rope_gives_the_eager_bits():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pos = torch.randint(0, 4096, (64,), device="cuda", dtype=torch.int32, generator=gen)
+
+    def step(q, k, pos):
+        rtcinfer.apply_llama31_rope_pos_ids_inplace(q, k, pos)
+        return rtcinfer.apply_rope_pos_ids(q, k, pos, rope_theta=5e5)
+
+    eager_q, eager_k = q.clone(), k.clone()
+    want = step(eager_q, eager_k, pos)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, pos)
+    for a, b in zip((*got, q, k), (*want, eager_q, eager_k), strict=True):
         assert torch.equal(a, b)
