@@ -32,6 +32,29 @@ def torch_compiling(x) -> bool:
     return sys.modules["torch"].compiler.is_compiling()
 
 
+def compilable(tensor_arg: str):
+    """Decorates a public function so that its calls seen while PyTorch compiles become its
+    custom op (rtcinfer/torch_ops.py); the others run as they are (one module-name test on
+    the argument `tensor_arg`)."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        at = list(inspect.signature(fn).parameters).index(tensor_arg)
+
+        @functools.wraps(fn)
+        def routed(*args, **kwargs):
+            if torch_compiling(args[at] if len(args) > at else kwargs.get(tensor_arg)):
+                from .. import torch_ops
+
+                return torch_ops.call_public(routed, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return routed
+
+    return wrap
+
+
 def dtype_name(x) -> str:
     """Canonical dtype name of an array of any framework ("bfloat16", "float8_e4m3fn", ...)."""
     return normalize(x.dtype)

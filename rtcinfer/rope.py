@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,7 +17,7 @@ from typing import ClassVar
 from . import errors, jit
 from .errors import BadIndex
 from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.arrays import torch_compiling
+from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
 from .layout import fit_vec, widest_vec
@@ -322,27 +321,7 @@ def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_cont
             float(high_freq_factor), float(old_context_len))  # fmt: skip
 
 
-def _compilable(tensor_arg: str):
-    """Calls seen while PyTorch compiles become the function's custom op (torch_ops.py); the
-    others run as they are (one module-name test on `tensor_arg`)."""
-
-    def wrap(fn):
-        at = list(inspect.signature(fn).parameters).index(tensor_arg)
-
-        @functools.wraps(fn)
-        def routed(*args, **kwargs):
-            if torch_compiling(args[at] if len(args) > at else kwargs.get(tensor_arg)):
-                from . import torch_ops
-
-                return torch_ops.call_public(routed, args, kwargs)
-            return fn(*args, **kwargs)
-
-        return routed
-
-    return wrap
-
-
-@_compilable("q")
+@compilable("q")
 def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
                rope_theta=1e4, *, out=None):  # fmt: skip
     """RoPE at ragged positions; returns (q_rope, k_rope), written to `out` = (q_out, k_out)
@@ -360,7 +339,7 @@ def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_sc
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
@@ -369,7 +348,7 @@ def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4, *, out=None):  # fmt: skip
     """RoPE with one position per token, pos_ids: [nnz] int32/int64; returns (q_rope, k_rope)."""
@@ -379,7 +358,7 @@ def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_sc
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
@@ -388,7 +367,7 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
                        rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                        old_context_len=8192, *, out=None):  # fmt: skip
@@ -402,7 +381,7 @@ def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                          old_context_len))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                                rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
                                high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
@@ -413,7 +392,7 @@ def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleav
                          old_context_len))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
                                rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                                old_context_len=8192, *, out=None):  # fmt: skip
@@ -425,7 +404,7 @@ def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False,
                          old_context_len))  # fmt: skip
 
 
-@_compilable("q")
+@compilable("q")
 def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                                        rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
                                        high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
@@ -436,7 +415,7 @@ def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleav
                          old_context_len))  # fmt: skip
 
 
-@_compilable("query")
+@compilable("query")
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True,
                                   *, out=None):  # fmt: skip
     """RoPE from a cos/sin table: cos = cache[pos, :R/2], sin = cache[pos, R/2:].
@@ -452,7 +431,7 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
                 ("cos_sin_cache", False, None, not is_neox, head_size))  # fmt: skip
 
 
-@_compilable("query")
+@compilable("query")
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
                                           is_neox=True):  # fmt: skip
     """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""

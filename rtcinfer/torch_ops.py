@@ -5,8 +5,8 @@ is: the public functions route a call here while PyTorch is compiling
 (interop.arrays.torch_compiling) and run their usual launch path otherwise, eager calls
 paying one module-name test for it.
 
-Registered here: the norms, the gated activations and every RoPE form (functional and `out=`
-forms, in place ones mutating q and k).
+Registered here: the norms, the gated activations, every RoPE form, the attention-state merges
+and the paged-cache append (functional, in-place and `out=` forms).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import activation, norm, rope
+from .attention import cascade, page
 
 _NAMESPACE = "rtcinfer"
 
@@ -97,56 +98,87 @@ for _name, _public in (("silu_and_mul", activation.silu_and_mul),
     _gated(_name, _public)
 
 
-# --- RoPE: every public form, its schema built from its signature --------------------------------
+# --- ops registered from their public signatures ----------------------------------------------
 
-_ROTATED = ("q", "k", "query", "key")  # updated in place by the _inplace forms
-_TENSORS = ("indptr", "offsets", "pos_ids", "positions", "cos_sin_cache")
-_TYPES = {"rotary_dim": "SymInt?", "head_size": "SymInt", "interleave": "bool", "is_neox": "bool"}
+# Argument types by name: tensors (optional ones "Tensor?"), ints, bools, strings; any other
+# argument is a float.
+_TYPES = {
+    **dict.fromkeys(("q", "k", "query", "key", "indptr", "offsets", "pos_ids", "positions",
+                     "cos_sin_cache", "v_a", "s_a", "v_b", "s_b", "v", "s", "v_other",
+                     "s_other", "append_key", "append_value", "batch_indices",
+                     "paged_kv_cache", "k_cache", "v_cache", "kv_indices", "kv_indptr",
+                     "kv_last_page_len"), "Tensor"),
+    "mask": "Tensor?", "rotary_dim": "SymInt?", "head_size": "SymInt", "interleave": "bool",
+    "is_neox": "bool", "kv_layout": "str",
+}  # fmt: skip
 
 
-def _rope(public) -> None:
-    """A custom op per RoPE function (and an `_out` one for the out-of-place forms): its
-    arguments the function's, by name and in order; tensors, ints, bools, the rest floats."""
-    name = public.__name__
+_WRITTEN: dict[str, tuple[str, ...]] = {}  # op name -> the arguments it writes in place
+
+
+def _register(public, name: str, mutated=(), outputs=(), fake=None) -> None:
+    """A custom op `name` calling `public` with the arguments of its signature (by name and in
+    order, `out` left out). `mutated`: the arguments it writes in place (it then returns
+    nothing; call_public returns them as the public function does). `outputs`: the arguments
+    it returns new arrays like (fake: empty_like of them) unless `fake` says otherwise; with
+    outputs, an `{name}_out` op takes their `_out` arrays last and writes them."""
     names = [n for n in inspect.signature(public).parameters if n != "out"]
-    inplace = name.endswith("_inplace")
-    rotated = [i for i, n in enumerate(names) if n in _ROTATED]
-    marks = iter("abcd")
+    _WRITTEN[name] = tuple(mutated)
+    marks = iter("abcdef")
 
     def arg(n: str) -> str:
-        if n in _ROTATED:
-            return f"Tensor({next(marks)}!) {n}" if inplace else f"Tensor {n}"
-        return f"{'Tensor' if n in _TENSORS else _TYPES.get(n, 'float')} {n}"
+        kind = _TYPES.get(n, "float")
+        return f"Tensor({next(marks)}!) {n}" if n in mutated else f"{kind} {n}"
 
     args = ", ".join(arg(n) for n in names)
-    mutated = tuple(names[i] for i in rotated)
+    returns = "()" if not outputs else f"({', '.join('Tensor' for _ in outputs)})"
+    at = [names.index(n) for n in outputs]
 
-    def in_place(*a) -> None:
-        public(*a)
+    def run(*a):
+        result = public(*a)
+        return None if not outputs else tuple(result)
 
-    def functional(*a):
-        return public(*a)
-
-    def with_out(*a) -> None:
-        public(*a[:-2], out=a[-2:])
-
-    if inplace:
-        op = torch.library.custom_op(f"{_NAMESPACE}::{name}", in_place, mutates_args=mutated,
-                                     schema=f"({args}) -> ()")  # fmt: skip
-        op.register_fake(lambda *a: None)
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run, mutates_args=tuple(mutated),
+                                 schema=f"({args}) -> {returns}")  # fmt: skip
+    op.register_fake(fake or (lambda *a: tuple(torch.empty_like(a[i]) for i in at) or None))
+    if not outputs or "out" not in inspect.signature(public).parameters:
         return
-    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", functional, mutates_args=(),
-                                 schema=f"({args}) -> (Tensor, Tensor)")  # fmt: skip
-    op.register_fake(lambda *a: tuple(torch.empty_like(a[i]) for i in rotated))
-    outs = f"{args}, Tensor(a!) {names[rotated[0]]}_out, Tensor(b!) {names[rotated[1]]}_out"
-    op_out = torch.library.custom_op(f"{_NAMESPACE}::{name}_out", with_out,
-                                     mutates_args=tuple(f"{names[i]}_out" for i in rotated),
-                                     schema=f"({outs}) -> ()")  # fmt: skip
+
+    def run_out(*a) -> None:
+        public(*a[: -len(at)], out=a[-len(at) :])
+
+    outs = ", ".join(f"Tensor({m}!) {names[i]}_out" for m, i in zip("uvwxyz", at, strict=False))
+    op_out = torch.library.custom_op(f"{_NAMESPACE}::{name}_out", run_out,
+                                     mutates_args=tuple(f"{names[i]}_out" for i in at),
+                                     schema=f"({args}, {outs}) -> ()")  # fmt: skip
     op_out.register_fake(lambda *a: None)
 
 
-for _public in rope.PUBLIC:
-    _rope(_public)
+_ROTATED = ("q", "k", "query", "key")
+for _public in rope.PUBLIC:  # every RoPE form: in place (q, k written) or into new arrays
+    _rotated = [n for n in inspect.signature(_public).parameters if n in _ROTATED]
+    if _public.__name__.endswith("_inplace"):
+        _register(_public, _public.__name__, mutated=_rotated)
+    else:
+        _register(_public, _public.__name__, outputs=_rotated)
+
+_register(cascade.merge_state, "merge_state", outputs=("v_a", "s_a"))
+_register(cascade.merge_state_in_place, "merge_state_in_place", mutated=("v", "s"))
+_register(cascade.merge_states, "merge_states", outputs=("v", "s"),
+          fake=lambda v, s: (v.new_empty((v.shape[0], *v.shape[2:])),
+                             s.new_empty((s.shape[0], *s.shape[2:]))))  # fmt: skip
+
+
+def _append_pair(append_key, append_value, batch_indices, positions, k_cache, v_cache,
+                 kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD"):  # fmt: skip
+    """append_paged_kv_cache into a (k_cache, v_cache) pair (a schema takes no tuple)."""
+    return page.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
+                                      (k_cache, v_cache), kv_indices, kv_indptr,
+                                      kv_last_page_len, kv_layout)  # fmt: skip
+
+
+_register(page.append_paged_kv_cache, "append_paged_kv_cache", mutated=("paged_kv_cache",))
+_register(_append_pair, "append_paged_kv_cache_pair", mutated=("k_cache", "v_cache"))
 
 
 def call(name: str, *args, out=None):
@@ -160,17 +192,20 @@ def call(name: str, *args, out=None):
     return out
 
 
-def call_public(public, args: tuple, kwargs: dict):
-    """A public function's call as its custom op: the arguments bound to its signature (its
-    defaults filled in) and passed in order; what the function returns."""
+def call_public(public, args: tuple, kwargs: dict, name: str | None = None):
+    """A public function's call as its custom op (`name`, else the function's): the arguments
+    bound to its signature (its defaults filled in) and passed in order; what the function
+    returns (an in-place op's written arrays, as the function gives them back)."""
     bound = inspect.signature(public).bind(*args, **kwargs)
     bound.apply_defaults()
     values = dict(bound.arguments)
     out = values.pop("out", None)
-    result = call(public.__name__, *values.values(), out=out)
-    if public.__name__.endswith("_inplace"):  # (q, k) updated in place
-        return tuple(v for n, v in values.items() if n in _ROTATED)
-    return result
+    name = name or public.__name__
+    result = call(name, *values.values(), out=out)
+    if result is not None:
+        return result
+    arrays = tuple(values[n] for n in _WRITTEN[name])
+    return arrays[0] if len(arrays) == 1 else arrays
 
 
 __all__ = ["call", "call_public"]

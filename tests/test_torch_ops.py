@@ -75,6 +75,50 @@ def test_every_rope_form_is_one_node():
     ]  # fmt: skip
 
 
+def test_merges_and_the_append_are_one_node_each():
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(va, sa, vb, sb, vs, ss, key, bi, pos, cache, idx, indptr, last):
+        v, s = rtcinfer.merge_state(va, sa, vb, sb)
+        rtcinfer.merge_state_in_place(v, s, vb, sb)
+        v2, s2 = rtcinfer.merge_states(vs, ss)
+        c = rtcinfer.append_paged_kv_cache(key, key, bi, pos, cache, idx, indptr, last)
+        kc, vc = rtcinfer.append_paged_kv_cache(key, key, bi, pos, (cache[:, 0], cache[:, 1]),
+                                                idx, indptr, last)  # fmt: skip
+        return v, s, v2, s2, c, kc
+
+    f32 = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.float32)  # noqa: E731
+    ints = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.int32)  # noqa: E731
+    args = (_meta(4, 8, 64), f32(4, 8), _meta(4, 8, 64), f32(4, 8), _meta(4, 3, 8, 64),
+            f32(4, 3, 8), _meta(5, 2, 64), ints(5), ints(5), _meta(10, 2, 16, 2, 64), ints(10),
+            ints(3), ints(2))  # fmt: skip
+    outs = torch.compile(step, fullgraph=True, backend=backend)(*args)
+    assert [tuple(o.shape) for o in outs] == [(4, 8, 64), (4, 8), (4, 8, 64), (4, 8),
+                                              (10, 2, 16, 2, 64), (10, 16, 2, 64)]  # fmt: skip
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.merge_state", "rtcinfer.merge_state_in_place", "rtcinfer.merge_states",
+        "rtcinfer.append_paged_kv_cache", "rtcinfer.append_paged_kv_cache_pair",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, written", [
+    ("merge_state", []), ("merge_state_in_place", ["v", "s"]), ("merge_states", []),
+    ("append_paged_kv_cache", ["paged_kv_cache"]),
+])  # fmt: skip
+def test_merge_and_append_schemas(name, written):
+    from rtcinfer import torch_ops
+
+    assert torch_ops.call_public
+    public = [p for p in inspect.signature(getattr(rtcinfer, name)).parameters if p != "out"]
+    schema = getattr(torch.ops.rtcinfer, name).default._schema
+    assert [a.name for a in schema.arguments] == public
+    assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == written
+
+
 PUBLIC = {
     "rmsnorm": rtcinfer.rmsnorm,
     "gemma_rmsnorm": rtcinfer.gemma_rmsnorm,
@@ -169,3 +213,27 @@ def test_compiled_rope_gives_the_eager_bits():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, pos)
     for a, b in zip((*got, q, k), (*want, eager_q, eager_k), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_compiled_merge_and_append_give_the_eager_bits():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    v = torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    s = torch.randn(16, 8, device="cuda", generator=gen)
+    key = torch.randn(4, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache = torch.zeros(3, 2, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    ints = lambda *x: torch.tensor(x, device="cuda", dtype=torch.int32)  # noqa: E731
+    table = (ints(2, 0, 1), ints(0, 1, 3), ints(2, 1))  # two requests: 1 page, 2 pages
+
+    def step(v, s, v_other, s_other, cache):
+        v, s = rtcinfer.merge_state(v, s, v_other, s_other)
+        rtcinfer.append_paged_kv_cache(key, key, ints(0, 1, 1, 1), ints(1, 14, 15, 16), cache,
+                                       *table)  # fmt: skip
+        return v, s
+
+    args = (v, s, v.flip(0), s.flip(0), cache)
+    eager_cache = cache.clone()
+    want = step(*args[:4], eager_cache)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(cache, eager_cache)

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call, dense_strides
+from ..interop.arrays import compilable
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, widest_vec
@@ -162,6 +163,7 @@ _MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare)
 _IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare)
 
 
+@compilable("v_a")
 def merge_state(v_a, s_a, v_b, s_b):
     """Merge two states: v_a, v_b [n, h, D] (fp16/bf16/fp32), s_a, s_b [n, h] float32.
 
@@ -170,6 +172,7 @@ def merge_state(v_a, s_a, v_b, s_b):
     return call(_MERGE, (v_a, s_a, v_b, s_b), ("merge_state",))
 
 
+@compilable("v")
 def merge_state_in_place(v, s, v_other, s_other, mask=None):
     """(v, s) <- merge((v, s), (v_other, s_other)) where mask [n] (bool) is true (all rows
     without a mask). Shapes as merge_state. Returns (v, s): the updated arrays (new ones for
@@ -177,6 +180,7 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     return call(_IN_PLACE, (v, s, v_other, s_other, mask), ("in_place",))
 
 
+@compilable("v")
 def merge_states(v, s):
     """Merge S states per row: v [n, S, h, D], s [n, S, h] float32 -> (v [n, h, D], s [n, h]).
 

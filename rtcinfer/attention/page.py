@@ -23,7 +23,7 @@ from typing import ClassVar
 from .. import errors, jit
 from ..errors import BadIndex
 from ..interop import Op, OutSlot, Prepared, call, dtype_name
-from ..interop.arrays import framework
+from ..interop.arrays import framework, torch_compiling
 from ..interop.dtypes import itemsize
 from ..launch import Kernel, Launch
 from ..plan import page as host_page
@@ -258,6 +258,14 @@ def append_paged_kv_cache(
     """
     head = (append_key, append_value, batch_indices, positions)
     table = (kv_indices, kv_indptr, kv_last_page_len)
+    if torch_compiling(append_key):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        pair = isinstance(paged_kv_cache, (tuple, list))
+        cache = tuple(paged_kv_cache) if pair else (paged_kv_cache,)
+        name = "append_paged_kv_cache_pair" if pair else "append_paged_kv_cache"
+        torch_ops.call(name, *head, *cache, *table, kv_layout)
+        return paged_kv_cache
     if not isinstance(paged_kv_cache, (tuple, list)):
         return call(_APPEND, (*head, paged_kv_cache, *table), (kv_layout,))
     if len(paged_kv_cache) != 2:
