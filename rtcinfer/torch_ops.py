@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch import Tensor
 
 from . import activation, norm, rope
 from .attention import cascade, page
@@ -22,88 +21,13 @@ from .attention import cascade, page
 _NAMESPACE = "rtcinfer"
 
 
-def _op(name: str, mutates=()):
-    return torch.library.custom_op(f"{_NAMESPACE}::{name}", mutates_args=mutates)
-
-
-# --- norms -------------------------------------------------------------------------------------
-
-
-def _rms(name: str, public):
-    """The two forms of an RMS norm: functional, and `out=` (mutating out)."""
-
-    @_op(name)
-    def functional(input: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return public(input, weight, eps)
-
-    @_op(f"{name}_out", mutates=("out",))
-    def with_out(input: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-        public(input, weight, eps, out=out)
-
-    functional.register_fake(lambda input, weight, eps: torch.empty_like(input))
-    with_out.register_fake(lambda input, weight, eps, out: None)
-
-
-_rms("rmsnorm", norm.rmsnorm)
-_rms("gemma_rmsnorm", norm.gemma_rmsnorm)
-
-
-@_op("layernorm")
-def _layernorm(input: Tensor, gemma: Tensor, beta: Tensor, eps: float) -> Tensor:
-    return norm.layernorm(input, gemma, beta, eps)
-
-
-@_op("layernorm_out", mutates=("out",))
-def _layernorm_out(input: Tensor, gemma: Tensor, beta: Tensor, eps: float, out: Tensor) -> None:
-    norm.layernorm(input, gemma, beta, eps, out=out)
-
-
-@_op("fused_add_rmsnorm", mutates=("input", "residual"))
-def _fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    norm.fused_add_rmsnorm(input, residual, weight, eps)
-
-
-@_op("gemma_fused_add_rmsnorm", mutates=("input", "residual"))
-def _gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor,
-                             eps: float) -> None:  # fmt: skip
-    norm.gemma_fused_add_rmsnorm(input, residual, weight, eps)
-
-
-_layernorm.register_fake(lambda input, gemma, beta, eps: torch.empty_like(input))
-_layernorm_out.register_fake(lambda input, gemma, beta, eps, out: None)
-for _fn in (_fused_add_rmsnorm, _gemma_fused_add_rmsnorm):
-    _fn.register_fake(lambda input, residual, weight, eps: None)
-
-
-# --- gated activations: [..., 2d] -> [..., d] ----------------------------------------------------
-
-
-def _gated(name: str, public):
-    @_op(name)
-    def functional(input: Tensor) -> Tensor:
-        return public(input)
-
-    @_op(f"{name}_out", mutates=("out",))
-    def with_out(input: Tensor, out: Tensor) -> None:
-        public(input, out=out)
-
-    functional.register_fake(lambda input: input.new_empty((*input.shape[:-1],
-                                                            input.shape[-1] // 2)))  # fmt: skip
-    with_out.register_fake(lambda input, out: None)
-
-
-for _name, _public in (("silu_and_mul", activation.silu_and_mul),
-                       ("gelu_and_mul", activation.gelu_and_mul),
-                       ("gelu_tanh_and_mul", activation.gelu_tanh_and_mul)):  # fmt: skip
-    _gated(_name, _public)
-
-
 # --- ops registered from their public signatures ----------------------------------------------
 
 # Argument types by name: tensors (optional ones "Tensor?"), ints, bools, strings; any other
 # argument is a float.
 _TYPES = {
-    **dict.fromkeys(("q", "k", "query", "key", "indptr", "offsets", "pos_ids", "positions",
+    **dict.fromkeys(("input", "residual", "weight", "gemma", "beta", "q", "k", "query", "key",
+                     "indptr", "offsets", "pos_ids", "positions",
                      "cos_sin_cache", "v_a", "s_a", "v_b", "s_b", "v", "s", "v_other",
                      "s_other", "append_key", "append_value", "batch_indices",
                      "paged_kv_cache", "k_cache", "v_cache", "kv_indices", "kv_indptr",
@@ -131,21 +55,27 @@ def _register(public, name: str, mutated=(), outputs=(), fake=None) -> None:
         return f"Tensor({next(marks)}!) {n}" if n in mutated else f"{kind} {n}"
 
     args = ", ".join(arg(n) for n in names)
-    returns = "()" if not outputs else f"({', '.join('Tensor' for _ in outputs)})"
     at = [names.index(n) for n in outputs]
+    single = len(at) == 1
+    returns = "()" if not at else "Tensor" if single else f"({', '.join('Tensor' for _ in at)})"
 
     def run(*a):
         result = public(*a)
-        return None if not outputs else tuple(result)
+        return None if not at else result if single else tuple(result)
+
+    def like(*a):
+        made = tuple(torch.empty_like(a[i]) for i in at)
+        return None if not at else made[0] if single else made
 
     op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run, mutates_args=tuple(mutated),
                                  schema=f"({args}) -> {returns}")  # fmt: skip
-    op.register_fake(fake or (lambda *a: tuple(torch.empty_like(a[i]) for i in at) or None))
-    if not outputs or "out" not in inspect.signature(public).parameters:
+    op.register_fake(fake or like)
+    if not at or "out" not in inspect.signature(public).parameters:
         return
 
     def run_out(*a) -> None:
-        public(*a[: -len(at)], out=a[-len(at) :])
+        outs = a[-len(at) :]
+        public(*a[: -len(at)], out=outs[0] if single else outs)
 
     outs = ", ".join(f"Tensor({m}!) {names[i]}_out" for m, i in zip("uvwxyz", at, strict=False))
     op_out = torch.library.custom_op(f"{_NAMESPACE}::{name}_out", run_out,
@@ -153,6 +83,18 @@ def _register(public, name: str, mutated=(), outputs=(), fake=None) -> None:
                                      schema=f"({args}, {outs}) -> ()")  # fmt: skip
     op_out.register_fake(lambda *a: None)
 
+
+for _public in (norm.rmsnorm, norm.gemma_rmsnorm, norm.layernorm):
+    _register(_public, _public.__name__, outputs=("input",))
+for _public in (norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm):
+    _register(_public, _public.__name__, mutated=("input", "residual"))
+for _public in (activation.silu_and_mul, activation.gelu_and_mul, activation.gelu_tanh_and_mul):
+    _register(
+        _public,
+        _public.__name__,
+        outputs=("input",),  # [..., 2d] -> [..., d]
+        fake=lambda input: input.new_empty((*input.shape[:-1], input.shape[-1] // 2)),
+    )
 
 _ROTATED = ("q", "k", "query", "key")
 for _public in rope.PUBLIC:  # every RoPE form: in place (q, k written) or into new arrays

@@ -157,8 +157,8 @@ def test_rope_schemas_follow_the_public_signatures(fn):
 @pytest.mark.parametrize("name", list(PUBLIC))
 def test_schemas_follow_the_public_signatures(name):
     """Each custom op takes the public function's arguments by the same names, in order (the
-    _out form adds `out` last and declares it mutated; the fused norms mutate their input and
-    residual)."""
+    _out form adds the output array last, `input_out`, and declares it written; the fused
+    norms write their input and residual)."""
     from rtcinfer import torch_ops
 
     assert torch_ops.call  # registers the ops
@@ -168,10 +168,11 @@ def test_schemas_follow_the_public_signatures(name):
     mutated = {a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write}
     assert mutated == ({"input", "residual"} if "fused" in name else set())
     out_form = getattr(torch.ops.rtcinfer, f"{name}_out", None)
+    assert (out_form is None) == ("fused" in name)
     if out_form is not None:
         args = out_form.default._schema.arguments
-        assert [a.name for a in args] == [*public, "out"]
-        assert [a.name for a in args if a.alias_info and a.alias_info.is_write] == ["out"]
+        assert [a.name for a in args] == [*public, "input_out"]
+        assert [a.name for a in args if a.alias_info and a.alias_info.is_write] == ["input_out"]
 
 
 @pytest.mark.gpu
