@@ -5,8 +5,8 @@ is: the public functions route a call here while PyTorch is compiling
 (interop.arrays.torch_compiling) and run their usual launch path otherwise, eager calls
 paying one module-name test for it.
 
-Registered here: the norms, the gated activations, every RoPE form, the attention-state merges
-and the paged-cache append (functional, in-place and `out=` forms).
+Registered here: the norms, the gated activations, every RoPE form, the attention-state merges,
+the paged-cache append and index ops (functional, in-place and `out=` forms).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ _TYPES = {
                      "cos_sin_cache", "v_a", "s_a", "v_b", "s_b", "v", "s", "v_other",
                      "s_other", "append_key", "append_value", "batch_indices",
                      "paged_kv_cache", "k_cache", "v_cache", "kv_indices", "kv_indptr",
-                     "kv_last_page_len"), "Tensor"),
-    "mask": "Tensor?", "rotary_dim": "SymInt?", "head_size": "SymInt", "interleave": "bool",
-    "is_neox": "bool", "kv_layout": "str",
+                     "kv_last_page_len", "append_indptr", "seq_lens"), "Tensor"),
+    "mask": "Tensor?", "rotary_dim": "SymInt?", "head_size": "SymInt", "page_size": "SymInt",
+    "nnz": "SymInt", "interleave": "bool", "is_neox": "bool", "kv_layout": "str",
 }  # fmt: skip
 
 
@@ -121,6 +121,36 @@ def _append_pair(append_key, append_value, batch_indices, positions, k_cache, v_
 
 _register(page.append_paged_kv_cache, "append_paged_kv_cache", mutated=("paged_kv_cache",))
 _register(_append_pair, "append_paged_kv_cache_pair", mutated=("k_cache", "v_cache"))
+
+
+_register(
+    page.get_seq_lens,
+    "get_seq_lens",
+    outputs=("kv_last_page_len",),
+    fake=lambda kv_indptr, last, page_size: last.new_empty(last.shape, dtype=kv_indptr.dtype),
+)
+
+
+def _positions(append_indptr, seq_lens, nnz):
+    """get_batch_indices_positions without the caller's buffers (its functional form)."""
+    return page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+
+
+def _positions_into(append_indptr, seq_lens, nnz, batch_indices, positions):
+    """get_batch_indices_positions into the caller's buffers."""
+    return page.get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices,
+                                            positions)  # fmt: skip
+
+
+def _int32s(append_indptr, seq_lens, nnz):
+    return tuple(seq_lens.new_empty((nnz,), dtype=torch.int32) for _ in range(2))
+
+
+# two int32 [nnz] outputs (the names only count them: their fake is _int32s)
+_register(_positions, "get_batch_indices_positions", outputs=("append_indptr", "seq_lens"),
+          fake=_int32s)  # fmt: skip
+_register(_positions_into, "get_batch_indices_positions_into",
+          mutated=("batch_indices", "positions"))  # fmt: skip
 
 
 def call(name: str, *args, out=None):

@@ -75,7 +75,7 @@ def test_every_rope_form_is_one_node():
     ]  # fmt: skip
 
 
-def test_merges_and_the_append_are_one_node_each():
+def test_merges_the_append_and_the_index_ops_are_one_node_each():
     seen = []
 
     def backend(gm, inputs):
@@ -83,6 +83,9 @@ def test_merges_and_the_append_are_one_node_each():
         return gm.forward
 
     def step(va, sa, vb, sb, vs, ss, key, bi, pos, cache, idx, indptr, last):
+        seq_lens = rtcinfer.get_seq_lens(indptr, last, 16)
+        bi, pos = rtcinfer.get_batch_indices_positions(indptr, seq_lens, 5, bi, pos)
+        rtcinfer.get_batch_indices_positions(indptr, seq_lens, 5)
         v, s = rtcinfer.merge_state(va, sa, vb, sb)
         rtcinfer.merge_state_in_place(v, s, vb, sb)
         v2, s2 = rtcinfer.merge_states(vs, ss)
@@ -100,6 +103,8 @@ def test_merges_and_the_append_are_one_node_each():
     assert [tuple(o.shape) for o in outs] == [(4, 8, 64), (4, 8), (4, 8, 64), (4, 8),
                                               (10, 2, 16, 2, 64), (10, 16, 2, 64)]  # fmt: skip
     assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.get_seq_lens", "rtcinfer.get_batch_indices_positions_into",
+        "rtcinfer.get_batch_indices_positions",
         "rtcinfer.merge_state", "rtcinfer.merge_state_in_place", "rtcinfer.merge_states",
         "rtcinfer.append_paged_kv_cache", "rtcinfer.append_paged_kv_cache_pair",
     ]  # fmt: skip

@@ -304,6 +304,10 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
     The host version checks the table and that every length fits in int32; the device version
     reads the table where it lies and does not (a check there would cost a synchronization).
     """
+    if torch_compiling(kv_indptr):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        return torch_ops.call("get_seq_lens", kv_indptr, kv_last_page_len, page_size)
     if not _on_device(kv_indptr):
         return host_page.get_seq_lens(kv_indptr, kv_last_page_len, page_size)
     page_size = as_int("page_size", page_size, minimum=1)
@@ -359,6 +363,17 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     Host arrays use NumPy, and are checked (seq_lens[b] covers the appended tokens, nnz >=
     append_indptr[-1]); device arrays are not: a seq_lens[b] shorter than its append gives
     negative positions, which append_paged_kv_cache skips as padding."""
+    if torch_compiling(append_indptr):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        if batch_indices is None and positions is None:
+            return torch_ops.call("get_batch_indices_positions", append_indptr, seq_lens, nnz)
+        given = batch_indices if batch_indices is not None else positions
+        batch_indices = given.new_empty(given.shape) if batch_indices is None else batch_indices
+        positions = given.new_empty(given.shape) if positions is None else positions
+        torch_ops.call("get_batch_indices_positions_into", append_indptr, seq_lens, nnz,
+                       batch_indices, positions)  # fmt: skip
+        return batch_indices, positions
     if not _on_device(append_indptr):
         return host_page.get_batch_indices_positions(append_indptr, seq_lens, nnz,
                                                      batch_indices, positions)  # fmt: skip
