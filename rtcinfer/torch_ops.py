@@ -6,7 +6,8 @@ is: the public functions route a call here while PyTorch is compiling
 paying one module-name test for it.
 
 Registered here: the norms, the gated activations, every RoPE form, the attention-state merges,
-the paged-cache append and index ops (functional, in-place and `out=` forms).
+the paged-cache append and index ops (functional, in-place and `out=` forms), and the samplers,
+renorms and softmax (three ops whose scalar-or-array parameters are split in two arguments).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 from . import activation, norm, rope
 from .attention import cascade, page
+from .sampling import renorm, samplers
+from .sampling import softmax as softmax_module
 
 _NAMESPACE = "rtcinfer"
 
@@ -153,6 +156,111 @@ _register(_positions_into, "get_batch_indices_positions_into",
           mutated=("batch_indices", "positions"))  # fmt: skip
 
 
+# --- sampling: scalar-or-array parameters split into an array and a scalar argument -------------
+
+_SAMPLE_ARGS = ("str op, Tensor probs, Tensor? indices, Tensor? top_k_arr, SymInt top_k, "
+                "Tensor? top_p_arr, float top_p, Tensor? min_p_arr, float min_p, "
+                "Generator? generator, bool check_nan, Tensor? seed_arr, SymInt? seed, "
+                "Tensor? offset_arr, SymInt? offset")  # fmt: skip
+
+
+def _pick(array, value):
+    return array if array is not None else value
+
+
+def _sample_run(op, probs, indices, top_k_arr, top_k, top_p_arr, top_p, min_p_arr, min_p,
+                generator, check_nan, seed_arr, seed, offset_arr, offset, out=None):  # fmt: skip
+    return samplers._sample(op, probs, indices, top_k=_pick(top_k_arr, top_k),
+                            top_p=_pick(top_p_arr, top_p), min_p=_pick(min_p_arr, min_p),
+                            generator=generator, seed=_pick(seed_arr, seed),
+                            offset=_pick(offset_arr, offset), check_nan=check_nan,
+                            out=out)  # fmt: skip
+
+
+def _sample_fake(op, probs, indices, *rest):
+    rows = probs.shape[0] if indices is None else indices.shape[0]
+    dtype = torch.int32 if indices is None else indices.dtype
+    return probs.new_empty((rows,), dtype=dtype)
+
+
+_sample_op = torch.library.custom_op(f"{_NAMESPACE}::sample", _sample_run, mutates_args=(),
+                                     schema=f"({_SAMPLE_ARGS}) -> Tensor")  # fmt: skip
+_sample_op.register_fake(_sample_fake)
+
+
+def _sample_out_run(*a) -> None:
+    _sample_run(*a[:-1], out=a[-1])
+
+
+_sample_out_op = torch.library.custom_op(
+    f"{_NAMESPACE}::sample_out", _sample_out_run, mutates_args=("out",),
+    schema=f"({_SAMPLE_ARGS}, Tensor(a!) out) -> ()",
+)  # fmt: skip
+_sample_out_op.register_fake(lambda *a: None)
+
+
+def _split(value):
+    """(array, None) for a tensor parameter, (None, value) for a number."""
+    return (value, None) if isinstance(value, torch.Tensor) else (None, value)
+
+
+def sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan, seed, offset, out):
+    """samplers._sample as the custom op (its parameters split for the schema). A
+    torch.Generator cannot be carried into a compiled graph: seeds can (seed= and offset=, as
+    tensors where they change between calls)."""
+    if generator is not None:
+        raise TypeError(
+            "under torch.compile, pass seed= and offset= (tensors where they change between "
+            "calls) instead of a torch.Generator: a compiled graph cannot carry one"
+        )
+    (k_arr, k), (p_arr, p), (m_arr, m) = _split(top_k), _split(top_p), _split(min_p)
+    (seed_arr, seed), (offset_arr, offset) = _split(seed), _split(offset)
+    args = (op, probs, indices, k_arr, 0 if k is None else int(k), p_arr,
+            1.0 if p is None else float(p), m_arr, 0.0 if m is None else float(m), generator,
+            bool(check_nan), seed_arr, seed, offset_arr, offset)  # fmt: skip
+    ops = getattr(torch.ops, _NAMESPACE)
+    if out is None:
+        return ops.sample(*args)
+    ops.sample_out(*args, out)
+    return out
+
+
+def _threshold_run(op: str, x, param_arr, param: float, integral: bool):
+    value = param_arr if param_arr is not None else int(param) if integral else param
+    return renorm._threshold_op(op, x, value, int if integral else float)
+
+
+_threshold = torch.library.custom_op(
+    f"{_NAMESPACE}::threshold", _threshold_run, mutates_args=(),
+    schema="(str op, Tensor x, Tensor? param_arr, float param, bool integral) -> Tensor",
+)  # fmt: skip
+_threshold.register_fake(lambda op, x, param_arr, param, integral: torch.empty_like(x))
+
+
+def threshold(op: str, x, param, kind: type):
+    """renorm._threshold_op (renorms and the top-k mask) as the custom op."""
+    arr, value = _split(param)
+    integral = kind is int
+    scalar = 0.0 if value is None else float(value)
+    return getattr(torch.ops, _NAMESPACE).threshold(op, x, arr, scalar, integral)
+
+
+def _softmax_run(logits, temperature_arr, temperature: float):
+    return softmax_module.softmax(logits, _pick(temperature_arr, temperature))
+
+
+_softmax = torch.library.custom_op(
+    f"{_NAMESPACE}::softmax", _softmax_run, mutates_args=(),
+    schema="(Tensor logits, Tensor? temperature_arr, float temperature) -> Tensor",
+)  # fmt: skip
+_softmax.register_fake(lambda logits, arr, t: logits.new_empty(logits.shape, dtype=torch.float32))
+
+
+def softmax(logits, temperature):
+    arr, value = _split(1.0 if temperature is None else temperature)
+    return getattr(torch.ops, _NAMESPACE).softmax(logits, arr, 1.0 if value is None else value)
+
+
 def call(name: str, *args, out=None):
     """The custom op `name` (its `_out` form when `out` is given: an array, or a tuple of
     them) on args; returns what the public function returns."""
@@ -180,4 +288,4 @@ def call_public(public, args: tuple, kwargs: dict, name: str | None = None):
     return arrays[0] if len(arrays) == 1 else arrays
 
 
-__all__ = ["call", "call_public"]
+__all__ = ["call", "call_public", "sample", "softmax", "threshold"]

@@ -124,6 +124,39 @@ def test_merge_and_append_schemas(name, written):
     assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == written
 
 
+def test_samplers_renorms_and_softmax_are_one_node_each():
+    """The probability samplers (one `sample` op whose scalar-or-array parameters take two
+    arguments each), the renorms and the top-k mask (`threshold`) and softmax; the logits
+    sampler is softmax then a sampler. A torch.Generator cannot enter a graph: seeds can."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(logits, probs, k, indices, out):
+        a = rtcinfer.top_k_top_p_sampling_from_logits(logits, 50, 0.9, seed=3, offset=1)
+        b = rtcinfer.top_k_sampling_from_probs(probs, k, indices)
+        rtcinfer.min_p_sampling_from_probs(probs, 0.1, out=out, seed=1, offset=0)
+        return (a, b, rtcinfer.top_p_renorm_probs(probs, 0.9),
+                rtcinfer.top_k_mask_logits(logits, k), rtcinfer.softmax(logits, 0.7))  # fmt: skip
+
+    f32 = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.float32)  # noqa: E731
+    ints = lambda n, dt=torch.int32: torch.empty(n, device="meta", dtype=dt)  # noqa: E731
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    a, b, r, m, sm = compiled(f32(4, 1000), f32(4, 1000), ints(4), ints(3, torch.int64), ints(4))
+    assert (a.shape, a.dtype, b.shape, b.dtype) == ((4,), torch.int32, (3,), torch.int64)
+    assert r.shape == m.shape == sm.shape == (4, 1000)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.softmax", "rtcinfer.sample", "rtcinfer.sample", "rtcinfer.sample_out",
+        "rtcinfer.threshold", "rtcinfer.threshold", "rtcinfer.softmax",
+    ]  # fmt: skip
+    generator = torch.Generator()
+    with pytest.raises(Exception, match="instead of a torch.Generator"):
+        torch.compile(lambda p: rtcinfer.sampling_from_probs(p, generator=generator),
+                      fullgraph=True, backend="eager")(f32(4, 100))  # fmt: skip
+
+
 PUBLIC = {
     "rmsnorm": rtcinfer.rmsnorm,
     "gemma_rmsnorm": rtcinfer.gemma_rmsnorm,
@@ -243,3 +276,18 @@ def test_compiled_merge_and_append_give_the_eager_bits():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(cache, eager_cache)
+
+
+@pytest.mark.gpu
+def test_compiled_sampling_gives_the_eager_tokens():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(32, 32000, device="cuda", generator=gen) * 3
+
+    def step(logits):
+        probs = rtcinfer.softmax(logits, 0.8)
+        return (rtcinfer.top_k_top_p_sampling_from_probs(probs, 40, 0.9, seed=7, offset=5),
+                rtcinfer.top_p_renorm_probs(probs, 0.5))  # fmt: skip
+
+    want = step(logits)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(logits)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call
-from ..interop.arrays import cast
+from ..interop.arrays import cast, torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import (
@@ -146,6 +146,10 @@ _OPS = {
 
 
 def _threshold_op(op: str, x, param, kind: type):
+    if torch_compiling(x):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        return torch_ops.threshold(op, x, param, kind)
     value, array = per_row(param, kind)
     scalars = (value, 1.0) if kind is int else (0, value)
     return call(_OPS[op], (x, array), (op,), scalars)

@@ -26,6 +26,7 @@ import numpy as np
 from .. import errors, jit
 from ..errors import BadIndex
 from ..interop import Op, OutSlot, Prepared, call, framework
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch, memset_d32
 from ..layout import (
@@ -218,6 +219,11 @@ _OP = Op("sample", ("probs", "indices", "top_k", "top_p", "min_p", "seed", "offs
 
 def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None, seed=None,
             offset=None, check_nan=False, out=None):  # fmt: skip
+    if torch_compiling(probs):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        return torch_ops.sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan,
+                                seed, offset, out)  # fmt: skip
     k, k_arr = per_row(top_k, int)
     p, p_arr = per_row(top_p, float)
     m, m_arr = per_row(min_p, float)

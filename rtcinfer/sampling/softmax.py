@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, leading_rows, widest_vec
@@ -87,6 +88,10 @@ def softmax(logits, temperature=None, enable_pdl=None):
     enable_pdl is accepted for FlashInfer compatibility and ignored. Returns [batch, vocab]
     float32 in the caller's array type.
     """
+    if torch_compiling(logits):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        return torch_ops.softmax(logits, temperature)
     if temperature is None:
         return call(_OP, (logits, None), (), (1.0,))
     if isinstance(temperature, (int, float, np.integer, np.floating)):
