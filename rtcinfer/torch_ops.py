@@ -18,7 +18,7 @@ import torch
 
 from . import activation, norm, rope
 from .attention import cascade, page
-from .sampling import renorm, samplers
+from .sampling import renorm, samplers, speculative
 from .sampling import softmax as softmax_module
 
 _NAMESPACE = "rtcinfer"
@@ -225,6 +225,62 @@ def sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan, seed, 
     return out
 
 
+_SPECULATIVE_ARGS = ("Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, "
+                     "bool deterministic, Tensor? seed_arr, SymInt? seed, Tensor? offset_arr, "
+                     "SymInt? offset")  # fmt: skip
+
+
+def _speculative_run(draft_probs, draft_token_ids, target_probs, deterministic, seed_arr, seed,
+                     offset_arr, offset, accepted=None, emitted=None):  # fmt: skip
+    result = speculative.chain_speculative_sampling(
+        draft_probs, draft_token_ids, target_probs, accepted, emitted,
+        deterministic=deterministic, seed=_pick(seed_arr, seed), offset=_pick(offset_arr, offset),
+    )  # fmt: skip
+    return tuple(result) if accepted is None else result[0]
+
+
+def _speculative_fake(draft_probs, draft_token_ids, *rest):
+    batch, n = draft_token_ids.shape
+    ids = draft_probs.new_empty((batch, n + 1), dtype=torch.int32)
+    if len(rest) > 6:  # the counters given: only the token ids are new
+        return ids
+    return ids, *(draft_probs.new_empty((batch,), dtype=torch.int32) for _ in range(2))
+
+
+_speculative = torch.library.custom_op(
+    f"{_NAMESPACE}::chain_speculative_sampling", _speculative_run, mutates_args=(),
+    schema=f"({_SPECULATIVE_ARGS}) -> (Tensor, Tensor, Tensor)",
+)  # fmt: skip
+_speculative.register_fake(_speculative_fake)
+_speculative_into = torch.library.custom_op(
+    f"{_NAMESPACE}::chain_speculative_sampling_into", _speculative_run,
+    mutates_args=("accepted", "emitted"),
+    schema=f"({_SPECULATIVE_ARGS}, Tensor(a!) accepted, Tensor(b!) emitted) -> Tensor",
+)  # fmt: skip
+_speculative_into.register_fake(_speculative_fake)
+
+
+def speculative_sampling(draft_probs, draft_token_ids, target_probs, accepted, emitted,
+                         deterministic, generator, seed, offset):  # fmt: skip
+    """chain_speculative_sampling as a custom op: counters allocated (three new arrays) or
+    the caller's, updated in place (the op returns the token ids)."""
+    if generator is not None:
+        raise TypeError(
+            "under torch.compile, pass seed= and offset= (tensors where they change between "
+            "calls) instead of a torch.Generator: a compiled graph cannot carry one"
+        )
+    (seed_arr, seed), (offset_arr, offset) = _split(seed), _split(offset)
+    args = (draft_probs, draft_token_ids, target_probs, bool(deterministic), seed_arr, seed,
+            offset_arr, offset)  # fmt: skip
+    ops = getattr(torch.ops, _NAMESPACE)
+    if accepted is None and emitted is None:
+        return ops.chain_speculative_sampling(*args)
+    given = accepted if accepted is not None else emitted
+    accepted = torch.zeros_like(given) if accepted is None else accepted
+    emitted = torch.zeros_like(given) if emitted is None else emitted
+    return ops.chain_speculative_sampling_into(*args, accepted, emitted), accepted, emitted
+
+
 def _threshold_run(op: str, x, param_arr, param: float, integral: bool):
     value = param_arr if param_arr is not None else int(param) if integral else param
     return renorm._threshold_op(op, x, value, int if integral else float)
@@ -288,4 +344,4 @@ def call_public(public, args: tuple, kwargs: dict, name: str | None = None):
     return arrays[0] if len(arrays) == 1 else arrays
 
 
-__all__ = ["call", "call_public", "sample", "softmax", "threshold"]
+__all__ = ["call", "call_public", "sample", "softmax", "speculative_sampling", "threshold"]

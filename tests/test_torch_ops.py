@@ -157,6 +157,31 @@ def test_samplers_renorms_and_softmax_are_one_node_each():
                       fullgraph=True, backend="eager")(f32(4, 100))  # fmt: skip
 
 
+def test_speculative_sampling_is_one_node():
+    """chain_speculative_sampling: with new counters (three new arrays) or the caller's
+    (updated in place: a second op that writes them)."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(draft, ids, target, accepted, emitted):
+        new = rtcinfer.chain_speculative_sampling(draft, ids, target, seed=1, offset=2)
+        given = rtcinfer.chain_speculative_sampling(draft, ids, target, accepted, emitted,
+                                                    seed=1, offset=2)  # fmt: skip
+        return new, given
+
+    f32 = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.float32)  # noqa: E731
+    ints = lambda *shape: torch.empty(*shape, device="meta", dtype=torch.int32)  # noqa: E731
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    new, given = compiled(f32(2, 3, 100), ints(2, 3), f32(2, 4, 100), ints(2), ints(2))
+    assert [tuple(x.shape) for x in (*new, *given)] == [(2, 4), (2,), (2,)] * 2
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.chain_speculative_sampling", "rtcinfer.chain_speculative_sampling_into"
+    ]  # fmt: skip
+
+
 PUBLIC = {
     "rmsnorm": rtcinfer.rmsnorm,
     "gemma_rmsnorm": rtcinfer.gemma_rmsnorm,
@@ -291,3 +316,23 @@ def test_compiled_sampling_gives_the_eager_tokens():
     want = step(logits)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(logits)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_compiled_speculative_sampling_gives_the_eager_tokens():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    draft = torch.softmax(torch.randn(8, 3, 1000, device="cuda", generator=gen), -1)
+    target = torch.softmax(torch.randn(8, 4, 1000, device="cuda", generator=gen), -1)
+    ids = torch.randint(0, 1000, (8, 3), device="cuda", dtype=torch.int32, generator=gen)
+
+    def step(draft, ids, target, accepted, emitted):
+        return rtcinfer.chain_speculative_sampling(draft, ids, target, accepted, emitted,
+                                                   seed=11, offset=0)  # fmt: skip
+
+    counters = [torch.zeros(8, device="cuda", dtype=torch.int32) for _ in range(4)]
+    want = step(draft, ids, target, *counters[:2])
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(draft, ids, target,
+                                                                   *counters[2:])  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(counters[2], counters[0]) and torch.equal(counters[3], counters[1])

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call, dense_strides
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, row_threads, widest_vec
@@ -151,6 +152,13 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     are [batch] int32 arrays updated in place (new arrays for JAX); when None they are
     allocated. Returns (output_token_ids [batch, n + 1] int32, accepted, emitted).
     """
+    if torch_compiling(draft_probs):  # a custom op node (rtcinfer/torch_ops.py)
+        from .. import torch_ops
+
+        return torch_ops.speculative_sampling(
+            draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num,
+            maybe_output_emitted_draft_token_num, deterministic, generator, seed, offset,
+        )  # fmt: skip
     (seeds, offsets), scalars = kernel_inputs(draft_probs, generator, seed, offset)
     arrays = (draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num,
               maybe_output_emitted_draft_token_num, seeds, offsets)  # fmt: skip
