@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..interop import OutSlot, Prepared
+from ..interop import Prepared
 from ..interop.arrays import to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
@@ -26,7 +26,7 @@ from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
 from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
-from .planned import PlannedWrapper, weak_hooks, write_run_arguments
+from .planned import PlannedWrapper, run_outputs, weak_hooks, write_run_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
@@ -311,7 +311,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         cfg, batch, with_lse = static
         q, k, v, out, lse = infos
         five_d = v is None
-        o_shape, lse_shape = (batch, cfg.num_qo_heads, cfg.head_dim), (batch, cfg.num_qo_heads)
+        o_shape = (batch, cfg.num_qo_heads, cfg.head_dim)
         if q.shape != o_shape or q.dtype != cfg.q_dtype:
             raise ValueError(
                 f"q: expected shape {o_shape} and dtype {cfg.q_dtype} (the plan), "
@@ -331,16 +331,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                     f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got "
                     f"{cache.shape} and {cache.dtype}"
                 )
-        outs = [OutSlot(o_shape, cfg.o_dtype, 3 if out is not None else None)]
-        for name, given, shape, dtype in (("out", out, o_shape, cfg.o_dtype),
-                                          ("lse", lse, lse_shape, "float32")):  # fmt: skip
-            if given is not None and (given.shape != shape or given.dtype != dtype):
-                raise ValueError(
-                    f"{name}: expected shape {shape} and dtype {dtype}, "
-                    f"got shape {given.shape} and dtype {given.dtype}"
-                )
-        if with_lse:
-            outs.append(OutSlot(lse_shape, "float32", 4 if lse is not None else None))
+        outs = run_outputs(out, lse, o_shape, cfg.o_dtype, with_lse)
         num_pages = k.shape[0]
         empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
         fields = {} if empty else _run_fields(q, k, v, out, lse, self._kv_layout, cfg)
@@ -366,12 +357,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                 return
             launch = st.launch
             with launch.lock:
-                p = launch.params
-                if launch.tag is not fields:
-                    for name, value in fields.items():
-                        setattr(p, name, value)
-                    launch.tag = fields
-                write_run_arguments(p, ptrs, v_offset if five_d else None, with_lse, scalars)
+                write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
+                                    scalars)  # fmt: skip
                 if launch.empty:
                     return
                 wrapper._note_capture(stream, batch)

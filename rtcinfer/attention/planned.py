@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from .. import gpu
-from ..interop import Op, as_cupy, call, release
+from ..interop import Op, OutSlot, as_cupy, call, release
 from ..interop.arrays import device_of
 from ..launch import is_capturing, record_event, wait_event
 from .paged_kv import check_layout
@@ -66,10 +66,34 @@ def weak_hooks(wrapper) -> tuple[Callable, Callable]:
     return on_trace, preload
 
 
-def write_run_arguments(p, ptrs, v_offset: int | None, with_lse: bool, scalars) -> None:
-    """An attention launch's run() arguments into its parameter block `p` (under its lock):
-    the pointers of run()'s slots (q, k, v, out, lse, then the outputs o, lse; V is K +
-    v_offset bytes for a 5-D cache, v_offset None for a (k, v) pair) and the scales."""
+def run_outputs(out, lse, o_shape: tuple, o_dtype: str, with_lse: bool) -> list:
+    """The OutSlots of an attention run(): o (the caller's `out`, slot 3, or allocated) and,
+    with_lse, lse (slot 4 or allocated), after checking given ones against the plan."""
+    lse_shape = o_shape[:2]
+    for name, given, shape, dtype in (("out", out, o_shape, o_dtype),
+                                      ("lse", lse, lse_shape, "float32")):  # fmt: skip
+        if given is not None and (given.shape != shape or given.dtype != dtype):
+            raise ValueError(
+                f"{name}: expected shape {shape} and dtype {dtype}, "
+                f"got shape {given.shape} and dtype {given.dtype}"
+            )
+    outs = [OutSlot(o_shape, o_dtype, 3 if out is not None else None)]
+    if with_lse:
+        outs.append(OutSlot(lse_shape, "float32", 4 if lse is not None else None))
+    return outs
+
+
+def write_run_arguments(launch, fields: dict, ptrs, v_offset: int | None, with_lse: bool,
+                        scalars) -> None:  # fmt: skip
+    """An attention launch's run() arguments into its parameter block (under its lock): the
+    signature's fields (strides; written again only when another signature ran last), the
+    pointers of run()'s slots (q, k, v, out, lse, then the outputs o, lse; V is K + v_offset
+    bytes for a 5-D cache, v_offset None for a (k, v) pair) and the scales."""
+    p = launch.params
+    if launch.tag is not fields:
+        for name, value in fields.items():
+            setattr(p, name, value)
+        launch.tag = fields
     p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
     p.v_cache = ptrs[1] + v_offset if v_offset is not None else ptrs[2]
     p.lse = ptrs[6] if with_lse else 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..interop import OutSlot, Prepared
+from ..interop import Prepared
 from ..interop.arrays import dtype_name, to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
@@ -30,7 +30,7 @@ from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
 from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
-from .planned import PlannedWrapper, weak_hooks, write_run_arguments
+from .planned import PlannedWrapper, run_outputs, weak_hooks, write_run_arguments
 from .prefill_kernel import kernel, prefill_spec
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
@@ -337,23 +337,14 @@ class _PrefillWrapper(PlannedWrapper):
         cfg, nnz_q, with_lse = static
         attn = cfg.attn
         q, k, v, out, lse = infos
-        o_shape, lse_shape = (nnz_q, attn.num_qo_heads, attn.head_dim), (nnz_q, attn.num_qo_heads)
+        o_shape = (nnz_q, attn.num_qo_heads, attn.head_dim)
         if q.shape != o_shape or q.dtype != attn.q_dtype:
             raise ValueError(
                 f"q: expected shape {o_shape} and dtype {attn.q_dtype} (the plan), "
                 f"got {q.shape} and {q.dtype}"
             )
         self._check_kv(cfg, k, v)
-        for name, given, shape, dtype in (("out", out, o_shape, attn.o_dtype),
-                                          ("lse", lse, lse_shape, "float32")):  # fmt: skip
-            if given is not None and (given.shape != shape or given.dtype != dtype):
-                raise ValueError(
-                    f"{name}: expected shape {shape} and dtype {dtype}, "
-                    f"got shape {given.shape} and dtype {given.dtype}"
-                )
-        outs = [OutSlot(o_shape, attn.o_dtype, 3 if out is not None else None)]
-        if with_lse:
-            outs.append(OutSlot(lse_shape, "float32", 4 if lse is not None else None))
+        outs = run_outputs(out, lse, o_shape, attn.o_dtype, with_lse)
         empty = q.size == 0
         fields = {} if empty else self._run_fields(q, k, v, out, lse, attn)
         five_d = v is None  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
@@ -377,12 +368,8 @@ class _PrefillWrapper(PlannedWrapper):
                 return
             launch = st.launch
             with launch.lock:
-                p = launch.params
-                if launch.tag is not fields:
-                    for name, value in fields.items():
-                        setattr(p, name, value)
-                    launch.tag = fields
-                write_run_arguments(p, ptrs, v_offset if five_d else None, with_lse, scalars)
+                write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
+                                    scalars)  # fmt: skip
                 wrapper._order(stream)
                 launch(stream, device)
 

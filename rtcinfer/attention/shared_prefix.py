@@ -109,15 +109,38 @@ class MultiLevelCascadeAttentionWrapper:
     forward = run
 
 
-class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
+class _SharedPrefixWrapper:
+    """What the two shared-prefix wrappers share: the prefix as contiguous K/V seen by every
+    query (single prefill, not causal), each request's own pages by `inner` (planned by the
+    subclass), the two states merged."""
+
+    def __init__(self, inner, kv_layout: str):
+        self._kv_layout = kv_layout
+        self._inner = inner
+        self._config: dict | None = None  # plan()'s arguments the shared level takes too
+
+    def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
+        """o (and lse when return_lse) over the shared prefix and each request's pages."""
+        if self._config is None:
+            raise RuntimeError("plan() must be called before run()")
+        shared = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
+                                              kv_layout=self._kv_layout, return_lse=True,
+                                              **self._config)  # fmt: skip
+        unique = self._inner.run(q, unique_kv_cache, return_lse=True)
+        o, lse = _merge_levels([shared, unique])
+        return (o, lse) if return_lse else o
+
+    forward = run
+
+
+class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
     """Batch decode where every request shares a prefix: q [B, Hq, D] attends to the shared
     K/V ([prefix_len, Hkv, D] NHD or [Hkv, prefix_len, D] HND, all B queries at once, not
     causal) and to its own pages (batch decode), merged."""
 
     def __init__(self, float_workspace_buffer=None, kv_layout="NHD"):
-        self._kv_layout = kv_layout
-        self._decode = BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._config: dict | None = None
+        super().__init__(BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout),
+                         kv_layout)  # fmt: skip
 
     def plan(
         self, unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads,
@@ -126,7 +149,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
         pos_encoding_mode="NONE",
     ) -> None:  # fmt: skip
         """Plan the decode over each request's own pages (the shared part needs no plan)."""
-        self._decode.plan(
+        self._inner.plan(
             unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads,
             num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
             window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
@@ -137,30 +160,15 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper:
 
     begin_forward = plan
 
-    def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
-        """o [B, Hq, D] (and lse [B, Hq] when return_lse) over the shared prefix and each
-        request's pages."""
-        if self._config is None:
-            raise RuntimeError("plan() must be called before run()")
-        shared = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
-                                              kv_layout=self._kv_layout, return_lse=True,
-                                              **self._config)  # fmt: skip
-        unique = self._decode.run(q, unique_kv_cache, return_lse=True)
-        o, lse = _merge_levels([shared, unique])
-        return (o, lse) if return_lse else o
 
-    forward = run
-
-
-class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
+class BatchPrefillWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
     """Batch prefill where every request shares a prefix: all query rows attend to the shared
     K/V (not causal) and each request's rows to its own pages (batch prefill, causal if
     asked), merged."""
 
     def __init__(self, float_workspace_buffer=None, kv_layout="NHD"):
-        self._kv_layout = kv_layout
-        self._prefill = BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-        self._config: dict | None = None
+        super().__init__(BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout),
+                         kv_layout)  # fmt: skip
 
     def plan(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -169,7 +177,7 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         rope_scale=None, rope_theta=None, pos_encoding_mode="NONE",
     ) -> None:  # fmt: skip
         """Plan the prefill over each request's own pages (the shared part needs no plan)."""
-        self._prefill.plan(
+        self._inner.plan(
             qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
             num_qo_heads, num_kv_heads, head_dim, page_size, causal=causal,
             pos_encoding_mode=pos_encoding_mode, window_left=window_left,
@@ -179,20 +187,6 @@ class BatchPrefillWithSharedPrefixPagedKVCacheWrapper:
         self._config = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
 
     begin_forward = plan
-
-    def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
-        """o [nnz, Hq, D] (and lse when return_lse) over the shared prefix and each request's
-        own pages."""
-        if self._config is None:
-            raise RuntimeError("plan() must be called before run()")
-        shared = single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
-                                              kv_layout=self._kv_layout, return_lse=True,
-                                              **self._config)  # fmt: skip
-        unique = self._prefill.run(q, unique_kv_cache, return_lse=True)
-        o, lse = _merge_levels([shared, unique])
-        return (o, lse) if return_lse else o
-
-    forward = run
 
 
 __all__ = [
