@@ -34,6 +34,12 @@ struct ConditionalType<false, T, F> {
 template <bool B, typename T, typename F>
 using Conditional = typename ConditionalType<B, T, F>::type;
 
+// Bool<B>: a compile-time flag as a type (a generic lambda's `if constexpr (decltype(f)::value)`).
+template <bool B>
+struct Bool {
+  static constexpr bool value = B;
+};
+
 // IsSame<A, B>::value: whether A and B are the same type.
 template <typename A, typename B>
 struct IsSame {

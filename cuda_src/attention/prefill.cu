@@ -287,7 +287,7 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
     for (int k = 0; k < PARTS; ++k) part_max[i][k] = neg_inf();
   const int lo = key0 + key_w;
-  if (rows.all_see(lo, lo + WARP_KEYS - 1, w.kv_begin, w.kv_end, window_left)) {
+  auto scores = [&](auto masked) {  // transform (and, masked, the visibility tests)
 #pragma unroll
     for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
@@ -295,25 +295,18 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
-          s[b][n][r] = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
+          float v = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
+          if constexpr (decltype(masked)::value)
+            v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+          s[b][n][r] = v;
           float& m = part_max[i][(2 * n + r % 2) % PARTS];
-          m = fmaxf(m, s[b][n][r]);
+          m = fmaxf(m, v);
         }
-  } else {
-#pragma unroll
-    for (int b = 0; b < ROW_BLOCKS; ++b)
-#pragma unroll
-      for (int n = 0; n < KEY_TILES; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
-          const float v = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
-          s[b][n][r] =
-              rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
-          float& m = part_max[i][(2 * n + r % 2) % PARTS];
-          m = fmaxf(m, s[b][n][r]);
-        }
-  }
+  };
+  if (rows.all_see(lo, lo + WARP_KEYS - 1, w.kv_begin, w.kv_end, window_left))
+    scores(Bool<false>{});
+  else
+    scores(Bool<true>{});
   float row_max[ROWS];
   bool same = true;  // no row's running max moves: the rescale (by exactly 1) is skipped
 #pragma unroll
