@@ -1,0 +1,105 @@
+// The prefill kernel's epilogue (included by prefill.cu after its constants, Rows, State and
+// the parameter structs): the states of warps sharing rows merged (combine_warps), each row's
+// result written to o / lse or to its item's fp32 partial slot (finish_rows), and a split
+// tile's partials merged by its last CTA (merge_tile).
+#pragma once
+
+// KV_WARPS > 1: the states of the warps sharing rows merged into the first one's, lane by lane
+// (lane L of every warp holds the same rows and dims; d is still per thread, so the partial
+// sums merge as they are and finish_rows reduces them). `scratch`: shared memory no longer in
+// use, [KV_WARPS - 1][FIELDS][32] floats.
+constexpr int STATE_FLOATS = 2 + 2 * DIM_TILES;  // m, d, o of one row
+constexpr int COMBINE_BYTES = KV_WARPS > 1 ? (KV_WARPS - 1) * 2 * STATE_FLOATS * 32 * 4 : 0;
+static_assert(COMBINE_BYTES <= RING_BYTES, "the exchange fits in the ring");
+static_assert(KV_WARPS == 1 || ROWS == 2, "warps split the keys of 16-row tiles only");
+
+RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, int lane) {
+  constexpr int FIELDS = 2 * STATE_FLOATS;
+  if (kv_warp > 0) {
+    float* mine = scratch + (kv_warp - 1) * FIELDS * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float* row = mine + i * STATE_FLOATS * 32;
+      row[0] = st[i].m, row[32] = st[i].d;
+#pragma unroll
+      for (int e = 0; e < 2 * DIM_TILES; ++e) row[(2 + e) * 32] = st[i].o[e];
+    }
+  }
+  __syncthreads();
+  if (kv_warp == 0) {
+#pragma unroll 1
+    for (int w = 1; w < KV_WARPS; ++w)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float* row = scratch + ((w - 1) * FIELDS + i * STATE_FLOATS) * 32 + lane;
+        State other;
+        other.m = row[0], other.d = row[32];
+#pragma unroll
+        for (int e = 0; e < 2 * DIM_TILES; ++e) other.o[e] = row[(2 + e) * 32];
+        st[i].merge(other);
+      }
+  }
+}
+
+// The rows' results: normalized and written to o / lse (the tile's only item) or as fp32
+// partials to the item's slot.
+RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWorkItem& w,
+                            const PrefillParams& p, int kv_head, int warp, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
+    const float lse = st[i].lse();
+    st[i].normalize();
+    if (!rows.valid[i]) continue;
+    if (w.slot < 0) {
+      OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
+#pragma unroll
+      for (int n = 0; n < DIM_TILES; ++n) {
+        o[8 * n + 2 * t] = from_float<OT>(st[i].o[2 * n] * p.v_scale);
+        o[8 * n + 2 * t + 1] = from_float<OT>(st[i].o[2 * n + 1] * p.v_scale);
+      }
+      if (p.lse != nullptr && t == 0)
+        p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
+    } else {
+      const int row = WARP_ROWS * warp + warp_row(i, g);
+      const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
+      float* o = p.partial_o + at * HEAD_DIM;
+#pragma unroll
+      for (int n = 0; n < DIM_TILES; ++n)
+        *reinterpret_cast<float2*>(o + 8 * n + 2 * t) =
+            make_float2(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
+      if (t == 0) p.partial_lse[at] = lse;
+    }
+  }
+}
+
+// The tile's partials (merge_count slots from merge_slot, in chunk order) merged into o / lse,
+// by the last CTA of the tile: thread (row, 4 dims) walks the slots. With M = max lse_k and
+// w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k).
+RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int kv_head) {
+  constexpr int VECS = HEAD_DIM / 4;
+  for (int i = threadIdx.x; i < TILE_ROWS * VECS; i += THREADS) {
+    const int row = i / VECS, d = (i % VECS) * 4;
+    const int packed = w.tile_row + row;
+    if (packed >= w.qo_len * p.group_size) continue;
+    const int query = packed / p.group_size;
+    const int head = kv_head * p.group_size + packed % p.group_size;
+    AttentionState<4> acc;
+    acc.init();
+    for (int k = 0; k < w.merge_count; ++k) {
+      const int64_t at =
+          (static_cast<int64_t>(w.merge_slot + k) * gridDim.x + kv_head) * TILE_ROWS + row;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_o + at * HEAD_DIM + d));
+      AttentionState<4> part;
+      const float o4[4] = {v.x, v.y, v.z, v.w};
+      part.set_normalized(o4, __ldcg(p.partial_lse + at));
+      acc.merge(part);
+    }
+    acc.normalize();
+    OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = from_float<OT>(acc.o[e]);
+    if (p.lse != nullptr && d == 0) p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
+  }
+}
