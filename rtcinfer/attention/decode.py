@@ -17,16 +17,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..interop import Prepared
-from ..interop.arrays import to_numpy
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
-from ..plan._checks import as_int, as_int_array
+from ..plan._checks import as_int
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
-from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
-from .planned import PlannedWrapper, run_outputs, weak_hooks, write_run_arguments
+from .paged_kv import cache_views, check_cache_view, kv_storage, page_table_ids, token_head
+from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
@@ -59,14 +58,6 @@ def _half_tile_kernel(plan, spec, fixed_split_size):
     if spec.kv_dtype not in FP8_DTYPES or fixed_split_size is not None:
         return None
     return half_tiles(spec) if plan.num_work == plan.batch_size else None
-
-
-def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
-    """Host copy of an index array, int64 (``widen=False``: its own integer dtype, as for page
-    ids, which the int32 plan buffer takes as they are); a device array costs one copy."""
-    if type(x) is not np.ndarray and hasattr(x, "__dlpack__"):
-        x = to_numpy(x)
-    return as_int_array(name, x, widen=widen)
 
 
 @dataclass(slots=True)
@@ -179,7 +170,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
         if self._tc is not None:  # one query per request through the prefill kernel
-            kv_indptr = _host_ints("indptr", indptr)
+            kv_indptr = host_ints("indptr", indptr)
             qo_indptr = np.arange(kv_indptr.shape[0], dtype=np.int64)
             self._tc.plan(
                 qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
@@ -195,10 +186,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                 rope_theta)  # fmt: skip
         cfg = self._configure(args, make_config, self._setup)
         spec, ctas, num_sms, freq = self._kernel
-        kv_indptr = _host_ints("indptr", indptr)
-        kv_indices = _host_ints("indices", indices, widen=False)
+        kv_indptr = host_ints("indptr", indptr)
+        kv_indices = host_ints("indices", indices, widen=False)
         plan = plan_decode(
-            kv_indptr, _host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
+            kv_indptr, host_ints("last_page_len", last_page_len), cfg.page_size, cfg.kv_blocks,
             num_sms=num_sms, ctas_per_sm=ctas, fixed_split_size=fixed_split_size,
             disable_split_kv=disable_split_kv, max_work=self._max_work if self._graph else None,
         )  # fmt: skip
@@ -320,8 +311,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         tokens_heads = (cfg.page_size, cfg.num_kv_heads)
         if self._kv_layout == "HND":
             tokens_heads = tokens_heads[::-1]
-        # fp8 may arrive as its uint8 bytes (CuPy has no fp8 dtype): plan() declared the type
-        storage = (cfg.kv_dtype, "uint8") if cfg.kv_dtype in FP8_DTYPES else (cfg.kv_dtype,)
+        storage = kv_storage(cfg.kv_dtype)
         caches = [("paged_kv_cache", k)] if five_d else [("k_cache", k), ("v_cache", v)]
         for name, cache in caches:
             expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)

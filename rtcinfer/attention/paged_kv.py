@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..interop.dtypes import FP8_DTYPES
 from ..plan._checks import INT32_MAX, first_bad
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -97,6 +98,12 @@ def paged_view(arr, kv_layout: str, item: int, tokens_per_page: int) -> CacheVie
     return CacheView(tokens_per_page * token * item, token * item, head * item)
 
 
+def kv_storage(kv_dtype: str) -> tuple[str, ...]:
+    """The dtypes a K or V array of kv_dtype may have: its own, or uint8 bytes for fp8 (CuPy
+    has no fp8 dtype; plan() declared the type)."""
+    return (kv_dtype, "uint8") if kv_dtype in FP8_DTYPES else (kv_dtype,)
+
+
 def check_strides_fit(name: str, strides) -> None:
     """The kernels' loaders take the page and token strides (bytes), and a slot's offset in its
     page, as 32-bit ints."""
@@ -123,4 +130,5 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
 
 
 __all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
-           "check_strides_fit", "page_table_ids", "paged_view", "token_head"]  # fmt: skip
+           "check_strides_fit", "kv_storage", "page_table_ids", "paged_view",
+           "token_head"]  # fmt: skip

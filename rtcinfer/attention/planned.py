@@ -30,10 +30,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from .. import gpu
 from ..interop import Op, OutSlot, as_cupy, call, release
-from ..interop.arrays import device_of
+from ..interop.arrays import device_of, to_numpy
 from ..launch import is_capturing, record_event, wait_event
+from ..plan._checks import as_int_array
 from .paged_kv import check_layout
 from .workspace import Workspace
 
@@ -46,6 +49,15 @@ def _weak_method(obj, name: str):
         return getattr(ref(), name)(*args)
 
     return method
+
+
+def host_ints(name: str, x, widen: bool = True) -> np.ndarray:
+    """Host copy of one of plan()'s index arrays, int64 (``widen=False``: its own integer
+    dtype, as for page ids, which the int32 plan buffer takes as they are); a device array
+    costs one copy."""
+    if type(x) is not np.ndarray and hasattr(x, "__dlpack__"):
+        x = to_numpy(x)
+    return as_int_array(name, x, widen=widen)
 
 
 def weak_hooks(wrapper) -> tuple[Callable, Callable]:

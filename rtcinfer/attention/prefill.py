@@ -21,34 +21,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..interop import Prepared
-from ..interop.arrays import dtype_name, to_numpy
-from ..interop.dtypes import FP8_DTYPES, itemsize
+from ..interop.dtypes import itemsize
 from ..jit import device_limits
 from ..launch import Launch, memcpy_async
-from ..plan._checks import as_int_array, indptr_counts
+from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
-from .paged_kv import cache_views, check_cache_view, page_table_ids, token_head
-from .planned import PlannedWrapper, run_outputs, weak_hooks, write_run_arguments
+from .paged_kv import cache_views, check_cache_view, kv_storage, page_table_ids, token_head
+from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
+from .prefill_args import check_backend, mask_capacity_bytes, unsupported
 from .prefill_kernel import kernel, prefill_spec
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
 
 MAX_GRID_Y = 65535
-
-
-def _host_ints(name: str, x, widen: bool = True) -> np.ndarray:
-    if type(x) is not np.ndarray and hasattr(x, "__dlpack__"):
-        x = to_numpy(x)
-    return as_int_array(name, x, widen=widen)
-
-
-def unsupported(head_dim_vo, head_dim_qk):
-    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-        raise ValueError(
-            f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
-        )
 
 
 @dataclass(frozen=True)
@@ -79,34 +66,6 @@ class _Launch:
     cfg: PrefillConfig
     nnz_q: int  # rows of q and o
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
-
-
-BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
-
-
-def check_backend(backend, jit_args=None) -> None:
-    """FlashInfer's constructor options that have no counterpart here raise; the backends
-    that compute the same thing are accepted."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if jit_args is not None:
-        raise ValueError("jit_args (custom attention variants) are not supported")
-
-
-def mask_capacity_bytes(custom_mask_buf) -> int | None:
-    """The packed-mask bytes a CUDA-graph wrapper reserves, from FlashInfer's custom_mask_buf
-    (a uint8 device buffer: its size; the mask itself travels in the workspace), or None."""
-    if custom_mask_buf is None:
-        return None
-    if dtype_name(custom_mask_buf) != "uint8":
-        raise ValueError(f"custom_mask_buf: expected uint8, got {dtype_name(custom_mask_buf)}")
-    return int(np.prod(custom_mask_buf.shape))
-
-
-def kv_storage(kv_dtype: str) -> tuple[str, ...]:
-    """The dtypes a K or V array of kv_dtype may have: its own, or uint8 bytes for fp8 (CuPy
-    has no fp8 dtype)."""
-    return (kv_dtype, "uint8") if kv_dtype in FP8_DTYPES else (kv_dtype,)
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr) -> int:
@@ -404,8 +363,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
         unsupported(head_dim_vo, head_dim_qk)
-        qo = _host_ints("qo_indptr", qo_indptr)
-        kv = _host_ints("kv_indptr", kv_indptr)
+        qo = host_ints("qo_indptr", qo_indptr)
+        kv = host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
         if kv.shape != qo.shape:
             raise ValueError(
@@ -476,10 +435,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     ) -> None:  # fmt: skip
         """Validate the batch on the host, plan the work, upload it (one copy)."""
         unsupported(head_dim_vo, head_dim_qk)
-        qo = _host_ints("qo_indptr", qo_indptr)
-        indptr = _host_ints("paged_kv_indptr", paged_kv_indptr)
-        indices = _host_ints("paged_kv_indices", paged_kv_indices, widen=False)
-        last = _host_ints("paged_kv_last_page_len", paged_kv_last_page_len)
+        qo = host_ints("qo_indptr", qo_indptr)
+        indptr = host_ints("paged_kv_indptr", paged_kv_indptr)
+        indices = host_ints("paged_kv_indices", paged_kv_indices, widen=False)
+        last = host_ints("paged_kv_last_page_len", paged_kv_last_page_len)
         if indptr.shape != qo.shape:
             raise ValueError(
                 f"qo_indptr ({qo.shape[0]} entries) and paged_kv_indptr ({indptr.shape[0]}) must "
