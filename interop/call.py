@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .. import gpu
-from .arrays import as_cupy, check_device_array, framework
+from .arrays import as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 
 
@@ -138,9 +138,17 @@ def call(op: Op, arrays: Sequence, static: tuple = (), scalars: tuple = ()):
     if kind == "cupy":
         return _call_cupy(op, arrays, static, scalars)
     if kind == "jax":
-        return _call_jax(op, arrays, static, scalars)
+        return _jax_path()(op, arrays, static, scalars)
     views = [None if x is None else as_cupy(x, n) for x, n in zip(arrays, op.slots, strict=True)]
     return _call_cupy(op, views, static, scalars)
+
+
+@functools.cache
+def _jax_path():
+    """The JAX call path (interop/call_jax.py), imported by the first JAX call."""
+    from .call_jax import call_jax
+
+    return call_jax
 
 
 # ---------------------------------------------------------------- framework detection
@@ -387,112 +395,6 @@ def _mixed(op: Op, arrays, static, scalars):
     if first_kind == "torch":
         return _call_torch(op, converted, static, scalars)
     return _call_cupy(op, converted, static, scalars)
-
-
-# ---------------------------------------------------------------- JAX
-
-
-def _jax_info(x, name: str) -> ArrayInfo | None:
-    if x is None:
-        return None
-    return ArrayInfo(tuple(x.shape), dense_strides(x.shape), normalize(x.dtype), 0)
-
-
-def _call_jax(op: Op, arrays, static, scalars):
-    for i in op.given:
-        if arrays[i] is not None:
-            raise TypeError(f"{op.slots[i]}= is not supported for JAX arrays (they are immutable)")
-    key = ["jax", op, static]
-    for x, name in zip(arrays, op.slots, strict=True):
-        if x is None:
-            key.append(None)
-            continue
-        kind = _KINDS.get(type(x)) or _kind(x)
-        if kind != "jax":
-            check_device_array(x, name, kind)  # raises for host arrays and sequences
-            raise TypeError(f"{name}: expected a JAX array like the other arguments, got {kind}")
-        key.append((x.shape, x.dtype))
-    key = tuple(key)
-    prep = op.cache.get(key)
-    if prep is None or isinstance(arrays[0], _tracer()):
-        _check_on_gpu(op, arrays)
-        prep = prep or _prepare(op, key, arrays, _jax_info, 0, static)
-    fn = prep._jax.get(scalars)
-    if fn is None:
-        fn = prep._jax[scalars] = _jax_callable(prep, [x is not None for x in arrays], scalars)
-    try:
-        return fn(*[x for x in arrays if x is not None])
-    except Exception:
-        # Where concrete arrays are is checked with a new signature only (it costs a microsecond
-        # an array): arrays of a known signature off the GPU fail in XLA, which has no handler
-        # for them there; say which argument it was.
-        _check_on_gpu(op, arrays)
-        raise
-
-
-@functools.cache
-def _tracer() -> type:
-    import jax
-
-    return jax.core.Tracer
-
-
-def _check_on_gpu(op: Op, arrays) -> None:
-    """TypeError naming the first JAX array that is not on a GPU (concrete, or traced for one):
-    the FFI target exists for CUDA only, and XLA's own error would not say which argument."""
-    for x, name in zip(arrays, op.slots, strict=True):
-        if x is not None:
-            check_device_array(x, name, "jax")
-
-
-def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
-    """A jitted function of the present inputs that runs `prep` through the FFI target."""
-    import jax
-
-    from ..launch import stream_device
-    from . import jax_ffi
-
-    gpu.runtime()  # the checks of a first use (driver, CUDA extra, a device)
-    for device in _jax_gpu_ordinals():  # load now: never inside XLA's execution or capture
-        prep.preload(device)
-    slots = [i for i, p in enumerate(present) if p]
-    n_slots = len(present)
-
-    def launch(stream: int, ins: list[int], outs: list[int]) -> None:
-        ptrs = [0] * n_slots
-        bits = 0
-        for i, p in zip(slots, ins, strict=True):
-            ptrs[i] = p
-            bits |= p
-        for p in outs:
-            bits |= p
-        if bits & 15:
-            raise ValueError("XLA passed a buffer not aligned to 16 bytes")
-        ptrs += outs
-        prep.run(stream, stream_device(stream), ptrs, scalars)  # the buffers' device
-
-    handler = jax_ffi.add_launch_handler(launch)
-    prep._handlers.append(handler)
-    if prep.on_trace is not None:
-        prep.on_trace()
-    shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in prep.outs]
-    aliases = {slots.index(o.source): i for i, o in enumerate(prep.outs) if o.alias}
-    cb = prep.command_buffer
-
-    def run(*args):
-        results = jax_ffi.ffi_call(handler, args, shapes, input_output_aliases=aliases or None,
-                                   command_buffer=cb)  # fmt: skip
-        return results[0] if len(results) == 1 else tuple(results)
-
-    return jax.jit(run)
-
-
-def _jax_gpu_ordinals() -> list[int]:
-    """The CUDA ordinals of the GPUs JAX sees in this process."""
-    import jax
-
-    return [getattr(d, "local_hardware_id", d.id) for d in jax.local_devices()
-            if d.platform == "gpu"]  # fmt: skip
 
 
 def release(op: Op) -> None:
