@@ -17,7 +17,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from rtcinfer.interop import jax_ffi  # noqa: E402
+from rtcinfer.interop import jax_ffi, jax_ffi_abi  # noqa: E402
 from rtcinfer.interop.jax_ffi import DTYPE_NAMES, BufferView, add_handler, ffi_call  # noqa: E402
 
 
@@ -409,7 +409,7 @@ def test_metadata_query(on_gpu, traits):
     extension.extension_base.type = 1
     extension.metadata = ctypes.pointer(metadata)
     frame = jax_ffi._CallFrame(struct_size=ctypes.sizeof(jax_ffi._CallFrame), stage=3)
-    frame.extension_start = ctypes.cast(ctypes.pointer(extension), jax_ffi._ExtPtr)
+    frame.extension_start = ctypes.cast(ctypes.pointer(extension), jax_ffi_abi._ExtPtr)
     assert jax_ffi._make_target(on_gpu=on_gpu)(ctypes.pointer(frame)) is None
     version = metadata.api_version
     assert (version.major_version, version.minor_version) == jax_ffi._API_VERSION
