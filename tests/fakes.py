@@ -25,6 +25,29 @@ class NullDevice:
         pass
 
 
+def planning_without_a_gpu(monkeypatch, regions: dict, upload) -> type:
+    """What a wrapper's plan() touches on a device, stubbed: the driver checks (fake_gpu),
+    CuPy's Device and current stream (a NullDevice subclass of the test's own, returned, whose
+    attributes a test may patch), the workspace reserve (its regions at `regions`) and upload
+    (`upload(self, fill, stream)`)."""
+    import cupy
+
+    from rtcinfer.attention.workspace import Workspace
+
+    fake_gpu(monkeypatch)
+
+    class Device(NullDevice):
+        pass
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+    monkeypatch.setattr(
+        Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
+    )
+    monkeypatch.setattr(Workspace, "upload", upload)
+    return Device
+
+
 class FakeArray:
     """Shape, byte strides, item size and address: what the launch code reads of an array."""
 

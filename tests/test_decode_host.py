@@ -16,7 +16,7 @@ from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_confi
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
-from .fakes import FakeStream, NullDevice, fake_gpu
+from .fakes import FakeStream, NullDevice, planning_without_a_gpu
 from .paged_batch import page_table_for
 
 GOOD = dict(
@@ -235,26 +235,12 @@ def test_lookahead_rule(page_size, lengths, split, expect):
 def host_wrapper(monkeypatch):
     """A decode wrapper whose plan() runs without a GPU: device queries, the kernel and the
     upload are stubbed (the host validation and planning are what is tested)."""
-    import cupy
-
     from rtcinfer.attention import decode
-    from rtcinfer.attention.workspace import Workspace
 
-    fake_gpu(monkeypatch)
-
-    class Device(NullDevice):  # this test's own: its attributes may be patched
-        pass
-
-    monkeypatch.setattr(cupy.cuda, "Device", Device)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
-    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    monkeypatch.setattr(
-        Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
-    )
-    monkeypatch.setattr(Workspace, "upload", lambda self, fill, stream: None)
-    Device.ptr = 0
     return decode.BatchDecodeWithPagedKVCacheWrapper()
 
 

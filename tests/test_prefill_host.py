@@ -15,17 +15,15 @@ from rtcinfer.attention.prefill_plan import (
 )
 from rtcinfer.interop import ArrayInfo, dense_strides
 
-from .fakes import NullDevice, fake_gpu
+from .fakes import planning_without_a_gpu
 
 
 @pytest.fixture
 def wrappers(monkeypatch):
     """Prefill wrappers whose plan() runs without a GPU: device queries, the kernel's occupancy
     and the upload are stubbed; the packed plan is kept for reading back."""
-    import cupy
 
     from rtcinfer.attention import prefill
-    from rtcinfer.attention.workspace import Workspace
     from rtcinfer.launch import Kernel
 
     packed = {}
@@ -35,19 +33,9 @@ def wrappers(monkeypatch):
         packed["plan"] = buf[: fill(buf)]
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    fake_gpu(monkeypatch)
-
-    class Device(NullDevice):  # this test's own: its attributes may be patched
-        pass
-
-    monkeypatch.setattr(cupy.cuda, "Device", Device)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
+    planning_without_a_gpu(monkeypatch, regions, upload)
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
-    monkeypatch.setattr(
-        Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
-    )
-    monkeypatch.setattr(Workspace, "upload", upload)
     return prefill, packed
 
 
