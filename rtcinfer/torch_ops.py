@@ -160,7 +160,7 @@ _register(_positions_into, "get_batch_indices_positions_into",
 
 _SAMPLE_ARGS = ("str op, Tensor probs, Tensor? indices, Tensor? top_k_arr, SymInt top_k, "
                 "Tensor? top_p_arr, float top_p, Tensor? min_p_arr, float min_p, "
-                "Generator? generator, bool check_nan, Tensor? seed_arr, SymInt? seed, "
+                "bool check_nan, Tensor? seed_arr, SymInt? seed, "
                 "Tensor? offset_arr, SymInt? offset")  # fmt: skip
 
 
@@ -169,10 +169,10 @@ def _pick(array, value):
 
 
 def _sample_run(op, probs, indices, top_k_arr, top_k, top_p_arr, top_p, min_p_arr, min_p,
-                generator, check_nan, seed_arr, seed, offset_arr, offset, out=None):  # fmt: skip
+                check_nan, seed_arr, seed, offset_arr, offset, out=None):  # fmt: skip
     return samplers._sample(op, probs, indices, top_k=_pick(top_k_arr, top_k),
                             top_p=_pick(top_p_arr, top_p), min_p=_pick(min_p_arr, min_p),
-                            generator=generator, seed=_pick(seed_arr, seed),
+                            seed=_pick(seed_arr, seed),
                             offset=_pick(offset_arr, offset), check_nan=check_nan,
                             out=out)  # fmt: skip
 
@@ -204,19 +204,24 @@ def _split(value):
     return (value, None) if isinstance(value, torch.Tensor) else (None, value)
 
 
-def sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan, seed, offset, out):
-    """samplers._sample as the custom op (its parameters split for the schema). A
-    torch.Generator cannot be carried into a compiled graph: seeds can (seed= and offset=, as
-    tensors where they change between calls)."""
+def _refuse_generator(generator) -> None:
+    """A torch.Generator cannot be carried into a compiled graph: seeds can."""
     if generator is not None:
         raise TypeError(
             "under torch.compile, pass seed= and offset= (tensors where they change between "
             "calls) instead of a torch.Generator: a compiled graph cannot carry one"
         )
+
+
+def sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan, seed, offset, out):
+    """samplers._sample as the custom op (its parameters split for the schema). A
+    torch.Generator cannot be carried into a compiled graph: seeds can (seed= and offset=, as
+    tensors where they change between calls)."""
+    _refuse_generator(generator)
     (k_arr, k), (p_arr, p), (m_arr, m) = _split(top_k), _split(top_p), _split(min_p)
     (seed_arr, seed), (offset_arr, offset) = _split(seed), _split(offset)
     args = (op, probs, indices, k_arr, 0 if k is None else int(k), p_arr,
-            1.0 if p is None else float(p), m_arr, 0.0 if m is None else float(m), generator,
+            1.0 if p is None else float(p), m_arr, 0.0 if m is None else float(m),
             bool(check_nan), seed_arr, seed, offset_arr, offset)  # fmt: skip
     ops = getattr(torch.ops, _NAMESPACE)
     if out is None:
@@ -264,11 +269,7 @@ def speculative_sampling(draft_probs, draft_token_ids, target_probs, accepted, e
                          deterministic, generator, seed, offset):  # fmt: skip
     """chain_speculative_sampling as a custom op: counters allocated (three new arrays) or
     the caller's, updated in place (the op returns the token ids)."""
-    if generator is not None:
-        raise TypeError(
-            "under torch.compile, pass seed= and offset= (tensors where they change between "
-            "calls) instead of a torch.Generator: a compiled graph cannot carry one"
-        )
+    _refuse_generator(generator)
     (seed_arr, seed), (offset_arr, offset) = _split(seed), _split(offset)
     args = (draft_probs, draft_token_ids, target_probs, bool(deterministic), seed_arr, seed,
             offset_arr, offset)  # fmt: skip
