@@ -19,7 +19,7 @@ import torch
 from . import activation, norm, rope
 from .attention import cascade, page
 from .sampling import renorm, samplers, speculative
-from .sampling import softmax as softmax_module
+from .sampling.softmax import softmax as sampling_softmax
 
 _NAMESPACE = "rtcinfer"
 
@@ -303,7 +303,7 @@ def threshold(op: str, x, param, kind: type):
 
 
 def _softmax_run(logits, temperature_arr, temperature: float):
-    return softmax_module.softmax(logits, _pick(temperature_arr, temperature))
+    return sampling_softmax(logits, _pick(temperature_arr, temperature))
 
 
 _softmax = torch.library.custom_op(

@@ -542,24 +542,41 @@ def test_whole_request_plans_pack_the_same_after_a_larger_one():
 
 
 def test_a_plan_upload_inside_a_capture_says_to_warm_up(monkeypatch):
-    """device_copy turns CUDA's capture errors into the advice to make the call once before
+    """device_copy runs in relaxed capture mode and restores the thread's mode after, also
+    when it fails; CUDA's capture errors become the advice to make the call once before
     capturing; other errors pass through."""
     import cupy
 
     from rtcinfer.attention import workspace
 
+    class Driver:  # cuThreadExchangeStreamCaptureMode: set the mode, return the old one
+        class CUstreamCaptureMode:
+            CU_STREAM_CAPTURE_MODE_RELAXED = "relaxed"
+
+        mode = "global"
+
+        def cuThreadExchangeStreamCaptureMode(self, mode):
+            old, self.mode = self.mode, mode
+            return 0, old
+
+    fake = Driver()
+
     def failing(status):
         def alloc(nbytes):
+            assert fake.mode == "relaxed"
             raise cupy.cuda.runtime.CUDARuntimeError(status)
 
         return alloc
 
+    monkeypatch.setattr(workspace, "driver", lambda: fake)
     monkeypatch.setattr(cupy.cuda, "Device", NullDevice)
     monkeypatch.setattr(cupy.cuda, "alloc", failing(900))  # cudaErrorStreamCaptureUnsupported
     with pytest.raises(RuntimeError, match=r"^single_decode_with_kv_cache uploads its plan "
-                       r"once for its shapes, which cannot happen inside a CUDA-graph "
+                       r"once for its shapes, which cannot happen inside this CUDA-graph "
                        r"capture"):  # fmt: skip
         workspace.device_copy(np.zeros(4, np.int32), 0, "single_decode_with_kv_cache")
+    assert fake.mode == "global"
     monkeypatch.setattr(cupy.cuda, "alloc", failing(2))  # cudaErrorMemoryAllocation
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
         workspace.device_copy(np.zeros(4, np.int32), 0)
+    assert fake.mode == "global"

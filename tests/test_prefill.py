@@ -479,7 +479,7 @@ def test_cuda_graph_replays_custom_masks_after_replan(on_device):
         return per_request, to_gpu(flat) if on_device else flat
 
     plans = [([120, 80], [300, 900], {}, masks),
-             ([50, 3, 100], [1000, 3, 400], {"fixed_split_size": 2}, masks),
+             ([50, 3, 100], [1000, 3, 400], {"fixed_split_size": 256}, masks),
              ([200], [1500], {}, masks)]  # fmt: skip
     replay_after_each_plan(wrapper, 200, 3000, plans, rng)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import gpu
+from ..launch import driver
 
 ALIGN = 256
 
@@ -40,10 +41,17 @@ _CAPTURE_ERRORS = range(900, 909)
 def device_copy(host, device: int, what: str = "this call"):
     """A device copy of the host array `host` (CuPy memory: it lives as long as it is
     referenced, e.g. by the prepared launch that reads it). It is made once per call
-    signature, synchronously: inside a CUDA-graph capture it cannot be, and the error says to
-    make `what` once before capturing (as plan() comes before a captured run())."""
+    signature, synchronously, with the thread in relaxed capture mode: inside a CUDA-graph
+    capture on a non-blocking stream (torch.cuda.graph's, a CuPy capture stream) the
+    allocation and copy happen now, outside the graph, and the captured kernel reads them on
+    every replay. Where the copy cannot happen (a capture on a stream that synchronizes with
+    the legacy stream), the error says to make `what` once before capturing."""
     import cupy
 
+    cu = driver()
+    _, mode = cu.cuThreadExchangeStreamCaptureMode(
+        cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    )
     try:
         with cupy.cuda.Device(device):
             memory = cupy.cuda.alloc(host.nbytes)
@@ -52,10 +60,12 @@ def device_copy(host, device: int, what: str = "this call"):
         if e.status not in _CAPTURE_ERRORS:
             raise
         raise RuntimeError(
-            f"{what} uploads its plan once for its shapes, which cannot happen inside a "
+            f"{what} uploads its plan once for its shapes, which cannot happen inside this "
             f"CUDA-graph capture ({e}): make the same call once before capturing (the warm-up "
             "run CUDA graphs want anyway), then capture it"
         ) from e
+    finally:
+        cu.cuThreadExchangeStreamCaptureMode(mode)
     return memory
 
 
