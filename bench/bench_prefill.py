@@ -4,9 +4,9 @@ views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph vi
 FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
 same run; then plan() host time for a 64-request batch (against fa2). rtcinfer is called with
 PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
-on CuPy arrays captured with CuPy's stream capture; "32-row warps graph us" the same with the
-opt-in kernel whose warps take two 16-row blocks (128-row tiles, head_dim <= 128), plan()'s
-choice otherwise unchanged."""
+on CuPy arrays captured with CuPy's stream capture; "other warp rows graph us" the same with
+the other warp shape where the kernel allows both (128-row tiles, head_dim <= 128, no custom
+mask): 16 rows a warp where plan() chose 32 (head_dim 128), 32 where it chose 16."""
 
 from __future__ import annotations
 
@@ -195,12 +195,13 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
         wrapper = getattr(rtcinfer, FORMS[form])()
         wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
         cupy_graph = graph_time_us(lambda: wrapper.run(q, *kv, out=out))
-        two_blocks = None
-        with warp_rows_forced(32):
+        other_warps = None
+        other = 48 - wrapper._launch.launch.kernel.spec.warp_rows  # 16 <-> 32
+        with warp_rows_forced(other):
             alt = getattr(rtcinfer, FORMS[form])()
             alt.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
-        if alt._launch.launch.kernel.spec.warp_rows == 32:
-            two_blocks = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
+        if alt._launch.launch.kernel.spec.warp_rows == other:
+            other_warps = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
         (tq, tout, *tkv), is_torch = callers(q, out, *kv)
         ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
@@ -213,7 +214,7 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
                 fa3 = flashinfer_views(fi, torch, wrappers, form, "fa3", tables, dims, causal,
                                        tq, tkv)  # fmt: skip
         fa3_graph = None if fa3 is None else fa3.graph
-        table.add(label, *ours.cells(), cupy_graph, two_blocks, tflops,
+        table.add(label, *ours.cells(), cupy_graph, other_warps, tflops,
                   100 * tflops / gemm_tflops(),
                   *peer_cells(ours, theirs), fa3_graph, ratio(ours.graph, fa3_graph))  # fmt: skip
 
@@ -244,7 +245,7 @@ def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
             theirs = float(np.median(times[20:100])) * 1e6
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
             print(f"# flashinfer {form} plan failed: {type(e).__name__}: {str(e)[:200]}")
-    blank = (None,) * 6  # loop, graph, CuPy graph, 32-row graph, TFLOP/s, % GEMM of a kernel row
+    blank = (None,) * 6  # loop, graph, CuPy graph, other warps, TFLOP/s, % GEMM of a kernel row
     table.add("plan(), 64 mixed requests (host us)", ours, *blank, theirs, None, None,
               ratio(ours, theirs), None, None, None)  # fmt: skip
 
@@ -253,7 +254,7 @@ def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
-    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "32-row warps graph us", "TFLOP/s",
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "other warp rows graph us", "TFLOP/s",
                "% GEMM", *PEER_COLUMNS, "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
     wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
     tables = Tables()

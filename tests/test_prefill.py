@@ -360,8 +360,8 @@ def test_fp8_kv(kv_dtype, q_dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", ["causal", "plain", "rope_cap", "fp8", "window_split"])
 def test_32_row_warps(monkeypatch, head_dim, variant):
-    """The kernel with two 16-row MMA blocks a warp (warp_rows=32, 128-row tiles, forced: plan()
-    does not choose it yet), ragged and paged, against the float64 reference."""
+    """The kernel with two 16-row MMA blocks a warp (warp_rows=32, 128-row tiles; plan()'s own
+    choice at head_dim 128, forced at 64), ragged and paged, against the float64 reference."""
     from rtcinfer.attention import prefill
 
     spec_of = prefill.prefill_spec

@@ -650,3 +650,23 @@ def test_the_kernels_flow_over_a_ragged_cache(wrappers, causal):
             o_ref, lse_ref = ref.attention_ref(q[qs], k[ks], v[ks], sm_scale=0.25, causal=causal)
             np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
             np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
+
+
+@pytest.mark.parametrize(("tile_rows", "head_dim", "custom_mask", "warp_rows"), [
+    (128, 128, False, 32), (128, 64, False, 16), (128, 128, True, 16), (64, 128, False, 16),
+    (16, 128, False, 16), (64, 256, False, 16),
+])  # fmt: skip
+def test_warps_take_32_rows_where_that_was_measured_faster(tile_rows, head_dim, custom_mask,
+                                                           warp_rows):  # fmt: skip
+    """prefill_spec's own choice of rows a warp: two 16-row MMA blocks in 128-row tiles at
+    head_dim 128 without a custom mask (with KV tiles of 32 keys, half the warps), 16 elsewhere;
+    an explicit choice still wins where the kernel allows it."""
+    from rtcinfer.attention.prefill_kernel import prefill_spec
+
+    spec = prefill_spec("bfloat16", "bfloat16", head_dim, tile_rows, True,
+                        custom_mask=custom_mask)  # fmt: skip
+    assert spec.warp_rows == warp_rows
+    assert spec.threads == (128 if tile_rows == 16 else 32 * tile_rows // warp_rows)
+    if warp_rows == 32:
+        assert spec.kv_tile == 32
+        assert prefill_spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=16).warp_rows == 16
