@@ -138,6 +138,24 @@ def test_logits_samplers_equal_probs_samplers_on_our_softmax(rng):
         assert bool((a == b).all())
 
 
+def test_logits_samplers_in_one_call_take_out_indices_and_check_nan(rng):
+    """The fused softmax + sampler call: out= is written and returned, int64 indices give int64
+    tokens, check_nan sees a NaN logit (through its NaN probabilities) and a clean batch passes."""
+    cp = cupy()
+    logits = cp.asarray(rng.standard_normal((8, 1000)).astype(np.float32))
+    idx = cp.asarray(np.array([7, 0, 3, 3, 5], np.int64))
+    out = cp.full(5, -7, dtype=cp.int64)
+    got = rtcinfer.top_k_top_p_sampling_from_logits(logits, 20, 0.8, idx, seed=2, offset=3,
+                                                    out=out, check_nan=True)  # fmt: skip
+    assert got.dtype == cp.int64 and int(got.data.ptr) == int(out.data.ptr)
+    want = rtcinfer.top_k_top_p_sampling_from_probs(rtcinfer.softmax(logits), 20, 0.8, idx,
+                                                    seed=2, offset=3)  # fmt: skip
+    assert bool((out == want).all())
+    logits[4, 17] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        rtcinfer.sampling_from_logits(logits, seed=1, check_nan=True)
+
+
 # --- kept sets and edge cases -------------------------------------------------------------------
 
 OPS = [

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import errors, jit
 from ..errors import BadIndex
-from ..interop import Op, OutSlot, Prepared, call, framework
+from ..interop import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, framework
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch, memset_d32
@@ -40,7 +40,7 @@ from ..layout import (
 from .cluster import ClusterSampleSpec, cluster_launch, cluster_size
 from .philox import Generator, check_array, kernel_inputs
 from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
-from .softmax import softmax
+from .softmax import prepare_softmax, softmax
 from .speculative import chain_speculative_sampling
 
 
@@ -217,11 +217,40 @@ _OP = Op("sample", ("probs", "indices", "top_k", "top_p", "min_p", "seed", "offs
          _prepare, given=("out",))  # fmt: skip
 
 
+def _prepare_from_logits(infos, align: int, static: tuple) -> Prepared:
+    """The sampler's slots with logits [rows, vocab] in place of probs: the softmax kernel
+    writes float32 probs into a scratch output (the last one), the sampler reads them; one
+    call, two launches on the stream. Outputs: the sampler's, then the scratch."""
+    soft = prepare_softmax((infos[0], None), align, ())
+    shape = soft.outs[0].shape
+    probs = ArrayInfo(shape, dense_strides(shape), "float32", infos[0].device)
+    sample = _prepare((probs, *infos[1:]), align, static)
+    scratch = len(infos) + len(sample.outs)  # the probs' pointer follows the sampler's outputs
+
+    def run(stream, device, ptrs, scalars):
+        soft.run(stream, device, (ptrs[0], 0, ptrs[scratch]), (1.0,))
+        sample.run(stream, device, [ptrs[scratch], *ptrs[1:scratch]], scalars)
+
+    def preload(device):
+        soft.preload(device)
+        sample.preload(device)
+
+    outs = (*sample.outs, OutSlot(shape, "float32"))
+    return Prepared(outs, run, preload=preload, dense=sample.dense)
+
+
+_LOGITS_OP = Op("sample_from_logits", ("logits",) + _OP.slots[1:], _prepare_from_logits,
+                given=("out",))  # fmt: skip
+
+
 def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None, seed=None,
-            offset=None, check_nan=False, out=None):  # fmt: skip
+            offset=None, check_nan=False, out=None, logits=False):  # fmt: skip
+    """The sampler `op` on probs, or (logits=True) on softmax(probs) in the same call."""
     if torch_compiling(probs):  # a custom op node (rtcinfer/torch_ops.py)
         from .. import torch_ops
 
+        if logits:
+            probs = softmax(probs)
         return torch_ops.sample(op, probs, indices, top_k, top_p, min_p, generator, check_nan,
                                 seed, offset, out)  # fmt: skip
     k, k_arr = per_row(top_k, int)
@@ -230,7 +259,9 @@ def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None
     (seeds, offsets), (seed, offset) = kernel_inputs(probs, generator, seed, offset)
     arrays = (probs, indices, k_arr, p_arr, m_arr, seeds, offsets, out)
     check_nan = bool(check_nan)
-    result = call(_OP, arrays, (op, check_nan), (k, p, m, seed, offset))
+    result = call(_LOGITS_OP if logits else _OP, arrays, (op, check_nan), (k, p, m, seed, offset))
+    if logits:
+        result = result[0] if not check_nan else result[:2]  # drop the probs scratch
     if not check_nan:
         return result
     samples, flag = result
@@ -305,34 +336,37 @@ def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, *,
     "joint":       kept = top_k filter of p & top_p filter of p
     samples[b] ~ p * kept / sum(p * kept). top_k, top_p: scalars or [batch] arrays.
     """
+    return _sample(_order_op(filter_apply_order), probs, indices, top_k=top_k, top_p=top_p,
+                   generator=generator, seed=seed, offset=offset, check_nan=check_nan,
+                   out=out)  # fmt: skip
+
+
+def _order_op(filter_apply_order: str) -> str:
     if filter_apply_order not in ("top_k_first", "joint"):
         raise ValueError(
             f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}"
         )
-    op = "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
-    return _sample(op, probs, indices, top_k=top_k, top_p=top_p, generator=generator,
-                   seed=seed, offset=offset, check_nan=check_nan, out=out)  # fmt: skip
+    return "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
 
 
 def sampling_from_logits(logits, indices=None, *, deterministic=True, generator=None,
                          check_nan=False, seed=None, offset=None, out=None):  # fmt: skip
-    """sampling_from_probs(softmax(logits), ...): one softmax kernel, then the sampler; the
-    tokens equal those of sampling_from_probs on rtcinfer's softmax for the same seed/offset."""
-    probs = softmax(logits)
-    return sampling_from_probs(probs, indices, generator=generator, check_nan=check_nan,
-                               seed=seed, offset=offset, out=out)  # fmt: skip
+    """sampling_from_probs(softmax(logits), ...) in one call: the softmax kernel, then the
+    sampler; the tokens equal those of sampling_from_probs on rtcinfer's softmax for the same
+    seed/offset."""
+    return _sample("plain", logits, indices, generator=generator, seed=seed, offset=offset,
+                   check_nan=check_nan, out=out, logits=True)  # fmt: skip
 
 
 def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, *,
                                      filter_apply_order="top_k_first", deterministic=True,
                                      generator=None, check_nan=False, seed=None, offset=None,
                                      out=None):  # fmt: skip
-    """top_k_top_p_sampling_from_probs(softmax(logits), ...) (top_k_first: the softmax of the
-    top-k masked logits equals top_k_renorm of the softmax, up to rounding)."""
-    return top_k_top_p_sampling_from_probs(
-        softmax(logits), top_k, top_p, indices, filter_apply_order=filter_apply_order,
-        generator=generator, check_nan=check_nan, seed=seed, offset=offset, out=out,
-    )  # fmt: skip
+    """top_k_top_p_sampling_from_probs(softmax(logits), ...) in one call (top_k_first: the
+    softmax of the top-k masked logits equals top_k_renorm of the softmax, up to rounding)."""
+    return _sample(_order_op(filter_apply_order), logits, indices, top_k=top_k, top_p=top_p,
+                   generator=generator, seed=seed, offset=offset, check_nan=check_nan, out=out,
+                   logits=True)  # fmt: skip
 
 
 def specs_for(vocab: int, clusters: tuple[int, ...] = ()) -> list:

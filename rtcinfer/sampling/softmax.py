@@ -41,7 +41,7 @@ def softmax_spec(dtype: str, vocab: int, vec: int | None = None) -> SoftmaxSpec:
     return SoftmaxSpec(dtype, vec, threads)
 
 
-def _prepare(infos, _align: int, static: tuple) -> Prepared:
+def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
     """Slots (logits, temperature array) -> probs [rows, vocab] float32. Scalars: (temperature,)
     for rows without the array."""
     logits, temperature = infos
@@ -76,7 +76,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     return Prepared((OutSlot(shape, "float32"),), run, preload=launch.preload, dense=dense)
 
 
-_OP = Op("softmax", ("logits", "temperature"), _prepare)
+_OP = Op("softmax", ("logits", "temperature"), prepare_softmax)
 
 
 def softmax(logits, temperature=None, enable_pdl=None):
@@ -104,4 +104,4 @@ def specs_for(vocab: int, dtypes=("float32",)) -> list[SoftmaxSpec]:
     return [softmax_spec(d, vocab) for d in dtypes]
 
 
-__all__ = ["SoftmaxSpec", "softmax", "softmax_spec", "specs_for"]
+__all__ = ["SoftmaxSpec", "prepare_softmax", "softmax", "softmax_spec", "specs_for"]
