@@ -8,6 +8,7 @@ paying one module-name test for it.
 Registered here: the norms, the gated activations, every RoPE form, the attention-state merges,
 the paged-cache append and index ops (functional, in-place and `out=` forms), and the samplers,
 renorms and softmax (three ops whose scalar-or-array parameters are split in two arguments).
+The attention wrappers' run() is one op of its own (rtcinfer/torch_attention.py).
 """
 
 from __future__ import annotations

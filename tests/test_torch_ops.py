@@ -336,3 +336,43 @@ def test_compiled_speculative_sampling_gives_the_eager_tokens():
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(counters[2], counters[0]) and torch.equal(counters[3], counters[1])
+
+
+@pytest.mark.gpu
+def test_compiled_attention_runs_follow_each_new_plan():
+    """A step calling batch decode and paged prefill, compiled once (inductor), gives the
+    eager bits after every re-plan with new lengths and pages, without recompiling."""
+    import numpy as np
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = torch.randn(64, 2, 16, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q_dec = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(12, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dec = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+    paged = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+    rng = np.random.default_rng(6)
+
+    def tables(lens):
+        pages = [-(-n // 16) for n in lens]
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        indices = rng.permutation(64)[: indptr[-1]].astype(np.int32)
+        last = np.array([n - (p - 1) * 16 for n, p in zip(lens, pages, strict=True)], np.int32)
+        return indptr, indices, last
+
+    def replan(dec_lens, pre_lens):
+        dec.plan(*tables(dec_lens), 8, 2, 128, 16, q_data_type="bfloat16")
+        paged.plan(np.array([0, 5, 12], np.int32), *tables(pre_lens), 8, 2, 128, 16,
+                   causal=True, q_data_type="bfloat16")  # fmt: skip
+
+    def step(q_dec, q, cache):
+        o, lse = dec.run(q_dec, cache, return_lse=True)
+        return o, lse, paged.run(q, cache)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for dec_lens, pre_lens in (([40, 3, 170], [9, 21]), ([1, 300, 17], [5, 200]),
+                               ([64, 64, 64], [12, 7])):  # fmt: skip
+        replan(dec_lens, pre_lens)
+        want = step(q_dec, q, cache)
+        got = compiled(q_dec, q, cache)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

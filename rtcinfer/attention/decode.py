@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..interop import Prepared
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
@@ -24,7 +25,14 @@ from ..plan._checks import as_int
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
-from .paged_kv import cache_views, check_cache_view, kv_storage, page_table_ids, token_head
+from .paged_kv import (
+    cache_views,
+    check_cache_view,
+    kv_pair,
+    kv_storage,
+    page_table_ids,
+    token_head,
+)
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -260,6 +268,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         window_left may repeat the plan's value (None: the plan's); enable_pdl is accepted for
         drop-in compatibility and has no effect (no programmatic dependent launch).
         """
+        if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+            from .. import torch_attention
+
+            k, v = kv_pair(paged_kv_cache)
+            return torch_attention.run(self, q, k, v, out, lse, return_lse, q_scale, k_scale,
+                                       v_scale, window_left)  # fmt: skip
         if self._tc is not None:
             return self._run_tensor_cores(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
                                           return_lse, window_left)  # fmt: skip
@@ -271,10 +285,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                 f"run(window_left={window_left!r}) differs from the plan's window_left "
                 f"({st.cfg.window_left}): pass None or plan() again"
             )
-        if type(paged_kv_cache) is tuple or type(paged_kv_cache) is list:
-            k, v = paged_kv_cache
-        else:
-            k, v = paged_kv_cache, None
+        k, v = kv_pair(paged_kv_cache)
         with_lse = return_lse or lse is not None
         qk, vs = kv_scales(k_scale, v_scale, q_scale)
         scalars = (st.cfg.sm_scale * qk, vs)
@@ -282,6 +293,19 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         if return_lse:
             return result
         return result[0] if with_lse else result
+
+    def _compiled_run(self, q, k, v, q_scale, k_scale, v_scale, window_left) -> tuple:
+        """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
+        return self.run(q, k if v is None else (k, v), q_scale=q_scale, k_scale=k_scale,
+                        v_scale=v_scale, return_lse=True, window_left=window_left)  # fmt: skip
+
+    def _plan_o_dtype(self) -> str:
+        """The current plan's output dtype (torch_attention's fake outputs)."""
+        if self._tc is not None:
+            return self._tc._plan_o_dtype()
+        if self._launch is None:
+            raise RuntimeError("plan() must be called before run()")
+        return self._launch.cfg.o_dtype
 
     def _run_tensor_cores(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
                           return_lse, window_left):  # fmt: skip

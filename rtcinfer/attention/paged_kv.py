@@ -77,6 +77,14 @@ class CacheView:
     offset: int = 0
 
 
+def kv_pair(paged_kv_cache) -> tuple:
+    """(k, v) of a (k, v) pair (tuple or list), or (cache, None) of one [pages, 2, ...] array."""
+    if type(paged_kv_cache) is tuple or type(paged_kv_cache) is list:
+        k, v = paged_kv_cache
+        return k, v
+    return paged_kv_cache, None
+
+
 def cache_views(k, v, kv_layout: str, item: int) -> tuple[CacheView, CacheView]:
     """The views of K and V of a cache given as one 5-D array (`v` None) or a pair; `k`, `v`
     have shapes and element strides (interop's ArrayInfo); `item` is the element size."""
@@ -129,6 +137,6 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
         )
 
 
-__all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
+__all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout", "kv_pair",
            "check_strides_fit", "kv_storage", "page_table_ids", "paged_view",
            "token_head"]  # fmt: skip

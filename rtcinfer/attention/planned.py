@@ -27,6 +27,7 @@ stream is not ordered with ours).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -125,9 +126,20 @@ def _same_key(a: tuple, b: tuple | None) -> bool:
         return False
 
 
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # number -> wrapper
+_NUMBERS = itertools.count(1)
+
+
+def live_wrapper(number: int):
+    """The wrapper registered under `number` (a compiled graph's constant naming it), or None
+    once it is deleted."""
+    return _LIVE.get(number)
+
+
 class PlannedWrapper:
     """The shared plan()/run() machinery (module docstring). RUN_SLOTS and RUN_GIVEN are the
-    subclass's run() array slots and the ones that hold caller-given outputs."""
+    subclass's run() array slots and the ones that hold caller-given outputs. Each wrapper has
+    a registry number (live_wrapper) by which a torch.compile graph names it."""
 
     RUN_SLOTS: Sequence[str] = ()
     RUN_GIVEN: Sequence[str] = ()
@@ -151,6 +163,8 @@ class PlannedWrapper:
         self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
                       _weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
         weakref.finalize(self, release, self._op)
+        self._number = next(_NUMBERS)
+        _LIVE[self._number] = self
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..interop import Prepared
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..jit import device_limits
 from ..launch import Launch, memcpy_async
@@ -28,7 +29,14 @@ from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
 from .decode_kernel import Config, fast_div, kv_scales, make_config
-from .paged_kv import cache_views, check_cache_view, kv_storage, page_table_ids, token_head
+from .paged_kv import (
+    cache_views,
+    check_cache_view,
+    kv_pair,
+    kv_storage,
+    page_table_ids,
+    token_head,
+)
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
 from .prefill_args import check_backend, mask_capacity_bytes, unsupported
 from .prefill_kernel import kernel, prefill_spec
@@ -281,6 +289,11 @@ class _PrefillWrapper(PlannedWrapper):
         return fixed
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+        if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+            from .. import torch_attention
+
+            return torch_attention.run(self, q, k, v, out, lse, return_lse, None, k_scale,
+                                       v_scale)  # fmt: skip
         st = self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
@@ -291,6 +304,16 @@ class _PrefillWrapper(PlannedWrapper):
         if return_lse:
             return result
         return result[0] if with_lse else result
+
+    def _compiled_run(self, q, k, v, q_scale, k_scale, v_scale, window_left) -> tuple:
+        """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
+        return self._run(q, k, v, None, None, True, k_scale, v_scale)
+
+    def _plan_o_dtype(self) -> str:
+        """The current plan's output dtype (torch_attention's fake outputs)."""
+        if self._launch is None:
+            raise RuntimeError("plan() must be called before run()")
+        return self._launch.cfg.attn.o_dtype
 
     def _prepare_run(self, infos, align, static) -> Prepared:
         cfg, nnz_q, with_lse = static
@@ -458,10 +481,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             return_lse=False, enable_pdl=None):  # fmt: skip
         """o [nnz_q, Hq, D] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
         batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND."""
-        if type(paged_kv_cache) is tuple or type(paged_kv_cache) is list:
-            k, v = paged_kv_cache
-        else:
-            k, v = paged_kv_cache, None
+        k, v = kv_pair(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
 
     def _check_kv(self, cfg, k, v) -> None:

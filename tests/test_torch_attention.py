@@ -1,0 +1,100 @@
+"""The attention wrappers' run() under torch.compile (on meta tensors, no GPU): one
+rtcinfer.attention_run node per call, outputs shaped by the plan, and re-planning between
+calls neither retraces nor recompiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .fakes import planning_without_a_gpu
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Decode and prefill modules whose wrappers plan without a GPU."""
+    from rtcinfer.attention import decode, prefill
+    from rtcinfer.launch import Kernel
+
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
+    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+    return decode, prefill
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def decode_tables(lens, page=16):
+    pages = [-(-n // page) for n in lens]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.arange(indptr[-1], dtype=np.int32)[::-1].copy()
+    last = np.array([n - (p - 1) * page for n, p in zip(lens, pages, strict=True)], np.int32)
+    return indptr, indices, last
+
+
+def test_decode_and_prefill_runs_are_one_node_each_and_replans_do_not_recompile(planned):
+    decode, prefill = planned
+    dec = decode.BatchDecodeWithPagedKVCacheWrapper()
+    dec.plan(*decode_tables([40, 3, 17]), 8, 2, 64, 16, q_data_type="bfloat16",
+             o_data_type="float16")  # fmt: skip
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    qo = np.array([0, 5, 12], np.int32)
+    ragged.plan(qo, np.array([0, 9, 30], np.int32), 8, 2, 64, causal=True,
+                q_data_type="bfloat16")  # fmt: skip
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan(qo, *decode_tables([9, 21]), 8, 2, 64, 16, causal=True, q_data_type="bfloat16")
+    graphs, seen = [], []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q_dec, cache, k_pair, v_pair, q, k, v, out):
+        o_dec, lse_dec = dec.run(q_dec, cache, return_lse=True, k_scale=0.5)
+        o_pair = dec.run(q_dec, (k_pair, v_pair))
+        o_ragged = ragged.run(q, k, v, out=out)
+        o_paged, lse_paged = paged.run(q, cache, return_lse=True)
+        return o_dec, lse_dec, o_pair, o_ragged, o_paged, lse_paged
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    args = (meta(3, 8, 64), meta(10, 2, 16, 2, 64), meta(10, 16, 2, 64), meta(10, 16, 2, 64),
+            meta(12, 8, 64), meta(30, 2, 64), meta(30, 2, 64), meta(12, 8, 64))  # fmt: skip
+    o_dec, lse_dec, o_pair, o_ragged, o_paged, lse_paged = compiled(*args)
+    assert (o_dec.shape, o_dec.dtype, lse_dec.shape) == ((3, 8, 64), torch.float16, (3, 8))
+    assert lse_dec.dtype == torch.float32 and o_pair.dtype == torch.float16
+    assert o_ragged is args[-1] or o_ragged.shape == (12, 8, 64)
+    assert (o_paged.shape, o_paged.dtype, lse_paged.shape) == ((12, 8, 64), torch.bfloat16,
+                                                               (12, 8))  # fmt: skip
+    assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.attention_run"] * 4
+    # new lengths and pages, same shapes: the compiled graph is reused
+    dec.plan(*decode_tables([1, 33, 100]), 8, 2, 64, 16, q_data_type="bfloat16",
+             o_data_type="float16")  # fmt: skip
+    ragged.plan(qo, np.array([0, 5, 40], np.int32), 8, 2, 64, causal=True,
+                q_data_type="bfloat16")  # fmt: skip
+    paged.plan(qo, *decode_tables([30, 7]), 8, 2, 64, 16, causal=True, q_data_type="bfloat16")
+    compiled(*args)
+    assert len(graphs) == 1
+
+
+def test_a_compiled_graph_names_its_wrapper_and_says_when_it_is_gone(planned):
+    _, prefill = planned
+    from rtcinfer import torch_attention
+
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    number = ragged._number
+    assert torch_attention.live_wrapper(number) is ragged
+    del ragged
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"number {number}\\) was deleted"):
+        torch.ops.rtcinfer.attention_run(number, meta(1, 8, 64), meta(1, 2, 64), None, None,
+                                         None, None, None)  # fmt: skip
