@@ -1,0 +1,251 @@
+"""A small serving loop on PyTorch tensors (needs a CUDA GPU): a Llama-style decoder (random
+weights, GQA 32/8, head_dim 128, RMSNorm, RoPE, SiLU-and-mul) serves a stream of requests with
+continuous batching. Each step prefills the prompts that arrived (paged prefill, causal, their
+keys appended to the paged cache first) and decodes one token for every running request (batch
+decode); a request that has its tokens leaves and frees its pages. Tokens are greedy
+(top_k_top_p_sampling_from_logits with top_k 1).
+
+The check: a dense PyTorch version of the same model (float32 attention over each request's
+whole sequence, no cache) recomputes every emitted token's logits from the same token history:
+they agree within bf16 tolerance, and every token is the reference's argmax (or within the
+logits' error of it). Prints decode throughput and the share of the decode step spent in
+rtcinfer's kernels; exit code 1 on a mismatch."""
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+import rtcinfer
+
+HQ, HKV, D, HIDDEN, INTER, VOCAB, LAYERS = 32, 8, 128, 4096, 2048, 2048, 2
+PAGE, PAGES, THETA, EPS = 16, 512, 1e4, 1e-6
+# (arrival step, prompt length, tokens to generate)
+REQUESTS = [(0, 37, 12), (0, 300, 6), (1, 5, 16), (2, 129, 9), (4, 64, 14), (5, 17, 4),
+            (6, 200, 10), (8, 90, 8)]  # fmt: skip
+bf16, dev = torch.bfloat16, "cuda"
+
+
+def weights(gen):
+    def w(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) / shape[0] ** 0.5).to(bf16)
+
+    def norm():
+        return (1 + 0.1 * torch.randn(HIDDEN, device=dev, generator=gen)).to(bf16)
+
+    layers = [dict(ln1=norm(), qkv=w(HIDDEN, (HQ + 2 * HKV) * D), o=w(HQ * D, HIDDEN),
+                   ln2=norm(), gate_up=w(HIDDEN, 2 * INTER), down=w(INTER, HIDDEN))
+              for _ in range(LAYERS)]  # fmt: skip
+    embed = torch.randn(VOCAB, HIDDEN, device=dev, generator=gen).to(bf16)
+    return dict(embed=embed, layers=layers, norm=norm(), lm_head=w(HIDDEN, VOCAB))
+
+
+class Request:
+    def __init__(self, rid, prompt, max_new):
+        self.rid, self.tokens, self.max_new = rid, list(prompt), max_new
+        self.pages, self.cached, self.emitted = [], 0, []
+
+
+class Engine:
+    """The paged cache (one [pages, 2, PAGE, HKV, D] array per layer), the page free list and
+    one prefill and one decode wrapper, re-planned every step."""
+
+    def __init__(self, model, rng):
+        self.model = model
+        self.cache = [torch.zeros(PAGES, 2, PAGE, HKV, D, device=dev, dtype=bf16)
+                      for _ in range(LAYERS)]  # fmt: skip
+        self.free = [int(p) for p in rng.permutation(PAGES)]
+        self.prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+        self.decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+        self.kernel_ms = 0.0  # rtcinfer kernels' time in decode steps (events, when timed)
+        self._events = None
+
+    def step(self, requests, new_tokens, wrapper, qo_indptr):
+        """Append `new_tokens[b]` of each request to the cache and run the model over them;
+        returns the logits of each request's last new token [B, VOCAB] float32."""
+        starts = [r.cached for r in requests]
+        for r, n in zip(requests, new_tokens, strict=True):
+            r.cached += n
+            while len(r.pages) * PAGE < r.cached:
+                r.pages.append(self.free.pop())
+        indptr = np.cumsum([0] + [len(r.pages) for r in requests]).astype(np.int32)
+        indices = np.array([p for r in requests for p in r.pages], np.int32)
+        last = np.array([r.cached - (len(r.pages) - 1) * PAGE for r in requests], np.int32)
+        if wrapper is self.prefill:
+            wrapper.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
+                         q_data_type=bf16)  # fmt: skip
+        else:
+            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+        tokens = [t for r, s, n in zip(requests, starts, new_tokens, strict=True)
+                  for t in r.tokens[s : s + n]]  # fmt: skip
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, new_tokens,
+                                                                         strict=True)])  # fmt: skip
+        batch_indices = np.repeat(np.arange(len(requests)), new_tokens)
+        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(dev)  # noqa: E731
+        table = [to_dev(a) for a in (indices, indptr, last)]
+        pos, bidx = to_dev(positions), to_dev(batch_indices)
+        x = self.model["embed"][to_dev(tokens).long()]
+        h = self._op(rtcinfer.rmsnorm, x, self.model["layers"][0]["ln1"], EPS)
+        residual = x.clone()
+        n = x.shape[0]
+        for i, layer in enumerate(self.model["layers"]):
+            if i:
+                self._op(rtcinfer.fused_add_rmsnorm, h, residual, layer["ln1"], EPS)
+            qkv = h @ layer["qkv"]
+            q = qkv[:, : HQ * D].reshape(n, HQ, D).contiguous()
+            k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D).contiguous()
+            v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D).contiguous()
+            self._op(rtcinfer.apply_rope_pos_ids_inplace, q, k, pos, rope_theta=THETA)
+            self._op(rtcinfer.append_paged_kv_cache, k, v, bidx, pos, self.cache[i], *table)
+            o = self._op(wrapper.run, q, self.cache[i])
+            h = o.reshape(n, HQ * D) @ layer["o"]
+            self._op(rtcinfer.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
+            h = self._op(rtcinfer.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
+        self._op(rtcinfer.fused_add_rmsnorm, h, residual, self.model["norm"], EPS)
+        ends = torch.from_numpy(np.asarray(qo_indptr[1:]) - 1).to(dev).long()
+        return (h[ends] @ self.model["lm_head"]).float()
+
+    def _op(self, fn, *args, **kwargs):
+        if self._events is None:
+            return fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args, **kwargs)
+        end.record()
+        self._events.append((start, end))
+        return result
+
+    def time_kernels(self, on: bool):
+        if on:
+            self._events = []
+            return
+        torch.cuda.synchronize()
+        self.kernel_ms += sum(s.elapsed_time(e) for s, e in self._events)
+        self._events = None
+
+    def release(self, r):
+        self.free.extend(r.pages)
+        r.pages = []
+
+
+def rope(x, positions):
+    half = D // 2
+    inv = THETA ** (-torch.arange(half, device=dev, dtype=torch.float64) * 2 / D)
+    angle = positions.double()[:, None] * inv[None, :]
+    cos, sin = angle.cos()[:, None, :].float(), angle.sin()[:, None, :].float()
+    a, b = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1).to(bf16)
+
+
+def rms(x, w):
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(bf16)
+
+
+def reference_logits(model, tokens):
+    """Dense forward over one request's tokens; the last position's logits, float32."""
+    n = len(tokens)
+    x = model["embed"][torch.tensor(tokens, device=dev)]
+    residual, h = x, rms(x, model["layers"][0]["ln1"])
+    pos = torch.arange(n, device=dev)
+    causal = torch.ones(n, n, device=dev, dtype=torch.bool).tril()
+    for i, layer in enumerate(model["layers"]):
+        if i:
+            residual = (residual.float() + h.float()).to(bf16)
+            h = rms(residual, layer["ln1"])
+        qkv = h @ layer["qkv"]
+        q = rope(qkv[:, : HQ * D].reshape(n, HQ, D), pos).float()
+        k = rope(qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D), pos).float()
+        v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D).float()
+        k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+        o = torch.einsum("hqk,khd->qhd", p, v).to(bf16)
+        h = o.reshape(n, HQ * D) @ layer["o"]
+        residual = (residual.float() + h.float()).to(bf16)
+        h = rms(residual, layer["ln2"])
+        gate, up = (h @ layer["gate_up"]).float().chunk(2, -1)
+        h = (torch.nn.functional.silu(gate) * up).to(bf16) @ layer["down"]
+    residual = (residual.float() + h.float()).to(bf16)
+    return (rms(residual, model["norm"])[-1:] @ model["lm_head"]).float()[0]
+
+
+def serve(engine, rng):
+    """The loop; returns the requests with their emitted tokens and logits, and decode stats."""
+    waiting = [Request(i, rng.integers(0, VOCAB, n).tolist(), m)
+               for i, (_, n, m) in enumerate(REQUESTS)]  # fmt: skip
+    arrivals = [a for a, _, _ in REQUESTS]
+    running, done, step, decode_s, decode_tokens = [], [], 0, 0.0, 0
+    while waiting or running:
+        arrived = [r for r in waiting if arrivals[r.rid] <= step]
+        waiting = [r for r in waiting if arrivals[r.rid] > step]
+        if running:  # one token for every running request
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.time_kernels(True)
+            logits = engine.step(running, [1] * len(running), engine.decode,
+                                 np.arange(len(running) + 1))  # fmt: skip
+            tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=step)
+            engine.time_kernels(False)
+            decode_s += time.perf_counter() - start
+            decode_tokens += len(running)
+            emit(running, tokens, logits)
+        if arrived:  # prefill the new prompts, which emit their first token
+            lens = [len(r.tokens) for r in arrived]
+            logits = engine.step(arrived, lens, engine.prefill, np.cumsum([0] + lens))
+            emit(arrived, rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0), logits)
+            running += arrived
+        for r in [r for r in running if len(r.emitted) == r.max_new]:
+            engine.release(r)
+            running.remove(r)
+            done.append(r)
+        step += 1
+    return done, decode_s, decode_tokens
+
+
+def emit(requests, tokens, logits):
+    for r, t, row in zip(requests, tokens.tolist(), logits, strict=True):
+        r.emitted.append((len(r.tokens), t, row))  # (context length, token, its logits)
+        r.tokens.append(t)
+
+
+def check(model, done) -> bool:
+    worst, flips, ok = 0.0, 0, True
+    for r in sorted(done, key=lambda r: r.rid):
+        for n, token, row in r.emitted:
+            want = reference_logits(model, r.tokens[:n])
+            error = float((row - want).abs().max() / want.abs().max())
+            worst = max(worst, error)
+            best = int(want.argmax())
+            if token != best:
+                flips += 1  # a near-tie may flip: the token must be within the error of the max
+                ok &= bool(want[best] - want[token] <= 2 * float((row - want).abs().max()))
+            ok &= error < 3e-2
+        print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
+              f"{[t for _, t, _ in r.emitted]}")  # fmt: skip
+    print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "
+          f"reference's argmax: {flips} (near ties)")  # fmt: skip
+    return ok
+
+
+def main():
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = weights(gen)
+    engine = Engine(model, rng)
+    serve(engine, np.random.default_rng(1))  # warm-up: compiles and loads every kernel
+    engine = Engine(model, rng)
+    done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
+    ok = check(model, done)
+    kernels = engine.kernel_ms / 1e3
+    print(f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
+          f"{decode_tokens / decode_s:.0f} tokens/s; rtcinfer kernels (events) "
+          f"{100 * kernels / decode_s:.0f}% of the decode step time")  # fmt: skip
+    rtcinfer.check_errors()
+    print("OK" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
