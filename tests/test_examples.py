@@ -104,15 +104,29 @@ def test_the_jax_decode_example_runs():
     _run("decode_step_jax.py")
 
 
+def _serve(example: str):
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "OK" and sum(line.startswith("request ") for line in lines) == 8
+    assert any("tokens/s" in line for line in lines)
+
+
 @pytest.mark.gpu
 def test_the_pytorch_serving_loop_matches_its_dense_reference():
     """examples/serve_torch.py: continuous batching with paged prefill and batch decode; the
     example itself checks every token's logits against a dense PyTorch model."""
     pytest.importorskip("torch")
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_torch.py")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    lines = done.stdout.splitlines()
-    assert lines[-1] == "OK" and sum(line.startswith("request ") for line in lines) == 8
-    assert any("tokens/s" in line for line in lines)
+    _serve("serve_torch.py")
+
+
+@pytest.mark.gpu
+def test_the_jax_serving_loop_matches_its_dense_reference_without_retracing():
+    """examples/serve_jax.py: the same loop inside jax.jit, checked against a dense JAX model;
+    a second pass with other page tables traces nothing new."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    _serve("serve_jax.py")
