@@ -3,7 +3,9 @@ weights, GQA 32/8, head_dim 128, RMSNorm, RoPE, SiLU-and-mul) serves a stream of
 continuous batching. Each step prefills the prompts that arrived (paged prefill, causal, their
 keys appended to the paged cache first) and decodes one token for every running request (batch
 decode); a request that has its tokens leaves and frees its pages. Tokens are greedy
-(top_k_top_p_sampling_from_logits with top_k 1).
+(top_k_top_p_sampling_from_logits with top_k 1). The loop runs twice: eagerly, then with each
+batch size's decode step captured in a CUDA graph (a use_cuda_graph decode wrapper, re-planned
+before every replay).
 
 The check: a dense PyTorch version of the same model (float32 attention over each request's
 whole sequence, no cache) recomputes every emitted token's logits from the same token history:
@@ -47,17 +49,65 @@ class Request:
         self.pages, self.cached, self.emitted = [], 0, []
 
 
-class Engine:
-    """The paged cache (one [pages, 2, PAGE, HKV, D] array per layer), the page free list and
-    one prefill and one decode wrapper, re-planned every step."""
+class Inputs:
+    """One step's device inputs: the new tokens, their positions and requests, the page table
+    (indices padded to the pool size) and each request's last new row."""
 
-    def __init__(self, model, rng):
+    def __init__(self, tokens, positions, batch_indices, indices, indptr, last, ends):
+        def to_dev(a, dtype=torch.int32):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+
+        padded = np.zeros(PAGES, np.int32)
+        padded[: len(indices)] = indices
+        self.tokens, self.ends = to_dev(tokens, torch.int64), to_dev(ends, torch.int64)
+        self.pos, self.bidx = to_dev(positions), to_dev(batch_indices)
+        self.table = [to_dev(padded), to_dev(indptr), to_dev(last)]
+
+    def tensors(self):
+        return [self.tokens, self.pos, self.bidx, *self.table, self.ends]
+
+    def copy_to(self, other):
+        for a, b in zip(self.tensors(), other.tensors(), strict=True):
+            b.copy_(a)
+
+
+class DecodeGraph:
+    """The decode forward of one batch size captured in a CUDA graph: a use_cuda_graph decode
+    wrapper (its plan in a fixed workspace layout, re-planned every step), static inputs the
+    step copies its own into, and the static logits the replay writes."""
+
+    def __init__(self, engine, inputs, plan_args):
+        batch = len(plan_args[0]) - 1
+        ints = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
+        self.wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+            use_cuda_graph=True, paged_kv_indptr_buffer=ints(batch + 1),
+            paged_kv_indices_buffer=ints(PAGES), paged_kv_last_page_len_buffer=ints(batch),
+        )  # fmt: skip
+        self.wrapper.plan(*plan_args, HQ, HKV, D, PAGE, q_data_type=bf16)
+        self.inputs = inputs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: kernels loaded, plan uploaded
+            engine.forward(inputs, self.wrapper)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = engine.forward(inputs, self.wrapper)
+
+
+class Engine:
+    """The paged cache (one [pages, 2, PAGE, HKV, D] array per layer), the page free list, a
+    prefill and a decode wrapper re-planned every step, and with `graphs` one captured decode
+    step per batch size (the appends of a warm-up and a replay write the same values)."""
+
+    def __init__(self, model, rng, graphs=False):
         self.model = model
         self.cache = [torch.zeros(PAGES, 2, PAGE, HKV, D, device=dev, dtype=bf16)
                       for _ in range(LAYERS)]  # fmt: skip
         self.free = [int(p) for p in rng.permutation(PAGES)]
         self.prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
         self.decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+        self.graphs = {} if graphs else None
         self.kernel_ms = 0.0  # rtcinfer kernels' time in decode steps (events, when timed)
         self._events = None
 
@@ -72,20 +122,34 @@ class Engine:
         indptr = np.cumsum([0] + [len(r.pages) for r in requests]).astype(np.int32)
         indices = np.array([p for r in requests for p in r.pages], np.int32)
         last = np.array([r.cached - (len(r.pages) - 1) * PAGE for r in requests], np.int32)
-        if wrapper is self.prefill:
-            wrapper.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
-                         q_data_type=bf16)  # fmt: skip
-        else:
-            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
         tokens = [t for r, s, n in zip(requests, starts, new_tokens, strict=True)
                   for t in r.tokens[s : s + n]]  # fmt: skip
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, new_tokens,
                                                                          strict=True)])  # fmt: skip
-        batch_indices = np.repeat(np.arange(len(requests)), new_tokens)
-        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(dev)  # noqa: E731
-        table = [to_dev(a) for a in (indices, indptr, last)]
-        pos, bidx = to_dev(positions), to_dev(batch_indices)
-        x = self.model["embed"][to_dev(tokens).long()]
+        inputs = Inputs(tokens, positions, np.repeat(np.arange(len(requests)), new_tokens),
+                        indices, indptr, last, np.asarray(qo_indptr[1:]) - 1)  # fmt: skip
+        if wrapper is self.prefill:
+            wrapper.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
+                         q_data_type=bf16)  # fmt: skip
+        elif self.graphs is not None:  # a captured decode step of this batch size
+            graph = self.graphs.get(len(requests))
+            if graph is None:
+                graph = self.graphs[len(requests)] = DecodeGraph(
+                    self, inputs, (indptr, indices, last)
+                )
+            graph.wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+            inputs.copy_to(graph.inputs)
+            graph.graph.replay()
+            return graph.logits.clone()  # the next replay rewrites the static logits
+        else:
+            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+        return self.forward(inputs, wrapper)
+
+    def forward(self, inputs, wrapper):
+        """The model over the inputs' tokens with `wrapper`'s current plan (capturable)."""
+        tokens, pos, bidx, indices, indptr, last, ends = inputs.tensors()
+        table = (indices, indptr, last)
+        x = self.model["embed"][tokens]
         h = self._op(rtcinfer.rmsnorm, x, self.model["layers"][0]["ln1"], EPS)
         residual = x.clone()
         n = x.shape[0]
@@ -103,7 +167,6 @@ class Engine:
             self._op(rtcinfer.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
             h = self._op(rtcinfer.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
         self._op(rtcinfer.fused_add_rmsnorm, h, residual, self.model["norm"], EPS)
-        ends = torch.from_numpy(np.asarray(qo_indptr[1:]) - 1).to(dev).long()
         return (h[ends] @ self.model["lm_head"]).float()
 
     def _op(self, fn, *args, **kwargs):
@@ -117,6 +180,8 @@ class Engine:
         return result
 
     def time_kernels(self, on: bool):
+        if self.graphs is not None:  # a replay is timed as a whole
+            return
         if on:
             self._events = []
             return
@@ -233,15 +298,19 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     rng = np.random.default_rng(0)
     model = weights(gen)
-    engine = Engine(model, rng)
-    serve(engine, np.random.default_rng(1))  # warm-up: compiles and loads every kernel
-    engine = Engine(model, rng)
-    done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
-    ok = check(model, done)
-    kernels = engine.kernel_ms / 1e3
-    print(f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
-          f"{decode_tokens / decode_s:.0f} tokens/s; rtcinfer kernels (events) "
-          f"{100 * kernels / decode_s:.0f}% of the decode step time")  # fmt: skip
+    ok = True
+    for graphs in (False, True):
+        serve(Engine(model, rng, graphs), np.random.default_rng(1))  # warm-up, captures
+        engine = Engine(model, rng, graphs)
+        done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
+        print("decode steps in CUDA graphs (one per batch size):" if graphs else "eager:")
+        ok &= check(model, done)
+        line = (f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
+                f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
+        if not graphs:
+            kernels = engine.kernel_ms / 1e3
+            line += f"; rtcinfer kernels (events) {100 * kernels / decode_s:.0f}% of the step time"
+        print(line)
     rtcinfer.check_errors()
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
