@@ -104,12 +104,16 @@ class Engine:
         self.model = model
         self.cache = [torch.zeros(PAGES, 2, PAGE, HKV, D, device=dev, dtype=bf16)
                       for _ in range(LAYERS)]  # fmt: skip
-        self.free = [int(p) for p in rng.permutation(PAGES)]
+        self.reset(rng)
         self.prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
         self.decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
         self.graphs = {} if graphs else None
-        self.kernel_ms = 0.0  # rtcinfer kernels' time in decode steps (events, when timed)
         self._events = None
+
+    def reset(self, rng):
+        """A fresh free list for the next stream (the captured graphs and wrappers stay)."""
+        self.free = [int(p) for p in rng.permutation(PAGES)]
+        self.kernel_ms = 0.0  # rtcinfer kernels' time in decode steps (events, when timed)
 
     def step(self, requests, new_tokens, wrapper, qo_indptr):
         """Append `new_tokens[b]` of each request to the cache and run the model over them;
@@ -300,8 +304,9 @@ def main():
     model = weights(gen)
     ok = True
     for graphs in (False, True):
-        serve(Engine(model, rng, graphs), np.random.default_rng(1))  # warm-up, captures
         engine = Engine(model, rng, graphs)
+        serve(engine, np.random.default_rng(1))  # warm-up: compiles, loads, captures
+        engine.reset(rng)  # other pages, the same stream: nothing new to capture
         done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
         print("decode steps in CUDA graphs (one per batch size):" if graphs else "eager:")
         ok &= check(model, done)
