@@ -121,6 +121,38 @@ def _fi_plan(fi, torch):
     return lambda: wrapper.plan(*host, *DECODE_SHAPE, q_data_type=torch.bfloat16)
 
 
+# ---------------------------------------------------------------- prefill: 16 queries over 64 keys
+
+PREFILL_TABLE = (np.array([0, 16], np.int32), np.array([0, 64], np.int32))  # ragged, causal
+PREFILL_SHAPE = (32, 8, 128)  # num_qo_heads, num_kv_heads, head_dim
+
+
+@functools.cache
+def _prefill_wrapper():
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(*PREFILL_TABLE, *PREFILL_SHAPE, causal=True, q_data_type="bfloat16")
+    return wrapper
+
+
+@functools.cache
+def _fi_prefill_wrapper(fi, torch):
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+    host = [torch.from_numpy(a) for a in PREFILL_TABLE]
+    wrapper.plan(*host, *PREFILL_SHAPE, causal=True, q_data_type=torch.bfloat16)
+    return wrapper
+
+
+def _prefill_arrays(rng):
+    return {"q": _bf16(rng, 16, 32, 128), "k": _bf16(rng, 64, 8, 128), "v": _bf16(rng, 64, 8, 128)}
+
+
+def _fi_prefill_plan(fi, torch):
+    wrapper = _fi_prefill_wrapper(fi, torch)
+    host = [torch.from_numpy(a) for a in PREFILL_TABLE]
+    return lambda: wrapper.plan(*host, *PREFILL_SHAPE, causal=True, q_data_type=torch.bfloat16)
+
+
 # ---------------------------------------------------------------- the cases
 
 
@@ -225,6 +257,13 @@ CASES = [
     Case("decode plan() 1 x 64 tokens (host)", lambda rng: {},
          lambda: _decode_wrapper().plan(*DECODE_TABLE, *DECODE_SHAPE, q_data_type="bfloat16"),
          lambda fi: _fi_plan(fi, _torch())(), host_only=True),
+    Case("prefill run() 16 x 64 tokens (ragged)", _prefill_arrays,
+         lambda q, k, v: _prefill_wrapper().run(q, k, v),
+         lambda fi, q, k, v: _fi_prefill_wrapper(fi, _torch()).run(q, k, v)),
+    Case("prefill plan() 16 x 64 tokens (host)", lambda rng: {},
+         lambda: _prefill_wrapper().plan(*PREFILL_TABLE, *PREFILL_SHAPE, causal=True,
+                                         q_data_type="bfloat16"),
+         lambda fi: _fi_prefill_plan(fi, _torch())(), host_only=True),
     Case("single_decode_with_kv_cache 64 tokens",
          lambda rng: {"q": _bf16(rng, 32, 128), "k": _bf16(rng, 64, 8, 128),
                       "v": _bf16(rng, 64, 8, 128)},
