@@ -213,10 +213,21 @@ def check(model, done) -> bool:
             error = float(np.abs(row - want).max())
             worst = max(worst, error / float(np.abs(want).max()))
             best = int(want.argmax())
+            good = bool(np.isfinite(row).all()) and error < 3e-2 * float(np.abs(want).max())
             if token != best:
                 flips += 1  # a near-tie may flip: the token must be within the error of the max
-                ok &= bool(want[best] - want[token] <= 2 * error)
-            ok &= error < 3e-2 * float(np.abs(want).max())
+                good &= bool(want[best] - want[token] <= 2 * error)
+            if not good:
+                again = rtcinfer.top_k_top_p_sampling_from_logits(jnp.asarray(row)[None], 1, 1.0,
+                                                                  seed=0)  # fmt: skip
+                finite = np.isfinite(row)
+                mine = int(np.nanargmax(np.where(finite, row, -np.inf))) if finite.any() else -1
+                print(
+                    f"request {r.rid} at context {n}: token {token}, reference argmax {best}, "
+                    f"engine argmax {mine}, non-finite logits {int((~finite).sum())}, error "
+                    f"{error:.3g}, the row sampled again {int(np.asarray(again)[0])}: MISMATCH"
+                )
+            ok &= good
         print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
               f"{[t for _, t, _ in r.emitted]}")  # fmt: skip
     print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "

@@ -287,10 +287,14 @@ def check(model, done) -> bool:
             error = float((row - want).abs().max() / want.abs().max())
             worst = max(worst, error)
             best = int(want.argmax())
+            good = bool(row.isfinite().all()) and error < 3e-2
             if token != best:
                 flips += 1  # a near-tie may flip: the token must be within the error of the max
-                ok &= bool(want[best] - want[token] <= 2 * float((row - want).abs().max()))
-            ok &= error < 3e-2
+                good &= bool(want[best] - want[token] <= 2 * float((row - want).abs().max()))
+            if not good:
+                print(f"request {r.rid} at context {n}: token {token}, reference argmax {best}, "
+                      f"non-finite logits {int((~row.isfinite()).sum())}: MISMATCH")  # fmt: skip
+            ok &= good
         print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
               f"{[t for _, t, _ in r.emitted]}")  # fmt: skip
     print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "

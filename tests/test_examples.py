@@ -110,7 +110,7 @@ def _serve(example: str):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     lines = done.stdout.splitlines()
-    assert lines[-1] == "OK" and sum(line.startswith("request ") for line in lines) == 8
+    assert lines[-1] == "OK" and sum(line.startswith("request ") for line in lines) >= 8
     assert any("tokens/s" in line for line in lines)
 
 
