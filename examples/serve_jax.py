@@ -120,7 +120,7 @@ def run_step(model, caches, free, requests, new_tokens, phase):
     step = prefill_step if phase == "prefill" else decode_step
     caches, tokens, logits = step(model, caches, *arrays)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
-        r.emitted.append((len(r.tokens), t, row))  # (context length, token, its logits)
+        r.emitted.append((len(r.tokens), t, row, f"{phase} of {len(requests)}"))
         r.tokens.append(t)
     return caches
 
@@ -205,7 +205,7 @@ def reference_logits(model, tokens, n):
 def check(model, done) -> bool:
     worst, flips, ok = 0.0, 0, True
     for r in sorted(done, key=lambda r: r.rid):
-        for n, token, row in r.emitted:
+        for n, token, row, where in r.emitted:  # context length, token, its logits, the step
             padded = np.zeros(MAX_LEN, np.int32)
             padded[:n] = r.tokens[:n]
             want = np.asarray(reference_logits(model, jnp.asarray(padded), n))
@@ -223,13 +223,13 @@ def check(model, done) -> bool:
                 finite = np.isfinite(row)
                 mine = int(np.nanargmax(np.where(finite, row, -np.inf))) if finite.any() else -1
                 print(
-                    f"request {r.rid} at context {n}: token {token}, reference argmax {best}, "
+                    f"request {r.rid} at context {n} ({where}): token {token}, argmax {best}, "
                     f"engine argmax {mine}, non-finite logits {int((~finite).sum())}, error "
                     f"{error:.3g}, the row sampled again {int(np.asarray(again)[0])}: MISMATCH"
                 )
             ok &= good
         print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
-              f"{[t for _, t, _ in r.emitted]}")  # fmt: skip
+              f"{[e[1] for e in r.emitted]}")  # fmt: skip
     print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "
           f"reference's argmax: {flips} (near ties)")  # fmt: skip
     return ok
