@@ -387,6 +387,17 @@ def test_single_decode(kv_len, kv_layout):
     check_attention(o, lse, o_ref, lse_ref, "bfloat16")
 
 
+def test_single_decode_without_lse_returns_o_when_nothing_splits():
+    """A short cache (one page, one work item: no split scratch) without lse: the call returns
+    o itself, [Hq, D] (a lone output once came back indexed by its first row)."""
+    rng = seeded("single short")
+    q = random_values(rng, (8, 128), "bfloat16")
+    k, v = (random_values(rng, (20, 2, 128), "bfloat16") for _ in range(2))
+    o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v))
+    assert tuple(o.shape) == (8, 128)
+    assert_close(o, ref.single_decode_ref(q, k, v), "bfloat16")
+
+
 def test_single_decode_features():
     rng = seeded("single features")
     q = random_values(rng, (16, 64), "float16")

@@ -198,6 +198,18 @@ def test_single_prefill(layout, causal, qo_len, kv_len):
     check(o2, lse2, o_ref, lse_ref, "float16")
 
 
+def test_single_prefill_without_lse_returns_o_when_nothing_splits():
+    """A short prompt over a short cache (one work item, no split scratch) without lse: the
+    call returns o itself, every row (a lone output once came back indexed by its first row)."""
+    rng = np.random.default_rng(31)
+    q = random_values(rng, (5, 8, 128), "bfloat16")
+    k, v = (random_values(rng, (9, 2, 128), "bfloat16") for _ in range(2))
+    o_ref, _ = ref.attention_ref(q, k, v, causal=True, sm_scale=1 / np.sqrt(128))
+    o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), causal=True)
+    assert tuple(o.shape) == (5, 8, 128)
+    assert_close(to_host(o), o_ref, "bfloat16", "o", per_vector=True)
+
+
 def test_single_prefill_window_soft_cap_and_strided_kv():
     rng = np.random.default_rng(3)
     q = random_values(rng, (200, 4, 64), "bfloat16")

@@ -37,7 +37,9 @@ def single_decode_with_kv_cache(
     static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta, bool(return_lse))  # fmt: skip
     result = call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
-    return (result[0], result[1]) if return_lse else result[0]
+    # one output comes back bare; with lse or split scratch, a tuple (o first)
+    outs = result if type(result) is tuple else (result,)
+    return (outs[0], outs[1]) if return_lse else outs[0]
 
 
 def _prepare(infos, align, static) -> Prepared:

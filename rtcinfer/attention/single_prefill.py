@@ -60,7 +60,9 @@ def single_prefill_with_kv_cache(
     static = (o_dtype, bool(causal), kv_layout, pos_encoding_mode, sm_scale, window_left,
               logits_soft_cap, rope_scale, rope_theta, bool(return_lse))  # fmt: skip
     result = call(_OP, (q, k, v, mask), static)
-    return (result[0], result[1]) if return_lse else result[0]
+    # one output comes back bare; with lse or split scratch, a tuple (o first)
+    outs = result if type(result) is tuple else (result,)
+    return (outs[0], outs[1]) if return_lse else outs[0]
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
