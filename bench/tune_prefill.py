@@ -83,7 +83,8 @@ def main() -> Tables:
             arch = arch_of(cp.cuda.Device().compute_capability)
             usage = jit.compile_spec(spec, arch).meta["resources"]
             ctas = wrapper._launch.launch.kernel.occupancy(cp.cuda.Device().id, spec.threads)
-            table.add(label, rows, warp_rows, kv_tile, stages, usage["prefill_kernel"]["registers"],
+            regs = usage.get("prefill_kernel", {}).get("registers")  # None: not recorded
+            table.add(label, rows, warp_rows, kv_tile, stages, regs,
                       spec.smem_bytes / 1024, ctas, us, flops / us / 1e6)  # fmt: skip
     tables = Tables()
     tables.append(table)
