@@ -20,14 +20,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import serving  # noqa: E402
+from serving import EPS, HIDDEN, HKV, HQ, INTER, LAYERS, PAGE, PAGES, THETA, VOCAB, D  # noqa: E402
 
 import rtcinfer  # noqa: E402
 
-HQ, HKV, D, HIDDEN, INTER, VOCAB, LAYERS = 32, 8, 128, 4096, 2048, 2048, 2
-PAGE, PAGES, THETA, EPS, MAX_LEN = 16, 512, 1e4, 1e-6, 512
-# (arrival step, prompt length, tokens to generate)
-REQUESTS = [(0, 37, 12), (0, 300, 6), (1, 5, 16), (2, 129, 9), (4, 64, 14), (5, 17, 4),
-            (6, 200, 10), (8, 90, 8)]  # fmt: skip
+MAX_LEN = 512  # the reference's padded sequence length
 bf16 = jnp.bfloat16
 prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()  # one per model, re-planned each step
 decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
@@ -87,12 +85,6 @@ def decode_step(model, caches, *arrays):
     return forward(model, caches, *arrays, decode)
 
 
-class Request:
-    def __init__(self, rid, prompt, max_new):
-        self.rid, self.tokens, self.max_new = rid, list(prompt), max_new
-        self.pages, self.cached, self.emitted = [], 0, []
-
-
 def run_step(model, caches, free, requests, new_tokens, phase):
     """Grow the requests' pages, plan, and run one jitted step over their new tokens."""
     starts = [r.cached for r in requests]
@@ -120,7 +112,7 @@ def run_step(model, caches, free, requests, new_tokens, phase):
     step = prefill_step if phase == "prefill" else decode_step
     caches, tokens, logits = step(model, caches, *arrays)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
-        r.emitted.append((len(r.tokens), t, row, f"{phase} of {len(requests)}"))
+        r.emitted.append((len(r.tokens), t, np.asarray(row), f"{phase} of {len(requests)}"))
         r.tokens.append(t)
     return caches
 
@@ -130,12 +122,11 @@ def serve(model, rng, pages_rng):
     finished requests, decode seconds and decode tokens."""
     caches = [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
     free = [int(p) for p in pages_rng.permutation(PAGES)]
-    waiting = [Request(i, rng.integers(0, VOCAB, n).tolist(), m)
-               for i, (_, n, m) in enumerate(REQUESTS)]  # fmt: skip
+    waiting, arrivals = serving.stream(rng)
     running, done, step, decode_s, decode_tokens = [], [], 0, 0.0, 0
     while waiting or running:
-        arrived = [r for r in waiting if REQUESTS[r.rid][0] <= step]
-        waiting = [r for r in waiting if REQUESTS[r.rid][0] > step]
+        arrived = [r for r in waiting if arrivals[r.rid] <= step]
+        waiting = [r for r in waiting if arrivals[r.rid] > step]
         if running:
             start = time.perf_counter()
             caches = run_step(model, caches, free, running, [1] * len(running), "decode")
@@ -203,36 +194,17 @@ def reference_logits(model, tokens, n):
 
 
 def check(model, done) -> bool:
-    worst, flips, ok = 0.0, 0, True
-    for r in sorted(done, key=lambda r: r.rid):
-        for n, token, row, where in r.emitted:  # context length, token, its logits, the step
-            padded = np.zeros(MAX_LEN, np.int32)
-            padded[:n] = r.tokens[:n]
-            want = np.asarray(reference_logits(model, jnp.asarray(padded), n))
-            row = np.asarray(row)
-            error = float(np.abs(row - want).max())
-            worst = max(worst, error / float(np.abs(want).max()))
-            best = int(want.argmax())
-            good = bool(np.isfinite(row).all()) and error < 3e-2 * float(np.abs(want).max())
-            if token != best:
-                flips += 1  # a near-tie may flip: the token must be within the error of the max
-                good &= bool(want[best] - want[token] <= 2 * error)
-            if not good:
-                again = rtcinfer.top_k_top_p_sampling_from_logits(jnp.asarray(row)[None], 1, 1.0,
-                                                                  seed=0)  # fmt: skip
-                finite = np.isfinite(row)
-                mine = int(np.nanargmax(np.where(finite, row, -np.inf))) if finite.any() else -1
-                print(
-                    f"request {r.rid} at context {n} ({where}): token {token}, argmax {best}, "
-                    f"engine argmax {mine}, non-finite logits {int((~finite).sum())}, error "
-                    f"{error:.3g}, the row sampled again {int(np.asarray(again)[0])}: MISMATCH"
-                )
-            ok &= good
-        print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
-              f"{[e[1] for e in r.emitted]}")  # fmt: skip
-    print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "
-          f"reference's argmax: {flips} (near ties)")  # fmt: skip
-    return ok
+    def reference(tokens):
+        padded = np.zeros(MAX_LEN, np.int32)
+        padded[: len(tokens)] = tokens
+        return np.asarray(reference_logits(model, jnp.asarray(padded), len(tokens)))
+
+    def resample(row):
+        again = rtcinfer.top_k_top_p_sampling_from_logits(jnp.asarray(row, jnp.float32)[None],
+                                                          1, 1.0, seed=0)  # fmt: skip
+        return int(np.asarray(again)[0])
+
+    return serving.check(done, reference, resample)
 
 
 def main():

@@ -17,15 +17,12 @@ import sys
 import time
 
 import numpy as np
+import serving
 import torch
+from serving import EPS, HIDDEN, HKV, HQ, INTER, LAYERS, PAGE, PAGES, THETA, VOCAB, D
 
 import rtcinfer
 
-HQ, HKV, D, HIDDEN, INTER, VOCAB, LAYERS = 32, 8, 128, 4096, 2048, 2048, 2
-PAGE, PAGES, THETA, EPS = 16, 512, 1e4, 1e-6
-# (arrival step, prompt length, tokens to generate)
-REQUESTS = [(0, 37, 12), (0, 300, 6), (1, 5, 16), (2, 129, 9), (4, 64, 14), (5, 17, 4),
-            (6, 200, 10), (8, 90, 8)]  # fmt: skip
 bf16, dev = torch.bfloat16, "cuda"
 
 
@@ -41,12 +38,6 @@ def weights(gen):
               for _ in range(LAYERS)]  # fmt: skip
     embed = torch.randn(VOCAB, HIDDEN, device=dev, generator=gen).to(bf16)
     return dict(embed=embed, layers=layers, norm=norm(), lm_head=w(HIDDEN, VOCAB))
-
-
-class Request:
-    def __init__(self, rid, prompt, max_new):
-        self.rid, self.tokens, self.max_new = rid, list(prompt), max_new
-        self.pages, self.cached, self.emitted = [], 0, []
 
 
 class Inputs:
@@ -242,9 +233,7 @@ def reference_logits(model, tokens):
 
 def serve(engine, rng):
     """The loop; returns the requests with their emitted tokens and logits, and decode stats."""
-    waiting = [Request(i, rng.integers(0, VOCAB, n).tolist(), m)
-               for i, (_, n, m) in enumerate(REQUESTS)]  # fmt: skip
-    arrivals = [a for a, _, _ in REQUESTS]
+    waiting, arrivals = serving.stream(rng)
     running, done, step, decode_s, decode_tokens = [], [], 0, 0.0, 0
     while waiting or running:
         arrived = [r for r in waiting if arrivals[r.rid] <= step]
@@ -259,11 +248,12 @@ def serve(engine, rng):
             engine.time_kernels(False)
             decode_s += time.perf_counter() - start
             decode_tokens += len(running)
-            emit(running, tokens, logits)
+            emit(running, tokens, logits, f"decode of {len(running)}")
         if arrived:  # prefill the new prompts, which emit their first token
             lens = [len(r.tokens) for r in arrived]
             logits = engine.step(arrived, lens, engine.prefill, np.cumsum([0] + lens))
-            emit(arrived, rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0), logits)
+            tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
+            emit(arrived, tokens, logits, f"prefill of {len(arrived)}")
             running += arrived
         for r in [r for r in running if len(r.emitted) == r.max_new]:
             engine.release(r)
@@ -273,33 +263,10 @@ def serve(engine, rng):
     return done, decode_s, decode_tokens
 
 
-def emit(requests, tokens, logits):
+def emit(requests, tokens, logits, where):
     for r, t, row in zip(requests, tokens.tolist(), logits, strict=True):
-        r.emitted.append((len(r.tokens), t, row))  # (context length, token, its logits)
+        r.emitted.append((len(r.tokens), t, row.cpu().numpy(), where))
         r.tokens.append(t)
-
-
-def check(model, done) -> bool:
-    worst, flips, ok = 0.0, 0, True
-    for r in sorted(done, key=lambda r: r.rid):
-        for n, token, row in r.emitted:
-            want = reference_logits(model, r.tokens[:n])
-            error = float((row - want).abs().max() / want.abs().max())
-            worst = max(worst, error)
-            best = int(want.argmax())
-            good = bool(row.isfinite().all()) and error < 3e-2
-            if token != best:
-                flips += 1  # a near-tie may flip: the token must be within the error of the max
-                good &= bool(want[best] - want[token] <= 2 * float((row - want).abs().max()))
-            if not good:
-                print(f"request {r.rid} at context {n}: token {token}, reference argmax {best}, "
-                      f"non-finite logits {int((~row.isfinite()).sum())}: MISMATCH")  # fmt: skip
-            ok &= good
-        print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
-              f"{[t for _, t, _ in r.emitted]}")  # fmt: skip
-    print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "
-          f"reference's argmax: {flips} (near ties)")  # fmt: skip
-    return ok
 
 
 def main():
@@ -313,7 +280,7 @@ def main():
         engine.reset(rng)  # other pages, the same stream: nothing new to capture
         done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
         print("decode steps in CUDA graphs (one per batch size):" if graphs else "eager:")
-        ok &= check(model, done)
+        ok &= serving.check(done, lambda tokens: reference_logits(model, tokens).cpu().numpy())
         line = (f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
                 f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
         if not graphs:

@@ -130,3 +130,35 @@ def test_the_jax_serving_loop_matches_its_dense_reference_without_retracing():
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU backend here")
     _serve("serve_jax.py")
+
+
+def _serving():
+    spec = importlib.util.spec_from_file_location("serving", ROOT / "examples" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_serving_check_takes_near_ties_and_refuses_errors_and_nan(capsys):
+    """The serving loops' check: a token equal to the reference's argmax or within twice the
+    logits' error of it passes; a non-finite row, a wrong token or a large error fails."""
+    serving = _serving()
+    want = np.array([0.0, 3.0, 2.995, -1.0])
+    reference = lambda tokens: want  # noqa: E731
+
+    def done(token, row):
+        r = serving.Request(0, [5, 6], 1)
+        r.emitted.append((2, token, np.asarray(row), "decode of 1"))
+        r.tokens.append(token)
+        return [r]
+
+    assert serving.check(done(1, want + 0.001), reference)
+    assert serving.check(done(2, want + [0, -0.004, 0.004, 0]), reference)  # a near tie
+    assert not serving.check(done(0, want), reference)  # not the argmax, no tie
+    assert not serving.check(done(1, want + 0.5), reference)  # error over 3e-2 of max |logit|
+    nan = want.copy()
+    nan[3] = np.nan
+    assert not serving.check(done(1, nan), reference, lambda row: 0)
+    out = capsys.readouterr().out
+    assert "non-finite logits 1, sampled again 0: MISMATCH" in out
+    assert "request 0 at context 2 (decode of 1): token 0, argmax 1" in out

@@ -1,0 +1,59 @@
+"""What the two serving loops share (serve_torch.py, serve_jax.py): the model's sizes, the
+request stream, a request's state, and the check of every emitted token against a dense
+reference."""
+
+import numpy as np
+
+HQ, HKV, D, HIDDEN, INTER, VOCAB, LAYERS = 32, 8, 128, 4096, 2048, 2048, 2
+PAGE, PAGES, THETA, EPS = 16, 512, 1e4, 1e-6
+# (arrival step, prompt length, tokens to generate)
+REQUESTS = [(0, 37, 12), (0, 300, 6), (1, 5, 16), (2, 129, 9), (4, 64, 14), (5, 17, 4),
+            (6, 200, 10), (8, 90, 8)]  # fmt: skip
+
+
+class Request:
+    """A request's tokens (prompt, then what it emitted), its pages, how many of its tokens the
+    cache holds, and per emitted token (context length, token, its logits, the step)."""
+
+    def __init__(self, rid, prompt, max_new):
+        self.rid, self.tokens, self.max_new = rid, list(prompt), max_new
+        self.pages, self.cached, self.emitted = [], 0, []
+
+
+def stream(rng):
+    """The requests of REQUESTS with random prompts, and each one's arrival step."""
+    requests = [Request(i, rng.integers(0, VOCAB, n).tolist(), m)
+                for i, (_, n, m) in enumerate(REQUESTS)]  # fmt: skip
+    return requests, [a for a, _, _ in REQUESTS]
+
+
+def check(done, reference, resample=None) -> bool:
+    """Every emitted token's logits (float) against reference(tokens) -> the dense model's
+    logits of the last position (NumPy): within 3e-2 of max |logit|, all finite, the token the
+    reference's argmax or within twice the logits' error of it (a near tie). Prints each
+    request's tokens, a line per mismatch (with resample(row) -> the sampler's token for that
+    row again, when given) and a summary; returns whether all hold."""
+    worst, flips, ok = 0.0, 0, True
+    for r in sorted(done, key=lambda r: r.rid):
+        for n, token, row, where in r.emitted:
+            want = np.asarray(reference(r.tokens[:n]), np.float64)
+            row = np.asarray(row, np.float64)
+            finite = np.isfinite(row)
+            error = float(np.abs(row - want).max()) if finite.all() else float("inf")
+            scale = float(np.abs(want).max())
+            worst = max(worst, error / scale)
+            best = int(want.argmax())
+            good = error < 3e-2 * scale
+            if token != best:
+                flips += 1
+                good &= bool(want[best] - want[token] <= 2 * error)
+            if not good:
+                again = "" if resample is None else f", sampled again {resample(row)}"
+                print(f"request {r.rid} at context {n} ({where}): token {token}, argmax {best}, "
+                      f"non-finite logits {int((~finite).sum())}{again}: MISMATCH")  # fmt: skip
+            ok &= good
+        print(f"request {r.rid}: prompt {len(r.tokens) - len(r.emitted)}, tokens "
+              f"{[e[1] for e in r.emitted]}")  # fmt: skip
+    print(f"logits max error {worst:.1e} (relative to max |logit|), tokens other than the "
+          f"reference's argmax: {flips} (near ties)")  # fmt: skip
+    return ok
