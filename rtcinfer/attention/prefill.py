@@ -38,7 +38,7 @@ from .paged_kv import (
     token_head,
 )
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
-from .prefill_args import check_backend, mask_capacity_bytes, unsupported
+from .prefill_args import check_backend, io_fields, mask_capacity_bytes, unsupported
 from .prefill_kernel import kernel, prefill_spec
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
@@ -129,25 +129,6 @@ def plan_launch(
     p.div_magic, p.div_shift = fast_div(attn.page_size)
     p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
     return launch, plan
-
-
-def io_fields(q, out, lse, attn: Config) -> dict:
-    """Strides (elements) of q, o and lse, checked; out and lse may be None (dense outputs)."""
-    o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
-                                                      attn.head_dim, 1)  # fmt: skip
-    lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
-    if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
-        raise ValueError(
-            f"q, out and lse must be contiguous in their last dimension, got strides "
-            f"(elements) q {q.strides}, out {o_strides}, lse {lse_strides}"
-        )
-    if q.offset % 16 or any(s % 8 for s in q.strides[:2]):
-        raise ValueError(
-            f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
-            f"strides {q.strides} (elements)"
-        )
-    return dict(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
-                o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""The prefill API's FlashInfer arguments that select nothing here, checked: the backends
-(one kernel serves them all), the options with no counterpart (raised), head_dim_vo, and the
-CUDA-graph mask buffer (its size reserves room in the workspace)."""
+"""The prefill API's arguments checked: FlashInfer's that select nothing here (the backends,
+one kernel serving them all; the options with no counterpart, raised; head_dim_vo), the
+CUDA-graph mask buffer (its size reserves room in the workspace), and run()'s q, out and lse
+strides (io_fields)."""
 
 from __future__ import annotations
 
@@ -37,4 +38,24 @@ def mask_capacity_bytes(custom_mask_buf) -> int | None:
     return int(np.prod(custom_mask_buf.shape))
 
 
-__all__ = ["BACKENDS", "check_backend", "mask_capacity_bytes", "unsupported"]
+def io_fields(q, out, lse, attn) -> dict:
+    """Strides (elements) of q, o and lse, checked; out and lse may be None (dense outputs);
+    attn: the plan's Config (head counts, head_dim)."""
+    o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
+                                                      attn.head_dim, 1)  # fmt: skip
+    lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
+    if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
+        raise ValueError(
+            f"q, out and lse must be contiguous in their last dimension, got strides "
+            f"(elements) q {q.strides}, out {o_strides}, lse {lse_strides}"
+        )
+    if q.offset % 16 or any(s % 8 for s in q.strides[:2]):
+        raise ValueError(
+            f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
+            f"strides {q.strides} (elements)"
+        )
+    return dict(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
+                o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
+
+
+__all__ = ["BACKENDS", "check_backend", "io_fields", "mask_capacity_bytes", "unsupported"]
