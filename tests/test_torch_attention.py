@@ -98,3 +98,29 @@ def test_a_compiled_graph_names_its_wrapper_and_says_when_it_is_gone(planned):
     with pytest.raises(RuntimeError, match=f"number {number}\\) was deleted"):
         torch.ops.rtcinfer.attention_run(number, meta(1, 8, 64), meta(1, 2, 64), None, None,
                                          None, None, None)  # fmt: skip
+
+
+def test_the_cascade_wrapper_compiles_to_its_levels_and_a_merge(planned):
+    """MultiLevelCascadeAttentionWrapper.run under torch.compile: one attention_run per level
+    (each its level's prefill wrapper) and the in-place state merge, no graph break."""
+    from rtcinfer.attention.shared_prefix import MultiLevelCascadeAttentionWrapper
+
+    cascade = MultiLevelCascadeAttentionWrapper(2)
+    shared = decode_tables([32])  # one group of every query over the shared prefix's pages
+    own = decode_tables([5, 17])
+    cascade.plan([np.array([0, 2], np.int32), np.array([0, 1, 2], np.int32)],
+                 [shared[0], own[0]], [shared[1], own[1] + 2], [shared[2], own[2]],
+                 8, 2, 64, 16, q_data_type="bfloat16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(lambda q, cache: cascade.run(q, cache, return_lse=True),
+                             fullgraph=True, backend=backend)  # fmt: skip
+    o, lse = compiled(meta(2, 8, 64), meta(8, 2, 16, 2, 64))
+    assert o.shape == (2, 8, 64) and lse.shape == (2, 8)
+    ours = [s for s in seen if s.startswith("rtcinfer.")]
+    assert ours == ["rtcinfer.attention_run", "rtcinfer.attention_run",
+                    "rtcinfer.merge_state_in_place"]  # fmt: skip
