@@ -1,5 +1,7 @@
 """The batch attention wrappers' run() as one PyTorch custom op, so that torch.compile traces
-a step that calls them as opaque nodes (fullgraph=True) whose plan stays outside the graph.
+a step that calls them as opaque nodes (fullgraph=True) whose plan stays outside the graph;
+and the single-request forms (single_decode, single_prefill: the shared-prefix wrappers' first
+level) as two more, each returning (o, lse) whatever return_lse says.
 
     rtcinfer::attention_run(int wrapper, Tensor q, Tensor k, Tensor? v, float? q_scale,
                             float? k_scale, float? v_scale, int? window_left) -> (o, lse)
@@ -64,4 +66,71 @@ def _float(x):
     return None if x is None else float(x)
 
 
-__all__ = ["attention_run", "run"]
+@torch.library.custom_op(
+    "rtcinfer::single_prefill", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? custom_mask, Tensor? packed_custom_mask, "
+           "ScalarType? o_dtype, bool causal, str kv_layout, str pos_encoding_mode, "
+           "float? sm_scale, int window_left, float? logits_soft_cap, float? rope_scale, "
+           "float? rope_theta) -> (Tensor, Tensor)",
+)  # fmt: skip
+def single_prefill_op(q, k, v, custom_mask, packed_custom_mask, o_dtype, causal, kv_layout,
+                      pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale,
+                      rope_theta):  # fmt: skip
+    from .attention.single_prefill import single_prefill_with_kv_cache
+
+    return tuple(single_prefill_with_kv_cache(
+        q, k, v, o_dtype=o_dtype, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+        causal=causal, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
+        sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+        rope_scale=rope_scale, rope_theta=rope_theta, return_lse=True,
+    ))  # fmt: skip
+
+
+@single_prefill_op.register_fake
+def _(q, k, v, custom_mask, packed_custom_mask, o_dtype, *rest):
+    return q.new_empty(q.shape, dtype=o_dtype or q.dtype), q.new_empty(
+        q.shape[:2], dtype=torch.float32
+    )
+
+
+@torch.library.custom_op(
+    "rtcinfer::single_decode", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, str kv_layout, str pos_encoding_mode, "
+           "int window_left, float? logits_soft_cap, float? sm_scale, float? rope_scale, "
+           "float? rope_theta, float? q_scale, float? k_scale, float? v_scale) "
+           "-> (Tensor, Tensor)",
+)  # fmt: skip
+def single_decode_op(q, k, v, kv_layout, pos_encoding_mode, window_left, logits_soft_cap,
+                     sm_scale, rope_scale, rope_theta, q_scale, k_scale, v_scale):  # fmt: skip
+    from .attention.single_decode import single_decode_with_kv_cache
+
+    return tuple(single_decode_with_kv_cache(
+        q, k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
+        window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+        rope_scale=rope_scale, rope_theta=rope_theta, q_scale=q_scale, k_scale=k_scale,
+        v_scale=v_scale, return_lse=True,
+    ))  # fmt: skip
+
+
+@single_decode_op.register_fake
+def _(q, *rest):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:1], dtype=torch.float32)
+
+
+def single(name: str, q, return_lse, *args):
+    """single_prefill / single_decode (`name`) while PyTorch compiles: its node, shaped as the
+    public function returns it (o, or (o, lse))."""
+    o, lse = getattr(torch.ops.rtcinfer, name)(q, *args)
+    return (o, lse) if return_lse else o
+
+
+def torch_dtype(dtype):
+    """None, a torch dtype, or a dtype name as a torch dtype (a schema's ScalarType)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    from .interop.dtypes import normalize
+
+    return getattr(torch, normalize(dtype))
+
+
+__all__ = ["attention_run", "run", "single", "single_decode_op", "single_prefill_op"]

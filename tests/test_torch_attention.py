@@ -124,3 +124,36 @@ def test_the_cascade_wrapper_compiles_to_its_levels_and_a_merge(planned):
     ours = [s for s in seen if s.startswith("rtcinfer.")]
     assert ours == ["rtcinfer.attention_run", "rtcinfer.attention_run",
                     "rtcinfer.merge_state_in_place"]  # fmt: skip
+
+
+def test_single_requests_and_the_shared_prefix_wrapper_compile(planned):
+    """single_decode and single_prefill are one node each (o, lse always computed; the call
+    returns what return_lse asks for), and the shared-prefix decode wrapper compiles to its
+    prefix level (single_prefill), its pages (attention_run) and the merge."""
+    import rtcinfer
+    from rtcinfer.attention.shared_prefix import BatchDecodeWithSharedPrefixPagedKVCacheWrapper
+
+    shared = BatchDecodeWithSharedPrefixPagedKVCacheWrapper()
+    shared.plan(*decode_tables([5, 17]), 8, 2, 64, 16, q_data_type="bfloat16")
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, v, q_one, cache):
+        o1 = rtcinfer.single_decode_with_kv_cache(q_one, k, v, k_scale=2)
+        o2, lse2 = rtcinfer.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True,
+                                                         o_dtype="float16")  # fmt: skip
+        o3 = shared.run(q, k, v, cache)
+        return o1, o2, lse2, o3
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    o1, o2, lse2, o3 = compiled(meta(3, 8, 64), meta(40, 2, 64), meta(40, 2, 64), meta(8, 64),
+                                meta(4, 2, 16, 2, 64))  # fmt: skip
+    assert o1.shape == (8, 64) and o2.shape == (3, 8, 64) and o2.dtype == torch.float16
+    assert lse2.shape == (3, 8) and o3.shape == (3, 8, 64)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.single_decode", "rtcinfer.single_prefill", "rtcinfer.single_prefill",
+        "rtcinfer.attention_run", "rtcinfer.merge_state_in_place",
+    ]  # fmt: skip

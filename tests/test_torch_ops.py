@@ -376,3 +376,28 @@ def test_compiled_attention_runs_follow_each_new_plan():
         got = compiled(q_dec, q, cache)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_compiled_single_requests_and_shared_prefix_give_the_eager_bits():
+    """single_decode, single_prefill and the shared-prefix decode wrapper compiled (fullgraph,
+    aot_eager) give the eager calls' bits."""
+    import numpy as np
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q_one, q, k, v = rand(8, 128), rand(3, 8, 128), rand(300, 2, 128), rand(300, 2, 128)
+    cache = rand(8, 2, 16, 2, 128)
+    shared = rtcinfer.BatchDecodeWithSharedPrefixPagedKVCacheWrapper()
+    shared.plan(np.array([0, 1, 3, 4], np.int32), np.array([5, 0, 7, 2], np.int32),
+                np.array([9, 16, 3], np.int32), 8, 2, 128, 16, q_data_type="bfloat16")  # fmt: skip
+
+    def step(q_one, q, k, v, cache):
+        o1 = rtcinfer.single_decode_with_kv_cache(q_one, k, v)
+        o2, lse2 = rtcinfer.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+        return o1, o2, lse2, shared.run(q, k, v, cache)
+
+    want = step(q_one, q, k, v, cache)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q_one, q, k, v, cache)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

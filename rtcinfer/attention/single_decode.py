@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interop import Op, OutSlot, Prepared, call
+from ..interop.arrays import torch_compiling
 from ..jit import device_limits
 from ..launch import Launch, memset_d32
 from ..plan.decode import plan_decode
@@ -34,6 +35,13 @@ def single_decode_with_kv_cache(
     Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
     The work list depends only on the shapes: it is built and uploaded once per signature.
     """
+    if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+        from .. import torch_attention as ta
+
+        scales = (None if x is None else float(x) for x in (q_scale, k_scale, v_scale))
+        return ta.single("single_decode", q, return_lse, k, v, kv_layout, pos_encoding_mode,
+                         window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                         *scales)  # fmt: skip
     static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta, bool(return_lse))  # fmt: skip
     result = call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..bitpack import packbits
 from ..interop import Op, OutSlot, Prepared, call
-from ..interop.arrays import device_like, framework
+from ..interop.arrays import device_like, framework, torch_compiling
 from ..jit import device_limits
 from ..launch import memset_d32
 from .paged_kv import check_cache_view, check_layout, token_head
@@ -46,6 +46,13 @@ def single_prefill_with_kv_cache(
     if scale_q is not None or scale_k is not None or scale_v is not None:
         raise ValueError("scale_q, scale_k and scale_v (fp8 inputs) are not supported yet")
     check_backend(backend)
+    if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+        from .. import torch_attention as ta
+
+        return ta.single("single_prefill", q, return_lse, k, v, custom_mask,
+                         packed_custom_mask, ta.torch_dtype(o_dtype), bool(causal), kv_layout,
+                         pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale,
+                         rope_theta)  # fmt: skip
     mask = packed_custom_mask
     if mask is None and custom_mask is not None:
         kv_len = k.shape[0 if kv_layout == "NHD" else 1]
