@@ -97,12 +97,15 @@ class Prepared:
 
     JAX: `command_buffer=False` when `run` reads state that may change between executions of
     a compiled computation (XLA must then call it every time instead of replaying a recorded
-    launch); `on_trace()` is called when a JAX computation is built on it."""
+    launch); `on_trace()` is called when a JAX computation is built on it. `scratch`: how many
+    of the last outputs are per-call scratch (partials, an intermediate), allocated for the
+    launch and not returned: a call returns its other outputs, one bare, several as a tuple."""
 
     outs: tuple[OutSlot, ...]
     run: Callable[[int, int, list, tuple], None]
     preload: Callable[[int], None] = lambda device: None
     dense: tuple[int, ...] = ()
+    scratch: int = 0
     command_buffer: bool = True
     on_trace: Callable[[], None] | None = None
     keep: object = None  # what the launch reads that it owns (device memory of its own)
@@ -266,7 +269,7 @@ def _call_torch(op: Op, arrays, static, scalars):
     else:
         with _on_device(device):
             prep.run(raw_stream(device), device, ptrs, scalars)
-    return results[0] if len(results) == 1 else tuple(results)
+    return returned(results, prep.scratch)
 
 
 def _densify_torch(prep: Prepared, arrays, ptrs):
@@ -333,6 +336,13 @@ def _call_cupy(op: Op, arrays, static, scalars):
             ptrs.append(a.data.ptr)
             results.append(a)
         prep.run(current_stream().ptr, device, ptrs, scalars)
+    return returned(results, prep.scratch)
+
+
+def returned(results: list, scratch: int):
+    """What a call returns of its outputs: all but the last `scratch`, one bare, else a tuple."""
+    if scratch:
+        del results[-scratch:]
     return results[0] if len(results) == 1 else tuple(results)
 
 

@@ -9,7 +9,7 @@ import functools
 
 from .. import gpu
 from .arrays import check_device_array
-from .call import _KINDS, ArrayInfo, Op, Prepared, _kind, _prepare, dense_strides
+from .call import _KINDS, ArrayInfo, Op, Prepared, _kind, _prepare, dense_strides, returned
 from .dtypes import normalize, numpy_dtype
 
 
@@ -104,7 +104,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     def run(*args):
         results = jax_ffi.ffi_call(handler, args, shapes, input_output_aliases=aliases or None,
                                    command_buffer=cb)  # fmt: skip
-        return results[0] if len(results) == 1 else tuple(results)
+        return returned(list(results), prep.scratch)
 
     return jax.jit(run)
 

@@ -165,3 +165,14 @@ def test_a_stream_the_driver_cannot_place_goes_to_the_current_device(monkeypatch
     monkeypatch.setattr(launch, "driver", lambda: Driver)
     monkeypatch.setattr(launch, "_STREAM_DEVICES", {})
     assert launch.stream_device(0xC0) == 3
+
+
+def test_a_call_returns_its_outputs_but_the_scratch():
+    """Per-call scratch outputs (Prepared.scratch, the last ones) are not returned; the rest
+    come back bare when one is left, else as a tuple."""
+    from rtcinfer.interop.call import returned
+
+    assert returned(["o"], 0) == "o"
+    assert returned(["o", "lse"], 0) == ("o", "lse")
+    assert returned(["o", "partial o", "partial lse", "counters"], 3) == "o"
+    assert returned(["o", "lse", "partial o", "partial lse", "counters"], 3) == ("o", "lse")

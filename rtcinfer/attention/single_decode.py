@@ -44,15 +44,13 @@ def single_decode_with_kv_cache(
                          *scales)  # fmt: skip
     static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta, bool(return_lse))  # fmt: skip
-    result = call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
-    # one output comes back bare; with lse or split scratch, a tuple (o first)
-    outs = result if type(result) is tuple else (result,)
-    return (outs[0], outs[1]) if return_lse else outs[0]
+    return call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
 
 
 def _prepare(infos, align, static) -> Prepared:
     """Slots (q, k, v) -> o [Hq, D] (and lse [Hq]); split plans add per-call scratch outputs
-    (partial o, partial lse, merge counters) so that concurrent calls never share them."""
+    (partial o, partial lse, merge counters; not returned) so that concurrent calls never
+    share them."""
     kv_layout, pos_encoding_mode, window_left, cap, sm_scale, rope_scale, rope_theta, with_lse = (
         static
     )
@@ -122,7 +120,8 @@ def _prepare(infos, align, static) -> Prepared:
             p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
             launch(stream, device)
 
-    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer)
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer,
+                    scratch=3 if split else 0)  # fmt: skip
 
 
 _OP = Op("single_decode", ("q", "k", "v"), _prepare)

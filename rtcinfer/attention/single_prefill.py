@@ -66,10 +66,7 @@ def single_prefill_with_kv_cache(
             mask = device_like(mask, q)
     static = (o_dtype, bool(causal), kv_layout, pos_encoding_mode, sm_scale, window_left,
               logits_soft_cap, rope_scale, rope_theta, bool(return_lse))  # fmt: skip
-    result = call(_OP, (q, k, v, mask), static)
-    # one output comes back bare; with lse or split scratch, a tuple (o first)
-    outs = result if type(result) is tuple else (result,)
-    return (outs[0], outs[1]) if return_lse else outs[0]
+    return call(_OP, (q, k, v, mask), static)
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
@@ -80,7 +77,8 @@ def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
 
 def _prepare(infos, align, static) -> Prepared:
     """Slots (q, k, v, packed mask) -> o (and lse); a split plan adds per-call scratch outputs
-    (partial o, partial lse, merge counters) so that concurrent calls never share them."""
+    (partial o, partial lse, merge counters; not returned) so that concurrent calls never
+    share them."""
     o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left, cap = static[:7]
     rope_scale, rope_theta, with_lse = static[7:]
     q, k, v, mask = infos
@@ -154,7 +152,8 @@ def _prepare(infos, align, static) -> Prepared:
                 memset_d32(p.counters, 0, counters, stream)
             launch(stream, device)
 
-    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,))
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,),
+                    scratch=3 if split else 0)  # fmt: skip
 
 
 _OP = Op("single_prefill", ("q", "k", "v", "packed_custom_mask"), _prepare)

@@ -220,7 +220,7 @@ _OP = Op("sample", ("probs", "indices", "top_k", "top_p", "min_p", "seed", "offs
 def _prepare_from_logits(infos, align: int, static: tuple) -> Prepared:
     """The sampler's slots with logits [rows, vocab] in place of probs: the softmax kernel
     writes float32 probs into a scratch output (the last one), the sampler reads them; one
-    call, two launches on the stream. Outputs: the sampler's, then the scratch."""
+    call, two launches on the stream. Outputs: the sampler's, then the scratch (not returned)."""
     soft = prepare_softmax((infos[0], None), align, ())
     shape = soft.outs[0].shape
     probs = ArrayInfo(shape, dense_strides(shape), "float32", infos[0].device)
@@ -236,7 +236,7 @@ def _prepare_from_logits(infos, align: int, static: tuple) -> Prepared:
         sample.preload(device)
 
     outs = (*sample.outs, OutSlot(shape, "float32"))
-    return Prepared(outs, run, preload=preload, dense=sample.dense)
+    return Prepared(outs, run, preload=preload, dense=sample.dense, scratch=1)
 
 
 _LOGITS_OP = Op("sample_from_logits", ("logits",) + _OP.slots[1:], _prepare_from_logits,
@@ -260,8 +260,6 @@ def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None
     arrays = (probs, indices, k_arr, p_arr, m_arr, seeds, offsets, out)
     check_nan = bool(check_nan)
     result = call(_LOGITS_OP if logits else _OP, arrays, (op, check_nan), (k, p, m, seed, offset))
-    if logits:
-        result = result[0] if not check_nan else result[:2]  # drop the probs scratch
     if not check_nan:
         return result
     samples, flag = result
