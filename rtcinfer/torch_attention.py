@@ -3,8 +3,8 @@ a step that calls them as opaque nodes (fullgraph=True) whose plan stays outside
 and the single-request forms (single_decode, single_prefill: the shared-prefix wrappers' first
 level) as two more, each returning (o, lse) whatever return_lse says.
 
-    rtcinfer::attention_run(int wrapper, Tensor q, Tensor k, Tensor? v, float? q_scale,
-                            float? k_scale, float? v_scale, int? window_left) -> (o, lse)
+    rtcinfer::attention_run(int wrapper, Tensor q, Tensor k, Tensor? v, float k_scale,
+                            float v_scale, int? window_left) -> (o, lse)
 
 `wrapper` is the wrapper's registry number (attention/planned.py: live_wrapper), a constant of
 the compiled graph: at run time the op calls that wrapper's run() with its current plan, so
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention.decode_kernel import kv_scales
 from .attention.planned import live_wrapper
 
 
@@ -33,26 +34,26 @@ def _wrapper(number: int):
 
 @torch.library.custom_op(
     "rtcinfer::attention_run", mutates_args=(),
-    schema="(int wrapper, Tensor q, Tensor k, Tensor? v, float? q_scale, float? k_scale, "
-           "float? v_scale, int? window_left) -> (Tensor, Tensor)",
+    schema="(int wrapper, Tensor q, Tensor k, Tensor? v, float k_scale, float v_scale, "
+           "int? window_left) -> (Tensor, Tensor)",
 )  # fmt: skip
-def attention_run(wrapper, q, k, v, q_scale, k_scale, v_scale, window_left):
-    return tuple(_wrapper(wrapper)._compiled_run(q, k, v, q_scale, k_scale, v_scale,
-                                                 window_left))  # fmt: skip
+def attention_run(wrapper, q, k, v, k_scale, v_scale, window_left):
+    return tuple(_wrapper(wrapper)._compiled_run(q, k, v, k_scale, v_scale, window_left))
 
 
 @attention_run.register_fake
-def _(wrapper, q, k, v, q_scale, k_scale, v_scale, window_left):
+def _(wrapper, q, k, v, k_scale, v_scale, window_left):
     o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())  # a canonical dtype name
     return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def run(wrapper, q, k, v, out, lse, return_lse, q_scale=None, k_scale=None, v_scale=None,
         window_left=None):  # fmt: skip
-    """A wrapper's run() while PyTorch compiles: one attention_run node, then the caller's
-    out= / lse= filled, and the result shaped as run() returns it."""
-    scales = (_float(q_scale), _float(k_scale), _float(v_scale))
-    o, s = torch.ops.rtcinfer.attention_run(wrapper._number, q, k, v, *scales, window_left)
+    """A wrapper's run() while PyTorch compiles: one attention_run node (the scales as run()
+    combines them: q_scale * k_scale, v_scale), then the caller's out= / lse= filled, and the
+    result shaped as run() returns it."""
+    qk, vs = kv_scales(k_scale, v_scale, q_scale)
+    o, s = torch.ops.rtcinfer.attention_run(wrapper._number, q, k, v, qk, vs, window_left)
     if out is not None:
         out.copy_(o)
         o = out
@@ -60,10 +61,6 @@ def run(wrapper, q, k, v, out, lse, return_lse, q_scale=None, k_scale=None, v_sc
         lse.copy_(s)
         s = lse
     return (o, s) if return_lse else o
-
-
-def _float(x):
-    return None if x is None else float(x)
 
 
 @torch.library.custom_op(
@@ -97,18 +94,17 @@ def _(q, k, v, custom_mask, packed_custom_mask, o_dtype, *rest):
     "rtcinfer::single_decode", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, str kv_layout, str pos_encoding_mode, "
            "int window_left, float? logits_soft_cap, float? sm_scale, float? rope_scale, "
-           "float? rope_theta, float? q_scale, float? k_scale, float? v_scale) "
-           "-> (Tensor, Tensor)",
+           "float? rope_theta, float k_scale, float v_scale) -> (Tensor, Tensor)",
 )  # fmt: skip
 def single_decode_op(q, k, v, kv_layout, pos_encoding_mode, window_left, logits_soft_cap,
-                     sm_scale, rope_scale, rope_theta, q_scale, k_scale, v_scale):  # fmt: skip
+                     sm_scale, rope_scale, rope_theta, k_scale, v_scale):  # fmt: skip
     from .attention.single_decode import single_decode_with_kv_cache
 
     return tuple(single_decode_with_kv_cache(
         q, k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
         window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-        rope_scale=rope_scale, rope_theta=rope_theta, q_scale=q_scale, k_scale=k_scale,
-        v_scale=v_scale, return_lse=True,
+        rope_scale=rope_scale, rope_theta=rope_theta, k_scale=k_scale, v_scale=v_scale,
+        return_lse=True,
     ))  # fmt: skip
 
 

@@ -294,10 +294,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
             return result
         return result[0] if with_lse else result
 
-    def _compiled_run(self, q, k, v, q_scale, k_scale, v_scale, window_left) -> tuple:
+    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left) -> tuple:
         """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
-        return self.run(q, k if v is None else (k, v), q_scale=q_scale, k_scale=k_scale,
-                        v_scale=v_scale, return_lse=True, window_left=window_left)  # fmt: skip
+        return self.run(q, k if v is None else (k, v), k_scale=k_scale, v_scale=v_scale,
+                        return_lse=True, window_left=window_left)  # fmt: skip
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""

@@ -286,7 +286,7 @@ class _PrefillWrapper(PlannedWrapper):
             return result
         return result[0] if with_lse else result
 
-    def _compiled_run(self, q, k, v, q_scale, k_scale, v_scale, window_left) -> tuple:
+    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left) -> tuple:
         """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
         return self._run(q, k, v, None, None, True, k_scale, v_scale)
 

@@ -38,10 +38,9 @@ def single_decode_with_kv_cache(
     if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
         from .. import torch_attention as ta
 
-        scales = (None if x is None else float(x) for x in (q_scale, k_scale, v_scale))
         return ta.single("single_decode", q, return_lse, k, v, kv_layout, pos_encoding_mode,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                         *scales)  # fmt: skip
+                         *kv_scales(k_scale, v_scale, q_scale))  # fmt: skip
     static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
               rope_theta, bool(return_lse))  # fmt: skip
     return call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
