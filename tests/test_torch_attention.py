@@ -96,8 +96,8 @@ def test_a_compiled_graph_names_its_wrapper_and_says_when_it_is_gone(planned):
 
     gc.collect()
     with pytest.raises(RuntimeError, match=f"number {number}\\) was deleted"):
-        torch.ops.rtcinfer.attention_run(number, meta(1, 8, 64), meta(1, 2, 64), None, None,
-                                         None, None, None)  # fmt: skip
+        torch.ops.rtcinfer.attention_run(number, meta(1, 8, 64), meta(1, 2, 64), None, 1.0, 1.0,
+                                         None)  # fmt: skip
 
 
 def test_the_cascade_wrapper_compiles_to_its_levels_and_a_merge(planned):
