@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from . import jit
 from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.arrays import torch_compiling
+from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
@@ -83,30 +83,21 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
 _OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))
 
 
+@compilable("input")
 def silu_and_mul(input, *, out=None):
     """out = silu(input[..., :d]) * input[..., d:], silu(a) = a * sigmoid(a). input: [..., 2d]."""
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("silu_and_mul", input, out=out)
     return call(_OP, (input, out), ("silu",))
 
 
+@compilable("input")
 def gelu_and_mul(input, *, out=None):
     """out = gelu(input[..., :d]) * input[..., d:], exact (erf) GELU. input: [..., 2d]."""
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("gelu_and_mul", input, out=out)
     return call(_OP, (input, out), ("gelu",))
 
 
+@compilable("input")
 def gelu_tanh_and_mul(input, *, out=None):
     """out = gelu_tanh(input[..., :d]) * input[..., d:], tanh-approximated GELU."""
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("gelu_tanh_and_mul", input, out=out)
     return call(_OP, (input, out), ("gelu_tanh",))
 
 

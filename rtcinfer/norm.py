@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from . import jit
 from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.arrays import torch_compiling
+from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
@@ -153,6 +153,7 @@ _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",)
 _FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare)
 
 
+@compilable("input")
 def rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
     """RMSNorm over the last dimension.
 
@@ -160,34 +161,25 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
     input: [..., hidden] fp16/bf16/fp32 (rows may be strided); weight: [hidden], same dtype or
     fp32. Returns `out` (allocated when not given) in the caller's array type.
     """
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("rmsnorm", input, weight, float(eps), out=out)
     return call(_PLAIN, (input, weight, None, out), ("rmsnorm",), (float(eps),))
 
 
+@compilable("input")
 def gemma_rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
     """Gemma's RMSNorm: out = input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)."""
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("gemma_rmsnorm", input, weight, float(eps), out=out)
     return call(_PLAIN, (input, weight, None, out), ("gemma_rmsnorm",), (float(eps),))
 
 
+@compilable("input")
 def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
     """LayerNorm: out = (input - mean) * rsqrt(var + eps) * gemma + beta (biased variance).
 
     gemma (the scale, FlashInfer's name for gamma), beta: [hidden], the input's dtype or fp32.
     """
-    if torch_compiling(input):
-        from . import torch_ops
-
-        return torch_ops.call("layernorm", input, gemma, beta, float(eps), out=out)
     return call(_PLAIN, (input, gemma, beta, out), ("layernorm",), (float(eps),))
 
 
+@compilable("input")
 def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     """residual += input; input = rmsnorm(residual, weight, eps), both in place.
 
@@ -195,21 +187,12 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     so the result equals `residual += input; input[:] = rmsnorm(residual)` done in two steps.
     Returns (input, residual); for JAX arrays (immutable) these are the new values.
     """
-    if torch_compiling(input):
-        from . import torch_ops
-
-        torch_ops.call("fused_add_rmsnorm", input, residual, weight, float(eps))
-        return input, residual
     return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm",), (float(eps),))
 
 
+@compilable("input")
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
-    if torch_compiling(input):
-        from . import torch_ops
-
-        torch_ops.call("gemma_fused_add_rmsnorm", input, residual, weight, float(eps))
-        return input, residual
     return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
 
 
