@@ -68,14 +68,15 @@ FA3_HEAD_DIMS = (128,)
 
 @contextlib.contextmanager
 def warp_rows_forced(warp_rows: int):
-    """Kernels planned inside take `warp_rows` rows a warp where the kernel allows it (128-row
-    tiles, head_dim <= 128, no custom mask)."""
+    """Kernels planned inside take `warp_rows` rows a warp where the kernel allows it
+    (prefill_spec refuses the others: they keep plan()'s choice)."""
     original = prefill_module.prefill_spec
 
     def spec(*args, **kwargs):
-        head_dim, rows, custom = args[2], args[3], len(args) > 8 and args[8]
-        allowed = rows == 128 and head_dim <= 128 and not custom
-        return original(*args, **kwargs, warp_rows=warp_rows if allowed else 16)
+        try:
+            return original(*args, **kwargs, warp_rows=warp_rows)
+        except ValueError:
+            return original(*args, **kwargs)
 
     prefill_module.prefill_spec = spec
     try:
