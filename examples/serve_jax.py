@@ -87,28 +87,14 @@ def decode_step(model, caches, *arrays):
 
 def run_step(model, caches, free, requests, new_tokens, phase):
     """Grow the requests' pages, plan, and run one jitted step over their new tokens."""
-    starts = [r.cached for r in requests]
-    for r, n in zip(requests, new_tokens, strict=True):
-        r.cached += n
-        while len(r.pages) * PAGE < r.cached:
-            r.pages.append(free.pop())
-    indptr = np.cumsum([0] + [len(r.pages) for r in requests]).astype(np.int32)
-    indices = np.array([p for r in requests for p in r.pages], np.int32)
-    last = np.array([r.cached - (len(r.pages) - 1) * PAGE for r in requests], np.int32)
-    qo_indptr = np.cumsum([0] + list(new_tokens)).astype(np.int32)
+    st = serving.Step(requests, new_tokens, free)
     if phase == "prefill":
-        prefill.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
-                     q_data_type=bf16)  # fmt: skip
+        prefill.plan(st.qo_indptr, st.indptr, st.indices, st.last, HQ, HKV, D, PAGE,
+                     causal=True, q_data_type=bf16)  # fmt: skip
     else:
-        decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
-    padded = np.zeros(PAGES, np.int32)  # a fixed shape: new page lists do not retrace
-    padded[: len(indices)] = indices
-    tokens = [t for r, s, n in zip(requests, starts, new_tokens, strict=True)
-              for t in r.tokens[s : s + n]]  # fmt: skip
-    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, new_tokens, strict=True)])
-    bidx = np.repeat(np.arange(len(requests)), new_tokens)
-    arrays = [jnp.asarray(np.asarray(a, np.int32)) for a in (tokens, pos, bidx, padded, indptr,
-                                                              last, qo_indptr[1:] - 1)]  # fmt: skip
+        decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
+    arrays = [jnp.asarray(a) for a in (st.tokens, st.positions, st.batch_indices, st.padded,
+                                       st.indptr, st.last, st.ends)]  # fmt: skip
     step = prefill_step if phase == "prefill" else decode_step
     caches, tokens, logits = step(model, caches, *arrays)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):

@@ -41,18 +41,16 @@ def weights(gen):
 
 
 class Inputs:
-    """One step's device inputs: the new tokens, their positions and requests, the page table
-    (indices padded to the pool size) and each request's last new row."""
+    """A step's (serving.Step) device inputs: the new tokens, their positions and requests,
+    the page table (indices padded to the pool size) and each request's last new row."""
 
-    def __init__(self, tokens, positions, batch_indices, indices, indptr, last, ends):
+    def __init__(self, step):
         def to_dev(a, dtype=torch.int32):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+            return torch.from_numpy(a).to(dev, dtype)
 
-        padded = np.zeros(PAGES, np.int32)
-        padded[: len(indices)] = indices
-        self.tokens, self.ends = to_dev(tokens, torch.int64), to_dev(ends, torch.int64)
-        self.pos, self.bidx = to_dev(positions), to_dev(batch_indices)
-        self.table = [to_dev(padded), to_dev(indptr), to_dev(last)]
+        self.tokens, self.ends = to_dev(step.tokens, torch.int64), to_dev(step.ends, torch.int64)
+        self.pos, self.bidx = to_dev(step.positions), to_dev(step.batch_indices)
+        self.table = [to_dev(step.padded), to_dev(step.indptr), to_dev(step.last)]
 
     def tensors(self):
         return [self.tokens, self.pos, self.bidx, *self.table, self.ends]
@@ -106,25 +104,14 @@ class Engine:
         self.free = [int(p) for p in rng.permutation(PAGES)]
         self.kernel_ms = 0.0  # rtcinfer kernels' time in decode steps (events, when timed)
 
-    def step(self, requests, new_tokens, wrapper, qo_indptr):
+    def step(self, requests, new_tokens, wrapper):
         """Append `new_tokens[b]` of each request to the cache and run the model over them;
         returns the logits of each request's last new token [B, VOCAB] float32."""
-        starts = [r.cached for r in requests]
-        for r, n in zip(requests, new_tokens, strict=True):
-            r.cached += n
-            while len(r.pages) * PAGE < r.cached:
-                r.pages.append(self.free.pop())
-        indptr = np.cumsum([0] + [len(r.pages) for r in requests]).astype(np.int32)
-        indices = np.array([p for r in requests for p in r.pages], np.int32)
-        last = np.array([r.cached - (len(r.pages) - 1) * PAGE for r in requests], np.int32)
-        tokens = [t for r, s, n in zip(requests, starts, new_tokens, strict=True)
-                  for t in r.tokens[s : s + n]]  # fmt: skip
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, new_tokens,
-                                                                         strict=True)])  # fmt: skip
-        inputs = Inputs(tokens, positions, np.repeat(np.arange(len(requests)), new_tokens),
-                        indices, indptr, last, np.asarray(qo_indptr[1:]) - 1)  # fmt: skip
+        step = serving.Step(requests, new_tokens, self.free)
+        indptr, indices, last = step.indptr, step.indices, step.last
+        inputs = Inputs(step)
         if wrapper is self.prefill:
-            wrapper.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
+            wrapper.plan(step.qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
                          q_data_type=bf16)  # fmt: skip
         elif self.graphs is not None:  # a captured decode step of this batch size
             graph = self.graphs.get(len(requests))
@@ -242,8 +229,7 @@ def serve(engine, rng):
             torch.cuda.synchronize()
             start = time.perf_counter()
             engine.time_kernels(True)
-            logits = engine.step(running, [1] * len(running), engine.decode,
-                                 np.arange(len(running) + 1))  # fmt: skip
+            logits = engine.step(running, [1] * len(running), engine.decode)
             tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=step)
             engine.time_kernels(False)
             decode_s += time.perf_counter() - start
@@ -251,7 +237,7 @@ def serve(engine, rng):
             emit(running, tokens, logits, f"decode of {len(running)}")
         if arrived:  # prefill the new prompts, which emit their first token
             lens = [len(r.tokens) for r in arrived]
-            logits = engine.step(arrived, lens, engine.prefill, np.cumsum([0] + lens))
+            logits = engine.step(arrived, lens, engine.prefill)
             tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
             emit(arrived, tokens, logits, f"prefill of {len(arrived)}")
             running += arrived

@@ -27,6 +27,33 @@ def stream(rng):
     return requests, [a for a, _, _ in REQUESTS]
 
 
+class Step:
+    """One model pass's host tables: each request's `new_tokens[b]` tokens appended to its
+    pages (new pages taken from `free`), as plan() and the kernels take them: the page table
+    (indptr, indices, last page lengths, indices padded to PAGES for a fixed shape), the new
+    tokens, their positions and requests, qo_indptr and each request's last new row."""
+
+    def __init__(self, requests, new_tokens, free):
+        starts = [r.cached for r in requests]
+        for r, n in zip(requests, new_tokens, strict=True):
+            r.cached += n
+            while len(r.pages) * PAGE < r.cached:
+                r.pages.append(free.pop())
+        self.indptr = np.cumsum([0] + [len(r.pages) for r in requests]).astype(np.int32)
+        self.indices = np.array([p for r in requests for p in r.pages], np.int32)
+        self.last = np.array([r.cached - (len(r.pages) - 1) * PAGE for r in requests], np.int32)
+        self.padded = np.zeros(PAGES, np.int32)
+        self.padded[: len(self.indices)] = self.indices
+        self.tokens = np.array([t for r, s, n in zip(requests, starts, new_tokens, strict=True)
+                                for t in r.tokens[s : s + n]], np.int32)  # fmt: skip
+        self.positions = np.concatenate(
+            [np.arange(s, s + n) for s, n in zip(starts, new_tokens, strict=True)]
+        ).astype(np.int32)
+        self.batch_indices = np.repeat(np.arange(len(requests)), new_tokens).astype(np.int32)
+        self.qo_indptr = np.cumsum([0] + list(new_tokens)).astype(np.int32)
+        self.ends = self.qo_indptr[1:] - 1
+
+
 def check(done, reference, resample=None) -> bool:
     """Every emitted token's logits (float) against reference(tokens) -> the dense model's
     logits of the last position (NumPy): within 3e-2 of max |logit|, all finite, the token the

@@ -164,3 +164,22 @@ def test_the_serving_check_takes_near_ties_and_refuses_errors_and_nan(capsys):
     out = capsys.readouterr().out
     assert "non-finite logits 1, sampled again 0: MISMATCH" in out
     assert "request 0 at context 2 (decode of 1): token 0, argmax 1" in out
+
+
+def test_a_serving_step_grows_pages_and_lays_out_the_tables():
+    """serving.Step: new pages from the free list as a request's tokens cross a page, the
+    page table FlashInfer's way, and each new token's position and request."""
+    serving = _serving()
+    a, b = serving.Request(0, list(range(20)), 1), serving.Request(1, [7, 8], 1)
+    free = [9, 8, 7, 6, 5]
+    step = serving.Step([a, b], [20, 2], free)  # prefill: 20 tokens (2 pages) and 2 (1 page)
+    assert (a.pages, b.pages, free) == ([5, 6], [7], [9, 8])
+    assert step.indptr.tolist() == [0, 2, 3] and step.indices.tolist() == [5, 6, 7]
+    assert step.last.tolist() == [20 - serving.PAGE, 2] and step.padded[:3].tolist() == [5, 6, 7]
+    assert step.qo_indptr.tolist() == [0, 20, 22] and step.ends.tolist() == [19, 21]
+    assert step.positions.tolist() == [*range(20), 0, 1]
+    assert step.batch_indices.tolist() == [0] * 20 + [1, 1]
+    assert step.tokens.tolist() == [*range(20), 7, 8]
+    a.tokens.append(3)
+    step = serving.Step([a], [1], free)  # decode: the 21st token stays in page 6
+    assert step.positions.tolist() == [20] and step.tokens.tolist() == [3] and a.pages == [5, 6]
