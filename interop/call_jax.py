@@ -71,14 +71,18 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     """A jitted function of the present inputs that runs `prep` through the FFI target."""
     import jax
 
-    from ..launch import stream_device
+    from ..launch import memcpy_async, stream_device
     from . import jax_ffi
+    from .dtypes import itemsize
 
     gpu.runtime()  # the checks of a first use (driver, CUDA extra, a device)
     for device in _jax_gpu_ordinals():  # load now: never inside XLA's execution or capture
         prep.preload(device)
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)
+    # (output, its input slot, bytes) of each output that updates an input in place
+    in_place = [(j, o.source, itemsize(o.dtype) * _size(o.shape)) for j, o in enumerate(prep.outs)
+                if o.alias]  # fmt: skip
 
     def launch(stream: int, ins: list[int], outs: list[int]) -> None:
         ptrs = [0] * n_slots
@@ -90,6 +94,8 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
             bits |= p
         if bits & 15:
             raise ValueError("XLA passed a buffer not aligned to 16 bytes")
+        if in_place:
+            move_in_place_updates(in_place, ptrs, outs, stream, memcpy_async)
         ptrs += outs
         prep.run(stream, stream_device(stream), ptrs, scalars)  # the buffers' device
 
@@ -109,6 +115,30 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     return jax.jit(run)
 
 
+def move_in_place_updates(in_place, ptrs: list[int], outs: list[int], stream: int,
+                          copy) -> None:
+    """Make each in-place update land in its output's buffer. `in_place`: (output, input
+    slot, bytes) of each output declared as aliasing an input; `ptrs`: the input slots'
+    addresses (changed here); `copy(dst, src, nbytes, stream)`: a stream-ordered copy.
+
+    XLA may give an aliased output a buffer of its own (seen with a one-row slice of a live
+    array as the operand: XLA passes the slice in place, and the output elsewhere). The
+    kernels update their input slot in place, so the input is first copied to the output's
+    buffer and the slot pointed there: the caller's input is left as it was, the output holds
+    the update."""
+    for j, i, nbytes in in_place:
+        if outs[j] != ptrs[i]:
+            copy(outs[j], ptrs[i], nbytes, stream)
+            ptrs[i] = outs[j]
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _jax_gpu_ordinals() -> list[int]:
     """The CUDA ordinals of the GPUs JAX sees in this process."""
     import jax
@@ -117,4 +147,4 @@ def _jax_gpu_ordinals() -> list[int]:
             if d.platform == "gpu"]  # fmt: skip
 
 
-__all__ = ["call_jax"]
+__all__ = ["call_jax", "move_in_place_updates"]

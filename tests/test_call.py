@@ -176,3 +176,20 @@ def test_a_call_returns_its_outputs_but_the_scratch():
     assert returned(["o", "lse"], 0) == ("o", "lse")
     assert returned(["o", "partial o", "partial lse", "counters"], 3) == "o"
     assert returned(["o", "lse", "partial o", "partial lse", "counters"], 3) == ("o", "lse")
+
+
+def test_an_in_place_update_lands_in_the_output_buffer_xla_gave():
+    """JAX: an output aliasing input slot i may come with a buffer of its own; the input is
+    copied there (stream-ordered) and the slot pointed at it, so the kernel's in-place update
+    fills the output and leaves the caller's input alone. Where XLA aliased them, no copy."""
+    from rtcinfer.interop.call_jax import move_in_place_updates
+
+    copies = []
+    in_place = [(0, 1, 64), (1, 3, 32)]  # output 0 updates slot 1, output 1 slot 3
+    ptrs = [100, 200, 300, 400]
+    move_in_place_updates(in_place, ptrs, [200, 900], 7, lambda *a: copies.append(a))
+    assert copies == [(900, 400, 32, 7)]
+    assert ptrs == [100, 200, 300, 900]
+    ptrs = [100, 200, 300, 400]
+    move_in_place_updates(in_place, ptrs, [200, 400], 7, lambda *a: copies.append(a))
+    assert ptrs == [100, 200, 300, 400] and len(copies) == 1

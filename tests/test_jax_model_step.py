@@ -49,19 +49,20 @@ def test_a_decode_step_inside_jit_matches_float64_op_by_op(jax, batch):
     cache = randn(rng, (PAGES, 2, PAGE, HKV, D), "bfloat16")
     decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
     decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
+    ln_gpu, w_qkv_gpu = jnp.asarray(ln), jnp.asarray(w_qkv)  # the ops take device arrays
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(x, cache, pos, bidx, padded, indptr, last):
         n = x.shape[0]
-        h = rtcinfer.rmsnorm(x, ln, EPS)
-        qkv = h @ w_qkv
+        h = rtcinfer.rmsnorm(x, ln_gpu, EPS)
+        qkv = h @ w_qkv_gpu
         q = qkv[:, : HQ * D].reshape(n, HQ, D)
         k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
         v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D)
         q2, k2 = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)
         cache2 = rtcinfer.append_paged_kv_cache(k2, v, bidx, pos, cache, padded, indptr, last)
         o = decode.run(q2, cache2)
-        out, residual = rtcinfer.fused_add_rmsnorm(o.reshape(n, HQ * D)[:, :HIDDEN], x, ln, EPS)
+        out, residual = rtcinfer.fused_add_rmsnorm(o.reshape(n, HQ * D)[:, :HIDDEN], x, ln_gpu, EPS)
         act = rtcinfer.silu_and_mul(out)
         return h, qkv, q2, k2, cache2, o, out, residual, act
 
