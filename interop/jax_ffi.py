@@ -28,7 +28,6 @@ at least as large as the prefix this module knows before its fields are used.
 from __future__ import annotations
 
 import ctypes
-import struct
 import sys
 import threading
 import traceback
@@ -212,8 +211,10 @@ def _field(*path: str) -> int:
     return at
 
 
-# The hot path reads a call frame's header in one copy and picks these 8-byte words of it.
-_HEADER = struct.Struct(f"{_field('attrs') // 8 + 6}Q")  # up to the end of attrs.attrs
+# The hot path reads a call frame's header as 8-byte words in place (a ctypes array over it:
+# indexing reads one word, far cheaper than copying the header out) and picks these words.
+_HEADER_WORDS = _field("attrs") // 8 + 6  # up to the end of attrs.attrs
+_Header = ctypes.c_uint64 * _HEADER_WORDS
 _W = {name: _field(*name.split(".")) // 8 for name in (
     "extension_start", "api", "ctx", "stage", "args.size", "args.items", "rets.size",
     "rets.items", "attrs.size", "attrs.types", "attrs.attrs")}  # fmt: skip
@@ -221,14 +222,14 @@ _W_EXT, _W_API, _W_CTX, _W_STAGE = (_W[k] for k in ("extension_start", "api", "c
 _W_ARGS = (_W["args.size"], _W["args.items"])
 _W_RETS = (_W["rets.size"], _W["rets.items"])
 _W_ATTRS = (_W["attrs.size"], _W["attrs.types"], _W["attrs.attrs"])
-_SCALAR = struct.Struct("iiQ")  # XLA_FFI_Scalar: dtype, padding, value pointer
-assert _SCALAR.size == ctypes.sizeof(_Scalar) and _Scalar.value.offset == 8
+_SCALAR_VALUE = _Scalar.value.offset  # XLA_FFI_Scalar: dtype, then the value's address
 
 
-def _header(frame: int) -> tuple:
-    if _u64(frame).value < _HEADER.size:
+def _header(frame: int):
+    """The frame's first words, indexable by the _W_* positions (read when indexed)."""
+    if _u64(frame).value < 8 * _HEADER_WORDS:
         raise _FfiError(_INVALID_ARGUMENT, "XLA_FFI_CallFrame is too small")
-    return _HEADER.unpack(ctypes.string_at(frame, _HEADER.size))
+    return _Header.from_address(frame)
 
 
 def _pointers(words: tuple, at: tuple[int, int]) -> list[int]:
@@ -237,17 +238,15 @@ def _pointers(words: tuple, at: tuple[int, int]) -> list[int]:
     n, items = words[at[0]], words[at[1]]
     if n == 0 or n >= 1 << 63:
         return []
-    buffers = struct.unpack(f"{n}Q", ctypes.string_at(items, 8 * n))
-    return [_u64(b + _DATA).value for b in buffers]
+    return [_u64(_u64(items + 8 * i).value + _DATA).value for i in range(n)]
 
 
 def _handler_id(frame: int, words: tuple) -> object:
     """The int64 attribute "handler" (the only attribute our calls pass: read directly)."""
-    size, types, values = (words[i] for i in _W_ATTRS)
-    if size == 1 and _i32(types).value == _ATTR_SCALAR:
-        dtype, _, value = _SCALAR.unpack(ctypes.string_at(_u64(values).value, _SCALAR.size))
-        if dtype == 5:  # S64
-            return _i64(value).value
+    if words[_W_ATTRS[0]] == 1 and _i32(words[_W_ATTRS[1]]).value == _ATTR_SCALAR:
+        scalar = _u64(words[_W_ATTRS[2]]).value  # XLA_FFI_Scalar: dtype, value address
+        if _i32(scalar).value == 5:  # S64
+            return _i64(_u64(scalar + _SCALAR_VALUE).value).value
     return _decode_attrs(_CallFrame.from_address(frame).attrs).get("handler")
 
 
@@ -272,6 +271,7 @@ def _make_error(frame: _CallFrame, code: int, message: str) -> int | None:
 
 _stream_getters: dict[int, Callable] = {}  # XLA_FFI_Api address -> its XLA_FFI_Stream_Get
 _STREAM_ARGS_SIZE = _end(_StreamGetArgs, "stream")
+_stream_args = threading.local()  # .reused: (XLA_FFI_Stream_Get_Args, a byref to it)
 
 
 def _stream(frame: int, words: tuple) -> int:
@@ -282,8 +282,14 @@ def _stream(frame: int, words: tuple) -> int:
         if get is None:
             raise _FfiError(_INTERNAL, "this XLA has no XLA_FFI_Stream_Get")
         _stream_getters[api] = get
-    args = _StreamGetArgs(_STREAM_ARGS_SIZE, None, words[_W_CTX], None)
-    err = get(ctypes.byref(args))
+    try:
+        args, ref = _stream_args.reused
+    except AttributeError:  # this thread's first call: its own arguments, reused after
+        args = _StreamGetArgs(_STREAM_ARGS_SIZE, None, 0, None)
+        ref = _stream_args.reused = args, ctypes.byref(args)
+        ref = ref[1]
+    args.ctx, args.stream = words[_W_CTX], None
+    err = get(ref)
     if err:
         raise _PassThrough(err)
     return args.stream or 0
