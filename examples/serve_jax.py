@@ -7,7 +7,9 @@ and a second pass over the same stream, with fresh page tables, traces nothing n
 
 The check: a pure-JAX dense version of the model (float32 attention, no cache, one jitted
 function over sequences padded to a fixed length) recomputes every emitted token's logits from
-the same token history, as in serve_torch.py. Exit code 1 on a mismatch."""
+the same token history, as in serve_torch.py. Exit code 1 on a mismatch. Then the same loop
+with decode attention in plain JAX (each request's pages gathered, float32 softmax, inside the
+same jitted step) for comparison: its tokens per second and tokens."""
 
 import functools
 import os
@@ -48,9 +50,30 @@ def weights(key):
     return dict(embed=embed, layers=layers, norm=norm(), lm_head=w(HIDDEN, VOCAB))
 
 
+def paged_decode_jax(q, cache, indices, indptr, last):
+    """Decode attention in plain JAX, for comparison: each request's query [Hq, D] over the
+    keys of its pages (gathered up to MAX_LEN tokens, the rest masked), float32 softmax."""
+    pages = MAX_LEN // PAGE
+
+    def one(b, qb):
+        n = indptr[b + 1] - indptr[b]
+        length = (n - 1) * PAGE + last[b]
+        ids = indices[jnp.clip(indptr[b] + jnp.arange(pages), 0, PAGES - 1)]
+        kv = cache[ids].astype(jnp.float32)  # [pages, 2, PAGE, HKV, D]
+        k = jnp.repeat(kv[:, 0].reshape(pages * PAGE, HKV, D), HQ // HKV, 1)
+        v = jnp.repeat(kv[:, 1].reshape(pages * PAGE, HKV, D), HQ // HKV, 1)
+        s = jnp.einsum("hd,thd->ht", qb.astype(jnp.float32), k) / D**0.5
+        s = jnp.where(jnp.arange(pages * PAGE)[None] < length, s, -jnp.inf)
+        return jnp.einsum("ht,thd->hd", jax.nn.softmax(s, -1), v).astype(bf16)
+
+    return jax.vmap(one)(jnp.arange(q.shape[0]), q)
+
+
 def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, wrapper):
     """The model over new tokens [n] at positions pos, appended to the paged caches; returns
-    the updated caches and the greedy token and logits [B, VOCAB] of each request's last one."""
+    the updated caches and the greedy token and logits [B, VOCAB] of each request's last one.
+    wrapper: the prefill or decode wrapper planned for this step, or None for decode
+    attention in plain JAX (paged_decode_jax)."""
     x = model["embed"][tokens]
     n = x.shape[0]
     h, residual = rtcinfer.rmsnorm(x, model["layers"][0]["ln1"], EPS), x
@@ -65,7 +88,11 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, wrapp
         q, k = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos, rope_theta=THETA)
         cache = rtcinfer.append_paged_kv_cache(k, v, bidx, pos, caches[i], indices, indptr, last)
         updated.append(cache)
-        h = wrapper.run(q, cache).reshape(n, HQ * D) @ layer["o"]  # the latest plan's batch
+        if wrapper is None:
+            o = paged_decode_jax(q, cache, indices, indptr, last)
+        else:
+            o = wrapper.run(q, cache)  # the latest plan's batch
+        h = o.reshape(n, HQ * D) @ layer["o"]
         h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln2"], EPS)
         h = rtcinfer.silu_and_mul(h @ layer["gate_up"]) @ layer["down"]
     h, _ = rtcinfer.fused_add_rmsnorm(h, residual, model["norm"], EPS)
@@ -85,17 +112,26 @@ def decode_step(model, caches, *arrays):
     return forward(model, caches, *arrays, decode)
 
 
-def run_step(model, caches, free, requests, new_tokens, phase):
-    """Grow the requests' pages, plan, and run one jitted step over their new tokens."""
+@functools.partial(jax.jit, donate_argnums=1)
+def decode_step_plain_jax(model, caches, *arrays):
+    return forward(model, caches, *arrays, None)
+
+
+def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
+    """Grow the requests' pages, plan, and run one jitted step over their new tokens
+    (plain_jax: decode attention in plain JAX instead of rtcinfer's)."""
     st = serving.Step(requests, new_tokens, free)
     if phase == "prefill":
+        step = prefill_step
         prefill.plan(st.qo_indptr, st.indptr, st.indices, st.last, HQ, HKV, D, PAGE,
                      causal=True, q_data_type=bf16)  # fmt: skip
+    elif plain_jax:
+        step = decode_step_plain_jax
     else:
+        step = decode_step
         decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
     arrays = [jnp.asarray(a) for a in (st.tokens, st.positions, st.batch_indices, st.padded,
                                        st.indptr, st.last, st.ends)]  # fmt: skip
-    step = prefill_step if phase == "prefill" else decode_step
     caches, tokens, logits = step(model, caches, *arrays)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
         r.emitted.append((len(r.tokens), t, np.asarray(row), f"{phase} of {len(requests)}"))
@@ -103,9 +139,9 @@ def run_step(model, caches, free, requests, new_tokens, phase):
     return caches
 
 
-def serve(model, rng, pages_rng):
+def serve(model, rng, pages_rng, plain_jax=False):
     """The loop (prompts from rng, the free page list shuffled by pages_rng); returns the
-    finished requests, decode seconds and decode tokens."""
+    finished requests, decode seconds and decode tokens (plain_jax: see run_step)."""
     caches = [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
     free = [int(p) for p in pages_rng.permutation(PAGES)]
     waiting, arrivals = serving.stream(rng)
@@ -115,7 +151,8 @@ def serve(model, rng, pages_rng):
         waiting = [r for r in waiting if arrivals[r.rid] > step]
         if running:
             start = time.perf_counter()
-            caches = run_step(model, caches, free, running, [1] * len(running), "decode")
+            caches = run_step(model, caches, free, running, [1] * len(running), "decode",
+                              plain_jax)  # fmt: skip
             jax.block_until_ready(caches)
             decode_s += time.perf_counter() - start
             decode_tokens += len(running)
@@ -205,6 +242,16 @@ def main():
           f"{'new ones' if retraced else 'none'} in the second")  # fmt: skip
     print(f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
           f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
+    serve(model, rng(1), rng(2), plain_jax=True)  # the same loop, attention in plain JAX
+    plain, plain_s, plain_tokens = serve(model, rng(1), rng(3), plain_jax=True)
+    print(f"decode with plain-JAX attention (gathered pages, float32 softmax): {plain_tokens} "
+          f"tokens in {plain_s * 1e3:.1f} ms, {plain_tokens / plain_s:.0f} tokens/s; rtcinfer "
+          f"{plain_s / decode_s:.2f}x as fast")  # fmt: skip
+    tokens = [[[e[1] for e in r.emitted] for r in sorted(d, key=lambda r: r.rid)]
+              for d in (done, plain)]  # fmt: skip
+    same = tokens[0] == tokens[1]
+    print(f"plain-JAX attention tokens: {'the same' if same else 'other near ties'}")
+    ok &= same or check(model, plain)
     rtcinfer.check_errors()
     ok &= not retraced
     print("OK" if ok else "FAIL")
