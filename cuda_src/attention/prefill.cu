@@ -43,6 +43,11 @@ constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a wa
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr bool FP8 = is_fp8<KVT>();
+// A plain logit (no ALiBi, no soft cap) is x = s * scale: the scale folds into the exp2 (one
+// FFMA, exp2(s * scale - m)) and the row maxima are taken of the raw scores, with scale > 0
+// (a negative qk_scale negates the Q tile instead: see fold_scale()). Not at head_dim 64,
+// where it tips ptxas into a 128-register allocation that spills on sm_80.
+constexpr bool FOLD = !ALIBI && !SOFT_CAP && HEAD_DIM >= 128;
 constexpr int ROW_BYTES = HEAD_DIM * 2;      // a 16-bit row (Q, K and V as the MMAs read them)
 constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K or V row in the ring
 constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
@@ -274,9 +279,10 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
     }
   }
 
-  // Logit transform (variant.cuh) and masks: element r of n-tile n of block b is row
-  // i = 2b + r / 2, key key0 + key_w + 8n + 2t + r % 2. Blocks that every row sees whole (all
-  // but the diagonal and edge blocks of a long prompt) skip the per-element visibility tests.
+  // Logit transform (variant.cuh; FOLD: none yet, see below) and masks: element r of n-tile n
+  // of block b is row i = 2b + r / 2, key key0 + key_w + 8n + 2t + r % 2. Blocks that every
+  // row sees whole (all but the diagonal and edge blocks of a long prompt) skip the
+  // per-element visibility tests.
   // The row maxima and sums run as PARTS independent chains per row (short dependency chains:
   // a warp here has few neighbours on its scheduler to hide latency behind).
   constexpr int PARTS = KEY_TILES >= 4 ? 4 : 2;
@@ -295,7 +301,8 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
-          float v = transform(s[b][n][r], rows.slope[i], key - rows.pos[i]);
+          float v = s[b][n][r];
+          if constexpr (!FOLD) v = transform(v, rows.slope[i], key - rows.pos[i]);
           if constexpr (decltype(masked)::value)
             v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
           s[b][n][r] = v;
@@ -307,8 +314,11 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
     scores(Bool<false>{});
   else
     scores(Bool<true>{});
+  // A row slot i whose rows (one per lane group: 8 rows of the warp) keep their running max
+  // skips its rescale (by exactly 1): decided per slot for the whole warp, so the branch is
+  // uniform, and far more often than for all the warp's rows at once.
   float row_max[ROWS];
-  bool same = true;  // no row's running max moves: the rescale (by exactly 1) is skipped
+  bool same[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     row_max[i] = part_max[i][0];
@@ -316,18 +326,23 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
     for (int k = 1; k < PARTS; ++k) row_max[i] = fmaxf(row_max[i], part_max[i][k]);
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-    same = same && !(row_max[i] > st[i].m);
+    if constexpr (FOLD) row_max[i] *= transform.scale;  // > 0: the scaled logits' max
+    same[i] = __all_sync(0xffffffffu, !(row_max[i] > st[i].m));
   }
-  same = __all_sync(0xffffffffu, same);
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     const int b = i / 2, h = i % 2;
-    const float base = same ? st[i].offset() : st[i].rescale(row_max[i]);
+    const float base = same[i] ? st[i].offset() : st[i].rescale(row_max[i]);
     float part_sum[PARTS];
 #pragma unroll
     for (int n = 0; n < KEY_TILES; ++n) {
-      s[b][n][2 * h] = fast_exp2(s[b][n][2 * h] - base);
-      s[b][n][2 * h + 1] = fast_exp2(s[b][n][2 * h + 1] - base);
+      if constexpr (FOLD) {
+        s[b][n][2 * h] = fast_exp2(fmaf(s[b][n][2 * h], transform.scale, -base));
+        s[b][n][2 * h + 1] = fast_exp2(fmaf(s[b][n][2 * h + 1], transform.scale, -base));
+      } else {
+        s[b][n][2 * h] = fast_exp2(s[b][n][2 * h] - base);
+        s[b][n][2 * h + 1] = fast_exp2(s[b][n][2 * h + 1] - base);
+      }
       const float pair = s[b][n][2 * h] + s[b][n][2 * h + 1];
       part_sum[n % PARTS] = n < PARTS ? pair : part_sum[n % PARTS] + pair;
     }
@@ -360,6 +375,22 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 }
 
 #include "prefill_epilogue.cuh"
+
+// FOLD's scale: |qk_scale| log2(e), at least FLT_MIN (a zero scale then still gives every
+// visible key the weight 2^0 and a masked one 2^-inf: exp2(s * FLT_MIN) is 1 to fp32 for any
+// finite score, where -inf * 0 would be NaN). A negative qk_scale negates the Q tile in shared
+// memory (the sign bits: exact) before its first read, so s * qk_scale = (-s) * |qk_scale|.
+RTC_DEVICE float fold_scale(float qk_scale, unsigned char* q_tile) {
+  if (qk_scale < 0.f) {
+    for (int i = threadIdx.x; i < Q_BYTES / 16; i += THREADS) {
+      uint4* word = reinterpret_cast<uint4*>(q_tile) + i;
+      const uint4 x = *word;
+      *word = make_uint4(x.x ^ 0x80008000u, x.y ^ 0x80008000u, x.z ^ 0x80008000u,
+                         x.w ^ 0x80008000u);
+    }
+  }
+  return fmaxf(fabsf(qk_scale) * LOG2E, 1.17549435e-38f);
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -411,6 +442,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     rope_tile<TILE_ROWS>(smem, freq_s, [&](int r) { return (row0 + r) / group + shift; });
     __syncthreads();
   }
+  LogitTransform<ALIBI, SOFT_CAP> transform;
+  transform.init(p.qk_scale, p.soft_cap);
+  if constexpr (FOLD) {
+    transform.scale = fold_scale(p.qk_scale, smem);
+    if (p.qk_scale < 0.f) __syncthreads();  // uniform: the negated tile is read below
+  }
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
 #pragma unroll
@@ -418,8 +455,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       load_a_rows<ROW_BYTES>(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
   Rows rows;
   rows.init(w, p, kv_head, row_warp, g);
-  LogitTransform<ALIBI, SOFT_CAP> transform;
-  transform.init(p.qk_scale, p.soft_cap);
   State st[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) st[i].init();
