@@ -115,14 +115,13 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     return jax.jit(run)
 
 
-def move_in_place_updates(in_place, ptrs: list[int], outs: list[int], stream: int,
-                          copy) -> None:
+def move_in_place_updates(in_place, ptrs: list[int], outs: list[int], stream: int, copy) -> None:
     """Make each in-place update land in its output's buffer. `in_place`: (output, input
     slot, bytes) of each output declared as aliasing an input; `ptrs`: the input slots'
     addresses (changed here); `copy(dst, src, nbytes, stream)`: a stream-ordered copy.
 
-    XLA may give an aliased output a buffer of its own (seen with a one-row slice of a live
-    array as the operand: XLA passes the slice in place, and the output elsewhere). The
+    XLA may give an aliased output a buffer other than its input's (seen on the GPU inside
+    jax.jit, for RoPE on the q and k of a one-token step sliced from one matmul output). The
     kernels update their input slot in place, so the input is first copied to the output's
     buffer and the slot pointed there: the caller's input is left as it was, the output holds
     the update."""
