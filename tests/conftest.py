@@ -50,3 +50,12 @@ def cache_dir(tmp_path, monkeypatch):
     """An empty kernel cache for this test."""
     monkeypatch.setenv("RTCINFER_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def jax_gpu():
+    """The jax module, where JAX is installed with a GPU backend (else the test skips)."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    return jax

@@ -140,14 +140,6 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    if jax.default_backend() != "gpu":
-        pytest.skip("JAX has no GPU backend here")
-    return jax
-
-
 def _host(result) -> list[np.ndarray]:
     parts = result if isinstance(result, (tuple, list)) else (result,)
     return [np.asarray(p) for p in parts]
@@ -161,7 +153,8 @@ def _assert_same_bits(a: list[np.ndarray], b: list[np.ndarray], name: str) -> No
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_an_op_inside_jit_gives_its_eager_bits_and_the_reference(jax, name):
+def test_an_op_inside_jit_gives_its_eager_bits_and_the_reference(jax_gpu, name):
+    jax = jax_gpu
     fn, host_args, expect = CASES[name]
     args = [jax.numpy.asarray(a) for a in host_args]
     eager = _host(fn(*args))
@@ -194,7 +187,8 @@ SAMPLERS = {
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLERS))
-def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax, name):
+def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax_gpu, name):
+    jax = jax_gpu
     op, params, from_probs = SAMPLERS[name]
     rng = np.random.default_rng(1)
     logits = (3 * rng.standard_normal((4, 1000))).astype(np.float32)
@@ -221,7 +215,8 @@ def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax, name
     assert all(keep[b, t] for b, t in enumerate(tokens.tolist())), (name, tokens)
 
 
-def test_chain_speculative_sampling_inside_jit_gives_its_eager_bits(jax):
+def test_chain_speculative_sampling_inside_jit_gives_its_eager_bits(jax_gpu):
+    jax = jax_gpu
     rng = np.random.default_rng(2)
     draft = ref.softmax_ref(rng.standard_normal((2, 3, 100))).astype(np.float32)
     target = ref.softmax_ref(rng.standard_normal((2, 4, 100))).astype(np.float32)

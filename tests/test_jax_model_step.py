@@ -22,16 +22,9 @@ pytestmark = pytest.mark.gpu
 HQ, HKV, D, HIDDEN, PAGE, PAGES, EPS = 8, 2, 128, 256, 16, 16, 1e-6
 
 
-@pytest.fixture(scope="module")
-def jax():
-    jax = pytest.importorskip("jax")
-    if jax.default_backend() != "gpu":
-        pytest.skip("JAX has no GPU backend here")
-    return jax
-
-
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_decode_step_inside_jit_matches_float64_op_by_op(jax, batch):
+def test_a_decode_step_inside_jit_matches_float64_op_by_op(jax_gpu, batch):
+    jax = jax_gpu
     jnp = jax.numpy
     rng = np.random.default_rng(batch)
     lengths = [37, 5, 20][:batch]  # tokens each request holds, the new one included
