@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import (
+from .reference import f64
+from .reference_attention import (
     cache_page_size,
     decode_features,
     decode_step_ref,
-    f64,
     gather_pages_ref,
     merge_state_ref,
     split_paged_kv_cache,

@@ -9,7 +9,7 @@ import numpy as np
 import rtcinfer
 from rtcinfer.interop.dtypes import FP8_DTYPES, numpy_dtype
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .paged_batch import page_table_for
 
@@ -52,7 +52,7 @@ class Batch:
         )  # fmt: skip
 
     def reference(self, **features):
-        return ref.batch_decode_paged_ref(
+        return aref.batch_decode_paged_ref(
             self.q, self.cache, self.indptr, self.indices, self.last, kv_layout=self.layout,
             return_lse=True, **features,
         )  # fmt: skip

@@ -15,6 +15,7 @@ import numpy as np
 import rtcinfer
 
 from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close
 from .gpu_decode import random_values
 from .paged_batch import page_table_for
@@ -74,7 +75,7 @@ def run(graph: bool, rounds=ROUNDS) -> int:
         wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
         h, res2, a, o, lse = step(dev["x"], dev["res"], dev["w"], dev["gate"], dev["q"],
                                   dev["cache"])  # fmt: skip
-        o_ref, lse_ref = ref.batch_decode_paged_ref(q, cache, indptr, indices, last,
+        o_ref, lse_ref = aref.batch_decode_paged_ref(q, cache, indptr, indices, last,
                                                     kv_layout="NHD", return_lse=True)  # fmt: skip
         try:
             assert_close(np.asarray(o), o_ref, "bfloat16", "o")

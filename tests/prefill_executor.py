@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference as ref
+from . import reference_attention as aref
 
 
 def execute_prefill_plan(plan, q, k, v, qo_indptr, kv_indptr, *, sm_scale, causal=False,
@@ -57,7 +58,7 @@ def execute_prefill_plan(plan, q, k, v, qo_indptr, kv_indptr, *, sm_scale, causa
         for kh in range(num_kv_heads):
             parts = slots_o[first : first + count, kh, : len(rows)]  # [count, rows, Dv]
             s = slots_lse[first : first + count, kh, : len(rows)]  # [count, rows]
-            merged_o, merged_lse = ref.merge_states_ref(parts.transpose(1, 0, 2)[:, :, None],
+            merged_o, merged_lse = aref.merge_states_ref(parts.transpose(1, 0, 2)[:, :, None],
                                                         s.T[:, :, None])  # fmt: skip
             o[qo_indptr[b] + queries, kh * g + heads] = merged_o[:, 0]
             lse[qo_indptr[b] + queries, kh * g + heads] = merged_lse[:, 0]
@@ -72,5 +73,5 @@ def _softmax_rows(s: np.ndarray, v: np.ndarray):
     d = p.sum(axis=1)
     o = np.where(empty[:, None], 0.0, p @ v / np.where(empty, 1.0, d)[:, None])
     lse = np.where(empty, -np.inf, (np.where(empty, 0.0, m) + np.log(np.where(empty, 1, d))) *
-                   ref.LOG2E)  # fmt: skip
+                   aref.LOG2E)  # fmt: skip
     return o, lse

@@ -7,7 +7,7 @@ import pytest
 
 import rtcinfer
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .gpu_decode import random_values, to_gpu
 
@@ -40,7 +40,7 @@ def test_merge_state(rng, dtype, shape):
     (v_a, s_a), (v_b, s_b) = states(rng, shape, dtype), states(rng, shape, dtype)
     s_a[0, 0] = s_b[0, 0] = -np.inf  # a row of two empty states: v = 0, s = -inf
     v, s = rtcinfer.merge_state(*(to_gpu(x) for x in (v_a, s_a, v_b, s_b)))
-    v_ref, s_ref = ref.merge_state_ref(v_a, s_a, v_b, s_b)
+    v_ref, s_ref = aref.merge_state_ref(v_a, s_a, v_b, s_b)
     check(v, s, v_ref, s_ref, dtype)
     assert (to_host(v)[0, 0] == 0).all() and np.isneginf(to_host(s)[0, 0])
 
@@ -56,7 +56,7 @@ def test_merge_state_in_place(rng, dtype, masked):
         v_dev, s_dev, to_gpu(v_o), to_gpu(s_o), mask=to_gpu(mask) if masked else None
     )
     assert out[0] is v_dev and out[1] is s_dev
-    v_ref, s_ref = ref.merge_state_ref(v, s, v_o, s_o)
+    v_ref, s_ref = aref.merge_state_ref(v, s, v_o, s_o)
     if masked:  # rows outside the mask are untouched
         v_ref = np.where(mask[:, None, None], v_ref, v.astype(np.float64))
         s_ref = np.where(mask[:, None], s_ref, s.astype(np.float64))
@@ -72,7 +72,7 @@ def test_merge_state_in_place_with_a_strided_mask(rng):
     mask = full[::2]  # rows 0, 2, 4, 5 of the six
     v_dev, s_dev = to_gpu(v), to_gpu(s)
     rtcinfer.merge_state_in_place(v_dev, s_dev, to_gpu(v_o), to_gpu(s_o), mask=to_gpu(full)[::2])
-    v_ref, s_ref = ref.merge_state_ref(v, s, v_o, s_o)
+    v_ref, s_ref = aref.merge_state_ref(v, s, v_o, s_o)
     v_ref = np.where(mask[:, None, None], v_ref, v.astype(np.float64))
     s_ref = np.where(mask[:, None], s_ref, s.astype(np.float64))
     check(v_dev, s_dev, v_ref, s_ref, "float32")
@@ -83,7 +83,7 @@ def test_merge_state_in_place_with_a_strided_mask(rng):
 def test_merge_states(rng, dtype, num_states):
     v, s = states(rng, (6, num_states, 3, 64), dtype)
     out_v, out_s = rtcinfer.merge_states(to_gpu(v), to_gpu(s))
-    check(out_v, out_s, *ref.merge_states_ref(v, s), dtype)
+    check(out_v, out_s, *aref.merge_states_ref(v, s), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,7 +98,7 @@ def test_a_nan_or_inf_state_gives_nan(rng, dtype):
     s[2, 3, 0] = np.nan  # NaN among empty states
     v[3, 0, 1, 7] = np.nan
     out_v, out_s = (to_host(x) for x in rtcinfer.merge_states(to_gpu(v), to_gpu(s)))
-    v_ref, s_ref = ref.merge_states_ref(v, s)
+    v_ref, s_ref = aref.merge_states_ref(v, s)
     nan_rows = [(0, 0), (1, 1), (2, 0)]
     for n, h in nan_rows:
         assert np.isnan(s_ref[n, h]) and np.isnan(out_s[n, h]), (n, h, out_s[n, h])
@@ -118,7 +118,7 @@ def test_strided_states(rng):
     out_v, out_s = rtcinfer.merge_states(
         to_gpu(big_v)[::2, :, 1:4, 128:], to_gpu(big_s)[::2, :, 1:4]
     )
-    check(out_v, out_s, *ref.merge_states_ref(v, s), "bfloat16")
+    check(out_v, out_s, *aref.merge_states_ref(v, s), "bfloat16")
 
 
 def test_torch_arrays(rng):
@@ -127,4 +127,4 @@ def test_torch_arrays(rng):
     args = [torch.from_dlpack(to_gpu(x)) for x in (v_a, s_a, v_b, s_b)]
     v, s = rtcinfer.merge_state(*args)
     assert isinstance(v, torch.Tensor) and v.dtype == torch.float16
-    check(v, s, *ref.merge_state_ref(v_a, s_a, v_b, s_b), "float16")
+    check(v, s, *aref.merge_state_ref(v_a, s_a, v_b, s_b), "float16")

@@ -18,7 +18,7 @@ import rtcinfer
 from rtcinfer.attention.decode_kernel import kernel
 from rtcinfer.interop.dtypes import FP8_DTYPES
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .gpu_decode import (
     check_attention,
@@ -383,7 +383,7 @@ def test_single_decode(kv_len, kv_layout):
     o, lse = rtcinfer.single_decode_with_kv_cache(
         to_gpu(q), to_gpu(k), to_gpu(v), kv_layout=kv_layout, return_lse=True
     )
-    o_ref, lse_ref = ref.single_decode_ref(q, k, v, kv_layout=kv_layout, return_lse=True)
+    o_ref, lse_ref = aref.single_decode_ref(q, k, v, kv_layout=kv_layout, return_lse=True)
     check_attention(o, lse, o_ref, lse_ref, "bfloat16")
 
 
@@ -395,7 +395,7 @@ def test_single_decode_without_lse_returns_o_when_nothing_splits():
     k, v = (random_values(rng, (20, 2, 128), "bfloat16") for _ in range(2))
     o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v))
     assert tuple(o.shape) == (8, 128)
-    assert_close(o, ref.single_decode_ref(q, k, v), "bfloat16")
+    assert_close(o, aref.single_decode_ref(q, k, v), "bfloat16")
 
 
 def test_single_decode_features():
@@ -408,11 +408,11 @@ def test_single_decode_features():
     kwargs = dict(pos_encoding_mode="ROPE_LLAMA", q_scale=1.5, k_scale=0.7, v_scale=2.0,
                   window_left=1000, logits_soft_cap=4.0, rope_theta=5e5)  # fmt: skip
     o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), **kwargs)
-    assert_close(o, ref.single_decode_ref(q, k, v, **kwargs), "float16")
+    assert_close(o, aref.single_decode_ref(q, k, v, **kwargs), "float16")
     # q_scale 0 (not None): every logit is 0, so o is the mean of v over the window
     zero = dict(q_scale=0.0, window_left=99)
     o = rtcinfer.single_decode_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), **zero)
-    assert_close(o, ref.single_decode_ref(q, k, v, **zero), "float16")
+    assert_close(o, aref.single_decode_ref(q, k, v, **zero), "float16")
     mean = v[-100:].astype(np.float64).mean(axis=0).repeat(4, axis=0)  # 4 query heads per kv head
     assert_close(o, mean, "float16")
 

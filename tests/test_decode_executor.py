@@ -13,7 +13,7 @@ from rtcinfer.plan.decode import plan_decode
 
 from .decode_executor import execute_decode_plan
 from .paged_batch import page_table_for, random_paged_cache
-from .reference import batch_decode_paged_ref
+from .reference_attention import batch_decode_paged_ref
 
 PAGE_SIZE = 16
 LENGTHS = [1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, 513, 0]

@@ -154,7 +154,7 @@ def test_jax_eager_and_jit_with_replan():
 
 def test_jax_single_decode_in_jit():
     jax = _jax_gpu()
-    from . import reference as ref
+    from . import reference_attention as aref
     from .gpu_decode import random_values
 
     rng = np.random.default_rng(5)
@@ -162,7 +162,7 @@ def test_jax_single_decode_in_jit():
     k, v = (random_values(rng, (3000, 2, 128), "bfloat16") for _ in range(2))
     fn = jax.jit(lambda q, k, v: rtcinfer.single_decode_with_kv_cache(q, k, v, return_lse=True))
     o, lse = fn(*(jax.numpy.asarray(x) for x in (q, k, v)))
-    expected = ref.single_decode_ref(q, k, v, return_lse=True)
+    expected = aref.single_decode_ref(q, k, v, return_lse=True)
     check_attention(np.asarray(o), np.asarray(lse), *expected, "bfloat16")
 
 
@@ -187,7 +187,7 @@ def test_single_decode_in_a_torch_cuda_graph():
     first call with new shapes made inside the capture (its plan is uploaded outside the graph,
     in relaxed capture mode)."""
     torch = pytest.importorskip("torch")
-    from . import reference as ref
+    from . import reference_attention as aref
 
     q = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(777, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -204,7 +204,7 @@ def test_single_decode_in_a_torch_cuda_graph():
             t.copy_(torch.randn_like(t))
         graph.replay()
         torch.cuda.synchronize()
-        want = ref.single_decode_ref(to_host(q), to_host(k), to_host(v))
+        want = aref.single_decode_ref(to_host(q), to_host(k), to_host(v))
         assert_close(o, want, "bfloat16")
     k2 = torch.randn(778, 8, 128, device="cuda", dtype=torch.bfloat16)  # unseen shapes
     graph2 = torch.cuda.CUDAGraph()
@@ -213,4 +213,4 @@ def test_single_decode_in_a_torch_cuda_graph():
     k2.copy_(torch.randn_like(k2))
     graph2.replay()
     torch.cuda.synchronize()
-    assert_close(o2, ref.single_decode_ref(to_host(q), to_host(k2), to_host(k2)), "bfloat16")
+    assert_close(o2, aref.single_decode_ref(to_host(q), to_host(k2), to_host(k2)), "bfloat16")

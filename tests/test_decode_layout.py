@@ -351,7 +351,7 @@ def test_kernel_flow_matches_the_reference(window_left, split):
     from rtcinfer.plan.decode import plan_decode
 
     from .paged_batch import page_table_for
-    from .reference import batch_decode_paged_ref
+    from .reference_attention import batch_decode_paged_ref
 
     rng = np.random.default_rng(window_left + 7)
     page_size, head_dim, group, num_kv_heads = 16, 64, 3, 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from . import reference as ref
+from . import reference_attention as aref
 
 ROOT = Path(__file__).resolve().parent.parent
 _SPEC = importlib.util.spec_from_file_location("paged_cache", ROOT / "examples" / "paged_cache.py")
@@ -51,13 +51,13 @@ def test_the_examples_references_agree_with_the_suites():
     cache = rng.standard_normal((PAGES, 2, PAGE, HKV, D))
     k, v = rng.standard_normal((2, 4, HKV, D))
     positions = np.array(table.lengths) - 1
-    expected = ref.append_paged_kv_cache_ref(k, v, np.arange(4), positions, cache, indices,
+    expected = aref.append_paged_kv_cache_ref(k, v, np.arange(4), positions, cache, indices,
                                              indptr, last)  # fmt: skip
     paged_cache.append(cache, table, k, v)
     np.testing.assert_array_equal(cache, expected)
     q = rng.standard_normal((4, HQ, D))
     np.testing.assert_allclose(paged_cache.attention(q, cache, table),
-                               ref.batch_decode_paged_ref(q, cache, indptr, indices, last),
+                               aref.batch_decode_paged_ref(q, cache, indptr, indices, last),
                                rtol=1e-12, atol=1e-12)  # fmt: skip
 
 

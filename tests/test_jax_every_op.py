@@ -12,6 +12,8 @@ import pytest
 import rtcinfer
 
 from . import reference as ref
+from . import reference_attention as aref
+from . import reference_sampling as sref
 from .checks import assert_close
 from .gpu import randn
 
@@ -91,11 +93,11 @@ def _merge_and_append(rng):
     indices, indptr = np.array([5, 2, 7], np.int32), np.array([0, 2, 3], np.int32)
     last = np.array([4, 16], np.int32)  # request 0: 20 tokens, request 1: 16
     bidx, pos = np.array([0, 0, 1], np.int32), np.array([18, 19, 15], np.int32)
-    append = ref.append_paged_kv_cache_ref(keys, values, bidx, pos, cache, indices, indptr, last)
+    append = aref.append_paged_kv_cache_ref(keys, values, bidx, pos, cache, indices, indptr, last)
     return {
         "merge_state": (rtcinfer.merge_state, (va, sa, vb, sb),
-                        ref.merge_state_ref(va, sa, vb, sb)),
-        "merge_states": (rtcinfer.merge_states, (v, s), ref.merge_states_ref(v, s)),
+                        aref.merge_state_ref(va, sa, vb, sb)),
+        "merge_states": (rtcinfer.merge_states, (v, s), aref.merge_states_ref(v, s)),
         "append_paged_kv_cache": (rtcinfer.append_paged_kv_cache,
                                   (keys, values, bidx, pos, cache, indices, indptr, last), append),
     }  # fmt: skip
@@ -105,8 +107,8 @@ def _attention(rng):
     q1 = randn(rng, (HQ, D), "bfloat16")
     q, k, v = (randn(rng, (n, h, D), "bfloat16") for n, h in ((N, HQ), (300, HKV), (300, HKV)))
     scale = 1 / np.sqrt(D)
-    one = ref.attention_ref(q1[None], k, v, sm_scale=scale)[0][0]
-    prefill = ref.attention_ref(q, k, v, causal=True, sm_scale=scale)[0]
+    one = aref.attention_ref(q1[None], k, v, sm_scale=scale)[0][0]
+    prefill = aref.attention_ref(q, k, v, causal=True, sm_scale=scale)[0]
     return {
         "single_decode_with_kv_cache": (rtcinfer.single_decode_with_kv_cache, (q1, k, v), one),
         "single_prefill_with_kv_cache": (
@@ -117,15 +119,15 @@ def _attention(rng):
 
 def _sampling_refs(rng):
     logits = (3 * rng.standard_normal((3, 1000))).astype(np.float32)
-    probs = ref.softmax_ref(logits).astype(np.float32)
+    probs = sref.softmax_ref(logits).astype(np.float32)
     return {
-        "softmax": (rtcinfer.softmax, (logits,), ref.softmax_ref(logits)),
+        "softmax": (rtcinfer.softmax, (logits,), sref.softmax_ref(logits)),
         "top_k_mask_logits": (lambda x: rtcinfer.top_k_mask_logits(x, 10), (logits,),
-                              ref.top_k_mask_logits_ref(logits, 10)),
+                              sref.top_k_mask_logits_ref(logits, 10)),
         "top_k_renorm_probs": (lambda p: rtcinfer.top_k_renorm_probs(p, 10), (probs,),
-                               ref.top_k_renorm_probs_ref(probs, 10)),
+                               sref.top_k_renorm_probs_ref(probs, 10)),
         "top_p_renorm_probs": (lambda p: rtcinfer.top_p_renorm_probs(p, 0.9), (probs,),
-                               ref.top_p_renorm_probs_ref(probs, 0.9)),
+                               sref.top_p_renorm_probs_ref(probs, 0.9)),
     }  # fmt: skip
 
 
@@ -192,7 +194,7 @@ def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax_gpu, 
     op, params, from_probs = SAMPLERS[name]
     rng = np.random.default_rng(1)
     logits = (3 * rng.standard_normal((4, 1000))).astype(np.float32)
-    probs = ref.softmax_ref(logits).astype(np.float32)
+    probs = sref.softmax_ref(logits).astype(np.float32)
     if from_probs is None:  # the one-call samplers take the logits
         k, p = params.get("top_k"), params.get("top_p")
         extra = () if k is None else (k, p)
@@ -209,7 +211,7 @@ def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax_gpu, 
         arg = jax.numpy.asarray(probs)
     eager, jitted = _host(fn(arg)), _host(jax.jit(fn)(arg))
     _assert_same_bits(eager, jitted, name)
-    keep = ref.sampling_keep_ref(probs, op, **params)
+    keep = sref.sampling_keep_ref(probs, op, **params)
     tokens = eager[0]
     assert tokens.shape == (4,)
     assert all(keep[b, t] for b, t in enumerate(tokens.tolist())), (name, tokens)
@@ -218,8 +220,8 @@ def test_a_sampler_inside_jit_draws_its_eager_tokens_from_its_kept_set(jax_gpu, 
 def test_chain_speculative_sampling_inside_jit_gives_its_eager_bits(jax_gpu):
     jax = jax_gpu
     rng = np.random.default_rng(2)
-    draft = ref.softmax_ref(rng.standard_normal((2, 3, 100))).astype(np.float32)
-    target = ref.softmax_ref(rng.standard_normal((2, 4, 100))).astype(np.float32)
+    draft = sref.softmax_ref(rng.standard_normal((2, 3, 100))).astype(np.float32)
+    target = sref.softmax_ref(rng.standard_normal((2, 4, 100))).astype(np.float32)
     tokens = rng.integers(0, 100, (2, 3)).astype(np.int32)
     args = [jax.numpy.asarray(a) for a in (draft, tokens, target)]
 

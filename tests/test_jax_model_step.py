@@ -14,6 +14,7 @@ import pytest
 
 import rtcinfer
 from tests import reference as ref
+from tests import reference_attention as aref
 from tests.checks import assert_close
 from tests.gpu import randn
 
@@ -71,9 +72,9 @@ def test_a_decode_step_inside_jit_matches_float64_op_by_op(jax_gpu, batch):
     inv = ref.rope_inv_freq(D)
     assert_close(q2, ref.rope_ref(q, pos, D, False, inv), "bfloat16")
     assert_close(k2, ref.rope_ref(k, pos, D, False, inv), "bfloat16")
-    want_cache = ref.append_paged_kv_cache_ref(k2, v, bidx, pos, cache, indices, indptr, last)
+    want_cache = aref.append_paged_kv_cache_ref(k2, v, bidx, pos, cache, indices, indptr, last)
     np.testing.assert_array_equal(cache2.astype(np.float32), want_cache.astype(np.float32))
-    assert_close(o, ref.batch_decode_paged_ref(q2, cache2, indptr, indices, last), "bfloat16")
+    assert_close(o, aref.batch_decode_paged_ref(q2, cache2, indptr, indices, last), "bfloat16")
     want_out, want_residual = ref.fused_add_rmsnorm_ref(
         o.reshape(batch, HQ * D)[:, :HIDDEN], x, ln, EPS, dtype="bfloat16"
     )

@@ -11,7 +11,7 @@ import pytest
 import rtcinfer
 from rtcinfer.plan import page as host_page
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import to_host
 from .gpu_decode import check_attention, make_batch, random_values, run_batch, to_gpu
 
@@ -76,7 +76,7 @@ def test_append_then_decode(case):
     bi, pos = rtcinfer.get_batch_indices_positions(to_gpu(append_indptr), seq_lens, nnz)
     heads, dim, dtype = batch.num_kv_heads, batch.head_dim, batch.kv_dtype
     keys, values = (random_values(rng, (nnz, heads, dim), dtype) for _ in range(2))
-    expected = ref.append_paged_kv_cache_ref(
+    expected = aref.append_paged_kv_cache_ref(
         keys, values, to_host(bi).astype(np.int32), to_host(pos).astype(np.int32), batch.cache,
         batch.indices, batch.indptr, batch.last, batch.layout,
     )  # fmt: skip
@@ -101,7 +101,7 @@ def test_append_then_decode(case):
 def _append_matches_reference(batch, keys, values, bi, pos):
     """append_paged_kv_cache of host rows into the batch's device cache (NHD, 5-D) equals the
     float64 reference append, bit for bit."""
-    expected = ref.append_paged_kv_cache_ref(
+    expected = aref.append_paged_kv_cache_ref(
         keys, values, bi, pos, batch.cache, batch.indices, batch.indptr, batch.last
     )
     table = [to_gpu(x) for x in (batch.indices, batch.indptr, batch.last)]
@@ -159,7 +159,7 @@ def test_int64_index_arrays(rng, table_dtype, rows_dtype):
     np.testing.assert_array_equal(to_host(bi), want_bi)
     np.testing.assert_array_equal(to_host(pos), want_pos)
     keys, values = (random_values(rng, (nnz, 2, 128), "bfloat16") for _ in range(2))
-    expected = ref.append_paged_kv_cache_ref(
+    expected = aref.append_paged_kv_cache_ref(
         keys, values, want_bi, want_pos, batch.cache, batch.indices, batch.indptr, batch.last
     )
     table = [to_gpu(x.astype(table_dtype)) for x in (batch.indices, batch.indptr, batch.last)]

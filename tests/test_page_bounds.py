@@ -16,7 +16,7 @@ import pytest
 
 import rtcinfer
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import to_host
 
 pytestmark = pytest.mark.gpu
@@ -103,7 +103,7 @@ def _expected(cache_before, keys, values, table, bad_token):
     """The reference append with the bad token's row skipped (as padding)."""
     indices, indptr, last, bi, pos = (np.array(x) for x in table)
     bi[bad_token] = -1
-    return ref.append_paged_kv_cache_ref(keys, values, bi, pos, cache_before, indices, indptr,
+    return aref.append_paged_kv_cache_ref(keys, values, bi, pos, cache_before, indices, indptr,
                                          last)  # fmt: skip
 
 
@@ -130,7 +130,7 @@ def test_a_bad_entry_is_skipped_and_raised_by_the_next_call(case):
         _append(more_keys, more_values, good, cache)
     np.testing.assert_array_equal(to_host(cache), expected)  # the raising call wrote nothing
     _append(more_keys, more_values, good, cache)  # cleared: later calls run
-    after = ref.append_paged_kv_cache_ref(more_keys, more_values, good[3], good[4], expected,
+    after = aref.append_paged_kv_cache_ref(more_keys, more_values, good[3], good[4], expected,
                                           *good[:3])  # fmt: skip
     np.testing.assert_array_equal(to_host(cache), after)
     assert rtcinfer.check_errors() is None
@@ -153,7 +153,7 @@ def test_check_errors_waits_and_counts_the_bad_rows():
         rtcinfer.check_errors()
     assert rtcinfer.check_errors() is None
     _guards_untouched(whole)
-    expected = ref.append_paged_kv_cache_ref(keys[:1], values[:1], table[3][:1], table[4][:1],
+    expected = aref.append_paged_kv_cache_ref(keys[:1], values[:1], table[3][:1], table[4][:1],
                                              np.zeros(cache.shape), *table[:3])  # fmt: skip
     np.testing.assert_array_equal(to_host(cache), expected)
 

@@ -8,7 +8,7 @@ import pytest
 
 from rtcinfer.plan.prefill import choose_tile_rows, plan_prefill
 
-from . import reference as ref
+from . import reference_attention as aref
 from .prefill_executor import execute_prefill_plan
 
 AWKWARD = [0, 1, 17, 127, 128, 129, 1000]
@@ -27,7 +27,7 @@ def batch(rng, qo_lens, kv_extra, num_kv_heads=2, group=4, d=16):
 
 def reference(q, k, v, qo_indptr, kv_indptr, **features):
     outs = [
-        ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
+        aref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
                           v[kv_indptr[b] : kv_indptr[b + 1]], **features)
         for b in range(len(qo_indptr) - 1)
     ]  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 import rtcinfer
 
 from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .gpu_decode import random_values, to_gpu
 
@@ -34,7 +35,7 @@ def ragged_batch(rng, qo, extra, hq=8, hkv=2, d=128, dtype="bfloat16"):
 def reference(q, k, v, qo_indptr, kv_indptr, masks=None, **features):
     """Each request on its own; masks: one bool [qo_len, kv_len] per request (or None)."""
     outs = [
-        ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
+        aref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k[kv_indptr[b] : kv_indptr[b + 1]],
                           v[kv_indptr[b] : kv_indptr[b + 1]],
                           mask=None if masks is None else masks[b], **features)
         for b in range(len(qo_indptr) - 1)
@@ -62,7 +63,7 @@ def ref_features(features, hq, d, causal):
                window_left=features.get("window_left", -1),
                logits_soft_cap=features.get("logits_soft_cap", 0.0))  # fmt: skip
     if features.get("pos_encoding_mode") == "ALIBI":
-        out["alibi_slopes"] = ref.alibi_slopes(hq)
+        out["alibi_slopes"] = aref.alibi_slopes(hq)
     return out
 
 
@@ -184,7 +185,7 @@ def test_single_prefill(layout, causal, qo_len, kv_len):
     q = random_values(rng, (qo_len, 8, 128), "float16")
     k = random_values(rng, (kv_len, 2, 128), "float16")
     v = random_values(rng, (kv_len, 2, 128), "float16")
-    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, sm_scale=0.1)
+    o_ref, lse_ref = aref.attention_ref(q, k, v, causal=causal, sm_scale=0.1)
     gk, gv = to_gpu(k), to_gpu(v)
     if layout == "HND":
         gk, gv = gk.transpose(1, 0, 2), gv.transpose(1, 0, 2)  # strided views, not copies
@@ -204,7 +205,7 @@ def test_single_prefill_without_lse_returns_o_when_nothing_splits():
     rng = np.random.default_rng(31)
     q = random_values(rng, (5, 8, 128), "bfloat16")
     k, v = (random_values(rng, (9, 2, 128), "bfloat16") for _ in range(2))
-    o_ref, _ = ref.attention_ref(q, k, v, causal=True, sm_scale=1 / np.sqrt(128))
+    o_ref, _ = aref.attention_ref(q, k, v, causal=True, sm_scale=1 / np.sqrt(128))
     o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), to_gpu(k), to_gpu(v), causal=True)
     assert tuple(o.shape) == (5, 8, 128)
     assert_close(to_host(o), o_ref, "bfloat16", "o", per_vector=True)
@@ -215,7 +216,7 @@ def test_single_prefill_window_soft_cap_and_strided_kv():
     q = random_values(rng, (200, 4, 64), "bfloat16")
     kv = random_values(rng, (700, 2, 3, 64), "bfloat16")  # K and V interleaved by token
     k, v = kv[:, 0, :2], kv[:, 1, 1:]
-    o_ref, _ = ref.attention_ref(q, k, v, causal=True, sm_scale=0.125, window_left=100,
+    o_ref, _ = aref.attention_ref(q, k, v, causal=True, sm_scale=0.125, window_left=100,
                                  logits_soft_cap=20.0)  # fmt: skip
     g = to_gpu(kv)
     o = rtcinfer.single_prefill_with_kv_cache(to_gpu(q), g[:, 0, :2], g[:, 1, 1:], causal=True,
@@ -282,7 +283,7 @@ def test_paged_custom_mask_from_host_and_single_prefill_masks():
     b = 2  # single prefill of request 2 with its mask, boolean and packed
     qb, kb, vb = (x[i[b] : i[b + 1]] for x, i in ((q, qo_indptr), (k, kv_indptr),
                                                    (v, kv_indptr)))  # fmt: skip
-    o_ref, lse_ref = ref.attention_ref(qb, kb, vb, sm_scale=1 / 8, mask=masks[b])
+    o_ref, lse_ref = aref.attention_ref(qb, kb, vb, sm_scale=1 / 8, mask=masks[b])
     for kwargs in (dict(custom_mask=to_gpu(masks[b])),
                    dict(packed_custom_mask=rtcinfer.packbits(to_gpu(masks[b].ravel()),
                                                              "little"))):  # fmt: skip

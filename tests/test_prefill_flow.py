@@ -166,7 +166,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     with the 32-row-warp kernel forced)."""
     from rtcinfer.attention.paged_kv import cache_views
 
-    from . import reference as ref
+    from . import reference_attention as aref
 
     prefill, packed = wrappers
     rng = np.random.default_rng(len(qo) + abs(group))
@@ -217,7 +217,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
         tokens = np.arange(kv[b])
         ids = indices[indptr[b] + tokens // page]
         k, v = cache[ids, 0, tokens % page], cache[ids, 1, tokens % page]
-        o_ref, lse_ref = ref.attention_ref(
+        o_ref, lse_ref = aref.attention_ref(
             q[qs], k, v, sm_scale=0.25, causal=bool(kw.get("causal")) and bits is None,
             window_left=kw.get("window_left", -1), mask=masks[b] if bits is not None else None,
         )  # fmt: skip
@@ -231,7 +231,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
 def test_the_kernels_flow_over_a_ragged_cache(wrappers, causal):
     """The ragged form: one "page" of 2^30 slots per request at row kv_indptr[b] (FastDiv by
     2^30, page stride = token stride), split and whole."""
-    from . import reference as ref
+    from . import reference_attention as aref
 
     prefill, packed = wrappers
     rng = np.random.default_rng(causal)
@@ -255,6 +255,6 @@ def test_the_kernels_flow_over_a_ragged_cache(wrappers, causal):
                               k.reshape(-1), v.reshape(-1))  # fmt: skip
         for b in range(len(qo)):
             qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
-            o_ref, lse_ref = ref.attention_ref(q[qs], k[ks], v[ks], sm_scale=0.25, causal=causal)
+            o_ref, lse_ref = aref.attention_ref(q[qs], k[ks], v[ks], sm_scale=0.25, causal=causal)
             np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
             np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))

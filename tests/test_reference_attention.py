@@ -11,7 +11,7 @@ import pytest
 from rtcinfer.plan.page import get_batch_indices_positions, get_seq_lens
 
 from .paged_batch import page_table_for, random_paged_cache
-from .reference import (
+from .reference_attention import (
     LOG2E,
     alibi_slopes,
     append_paged_kv_cache_ref,

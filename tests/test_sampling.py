@@ -9,7 +9,7 @@ import pytest
 
 import rtcinfer
 from rtcinfer import jit
-from tests import reference as ref
+from tests import reference_sampling as sref
 from tests import sampling_model as model
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ def probs_rows(rng, rows, vocab, scale=1.0, zeros=0.0):
     logits = rng.standard_normal((rows, vocab)) * scale
     logits[rng.random((rows, vocab)) < zeros] = -np.inf
     logits[:, 0] = np.where(np.isinf(logits).all(axis=1), 0.0, logits[:, 0])  # no empty rows
-    return ref.softmax_ref(logits).astype(np.float32)
+    return sref.softmax_ref(logits).astype(np.float32)
 
 
 def sample(op, probs, indices=None, params=None, **kw):
@@ -98,7 +98,7 @@ def test_distribution(rng, op, params, vocab, rows, scale):
         assert tokens.dtype == np.int32 and tokens.shape == (per,)
         assert bool(((tokens >= 0) & (tokens < vocab)).all()), "token id out of range"
         counts += cp.bincount(idx.astype(cp.int64) * vocab + tokens, minlength=rows * vocab)
-    expected = ref.sampling_dist_ref(host, op, **params)
+    expected = sref.sampling_dist_ref(host, op, **params)
     check_frequencies(counts.get().reshape(rows, vocab), expected, f"{op} {params}")
 
 
@@ -112,13 +112,13 @@ def test_distribution_from_logits(rng, order):
     x = cp.asarray(logits)
     if order is None:
         tokens = rtcinfer.sampling_from_logits(x, idx, seed=9, offset=0)
-        expected = ref.softmax_ref(logits)
+        expected = sref.softmax_ref(logits)
     else:
         tokens = rtcinfer.top_k_top_p_sampling_from_logits(
             x, 15, 0.85, idx, filter_apply_order=order, seed=9, offset=0
         )
         op = "top_k_top_p" if order == "joint" else "top_k_first"
-        expected = ref.sampling_dist_ref(ref.softmax_ref(logits), op, top_k=15, top_p=0.85)
+        expected = sref.sampling_dist_ref(sref.softmax_ref(logits), op, top_k=15, top_p=0.85)
     counts = cp.bincount(idx.astype(cp.int64) * vocab + tokens, minlength=rows * vocab)
     check_frequencies(counts.get().reshape(rows, vocab), expected, f"logits {order}")
 
@@ -181,7 +181,7 @@ def draws_of(op, host, params, repeats, seed=3):
 def test_never_a_filtered_or_zero_token(rng, op, params, vocab, rows):
     host = probs_rows(rng, rows, vocab, 2.0, zeros=0.3)
     tokens = draws_of(op, host, params, repeats=max(4, 8192 // rows))
-    keep = ref.sampling_keep_ref(host, op, **params)
+    keep = sref.sampling_keep_ref(host, op, **params)
     assert keep[np.arange(rows)[None, :], tokens].all()
 
 
@@ -248,18 +248,18 @@ def test_per_row_parameters(rng):
         for r in range(16):
             if op == "top_k":
                 tokens = rtcinfer.top_k_sampling_from_probs(probs, *args, seed=2, offset=r)
-                keep = ref.sampling_keep_ref(host, op, top_k=k)
+                keep = sref.sampling_keep_ref(host, op, top_k=k)
             elif op == "top_p":
                 tokens = rtcinfer.top_p_sampling_from_probs(probs, *args, seed=2, offset=r)
-                keep = ref.sampling_keep_ref(host, op, top_p=p)
+                keep = sref.sampling_keep_ref(host, op, top_p=p)
             elif op == "min_p":
                 tokens = rtcinfer.min_p_sampling_from_probs(probs, *args, seed=2, offset=r)
-                keep = ref.sampling_keep_ref(host, op, min_p=m)
+                keep = sref.sampling_keep_ref(host, op, min_p=m)
             else:
                 tokens = rtcinfer.top_k_top_p_sampling_from_probs(
                     probs, *args, filter_apply_order="joint", seed=2, offset=r
                 )
-                keep = ref.sampling_keep_ref(host, op, top_k=k, top_p=p)
+                keep = sref.sampling_keep_ref(host, op, top_k=k, top_p=p)
             assert keep[np.arange(rows), tokens.get()].all(), op
 
 
@@ -297,7 +297,7 @@ def test_indices_map_outputs_to_rows_and_set_the_dtype(rng, index_dtype):
     idx = rng.integers(0, 5, 3000).astype(index_dtype)
     tokens = rtcinfer.top_k_sampling_from_probs(cp.asarray(host), 20, cp.asarray(idx), seed=4)
     assert tokens.dtype == index_dtype and tokens.shape == (3000,)
-    keep = ref.sampling_keep_ref(host, "top_k", top_k=20)
+    keep = sref.sampling_keep_ref(host, "top_k", top_k=20)
     assert keep[idx, tokens.get()].all()
 
 
@@ -313,7 +313,7 @@ def test_half_precision_probs(rng, dtype):
     for op, params in OPS:
         tokens = sample(op, probs, idx, params, seed=6, offset=0)
         counts = cp.bincount(idx.astype(cp.int64) * 32000 + tokens, minlength=4 * 32000)
-        expected = ref.sampling_dist_ref(rounded, op, **params)
+        expected = sref.sampling_dist_ref(rounded, op, **params)
         check_frequencies(counts.get().reshape(4, 32000), expected, f"{dtype} {op}")
 
 
@@ -324,12 +324,12 @@ def test_strided_unaligned_and_tiny_rows(rng):
     host = wide[:, 1:]
     for op, params in OPS:
         tokens = sample(op, strided, None, params, seed=1).get()
-        assert ref.sampling_keep_ref(host, op, **params)[np.arange(16), tokens].all(), op
+        assert sref.sampling_keep_ref(host, op, **params)[np.arange(16), tokens].all(), op
     for vocab in (1, 2, 3, 111):
         small = probs_rows(rng, 33, vocab, 1.0)
         for op, params in OPS:
             tokens = sample(op, cp.asarray(small), None, params, seed=1).get()
-            assert ref.sampling_keep_ref(small, op, **params)[np.arange(33), tokens].all()
+            assert sref.sampling_keep_ref(small, op, **params)[np.arange(33), tokens].all()
 
 
 def test_rows_without_mass_and_bad_values(rng):

@@ -10,7 +10,7 @@ import rtcinfer
 from rtcinfer import jit
 from rtcinfer.layout import widest_vec
 from rtcinfer.sampling.cluster import cluster_size
-from tests import reference as ref
+from tests import reference_sampling as sref
 from tests import sampling_cluster_model as model
 from tests.test_sampling import DRAWS, OPS, check_frequencies, cupy, probs_rows, sample
 
@@ -82,7 +82,7 @@ def test_distribution_of_small_batches(rng, op, params, vocab, batch):
     tokens = tokens.reshape(-1)
     assert bool(((tokens >= 0) & (tokens < vocab)).all())
     counts = cp.bincount(tokens, minlength=vocab).get()[None]
-    check_frequencies(counts, ref.sampling_dist_ref(host, op, **params), f"{op} batch {batch}")
+    check_frequencies(counts, sref.sampling_dist_ref(host, op, **params), f"{op} batch {batch}")
 
 
 def test_edge_rows_through_clusters(rng):
@@ -97,7 +97,7 @@ def test_edge_rows_through_clusters(rng):
     for op, params in OPS:
         tokens = sample(op, probs, None, params, seed=2).get()
         assert tokens[0] == 12345 and tokens[1] in (7, 69999) and tokens[3] == 0, (op, tokens)
-        assert ref.sampling_keep_ref(host[2:3], op, **params)[0, tokens[2]]
+        assert sref.sampling_keep_ref(host[2:3], op, **params)[0, tokens[2]]
     ones = cp.ones((2, 1), cp.float32)
     assert sample("top_k", ones, None, {"top_k": 1}).get().tolist() == [0, 0]
     host[2, 99] = np.nan

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rtcinfer.sampling.philox import Generator, resolve
-from tests import reference as ref
+from tests import reference_sampling as sref
 from tests import sampling_cluster_model as cluster_model
 from tests import sampling_model as model
 
@@ -23,7 +23,7 @@ def probs_row(rng, vocab, scale=1.0, zeros=0.0):
     """softmax(scale * N(0, 1)) in fp32, a fraction `zeros` of the tokens set to 0."""
     logits = rng.standard_normal(vocab) * scale
     logits[rng.random(vocab) < zeros] = -np.inf
-    return ref.softmax_ref(logits[None])[0].astype(np.float32)
+    return sref.softmax_ref(logits[None])[0].astype(np.float32)
 
 
 @pytest.mark.parametrize("counter,key,expected", PHILOX_KAT)
@@ -59,36 +59,38 @@ def test_generator_advances_and_resolve_rules():
 
 def test_reference_kept_sets_on_hand_examples():
     p = np.array([0.3, 0.2, 0.2, 0.2, 0.1])
-    assert ref.top_k_keep_ref(p, 2)[0].tolist() == [True, True, True, True, False]  # ties stay
-    assert ref.top_k_keep_ref(p, 1)[0].tolist() == [True, False, False, False, False]
-    assert ref.top_k_keep_ref(p, 0)[0].all() and ref.top_k_keep_ref(p, 5)[0].all()
+    assert sref.top_k_keep_ref(p, 2)[0].tolist() == [True, True, True, True, False]  # ties stay
+    assert sref.top_k_keep_ref(p, 1)[0].tolist() == [True, False, False, False, False]
+    assert sref.top_k_keep_ref(p, 0)[0].all() and sref.top_k_keep_ref(p, 5)[0].all()
     q = np.array([0.5, 0.3, 0.2])
-    assert ref.top_p_keep_ref(q, 0.5)[0].tolist() == [True, False, False]
-    assert ref.top_p_keep_ref(q, 0.6)[0].tolist() == [True, True, False]
-    assert ref.top_p_keep_ref(q, 1e-9)[0].tolist() == [True, False, False]  # the max stays
-    assert ref.top_p_keep_ref(q, 1.0)[0].all()
-    assert ref.min_p_keep_ref(q, 0.5)[0].tolist() == [True, True, False]
-    assert ref.min_p_keep_ref(q, 0.0)[0].all()
+    assert sref.top_p_keep_ref(q, 0.5)[0].tolist() == [True, False, False]
+    assert sref.top_p_keep_ref(q, 0.6)[0].tolist() == [True, True, False]
+    assert sref.top_p_keep_ref(q, 1e-9)[0].tolist() == [True, False, False]  # the max stays
+    assert sref.top_p_keep_ref(q, 1.0)[0].all()
+    assert sref.min_p_keep_ref(q, 0.5)[0].tolist() == [True, True, False]
+    assert sref.min_p_keep_ref(q, 0.0)[0].all()
     # top_k_first renormalizes over the top k first: above 0.3 lies 0.5 / 0.8 = 0.625 >= 0.6
-    first = ref.sampling_keep_ref(q, "top_k_first", top_k=2, top_p=0.6)[0]
-    joint = ref.sampling_keep_ref(q, "top_k_top_p", top_k=2, top_p=0.6)[0]
+    first = sref.sampling_keep_ref(q, "top_k_first", top_k=2, top_p=0.6)[0]
+    joint = sref.sampling_keep_ref(q, "top_k_top_p", top_k=2, top_p=0.6)[0]
     assert first.tolist() == [True, False, False] and joint.tolist() == [True, True, False]
-    assert not ref.sampling_keep_ref(np.array([0.0, 1.0]), "plain")[0, 0]
+    assert not sref.sampling_keep_ref(np.array([0.0, 1.0]), "plain")[0, 0]
 
 
 def test_reference_renorm_and_mask():
     p = np.array([[0.1, 0.4, 0.2, 0.3]])
-    np.testing.assert_allclose(ref.top_k_renorm_probs_ref(p, 2), [[0, 4 / 7, 0, 3 / 7]])
-    np.testing.assert_allclose(ref.top_p_renorm_probs_ref(p, 0.5), [[0, 4 / 7, 0, 3 / 7]])
+    np.testing.assert_allclose(sref.top_k_renorm_probs_ref(p, 2), [[0, 4 / 7, 0, 3 / 7]])
+    np.testing.assert_allclose(sref.top_p_renorm_probs_ref(p, 0.5), [[0, 4 / 7, 0, 3 / 7]])
     x = np.array([[1.0, np.nan, 3.0, -np.inf, 2.0]])
-    assert ref.top_k_mask_logits_ref(x, 2).tolist() == [[-np.inf, -np.inf, 3.0, -np.inf, 2.0]]
-    np.testing.assert_allclose(ref.softmax_ref(np.array([[0.0, np.log(3.0)]]), 1.0), [[0.25, 0.75]])
-    assert ref.softmax_ref(np.full((1, 3), -np.inf)).tolist() == [[0.0, 0.0, 0.0]]
+    assert sref.top_k_mask_logits_ref(x, 2).tolist() == [[-np.inf, -np.inf, 3.0, -np.inf, 2.0]]
+    np.testing.assert_allclose(
+        sref.softmax_ref(np.array([[0.0, np.log(3.0)]]), 1.0), [[0.25, 0.75]]
+    )
+    assert sref.softmax_ref(np.full((1, 3), -np.inf)).tolist() == [[0.0, 0.0, 0.0]]
 
 
 def test_reference_inverse_transform_and_speculative():
-    assert ref.inverse_transform_ref(np.array([0.0, 0.5, 0.5]), 0.0).tolist() == [1]
-    assert ref.inverse_transform_ref(np.array([0.2, 0.3, 0.5]), 0.5).tolist() == [2]
+    assert sref.inverse_transform_ref(np.array([0.0, 0.5, 0.5]), 0.0).tolist() == [1]
+    assert sref.inverse_transform_ref(np.array([0.2, 0.3, 0.5]), 0.5).tolist() == [2]
     rng = np.random.default_rng(0)
     q = rng.random((3, 2, 5))
     q /= q.sum(-1, keepdims=True)
@@ -96,12 +98,12 @@ def test_reference_inverse_transform_and_speculative():
     target = np.zeros((3, 3, 5))
     target[np.arange(3)[:, None], np.arange(2)[None], ids] = 1.0
     target[:, 2, 4] = 1.0
-    tokens, acc, emitted = ref.chain_speculative_sampling_ref(q, ids, target, rng.random((3, 3)))
+    tokens, acc, emitted = sref.chain_speculative_sampling_ref(q, ids, target, rng.random((3, 3)))
     assert tokens.tolist() == [[1, 2, 4], [3, 4, 4], [0, 0, 4]]
     assert acc.tolist() == [2, 2, 2] and emitted.tolist() == [2, 2, 2]
     target[0, 0] = 0.0
     target[0, 0, 3] = 1.0  # the first draft token can never pass
-    tokens, acc, emitted = ref.chain_speculative_sampling_ref(q, ids, target, rng.random((3, 3)))
+    tokens, acc, emitted = sref.chain_speculative_sampling_ref(q, ids, target, rng.random((3, 3)))
     assert tokens[0].tolist() == [3, -1, -1] and emitted[0] == 0 and acc[0] == 1
 
 
@@ -164,7 +166,7 @@ def test_floor_lies_below_every_kept_value(rng, op, params, scale):
     P = np.float32(p) * np.float32(scan.S)
     t = np.float32(m) * scan.M
     floor, need_mass = model.sample_floor(scan, op, k > 0, k, p < 1, P, m > 0, t)
-    keep = ref.sampling_keep_ref(row, op, **params)[0]
+    keep = sref.sampling_keep_ref(row, op, **params)[0]
     assert need_mass == (op == "top_p")
     proved = row[row >= floor].astype(np.float64).sum() >= P
     if not need_mass or proved:
@@ -218,7 +220,7 @@ CASES = [
 
 def check_model_draws(row, tokens, op, params):
     """Model draws from `row`: never outside the kept set, frequencies near the reference's."""
-    expected = ref.sampling_dist_ref(row, op, **params)[0]
+    expected = sref.sampling_dist_ref(row, op, **params)[0]
     assert expected[tokens].min() > 0, "drew a token outside the kept set"
     freq = np.bincount(tokens, minlength=len(row)) / len(tokens)
     cos = freq @ expected / np.linalg.norm(freq) / np.linalg.norm(expected)
@@ -246,7 +248,7 @@ def test_model_sampler_on_a_large_row(rng, op, params, scale):
     row = probs_row(rng, 40000, scale, zeros=0.1)
     block = model.Block(256, 4)
     scan = model.scan_row(row, block)
-    keep = ref.sampling_keep_ref(row, op, **params)[0]
+    keep = sref.sampling_keep_ref(row, op, **params)[0]
     draws = [model.sample_row(row, op, seed=1, offset=i, block=block, scan=scan, **params)
              for i in range(200)]  # fmt: skip
     assert all(keep[d.token] for d in draws)
@@ -275,10 +277,10 @@ def test_model_threshold_ops_match_the_reference(rng, op, param, threads):
     if op == "top_k_mask":
         row = (rng.standard_normal(vocab) * 3).astype(np.float32)
         row[rng.random(vocab) < 0.05] = -np.inf
-        expect = ref.top_k_mask_logits_ref(row, param)[0]
+        expect = sref.top_k_mask_logits_ref(row, param)[0]
     else:
         row = probs_row(rng, vocab, 3.0, zeros=0.1)
-        fn = ref.top_k_renorm_probs_ref if op == "top_k_renorm" else ref.top_p_renorm_probs_ref
+        fn = sref.top_k_renorm_probs_ref if op == "top_k_renorm" else sref.top_p_renorm_probs_ref
         expect = fn(row, param)[0]
     out = model.renorm_row(row, op, param, model.Block(threads, 4))  # list or streamed
     floor = -np.inf if op == "top_k_mask" else 0

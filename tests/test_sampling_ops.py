@@ -9,7 +9,7 @@ import pytest
 import rtcinfer
 from rtcinfer import jit
 from rtcinfer.interop.dtypes import numpy_dtype
-from tests import reference as ref
+from tests import reference_sampling as sref
 from tests import sampling_model as model
 from tests.checks import assert_close, to_host
 from tests.test_sampling import cupy, probs_rows
@@ -56,7 +56,7 @@ def test_top_k_renorm_probs(rng, shape, dtype, per_row):
         host[0, :3] = host[0].max()  # a tie at the top
     out = rtcinfer.top_k_renorm_probs(cp.asarray(host), cp.asarray(k) if per_row else k)
     assert out.dtype == host.dtype and out.shape == shape
-    check_threshold_op(out, ref.top_k_renorm_probs_ref(host, k), dtype, 0)
+    check_threshold_op(out, sref.top_k_renorm_probs_ref(host, k), dtype, 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -69,7 +69,7 @@ def test_top_p_renorm_probs(rng, shape, dtype, top_p):
     p = rng.uniform(0, 1, rows).astype(np.float32) if top_p == "per_row" else top_p
     out = rtcinfer.top_p_renorm_probs(cp.asarray(host), cp.asarray(p) if top_p == "per_row" else p)
     loose = np.flatnonzero(top_p_margin(host.astype(np.float64), p) < 1e-5)
-    check_threshold_op(out, ref.top_p_renorm_probs_ref(host, p), dtype, 0, loose)
+    check_threshold_op(out, sref.top_p_renorm_probs_ref(host, p), dtype, 0, loose)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -84,7 +84,7 @@ def test_top_k_mask_logits(rng, shape, dtype):
         arg = cp.asarray(k) if isinstance(k, np.ndarray) else int(k)
         out = rtcinfer.top_k_mask_logits(cp.asarray(x), arg)
         assert out.dtype == x.dtype
-        expect = ref.top_k_mask_logits_ref(x, k)
+        expect = sref.top_k_mask_logits_ref(x, k)
         np.testing.assert_array_equal(np.isfinite(to_host(out)), np.isfinite(expect))
         finite = np.isfinite(expect)
         np.testing.assert_array_equal(to_host(out)[finite], expect[finite])
@@ -136,7 +136,7 @@ def test_softmax(rng, shape, dtype, temperature):
     arg = cp.asarray(t) if temperature == "per_row" else t
     out = rtcinfer.softmax(cp.asarray(x), arg)
     assert out.dtype == np.float32 and out.shape == shape
-    assert_close(out, ref.softmax_ref(x, t), "float32", tol=3e-5)  # fp32 exponents
+    assert_close(out, sref.softmax_ref(x, t), "float32", tol=3e-5)  # fp32 exponents
 
 
 def test_softmax_nan_row_is_nan(rng):
@@ -166,7 +166,7 @@ def test_speculative_matches_the_reference_algorithm(rng, batch, n, vocab):
         cp.asarray(draft), cp.asarray(ids), cp.asarray(target), seed=17, offset=4
     )
     u = model.uniform(17, 4, np.arange(batch)[:, None], np.arange(n + 1)[None, :])
-    want, want_acc, want_emit = ref.chain_speculative_sampling_ref(draft, ids, target, u)
+    want, want_acc, want_emit = sref.chain_speculative_sampling_ref(draft, ids, target, u)
     tokens = tokens.get()
     np.testing.assert_array_equal(accepted.get(), want_acc)
     np.testing.assert_array_equal(emitted.get(), want_emit)
@@ -224,16 +224,16 @@ def test_torch_tensors_and_generator(rng):
     tokens = rtcinfer.top_k_top_p_sampling_from_probs(probs, 20, 0.9, generator=g)
     assert isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int32
     assert tokens.device == probs.device
-    keep = ref.sampling_keep_ref(host, "top_k_first", top_k=20, top_p=0.9)
+    keep = sref.sampling_keep_ref(host, "top_k_first", top_k=20, top_p=0.9)
     assert keep[np.arange(32), tokens.cpu().numpy()].all()
     again = rtcinfer.top_k_top_p_sampling_from_probs(probs, 20, 0.9, generator=g)
     assert not torch.equal(tokens, again)  # the generator advanced
     k = torch.full((32,), 5, dtype=torch.int64, device="cuda")
     renorm = rtcinfer.top_k_renorm_probs(probs, k)
     assert isinstance(renorm, torch.Tensor) and renorm.dtype == torch.float32
-    assert_close(renorm, ref.top_k_renorm_probs_ref(host, 5), "float32")
+    assert_close(renorm, sref.top_k_renorm_probs_ref(host, 5), "float32")
     s = rtcinfer.softmax(torch.from_numpy(host).cuda().log(), temperature=1.0)
-    assert_close(s, ref.softmax_ref(np.log(host.astype(np.float64))), "float32")
+    assert_close(s, sref.softmax_ref(np.log(host.astype(np.float64))), "float32")
 
 
 def test_jax_arrays_and_jit(rng):
@@ -243,7 +243,7 @@ def test_jax_arrays_and_jit(rng):
     probs = jnp.asarray(host)
     tokens = rtcinfer.top_p_sampling_from_probs(probs, 0.8, seed=3, offset=1)
     assert isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32
-    keep = ref.sampling_keep_ref(host, "top_p", top_p=0.8)
+    keep = sref.sampling_keep_ref(host, "top_p", top_p=0.8)
     assert keep[np.arange(16), np.asarray(tokens)].all()
 
     @jax.jit
@@ -254,7 +254,7 @@ def test_jax_arrays_and_jit(rng):
     a = step(probs, jnp.array([[1, 0]], jnp.uint32))
     b = step(probs, jnp.array([[1, 0]], jnp.uint32))
     assert (np.asarray(a) == np.asarray(b)).all()
-    keep = ref.sampling_keep_ref(host, "top_k", top_k=10)
+    keep = sref.sampling_keep_ref(host, "top_k", top_k=10)
     assert keep[np.arange(16), np.asarray(a)].all()
     eager = rtcinfer.top_k_sampling_from_probs(probs, 10, seed=3, offset=1)
     assert (np.asarray(eager) == np.asarray(a)).all()  # (lo, hi) words are the same 64 bits

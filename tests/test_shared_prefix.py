@@ -9,7 +9,7 @@ import pytest
 
 import rtcinfer
 
-from . import reference as ref
+from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .gpu_decode import random_values, to_gpu
 
@@ -76,7 +76,7 @@ def test_multi_level_cascade(levels):
         parts = [prefix] + ([pairs[b // 2]] if levels == 3 else []) + [unique[b]]
         k = np.concatenate([p[0] for p in parts])
         v = np.concatenate([p[1] for p in parts])
-        outs.append(ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k, v, causal=True,
+        outs.append(aref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]], k, v, causal=True,
                                       sm_scale=1 / np.sqrt(D)))  # fmt: skip
     check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
 
@@ -96,7 +96,7 @@ def test_shared_prefix_decode_and_prefill():
     decode = rtcinfer.BatchDecodeWithSharedPrefixPagedKVCacheWrapper()
     decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="float16")
     o, lse = decode.run(to_gpu(q), ks, vs, cache, return_lse=True)
-    outs = [ref.attention_ref(q[b : b + 1], np.concatenate([k_shared, u[0]]),
+    outs = [aref.attention_ref(q[b : b + 1], np.concatenate([k_shared, u[0]]),
                               np.concatenate([v_shared, u[1]]), sm_scale=1 / np.sqrt(D))
             for b, u in enumerate(unique)]  # fmt: skip
     check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
@@ -108,7 +108,7 @@ def test_shared_prefix_decode_and_prefill():
     prefill.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
                  q_data_type="float16")  # fmt: skip
     o, lse = prefill.run(to_gpu(q), ks, vs, cache, return_lse=True)
-    outs = [ref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]],
+    outs = [aref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]],
                               np.concatenate([k_shared, u[0]]), np.concatenate([v_shared, u[1]]),
                               causal=True, sm_scale=1 / np.sqrt(D))
             for b, u in enumerate(unique)]  # fmt: skip
