@@ -1,4 +1,6 @@
-"""Naive float64 NumPy references, one per public op. Inputs of any dtype are read as float64.
+"""Naive float64 NumPy references of the norms, gated activations and RoPE, and the helpers
+the others share (reference_attention.py and reference_sampling.py hold the rest: together, one
+per public op). Inputs of any dtype are read as float64.
 
 These define what the kernels compute; they are written for clarity, never for speed, and no
 kernel of ours is ever used as a reference for another.
