@@ -6,6 +6,7 @@ JAX sees."""
 from __future__ import annotations
 
 import functools
+import math
 
 from .. import gpu
 from .arrays import check_device_array
@@ -81,8 +82,8 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)
     # (output, its input slot, bytes) of each output that updates an input in place
-    in_place = [(j, o.source, itemsize(o.dtype) * _size(o.shape)) for j, o in enumerate(prep.outs)
-                if o.alias]  # fmt: skip
+    in_place = [(j, o.source, itemsize(o.dtype) * math.prod(o.shape))
+                for j, o in enumerate(prep.outs) if o.alias]  # fmt: skip
 
     def launch(stream: int, ins: list[int], outs: list[int]) -> None:
         ptrs = [0] * n_slots
@@ -129,13 +130,6 @@ def move_in_place_updates(in_place, ptrs: list[int], outs: list[int], stream: in
         if outs[j] != ptrs[i]:
             copy(outs[j], ptrs[i], nbytes, stream)
             ptrs[i] = outs[j]
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _jax_gpu_ordinals() -> list[int]:

@@ -232,7 +232,7 @@ def _header(frame: int):
     return _Header.from_address(frame)
 
 
-def _pointers(words: tuple, at: tuple[int, int]) -> list[int]:
+def _pointers(words: _Header, at: tuple[int, int]) -> list[int]:
     """The data addresses of the frame's args or rets (the launch handlers' fast path: XLA
     passes what the traced call declared, so only the addresses are read)."""
     n, items = words[at[0]], words[at[1]]
@@ -241,7 +241,7 @@ def _pointers(words: tuple, at: tuple[int, int]) -> list[int]:
     return [_u64(_u64(items + 8 * i).value + _DATA).value for i in range(n)]
 
 
-def _handler_id(frame: int, words: tuple) -> object:
+def _handler_id(frame: int, words: _Header) -> object:
     """The int64 attribute "handler" (the only attribute our calls pass: read directly)."""
     if words[_W_ATTRS[0]] == 1 and _i32(words[_W_ATTRS[1]]).value == _ATTR_SCALAR:
         scalar = _u64(words[_W_ATTRS[2]]).value  # XLA_FFI_Scalar: dtype, value address
@@ -274,7 +274,7 @@ _STREAM_ARGS_SIZE = _end(_StreamGetArgs, "stream")
 _stream_args = threading.local()  # .reused: (XLA_FFI_Stream_Get_Args, a byref to it)
 
 
-def _stream(frame: int, words: tuple) -> int:
+def _stream(frame: int, words: _Header) -> int:
     api = words[_W_API]
     get = _stream_getters.get(api)
     if get is None:
@@ -286,8 +286,8 @@ def _stream(frame: int, words: tuple) -> int:
         args, ref = _stream_args.reused
     except AttributeError:  # this thread's first call: its own arguments, reused after
         args = _StreamGetArgs(_STREAM_ARGS_SIZE, None, 0, None)
-        ref = _stream_args.reused = args, ctypes.byref(args)
-        ref = ref[1]
+        ref = ctypes.byref(args)
+        _stream_args.reused = args, ref
     args.ctx, args.stream = words[_W_CTX], None
     err = get(ref)
     if err:
@@ -313,7 +313,7 @@ def _answer_metadata(frame: _CallFrame, traits: int) -> bool:
     return False
 
 
-def _execute(frame: int, words: tuple, on_gpu: bool) -> int | None:
+def _execute(frame: int, words: _Header, on_gpu: bool) -> int | None:
     handler_id = _handler_id(frame, words)
     entry = _handlers.get(handler_id) if isinstance(handler_id, int) else None
     if entry is None:
