@@ -1,4 +1,5 @@
-"""Arrays in and out: PyTorch, JAX and CuPy arrays read directly, dtype names, streams, JAX FFI."""
+"""Arrays in and out: PyTorch, JAX and CuPy arrays read directly, dtype names, streams; JAX
+calls as XLA launches (xla_launch) or an FFI handler (jax_ffi)."""
 
 from .arrays import as_cupy, device_of, dtype_name, framework
 from .call import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, release

@@ -1,7 +1,8 @@
-"""The JAX side of call(): a signature's prepared launch as a jitted XLA FFI call (one handler
-per signature and scalars, registered in jax_ffi), usable eagerly and inside jax.jit; the
-handler launches on the device of XLA's stream, its kernels loaded at trace time on every GPU
-JAX sees."""
+"""The JAX side of call(): a signature's prepared launch as a jitted function, usable eagerly
+and inside jax.jit. Where the launch can be recorded it becomes custom calls that XLA launches
+itself (xla_launch: no Python at execution); otherwise an XLA FFI call of a Python handler (one
+per signature and scalars, registered in jax_ffi) that launches on the device of XLA's
+stream, its kernels loaded at trace time on every GPU JAX sees."""
 
 from __future__ import annotations
 
@@ -69,15 +70,26 @@ def _check_on_gpu(op: Op, arrays) -> None:
 
 
 def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
-    """A jitted function of the present inputs that runs `prep` through the FFI target."""
+    """A jitted function of the present inputs that runs `prep`: launched by XLA itself where
+    the call can be recorded (xla_launch), else through the Python FFI target."""
     import jax
 
     from ..launch import memcpy_async, stream_device
-    from . import jax_ffi
+    from . import jax_ffi, xla_launch
     from .dtypes import itemsize
 
     gpu.runtime()  # the checks of a first use (driver, CUDA extra, a device)
-    for device in _jax_gpu_ordinals():  # load now: never inside XLA's execution or capture
+    if prep.on_trace is not None:
+        prep.on_trace()
+    shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in prep.outs]
+    devices = _jax_gpu_ordinals()
+    # a launch reading state that may change after tracing (command_buffer False) keeps the
+    # handler, which reads that state at every execution
+    if prep.command_buffer and len({gpu.compile_arch(d) for d in devices}) == 1:
+        run = xla_launch.native_run(prep, present, scalars, devices[0], shapes)
+        if run is not None:  # XLA launches it: no handler, no Python at execution
+            return jax.jit(lambda *args: returned(run(*args), prep.scratch))
+    for device in devices:  # load now: never inside XLA's execution or capture
         prep.preload(device)
     slots = [i for i, p in enumerate(present) if p]
     n_slots = len(present)
@@ -102,9 +114,6 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
 
     handler = jax_ffi.add_launch_handler(launch)
     prep._handlers.append(handler)
-    if prep.on_trace is not None:
-        prep.on_trace()
-    shapes = [jax.ShapeDtypeStruct(o.shape, numpy_dtype(o.dtype)) for o in prep.outs]
     aliases = {slots.index(o.source): i for i, o in enumerate(prep.outs) if o.alias}
     cb = prep.command_buffer
 

@@ -242,7 +242,10 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _nvrtc(source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
+def _nvrtc(source: str, name: str, options: list[str],
+           ptx: bool = False) -> tuple[bytes | None, str]:  # fmt: skip
+    """NVRTC's CUBIN of `source` (its PTX when `ptx`: for a compute_XX target) and its log;
+    None and the log when it does not compile."""
     from cuda.bindings import nvrtc
 
     _, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
@@ -253,10 +256,12 @@ def _nvrtc(source: str, name: str, options: list[str]) -> tuple[bytes | None, st
         nvrtc.nvrtcGetProgramLog(prog, log)
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None, log.decode(errors="replace").rstrip("\0")
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = bytearray(size)
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return bytes(cubin), log.decode(errors="replace").rstrip("\0")
+        get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else
+                         (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))  # fmt: skip
+        _, size = get_size(prog)
+        image = bytearray(size)
+        get(prog, image)
+        return bytes(image), log.decode(errors="replace").rstrip("\0")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -16,14 +16,61 @@ the block may be rewritten for the next call at once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
+from dataclasses import dataclass
 
 from . import jit
 from .params import params_type
 
 CUDA_ERROR_INVALID_CONTEXT = 201
+_RECORDING = threading.local()  # .steps: the list a recording() in this thread appends to
+
+
+class NotRecordable(RuntimeError):
+    """A recorded call did something other than kernel launches and zero fills."""
+
+
+@contextlib.contextmanager
+def recording():
+    """Record instead of run, in this thread: inside, a Launch appends a LaunchRecord and
+    memset_d32 a FillRecord to the yielded list; copies and events raise NotRecordable. The
+    device is not touched (a kernel is not even loaded): a call can be recorded on any host."""
+    steps: list = []
+    outer = getattr(_RECORDING, "steps", None)
+    _RECORDING.steps = steps
+    try:
+        yield steps
+    finally:
+        _RECORDING.steps = outer
+
+
+def _recorded(what: str) -> list | None:
+    steps = getattr(_RECORDING, "steps", None)
+    if steps is not None and what:
+        raise NotRecordable(what)
+    return steps
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """A launch as recorded: its kernel, geometry and a copy of its parameter block."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: bytes
+
+
+@dataclass(frozen=True)
+class FillRecord:
+    """memset_d32(ptr, value, count) as recorded."""
+
+    ptr: int
+    value: int
+    count: int
 
 
 @functools.cache
@@ -48,6 +95,9 @@ class CudaError(RuntimeError):
 def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     """Fill `count` 32-bit words at device address `ptr` with `value`, on `stream`."""
     if count:
+        if (steps := _recorded("")) is not None:
+            steps.append(FillRecord(ptr, value, count))
+            return
         (rc,) = driver().cuMemsetD32Async(ptr, value, count, stream)
         if rc:
             raise CudaError(rc, "cuMemsetD32Async")
@@ -57,6 +107,7 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
     """Copy `nbytes` from device address `src` to `dst` on `stream` (a CuPy stream or a raw
     handle): stream-ordered, device to device."""
     if nbytes:
+        _recorded("a device-to-device copy")
         handle = getattr(stream, "ptr", stream)
         (rc,) = driver().cuMemcpyDtoDAsync(dst, src, nbytes, handle)
         if rc:
@@ -65,6 +116,7 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
 
 def record_event(event: int, stream: int) -> None:
     """Record CUevent `event` on `stream`."""
+    _recorded("an event")
     (rc,) = driver().cuEventRecord(event, stream)
     if rc:
         raise CudaError(rc, "cuEventRecord")
@@ -72,6 +124,7 @@ def record_event(event: int, stream: int) -> None:
 
 def wait_event(stream: int, event: int) -> None:
     """Make `stream` wait (on the device) for the work recorded by `event`."""
+    _recorded("an event")
     (rc,) = driver().cuStreamWaitEvent(stream, event, 0)
     if rc:
         raise CudaError(rc, "cuStreamWaitEvent")
@@ -125,7 +178,7 @@ class Kernel:
     it when it is loaded)."""
 
     def __init__(self, spec, name: str, params: str, smem: int = 0):
-        self.spec, self.name, self.smem = spec, name, smem
+        self.spec, self.name, self.smem, self.params_name = spec, name, smem, params
         self.params_type = params_type(jit.struct_layout(spec, params))
         self._functions: dict[int, object] = {}
         self._occupancy: dict[tuple[int, int], int] = {}
@@ -187,6 +240,10 @@ class Launch:
         """Launch on `stream` of `device`, which must be the current device."""
         if self.empty:
             return
+        if (steps := getattr(_RECORDING, "steps", None)) is not None:
+            blob = ctypes.string_at(ctypes.addressof(self.params), ctypes.sizeof(self.params))
+            steps.append(LaunchRecord(self.kernel, self.grid, self.block, blob))
+            return
         fn = self._functions.get(device) or self.kernel.function(device)
         (rc,) = self._launch(fn, *self._geometry, stream, self._argv, 0)
         if rc == CUDA_ERROR_INVALID_CONTEXT:  # a new thread: make the device's context current
@@ -203,12 +260,16 @@ class Launch:
 
 __all__ = [
     "CudaError",
+    "FillRecord",
     "Kernel",
     "Launch",
+    "LaunchRecord",
+    "NotRecordable",
     "driver",
     "is_capturing",
     "memset_d32",
     "record_event",
+    "recording",
     "stream_device",
     "wait_event",
 ]

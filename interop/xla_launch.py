@@ -1,0 +1,294 @@
+"""JAX calls that XLA launches itself: no Python runs when a compiled computation executes.
+
+A prepared call (call.Prepared) is recorded once, when it is traced: its `run` is called with
+stand-in addresses (one range per input and output slot) inside launch.recording(), which
+keeps each launch's kernel, geometry and parameter block instead of launching. Each recorded
+launch becomes one custom call to jaxlib's native kernel launcher (`triton_kernel_call_ffi`,
+the one Pallas and jax-triton use): the kernel's flat entry (rtcinfer/flat_entry.py) in PTX,
+its grid and shared memory, and its parameters: the call's buffers, each pointer field's
+offset into its buffer, every other field's value. jaxlib compiles the PTX once per process
+and launches with cuLaunchKernel from C++, so a call inside `jax.jit` costs what any XLA
+kernel costs.
+
+A call is recorded only when everything its launches read comes from its own arrays: each
+non-null pointer field must address one of the call's input or output slots, a fill must
+zero the start of an output before the launch that first writes it, the block must be
+one-dimensional (a whole number of warps), and no output may update an input in place (XLA
+may give such an output a buffer of its own, which the Python handler first copies the input
+into: call_jax.move_in_place_updates). Anything else (a plan's workspace, the bad-index record,
+copies, events) keeps the Python FFI handler (call_jax). Multi-launch calls become a chain of
+custom calls, each output passed on to the next launch that addresses it (aliased, so it is
+updated in place). RTCINFER_JAX_LAUNCH=python keeps every call on the Python handler.
+
+jaxlib registers its launcher as not command-buffer compatible, so XLA would run it outside
+the CUDA graphs it records around runs of compatible calls (ours among them), at about 5 us of
+host time a launch; it is registered again here, under our own name, as compatible: its
+launches depend only on the serialized call and the buffers, and it loads its module before
+any capture (its initialize stage). Measured on the H200 (bench/LOG.md): a one-op jitted
+rmsnorm 3 us above a jitted `x + 1`, where the Python handler cost 25 us.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from .. import flat_entry, gpu, jit
+from ..launch import FillRecord, LaunchRecord, NotRecordable, recording
+
+_BASE = 1 << 62  # stand-in address of slot s: _BASE + (s << _SHIFT); offsets below 2**_SHIFT
+_SHIFT = 36
+# a field's C type -> (struct format, jaxlib's scalar parameter type)
+_VALUES = {
+    "int": ("<i", "i32"), "int32_t": ("<i", "i32"), "unsigned": ("<I", "u32"),
+    "uint32_t": ("<I", "u32"), "int64_t": ("<q", "i64"), "uint64_t": ("<Q", "u64"),
+    "float": ("<f", "fp32"), "double": ("<d", "fp64"), "ptr": ("<Q", "u64"),
+}  # fmt: skip
+
+
+def enabled() -> bool:
+    """Whether calls may be launched natively (jaxlib has its kernel launcher, registered
+    here as a target XLA may capture into command buffers, and RTCINFER_JAX_LAUNCH does not
+    ask for the Python handler)."""
+    return os.environ.get("RTCINFER_JAX_LAUNCH", "native") != "python" and _target() is not None
+
+
+_TARGET = "rtcinfer_xla_launch"
+
+
+@functools.cache
+def _target() -> str | None:
+    """jaxlib's native launcher registered again as `_TARGET`, declared command-buffer
+    compatible (its own registration is not, so XLA would run it outside the CUDA graphs it
+    records around our other calls: about 5 us of host time a launch instead of none); None
+    when jaxlib has no launcher or XLA refuses the registration."""
+    lib = _lib()
+    plugin = getattr(lib, "_cuda_triton", None)
+    if plugin is None or not hasattr(plugin, "registrations"):
+        return None
+    handler = plugin.registrations().get("triton_kernel_call_ffi")
+    if handler is None:
+        return None
+    try:
+        from jaxlib import xla_client
+
+        traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        xla_client.register_custom_call_target(_TARGET, handler, platform="CUDA",
+                                               api_version=1, traits=traits)  # fmt: skip
+    except Exception:  # noqa: BLE001 - an XLA without traits: the Python handler serves
+        return None
+    return _TARGET
+
+
+@functools.cache
+def _lib():
+    """jaxlib's kernel launcher module (its CUDA plugin's), or None."""
+    try:
+        from jax._src.lib import gpu_triton
+    except ImportError:
+        return None
+    needed = ("TritonKernel", "TritonKernelCall", "create_array_parameter",
+              "create_scalar_parameter")  # fmt: skip
+    return gpu_triton if all(hasattr(gpu_triton, n) for n in needed) else None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One native launch: the slots passed as operands, the output slots it returns (an
+    operand slot that is also returned is aliased to that result) and the custom call's
+    serialized kernel call."""
+
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    opaque: bytes
+
+
+def record(prep, present: list[bool], scalars: tuple, device: int) -> list | None:
+    """The launches and fills of one `prep.run` with stand-in addresses, or None when the run
+    does something a native launch cannot (NotRecordable)."""
+    n_in = len(present)
+    ptrs = [_BASE + (i << _SHIFT) if p else 0 for i, p in enumerate(present)]
+    ptrs += [_BASE + ((n_in + j) << _SHIFT) for j in range(len(prep.outs))]
+    try:
+        with recording() as steps:
+            prep.run(0, device, ptrs, scalars)
+    except NotRecordable:
+        return None
+    return steps
+
+
+def _slot_of(value: int, n_slots: int) -> tuple[int, int] | None:
+    """(slot, byte offset) of a stand-in address, or None."""
+    rel = value - _BASE
+    if rel < 0 or (rel >> _SHIFT) >= n_slots:
+        return None
+    return rel >> _SHIFT, rel & ((1 << _SHIFT) - 1)
+
+
+@dataclass(frozen=True)
+class NativeLaunch:
+    """A recorded launch as the native launcher takes it. Buffers are `operands` then
+    `results` (slots); `bound` maps each non-null pointer field to its buffer and `offsets`
+    gives its byte offset there (layout order); `values` the other fields' values with
+    jaxlib's type names (value_fields order); `zero` the bytes of each result to zero first."""
+
+    kernel: object  # launch.Kernel
+    grid: tuple[int, int, int]
+    warps: int
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    bound: dict
+    offsets: tuple[int, ...]
+    values: tuple[tuple[int | float, str], ...]
+    zero: tuple[int, ...]
+
+
+def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
+    """The native launches of recorded `steps`, or None when one cannot be made native."""
+    n_in, outs = len(present), prep.outs
+    n_slots = n_in + len(outs)
+    # an input updated in place is addressed as the output that carries its new value
+    if any(o.alias for o in outs):
+        # XLA may give an aliased output a buffer other than its operand's (interop/call_jax:
+        # move_in_place_updates); an in-place kernel cannot copy first: the Python handler does
+        return None
+    have = {i for i, p in enumerate(present) if p}  # slots holding a value
+    zero: dict[int, int] = {}  # output slot -> bytes to zero before its first launch
+    native = []
+    for step in steps:
+        if isinstance(step, FillRecord):
+            found = _slot_of(step.ptr, n_slots)
+            if step.value or found is None or found[1] or found[0] < n_in or found[0] in have:
+                return None
+            zero[found[0]] = max(zero.get(found[0], 0), 4 * step.count)
+            continue
+        assert isinstance(step, LaunchRecord)
+        kernel, (threads, by, bz) = step.kernel, step.block
+        if by != 1 or bz != 1 or threads % 32:
+            return None
+        layout = jit.struct_layout(kernel.spec, kernel.params_name)
+        if any(f.ctype not in _VALUES for f in layout.fields):
+            return None  # a CUtensorMap must stay in parameter space
+        addressed: dict[str, tuple[int, int]] = {}  # pointer field -> (slot, offset)
+        values = []
+        for f in layout.fields:
+            fmt, kind = _VALUES[f.ctype]
+            width = f.size // f.count
+            items = [struct.unpack_from(fmt, step.params, f.offset + i * width)[0]
+                     for i in range(f.count)]  # fmt: skip
+            if f.ctype == "ptr" and items[0]:
+                found = _slot_of(items[0], n_slots)
+                if found is None:
+                    return None  # memory the call does not own: stays on the Python handler
+                addressed[f.name] = found
+            else:
+                values += [(v, kind) for v in items]
+        slots = list(dict.fromkeys(s for s, _ in addressed.values()))
+        results = [s for s in slots if s >= n_in]
+        operands = [s for s in slots if s < n_in or s in have]
+        index = {s: len(operands) + k for k, s in enumerate(results)}
+        index.update({s: k for k, s in enumerate(operands) if s < n_in})
+        bound = {name: index[slot] for name, (slot, _) in addressed.items()}
+        offsets = tuple(addressed[f.name][1] for f in layout.fields if f.name in addressed)
+        zeros = tuple(zero.pop(s, 0) if s not in have else 0 for s in results)
+        native.append(
+            NativeLaunch(
+                kernel,
+                tuple(step.grid),
+                threads // 32,
+                tuple(operands),
+                tuple(results),
+                bound,
+                offsets,
+                tuple(values),
+                zeros,
+            )
+        )
+        have.update(results)
+    if zero or any(n_in + j not in have for j, o in enumerate(outs) if _size(o.shape)):
+        return None  # a fill no launch followed, or an output no launch wrote
+    return native
+
+
+def materialize(native: list[NativeLaunch], arch: str) -> list[Step]:
+    """jaxlib's serialized kernel calls of `native` for GPUs of `arch` (e.g. "sm_90a")."""
+    lib = _lib()
+    cc = int("".join(c for c in arch if c.isdigit()))
+    steps = []
+    for n in native:
+        layout = jit.struct_layout(n.kernel.spec, n.kernel.params_name)
+        buffers = len(n.operands) + len(n.results)
+        entry = flat_entry.compile_flat(n.kernel.spec, n.kernel.name, layout, buffers, n.bound,
+                                        arch)  # fmt: skip
+        params = [lib.create_array_parameter(0, 16) for _ in n.operands]
+        params += [lib.create_array_parameter(z, 16) for z in n.zero]
+        params += [lib.create_scalar_parameter(o, "i64") for o in n.offsets]
+        params += [lib.create_scalar_parameter(v, kind) for v, kind in n.values]
+        call = lib.TritonKernelCall(_kernel(lib, entry, n.warps, n.kernel.smem, cc), *n.grid,
+                                    params)  # fmt: skip
+        steps.append(Step(n.operands, n.results, zlib.compress(call.to_proto(entry.name, b""))))
+    return steps
+
+
+def _size(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _kernel(lib, entry, warps: int, smem: int, cc: int):
+    """jaxlib's TritonKernel of a flat entry (its constructor's arguments vary by version)."""
+    try:  # name, warps, CTAs a cluster, shared memory, PTX, Triton IR, compute capability
+        return lib.TritonKernel(entry.name, warps, 1, smem, entry.ptx, "", cc)
+    except TypeError:
+        return lib.TritonKernel(entry.name, warps, smem, entry.ptx, "", cc)
+
+
+def lower(prep, present: list[bool], native: list[Step], out_types: list):
+    """run(*inputs) -> outputs: the chain of native custom calls (traced inside jax.jit)."""
+    import jax
+
+    n_in = len(present)
+    slots = [i for i, p in enumerate(present) if p]
+
+    def run(*args):
+        value = dict(zip(slots, args, strict=True))
+        for step in native:
+            types = [out_types[s - n_in] for s in step.results]
+            aliases = {k: step.results.index(s) for k, s in enumerate(step.operands)
+                       if s in step.results}  # fmt: skip
+            call = jax.ffi.ffi_call(_TARGET, types,
+                                    input_output_aliases=aliases or None)  # fmt: skip
+            produced = call(*[value[s] for s in step.operands], opaque=step.opaque)
+            value.update(zip(step.results, produced, strict=True))
+        # an output no launch wrote is empty (plan() made sure)
+        return [value.get(n_in + j) if n_in + j in value else jax.numpy.zeros(t.shape, t.dtype)
+                for j, t in enumerate(out_types)]  # fmt: skip
+
+    return run
+
+
+def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types):
+    """run(*inputs) -> outputs launched natively on GPUs like `device`, or None (the call
+    keeps the Python handler)."""
+    if not enabled():
+        return None
+    steps = record(prep, present, scalars, device)
+    if not steps:
+        return None
+    native = plan(prep, present, steps)
+    if native is None:
+        return None
+    try:
+        steps = materialize(native, gpu.compile_arch(device))
+    except jit.CacheMissError:  # RTCINFER_NO_COMPILE=1: the handler launches the cached CUBIN
+        return None
+    return lower(prep, present, steps, out_types)
+
+
+__all__ = ["NativeLaunch", "Step", "enabled", "lower", "materialize", "native_run", "plan",
+           "record"]  # fmt: skip

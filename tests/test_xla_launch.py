@@ -1,0 +1,146 @@
+"""The native JAX launch path without a GPU: recording a prepared call, planning its launches
+as jaxlib's native launcher takes them, and the kernels' flat entries compiled to PTX."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rtcinfer import catalog, flat_entry, jit, launch, norm
+from rtcinfer.interop import xla_launch
+from rtcinfer.interop.call import ArrayInfo
+
+X = ArrayInfo((3, 4096), (4096, 1), "bfloat16", 0)
+W = ArrayInfo((4096,), (1,), "bfloat16", 0)
+
+
+def _one_spec_per_kernel():
+    seen = {}
+    for spec in catalog.shipped_specs():
+        for name in spec.kernels:
+            seen.setdefault(name, spec)
+    return sorted(seen.items())
+
+
+@pytest.mark.parametrize(
+    "kernel,spec", _one_spec_per_kernel(), ids=[k for k, _ in _one_spec_per_kernel()]
+)
+def test_flat_entry_compiles_with_one_parameter_per_field(kernel, spec):
+    """Every shipped kernel has a flat entry: its pointer fields bound to buffers (two fields
+    sharing one), offsets and values as parameters, in the order xla_launch passes them."""
+    declared = r"\s*\(\s*const\s+__grid_constant__\s+(\w+)"
+    ptype = re.search(kernel + declared, jit.expand_source(spec))[1]
+    layout = jit.struct_layout(spec, ptype)
+    pointers = [f.name for f in layout.fields if f.ctype == "ptr"]
+    bound = {name: i // 2 for i, name in enumerate(pointers)}
+    buffers = max(bound.values()) + 1
+    entry = flat_entry.compile_flat(spec, kernel, layout, buffers, bound, "sm_90a")
+    assert entry.name == f"{kernel}_flat"
+    params = re.search(r"\.entry " + entry.name + r"\((.*?)\)", entry.ptx, re.S)[1]
+    count = len(re.findall(r"\.param", params))
+    assert count == buffers + len(bound) + len(flat_entry.value_fields(layout, bound))
+    assert len(re.findall(r"\.entry ", entry.ptx)) == 1  # the spec's other kernels are dropped
+
+
+def test_flat_entry_keeps_launch_attributes():
+    spec = norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 4096)
+    layout = jit.struct_layout(spec, "NormParams")
+    source = flat_entry.flat_source(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2})
+    assert re.search(r"__global__ void __launch_bounds__\(THREADS\)\s*norm_kernel_flat", source)
+    assert "static __device__ __forceinline__ void norm_kernel(const NormParams& p)" in source
+    with pytest.raises(ValueError, match="no kernel"):
+        flat_entry.flat_source(spec, "other_kernel", layout, 3, {"x": 0})
+
+
+def test_rmsnorm_records_one_launch_on_its_own_buffers():
+    prep = norm._PLAIN.prepare([X, W, None, None], 16, ("rmsnorm",))
+    present = [True, True, False, False]
+    steps = xla_launch.record(prep, present, (1e-6,), 0)
+    assert len(steps) == 1 and steps[0].grid == (3, 1, 1)
+    (n,) = xla_launch.plan(prep, present, steps)
+    assert n.operands == (0, 1) and n.results == (4,)  # input, weight; out is output slot 4
+    assert n.bound == {"x": 0, "residual": 0, "weight": 1, "bias": 1, "out": 2}
+    assert n.warps == 4 and n.zero == (0,)
+    assert n.values[-1] == (pytest.approx(1e-6), "fp32") and n.values[-2] == (1, "i32")
+
+
+def test_in_place_updates_keep_the_python_handler():
+    """fused_add_rmsnorm updates input and residual in place: XLA may give those outputs
+    buffers of their own, which only the Python handler copies the inputs into first."""
+    prep = norm._FUSED.prepare([X, X, W], 16, ("fused_add_rmsnorm",))
+    steps = xla_launch.record(prep, [True] * 3, (1e-6,), 0)
+    assert len(steps) == 1
+    assert xla_launch.plan(prep, [True] * 3, steps) is None
+
+
+def _fake_launch(ptrs, n_slots=3):
+    spec = norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 4096)
+    run = launch.Launch(launch.Kernel(spec, "norm_kernel", "NormParams"), (1, 1, 1), (128, 1, 1))
+    run.params.x, run.params.out, run.params.weight = ptrs
+    return run
+
+
+class _Prep:
+    def __init__(self, run, outs=1):
+        self.run = run
+        self.outs = tuple(norm.OutSlot((1, 4096), "bfloat16") for _ in range(outs))
+
+
+def test_memory_the_call_does_not_own_keeps_the_python_handler():
+    def run(stream, device, ptrs, scalars):
+        _fake_launch((ptrs[0], ptrs[2], 0x7F0000001000))(stream, device)
+
+    prep = _Prep(run)
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    assert xla_launch.plan(prep, [True, True], steps) is None
+
+
+def test_a_fill_becomes_bytes_to_zero_of_the_next_launch():
+    def run(stream, device, ptrs, scalars):
+        launch.memset_d32(ptrs[2], 0, 8, stream)
+        _fake_launch((ptrs[0], ptrs[2], ptrs[1]))(stream, device)
+
+    prep = _Prep(run)
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    assert isinstance(steps[0], launch.FillRecord)
+    (n,) = xla_launch.plan(prep, [True, True], steps)
+    assert n.results == (2,) and n.zero == (32,)
+
+
+def test_copies_and_unwritten_outputs_are_not_recordable():
+    def copies(stream, device, ptrs, scalars):
+        launch.memcpy_async(ptrs[2], ptrs[0], 64, stream)
+
+    assert xla_launch.record(_Prep(copies), [True, True], (), 0) is None
+
+    def writes_one(stream, device, ptrs, scalars):
+        _fake_launch((ptrs[0], ptrs[2], ptrs[1]))(stream, device)
+
+    prep = _Prep(writes_one, outs=2)  # the second output is never written
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    assert xla_launch.plan(prep, [True, True], steps) is None
+
+
+def test_recording_leaves_nothing_behind():
+    """Inside recording() a launch touches no device; after it, the thread records nothing."""
+    with launch.recording() as steps:
+        _fake_launch((1 << 62, 0, 0))(0, 0)
+    assert len(steps) == 1
+    assert getattr(launch._RECORDING, "steps", None) is None
+
+
+def test_no_compile_refuses_an_uncached_flat_entry(tmp_path, monkeypatch):
+    """Under RTCINFER_NO_COMPILE=1 a flat entry missing from the cache raises CacheMissError
+    (native_run then keeps the Python handler, which launches the cached CUBIN)."""
+    monkeypatch.setenv("RTCINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")
+    spec = norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 4096)
+    layout = jit.struct_layout(spec, "NormParams")
+    with pytest.raises(jit.CacheMissError):
+        flat_entry.compile_flat(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2}, "sm_90a")
+    monkeypatch.delenv("RTCINFER_NO_COMPILE")
+    entry = flat_entry.compile_flat(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2}, "sm_90a")
+    monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")  # now cached: read back, not compiled
+    again = flat_entry.compile_flat(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2}, "sm_90a")
+    assert again == entry
