@@ -55,12 +55,14 @@ RTC_DEVICE bool owns(int i) { return ITEMS * THREADS == NVEC || item(i) < NVEC; 
 RTC_DEVICE int col(int i) { return item(i) * VEC; }
 
 struct NormParams {
-  T* x;              // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused ops: read, then normalized
-  T* residual;       // [n0, n1, HIDDEN] strides (rs0, rs1, 1); fused ops: updated in place
-  T* out;            // [n0, n1, HIDDEN] strides (os0, os1, 1); fused ops: == x
+  T* x;              // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused ops: read
+  T* residual;       // [n0, n1, HIDDEN] strides (rs0, rs1, 1); fused ops: read
+  T* out;            // [n0, n1, HIDDEN] strides (os0, os1, 1); fused ops: x in place, or new
+  T* residual_out;   // [n0, n1, HIDDEN] strides (ros0, ros1, 1); fused ops: x + residual, in
+                     // place (== residual) or new; else unused
   const W* weight;   // [HIDDEN] (layernorm: gamma)
   const W* bias;     // [HIDDEN] layernorm: beta; else unused
-  int64_t xs0, xs1, rs0, rs1, os0, os1;
+  int64_t xs0, xs1, rs0, rs1, os0, os1, ros0, ros1;
   int n1;            // size of the inner leading dimension (1 for 2-D)
   float eps;
 };
@@ -78,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   __shared__ float scratch[1][32];
   const int row = blockIdx.x;
   const T* x_row = x + row_offset(row, n1, p.xs0, p.xs1);
-  T* r_row = residual + row_offset(row, n1, p.rs0, p.rs1);
+  const T* r_row = residual + row_offset(row, n1, p.rs0, p.rs1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
@@ -88,6 +90,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   cp_async_wait_all();
 
   if constexpr (FUSED) {  // x + residual, rounded to T, stored as the new residual
+    // (both rows are in shared memory already: the residual may be updated in place)
+    T* ro_row = p.residual_out + row_offset(row, n1, p.ros0, p.ros1);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!owns(i)) continue;
@@ -96,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
 #pragma unroll
       for (int j = 0; j < VEC; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
       xs[item(i)] = v;
-      store_vec(v, r_row + col(i));
+      store_vec(v, ro_row + col(i));
     }
   }
 

@@ -96,8 +96,9 @@ def _check_out(out, shape: tuple, dtype: str, name: str = "out") -> None:
 
 def _prepare(infos, align: int, static: tuple) -> Prepared:
     """Slots: plain ops (input, weight, beta, out) -> one output; fused ops (input, residual,
-    weight) -> (input, residual) updated in place. Pointers: the slots', then the outputs'."""
-    (op,) = static
+    weight) -> (input, residual) updated in place, or new arrays when static ends with True
+    (JAX). Pointers: the slots', then the outputs'."""
+    op, new_arrays = static[0], static[1:] == (True,)
     fused = "fused" in op
     if fused:
         x, residual, weight = infos
@@ -107,8 +108,14 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
                 f"residual: expected shape {x.shape} and dtype {dtype}, "
                 f"got {residual.shape} and {residual.dtype}"
             )
-        outs = (OutSlot(x.shape, dtype, 0, alias=True), OutSlot(x.shape, dtype, 1, alias=True))
-        arrays, names = [x, residual, x], ["input", "residual", "out"]
+        if new_arrays:  # JAX: the results in buffers of their own, nothing aliased
+            outs = (OutSlot(x.shape, dtype), OutSlot(x.shape, dtype))
+            dense = x._replace(strides=dense_strides(x.shape))
+            arrays, names = [x, residual, dense, dense], ["input", "residual", "out", "out"]
+        else:
+            outs = (OutSlot(x.shape, dtype, 0, alias=True),
+                    OutSlot(x.shape, dtype, 1, alias=True))  # fmt: skip
+            arrays, names = [x, residual, x, residual], ["input", "residual", "out", "out"]
     else:
         x, weight, bias, out = infos
         hidden, dtype = _check(x, weight)
@@ -117,29 +124,33 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         _check_out(out, x.shape, dtype)
         outs = (OutSlot(x.shape, dtype, 3 if out is not None else None),)
         y = out if out is not None else x._replace(strides=dense_strides(x.shape))
-        arrays, names = [x, x, y], ["input", "residual", "out"]
+        arrays, names = [x, x, y, x], ["input", "residual", "out", "residual"]
     rows, n1, layouts = common_rows(arrays, names)
-    (xs0, xs1), (rs0, rs1), (ys0, ys1) = layouts
+    (xs0, xs1), (rs0, rs1), (ys0, ys1), (ros0, ros1) = layouts
     spec = norm_spec(op, dtype, weight.dtype, hidden)
     # Only the access width follows the layout: the same rows give the same bits however
     # they are laid out.
-    vec = fit_vec(spec.vec, itemsize(dtype), align, [xs0, xs1, rs0, rs1, ys0, ys1])
+    vec = fit_vec(spec.vec, itemsize(dtype), align, [xs0, xs1, rs0, rs1, ys0, ys1, ros0, ros1])
     if vec != spec.vec:
         spec = replace(spec, load_vec=vec)
     launch = Launch(Kernel(spec, "norm_kernel", "NormParams", spec.smem), (rows, 1, 1),
                     (spec.threads, 1, 1))  # fmt: skip
     p = launch.params
     p.xs0, p.xs1, p.rs0, p.rs1, p.os0, p.os1, p.n1 = xs0, xs1, rs0, rs1, ys0, ys1, n1
+    p.ros0, p.ros1 = ros0, ros1
     layer = op == "layernorm"
 
     def run(stream, device, ptrs, scalars):
         with launch.lock:
-            if fused:  # the outputs: the input and the residual (their XLA copies for JAX)
+            if fused and new_arrays:  # read input and residual, write the two outputs
+                p.x, p.residual, p.weight = ptrs[0], ptrs[1], ptrs[2]
+                p.out, p.residual_out, p.bias = ptrs[3], ptrs[4], ptrs[2]
+            elif fused:  # the outputs: the input and the residual (their XLA copies for JAX)
                 p.x = p.out = ptrs[3]
-                p.residual = ptrs[4]
+                p.residual = p.residual_out = ptrs[4]
                 p.weight = p.bias = ptrs[2]
             else:
-                p.x = p.residual = ptrs[0]
+                p.x = p.residual = p.residual_out = ptrs[0]
                 p.out = ptrs[4]
                 p.weight = ptrs[1]
                 p.bias = ptrs[2] if layer else ptrs[1]
@@ -151,6 +162,12 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
 
 _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",))
 _FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare)
+
+
+def _is_jax(x) -> bool:
+    """JAX arrays are immutable: a fused call on them writes its results to new arrays (no
+    buffer aliased, so XLA can launch it itself: interop/xla_launch.py)."""
+    return type(x).__module__.startswith(("jax", "jaxlib"))
 
 
 @compilable("input")
@@ -187,13 +204,15 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     so the result equals `residual += input; input[:] = rmsnorm(residual)` done in two steps.
     Returns (input, residual); for JAX arrays (immutable) these are the new values.
     """
-    return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm",), (float(eps),))
+    return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm", _is_jax(input)),
+                (float(eps),))  # fmt: skip
 
 
 @compilable("input")
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
-    return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
+    return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm", _is_jax(input)),
+                (float(eps),))  # fmt: skip
 
 
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:

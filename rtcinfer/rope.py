@@ -315,6 +315,13 @@ _POS_IDS = _op("rope_pos_ids", ("pos_ids",))
 _CACHE = _op("rope_cos_sin_cache", ("positions", "cos_sin_cache"))
 
 
+def _in_place(q) -> bool:
+    """Whether an `_inplace` call updates q and k in place: not for JAX arrays, which are
+    immutable (the call returns new arrays either way): written to fresh outputs, the launch
+    has no aliased buffers, so XLA can launch it itself (interop/xla_launch.py)."""
+    return not type(q).__module__.startswith(("jax", "jaxlib"))
+
+
 def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
     """The kernel's frequency scalars of Llama 3.1 RoPE (theta RoPE passes the first two)."""
     return (float(rope_scale), float(rope_theta), float(low_freq_factor),
@@ -344,7 +351,7 @@ def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                        rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
     return call(_RAGGED, (q, k, indptr, offsets, None, None),
-                ("theta", True, rotary_dim, interleave, None),
+                ("theta", _in_place(q), rotary_dim, interleave, None),
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
@@ -363,7 +370,7 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
     return call(_POS_IDS, (q, k, pos_ids, None, None),
-                ("theta", True, rotary_dim, interleave, None),
+                ("theta", _in_place(q), rotary_dim, interleave, None),
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
@@ -387,7 +394,7 @@ def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleav
                                high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope` writing q and k in place; returns (q, k)."""
     return call(_RAGGED, (q, k, indptr, offsets, None, None),
-                ("llama31", True, rotary_dim, interleave, None),
+                ("llama31", _in_place(q), rotary_dim, interleave, None),
                 _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
                          old_context_len))  # fmt: skip
 
@@ -410,7 +417,7 @@ def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleav
                                        high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope_pos_ids` writing q and k in place; returns (q, k)."""
     return call(_POS_IDS, (q, k, pos_ids, None, None),
-                ("llama31", True, rotary_dim, interleave, None),
+                ("llama31", _in_place(q), rotary_dim, interleave, None),
                 _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
                          old_context_len))  # fmt: skip
 
@@ -436,7 +443,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
                                           is_neox=True):  # fmt: skip
     """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""
     return call(_CACHE, (query, key, positions, cos_sin_cache, None, None),
-                ("cos_sin_cache", True, None, not is_neox, head_size))  # fmt: skip
+                ("cos_sin_cache", _in_place(query), None, not is_neox, head_size))  # fmt: skip
 
 
 PUBLIC = (apply_rope, apply_rope_inplace, apply_rope_pos_ids, apply_rope_pos_ids_inplace,

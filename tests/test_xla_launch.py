@@ -60,7 +60,7 @@ def test_rmsnorm_records_one_launch_on_its_own_buffers():
     assert len(steps) == 1 and steps[0].grid == (3, 1, 1)
     (n,) = xla_launch.plan(prep, present, steps)
     assert n.operands == (0, 1) and n.results == (4,)  # input, weight; out is output slot 4
-    assert n.bound == {"x": 0, "residual": 0, "weight": 1, "bias": 1, "out": 2}
+    assert n.bound == {"x": 0, "residual": 0, "residual_out": 0, "weight": 1, "bias": 1, "out": 2}
     assert n.warps == 4 and n.zero == (0,)
     assert n.values[-1] == (pytest.approx(1e-6), "fp32") and n.values[-2] == (1, "i32")
 
@@ -72,6 +72,18 @@ def test_in_place_updates_keep_the_python_handler():
     steps = xla_launch.record(prep, [True] * 3, (1e-6,), 0)
     assert len(steps) == 1
     assert xla_launch.plan(prep, [True] * 3, steps) is None
+
+
+def test_fused_norm_on_new_arrays_is_native():
+    """On JAX arrays fused_add_rmsnorm reads input and residual and writes two new arrays:
+    nothing aliased, one native launch."""
+    prep = norm._FUSED.prepare([X, X, W], 16, ("fused_add_rmsnorm", True))
+    assert not any(o.alias for o in prep.outs)
+    steps = xla_launch.record(prep, [True] * 3, (1e-6,), 0)
+    (n,) = xla_launch.plan(prep, [True] * 3, steps)
+    assert n.operands == (0, 1, 2) and n.results == (3, 4)
+    assert n.bound == {"x": 0, "residual": 1, "out": 3, "residual_out": 4, "weight": 2,
+                       "bias": 2}  # fmt: skip
 
 
 def _fake_launch(ptrs, n_slots=3):
