@@ -23,9 +23,10 @@ updated in place). RTCINFER_JAX_LAUNCH=python keeps every call on the Python han
 jaxlib registers its launcher as not command-buffer compatible, so XLA would run it outside
 the CUDA graphs it records around runs of compatible calls (ours among them), at about 5 us of
 host time a launch; it is registered again here, under our own name, as compatible: its
-launches depend only on the serialized call and the buffers, and it loads its module before
-any capture (its initialize stage). Measured on the H200 (bench/LOG.md): a one-op jitted
-rmsnorm 3 us above a jitted `x + 1`, where the Python handler cost 25 us.
+launches depend only on the serialized call and the buffers (it checks for a capture itself
+when it launches). Measured on the H200 (bench/LOG.md): a one-op jitted rmsnorm 3 us above a
+jitted `x + 1`, where the Python handler cost 25 us, and ten in one jitted function recorded
+into one CUDA graph again.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import zlib
 from dataclasses import dataclass
 
 from .. import flat_entry, gpu, jit
-from ..launch import FillRecord, LaunchRecord, NotRecordable, recording
+from ..launch import FillRecord, LaunchRecord, recording
 
 _BASE = 1 << 62  # stand-in address of slot s: _BASE + (s << _SHIFT); offsets below 2**_SHIFT
 _SHIFT = 36
@@ -108,14 +109,15 @@ class Step:
 
 def record(prep, present: list[bool], scalars: tuple, device: int) -> list | None:
     """The launches and fills of one `prep.run` with stand-in addresses, or None when the run
-    does something a native launch cannot (NotRecordable)."""
+    does something a native launch cannot (NotRecordable) or raises (the Python handler then
+    runs it, and raises, at execution)."""
     n_in = len(present)
     ptrs = [_BASE + (i << _SHIFT) if p else 0 for i, p in enumerate(present)]
     ptrs += [_BASE + ((n_in + j) << _SHIFT) for j in range(len(prep.outs))]
     try:
         with recording() as steps:
             prep.run(0, device, ptrs, scalars)
-    except NotRecordable:
+    except Exception:  # noqa: BLE001 - NotRecordable, or what the handler will raise
         return None
     return steps
 
