@@ -27,6 +27,8 @@ from .params import params_type
 
 CUDA_ERROR_INVALID_CONTEXT = 201
 _RECORDING = threading.local()  # .steps: the list a recording() in this thread appends to
+_recorders = [0]  # recordings under way in any thread (a launch reads the thread-local, which
+_recorders_lock = threading.Lock()  # costs a microsecond when unset, only while one is)
 
 
 class NotRecordable(RuntimeError):
@@ -41,13 +43,19 @@ def recording():
     steps: list = []
     outer = getattr(_RECORDING, "steps", None)
     _RECORDING.steps = steps
+    with _recorders_lock:
+        _recorders[0] += 1
     try:
         yield steps
     finally:
+        with _recorders_lock:
+            _recorders[0] -= 1
         _RECORDING.steps = outer
 
 
 def _recorded(what: str) -> list | None:
+    if not _recorders[0]:
+        return None
     steps = getattr(_RECORDING, "steps", None)
     if steps is not None and what:
         raise NotRecordable(what)
@@ -240,7 +248,7 @@ class Launch:
         """Launch on `stream` of `device`, which must be the current device."""
         if self.empty:
             return
-        if (steps := getattr(_RECORDING, "steps", None)) is not None:
+        if _recorders[0] and (steps := getattr(_RECORDING, "steps", None)) is not None:
             blob = ctypes.string_at(ctypes.addressof(self.params), ctypes.sizeof(self.params))
             steps.append(LaunchRecord(self.kernel, self.grid, self.block, blob))
             return

@@ -156,3 +156,19 @@ def test_no_compile_refuses_an_uncached_flat_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("RTCINFER_NO_COMPILE", "1")  # now cached: read back, not compiled
     again = flat_entry.compile_flat(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2}, "sm_90a")
     assert again == entry
+
+
+def test_a_multi_launch_call_chains_its_outputs():
+    """A scratch output written by the first launch is passed to the second as an operand
+    aliased to its result; the final output is the second launch's fresh result."""
+
+    def run(stream, device, ptrs, scalars):  # slots: 0, 1 inputs; 2 output; 3 scratch
+        _fake_launch((ptrs[0], ptrs[3], ptrs[1]))(stream, device)  # x -> scratch
+        _fake_launch((ptrs[3] + 256, ptrs[2], ptrs[3]))(stream, device)  # scratch -> output
+
+    prep = _Prep(run, outs=2)
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    first, second = xla_launch.plan(prep, [True, True], steps)
+    assert first.operands == (0, 1) and first.results == (3,)
+    assert second.operands == (3,) and second.results == (3, 2)  # scratch aliased, then out
+    assert second.bound == {"x": 1, "out": 2, "weight": 1} and second.offsets[0] == 256
