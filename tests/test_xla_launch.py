@@ -172,3 +172,24 @@ def test_a_multi_launch_call_chains_its_outputs():
     assert first.operands == (0, 1) and first.results == (3,)
     assert second.operands == (3,) and second.results == (3, 2)  # scratch aliased, then out
     assert second.bound == {"x": 1, "out": 2, "weight": 1} and second.offsets[0] == 256
+
+
+def test_rope_on_jax_arrays_is_native(monkeypatch):
+    """The RoPE `_inplace` calls on JAX arrays take the out-of-place kernel (static inplace
+    False): q, k and the positions in, two new arrays out, one native launch; the in-place
+    kernel (PyTorch, CuPy) would alias its outputs and keep the handler."""
+    from rtcinfer import rope
+
+    monkeypatch.setattr(jit, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    q = ArrayInfo((4, 32, 128), (4096, 128, 1), "bfloat16", 0)
+    k = ArrayInfo((4, 8, 128), (1024, 128, 1), "bfloat16", 0)
+    pos = ArrayInfo((4,), (1,), "int32", 0)
+    present = [True, True, True, False, False]
+    for in_place, native in ((False, True), (True, False)):
+        static = ("theta", in_place, None, False, None)
+        prep = rope._POS_IDS.prepare([q, k, pos, None, None], 16, static)
+        planned = xla_launch.plan(prep, present, xla_launch.record(prep, present, (1.0, 1e4), 0))
+        assert (planned is not None) == native
+        if native:
+            assert planned[0].operands == (0, 1, 2) and planned[0].results == (5, 6)
