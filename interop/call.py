@@ -8,9 +8,10 @@ signature (shapes, strides, dtypes, devices, the pointers' common alignment, the
 arguments), allocates the outputs with the caller's framework and launches on the caller's
 current stream. Only a new signature pays for validation, kernel choice and geometry.
 
-JAX arrays, eager or traced inside `jax.jit`, go through the XLA FFI target (jax_ffi): the
-launch is prepared when the call is traced, and the handler XLA runs passes it the buffers'
-pointers and XLA's stream. An output that aliases input `j` updates that input in place
+JAX arrays, eager or traced inside `jax.jit`, are prepared when the call is traced: a launch
+that reads only the call's own arrays becomes custom calls XLA launches itself (xla_launch),
+any other goes through the XLA FFI target (jax_ffi), whose handler XLA runs with the buffers'
+pointers and its stream. An output that aliases input `j` updates that input in place
 (PyTorch, CuPy) or returns its new value (JAX, donatable). Other producers of `__dlpack__`
 are taken as CuPy arrays. Lists and tuples, host arrays and arrays off the GPU are refused
 with the name of their slot, before any shape or dtype is checked.
