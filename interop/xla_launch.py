@@ -16,9 +16,11 @@ zero the start of an output before the launch that first writes it, the block mu
 one-dimensional (a whole number of warps), and no output may update an input in place (XLA
 may give such an output a buffer of its own, which the Python handler first copies the input
 into: call_jax.move_in_place_updates). Anything else (a plan's workspace, the bad-index record,
-copies, events) keeps the Python FFI handler (call_jax). Multi-launch calls become a chain of
-custom calls, each output passed on to the next launch that addresses it (aliased, so it is
-updated in place). RTCINFER_JAX_LAUNCH=python keeps every call on the Python handler.
+copies, events) keeps the Python FFI handler (call_jax), as does every call when the ptxas
+jaxlib compiles with refuses the PTX version NVRTC writes (ptx_accepted: NVRTC may be the
+newer). Multi-launch calls become a chain of custom calls, each output passed on to the next
+launch that addresses it (aliased, so it is updated in place). RTCINFER_JAX_LAUNCH=python
+keeps every call on the Python handler.
 
 jaxlib registers its launcher as not command-buffer compatible, so XLA would run it outside
 the CUDA graphs it records around runs of compatible calls (ours among them), at about 5 us of
@@ -33,7 +35,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import shutil
 import struct
+import subprocess
+import tempfile
 import zlib
 from dataclasses import dataclass
 
@@ -215,8 +221,9 @@ def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
     return native
 
 
-def materialize(native: list[NativeLaunch], arch: str) -> list[Step]:
-    """jaxlib's serialized kernel calls of `native` for GPUs of `arch` (e.g. "sm_90a")."""
+def materialize(native: list[NativeLaunch], arch: str) -> list[Step] | None:
+    """jaxlib's serialized kernel calls of `native` for GPUs of `arch` (e.g. "sm_90a"), or None
+    when the ptxas jaxlib uses would refuse their PTX (ptx_accepted)."""
     lib = _lib()
     cc = int("".join(c for c in arch if c.isdigit()))
     steps = []
@@ -225,6 +232,8 @@ def materialize(native: list[NativeLaunch], arch: str) -> list[Step]:
         buffers = len(n.operands) + len(n.results)
         entry = flat_entry.compile_flat(n.kernel.spec, n.kernel.name, layout, buffers, n.bound,
                                         arch)  # fmt: skip
+        if not ptx_accepted(_ptx_version(entry.ptx) or "", arch):
+            return None
         params = [lib.create_array_parameter(0, 16) for _ in n.operands]
         params += [lib.create_array_parameter(z, 16) for z in n.zero]
         params += [lib.create_scalar_parameter(o, "i64") for o in n.offsets]
@@ -274,6 +283,48 @@ def lower(prep, present: list[bool], native: list[Step], out_types: list):
     return run
 
 
+def _ptxas() -> str | None:
+    """The ptxas jaxlib compiles the PTX with: in the CUDA root JAX gives XLA (its pip wheel or
+    CUDA_ROOT), else the one on PATH; None when there is none."""
+    try:
+        from jax._src import lib
+
+        root = getattr(lib, "cuda_path", None)
+    except ImportError:
+        root = None
+    if root and os.path.isfile(os.path.join(root, "bin", "ptxas")):
+        return os.path.join(root, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+@functools.cache
+def ptx_accepted(version: str, arch: str) -> bool:
+    """Whether that ptxas accepts PTX of `version` (the ".version X.Y" NVRTC writes) for
+    `arch`: an empty kernel assembled once per process (a few milliseconds). NVRTC may be newer
+    than the ptxas JAX ships with ("Unsupported .version"), which would fail only when XLA first
+    ran the computation: such calls keep the Python handler (which launches NVRTC's CUBIN)."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return False
+    probe = (f".version {version}\n.target {arch}\n.address_size 64\n"
+             ".visible .entry probe()\n{\n  ret;\n}\n")  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        source, image = os.path.join(folder, "probe.ptx"), os.path.join(folder, "probe.cubin")
+        with open(source, "w") as f:
+            f.write(probe)
+        try:
+            done = subprocess.run([ptxas, f"-arch={arch}", source, "-o", image],
+                                  capture_output=True, timeout=60)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return done.returncode == 0
+
+
+def _ptx_version(ptx: str) -> str | None:
+    found = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
+    return found[1] if found else None
+
+
 def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types):
     """run(*inputs) -> outputs launched natively on GPUs like `device`, or None (the call
     keeps the Python handler)."""
@@ -285,11 +336,12 @@ def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types
     native = plan(prep, present, steps)
     if native is None:
         return None
+    arch = gpu.compile_arch(device)
     try:
-        steps = materialize(native, gpu.compile_arch(device))
+        steps = materialize(native, arch)
     except jit.CacheMissError:  # RTCINFER_NO_COMPILE=1: the handler launches the cached CUBIN
         return None
-    return lower(prep, present, steps, out_types)
+    return None if steps is None else lower(prep, present, steps, out_types)
 
 
 __all__ = ["NativeLaunch", "Step", "enabled", "lower", "materialize", "native_run", "plan",

@@ -193,3 +193,20 @@ def test_rope_on_jax_arrays_is_native(monkeypatch):
         assert (planned is not None) == native
         if native:
             assert planned[0].operands == (0, 1, 2) and planned[0].results == (5, 6)
+
+
+def test_ptx_newer_than_jaxs_ptxas_keeps_the_handler(tmp_path, monkeypatch):
+    """A ptxas that refuses the PTX's .version (or none at all) turns the native path off for
+    that version, before XLA could fail at execution."""
+    fake = tmp_path / "ptxas"
+    fake.write_text('#!/bin/sh\ngrep -q "^.version 9.0" "$2"\n')  # accepts ISA 9.0 only
+    fake.chmod(0o755)
+    monkeypatch.setattr(xla_launch, "_ptxas", lambda: str(fake))
+    xla_launch.ptx_accepted.cache_clear()
+    assert xla_launch.ptx_accepted("9.0", "sm_90a")
+    assert not xla_launch.ptx_accepted("9.5", "sm_90a")
+    monkeypatch.setattr(xla_launch, "_ptxas", lambda: None)
+    xla_launch.ptx_accepted.cache_clear()
+    assert not xla_launch.ptx_accepted("9.0", "sm_90a")
+    xla_launch.ptx_accepted.cache_clear()
+    assert xla_launch._ptx_version("//\n.version 9.5\n.target sm_90a\n") == "9.5"
