@@ -32,7 +32,8 @@ def _version(dist: str) -> str:
 
 
 # What the cache writes: entries (and their temp files, and dumped sources) in one folder per
-# arch, and the sources of failed compiles in failed/. Nothing else in the folder is ours.
+# arch (sm_XX: CUBIN; compute_XX: the PTX of JAX's native launches), and the sources of failed
+# compiles in failed/. Nothing else in the folder is ours.
 _OURS = re.compile(r"\w+-[0-9a-f]{24}\.(rtci|cu|rtci\w*\.tmp)")
 
 
@@ -40,7 +41,8 @@ def _cache_files(pattern: str = "*") -> list:
     root = jit.cache_dir()
     if not root.is_dir():
         return []
-    files = [*root.glob(f"sm_*/{pattern}"), *root.glob(f"failed/{pattern}")]
+    files = [*root.glob(f"sm_*/{pattern}"), *root.glob(f"compute_*/{pattern}"),
+             *root.glob(f"failed/{pattern}")]  # fmt: skip
     return sorted(p for p in files if p.is_file() and _OURS.fullmatch(p.name))
 
 
@@ -166,7 +168,9 @@ def clear_cache(args) -> int:
     n = len(_cache_entries())
     for path in _cache_files():
         path.unlink(missing_ok=True)
-    for folder in [*root.glob("sm_*"), root / "failed"] if root.is_dir() else []:
+    for folder in (
+        [*root.glob("sm_*"), *root.glob("compute_*"), root / "failed"] if root.is_dir() else []
+    ):
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
     print(f"removed {n} modules from {root}")

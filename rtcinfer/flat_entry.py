@@ -22,14 +22,11 @@ op. Pointer fields not bound to a buffer are passed as values (null ones).
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from dataclasses import dataclass
 
 from . import jit
 from .params import StructLayout
-from .toolchain import cache_dir, fingerprint
 
 # extern "C" __global__ void <attributes> name(const __grid_constant__ Params p)
 _KERNEL = re.compile(
@@ -96,30 +93,10 @@ def flat_source(spec, kernel: str, layout: StructLayout, buffers: int,
 def compile_flat(spec, kernel: str, layout: StructLayout, buffers: int, bound: dict[str, int],
                  arch: str) -> FlatEntry:  # fmt: skip
     """PTX of the flat entry for `arch` (e.g. "sm_90a": PTX for compute_90a), from the disk
-    cache or compiled now by NVRTC."""
+    cache or compiled now by NVRTC (jit.compile_ptx)."""
+    name = f"{kernel}_flat"
     source = flat_source(spec, kernel, layout, buffers, bound)
-    target = arch.replace("sm_", "compute_")
-    options = [o for o in jit.compile_options(target) if o != "-Xptxas=-v" and o != "-lineinfo"]
-    key = hashlib.sha256("\0".join([source, *jit._options(target), fingerprint()]).encode())
-    path = cache_dir() / "ptx" / f"{kernel}-{key.hexdigest()[:24]}.ptx"
-    try:
-        return FlatEntry(f"{kernel}_flat", path.read_text())
-    except OSError:
-        pass
-    if os.environ.get("RTCINFER_NO_COMPILE") == "1":
-        raise jit.CacheMissError(f"RTCINFER_NO_COMPILE=1 and {kernel}'s flat entry is not cached")
-    ptx, log = jit._nvrtc(source, f"{kernel}_flat", options, ptx=True)
-    if ptx is None:
-        raise jit.CompileError(spec, log, path.with_suffix(".cu"))
-    text = ptx.rstrip(b"\0").decode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache: compiled again next time
-        pass
-    return FlatEntry(f"{kernel}_flat", text)
+    return FlatEntry(name, jit.compile_ptx(spec, source, name, arch))
 
 
 __all__ = ["FlatEntry", "compile_flat", "flat_source", "value_fields"]

@@ -48,7 +48,7 @@ class CacheMissError(RuntimeError):
 class Compiled:
     spec: object
     arch: str
-    cubin: bytes
+    cubin: bytes  # the image: a CUBIN, or PTX text for a virtual (compute_XX) arch
     path: Path
     meta: dict  # spec, arch, nvrtc, compile_seconds, resources (per-kernel ptxas report)
     cache_hit: bool
@@ -132,9 +132,11 @@ _HEADERS_FLAG = (
 
 
 def _options(arch: str) -> list[str]:
-    """NVRTC's options with the header folder left as a placeholder (the key's form)."""
-    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "-lineinfo",
-            "-Xptxas=-v", _HEADERS_FLAG]  # fmt: skip
+    """NVRTC's options with the header folder left as a placeholder (the key's form). A
+    virtual target (compute_XX: PTX, no ptxas run) gets no ptxas report and no line table."""
+    cubin = arch.startswith("sm_")
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device",
+            *(["-lineinfo", "-Xptxas=-v"] if cubin else []), _HEADERS_FLAG]  # fmt: skip
     return opts + shlex.split(os.environ.get("RTCINFER_NVRTC_FLAGS", ""))
 
 
@@ -155,7 +157,8 @@ def _entry_path(spec, source: str, arch: str) -> Path:
 
 
 def read_entry(path: Path) -> tuple[dict, bytes] | None:
-    """(meta, cubin) of a cache entry, or None when it is missing, truncated or corrupt."""
+    """(meta, image) of a cache entry (a CUBIN, or PTX text for a compute_XX target), or None
+    when it is missing, truncated or corrupt."""
     try:
         blob = path.read_bytes()
     except OSError:
@@ -172,8 +175,8 @@ def read_entry(path: Path) -> tuple[dict, bytes] | None:
         meta = json.loads(payload[:n])
     except ValueError:
         return None
-    cubin = payload[n:]
-    return (meta, cubin) if cubin.startswith(b"\x7fELF") else None
+    image = payload[n:]
+    return (meta, image) if image.startswith((b"\x7fELF", b"//")) else None  # CUBIN or PTX
 
 
 @functools.cache
@@ -261,27 +264,39 @@ def _nvrtc(source: str, name: str, options: list[str],
         _, size = get_size(prog)
         image = bytearray(size)
         get(prog, image)
-        return bytes(image), log.decode(errors="replace").rstrip("\0")
+        image = bytes(image).rstrip(b"\0") if ptx else bytes(image)  # PTX: NUL-terminated
+        return image, log.decode(errors="replace").rstrip("\0")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_spec(spec, arch: str) -> Compiled:
     """CUBIN of `spec` for `arch` (e.g. "sm_90a"), from the disk cache or compiled now."""
-    source = expand_source(spec)
+    return _cached_or_compiled(spec, expand_source(spec), spec_name(spec), arch)
+
+
+def compile_ptx(spec, source: str, name: str, arch: str) -> str:
+    """PTX of `source`, a variant of `spec`'s source (rtcinfer/flat_entry.py), for the virtual
+    target of `arch` ("sm_90a": compute_90a), from the disk cache or compiled now."""
+    target = arch.replace("sm_", "compute_", 1)
+    return _cached_or_compiled(spec, source, name, target).cubin.decode()
+
+
+def _cached_or_compiled(spec, source: str, name: str, arch: str) -> Compiled:
+    """The cache entry of `source` for `arch` (a CUBIN for sm_XX, PTX for compute_XX), or
+    NVRTC's output, written to the cache; RTCINFER_NO_COMPILE=1 makes a miss raise."""
     path = _entry_path(spec, source, arch)
     if (entry := read_entry(path)) is not None:
         return Compiled(spec, arch, entry[1], path, entry[0], cache_hit=True)
     if os.environ.get("RTCINFER_NO_COMPILE") == "1":
         raise CacheMissError(f"RTCINFER_NO_COMPILE=1 and {spec!r} for {arch} is not cached")
-    name = spec_name(spec)
     if os.environ.get("RTCINFER_DUMP_SOURCE") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".cu").write_text(source)
     start = time.perf_counter()
-    cubin, log = _nvrtc(source, name, compile_options(arch))
+    image, log = _nvrtc(source, name, compile_options(arch), ptx=arch.startswith("compute_"))
     seconds = time.perf_counter() - start
-    if cubin is None:
+    if image is None:
         dump = cache_dir() / "failed" / f"{path.stem}.cu"
         try:
             dump.parent.mkdir(parents=True, exist_ok=True)
@@ -296,8 +311,8 @@ def compile_spec(spec, arch: str) -> Compiled:
         "compile_seconds": round(seconds, 4),
         "resources": parse_ptxas_log(log),
     }
-    _write_entry(path, meta, cubin)
-    return Compiled(spec, arch, cubin, path, meta, cache_hit=False)
+    _write_entry(path, meta, image)
+    return Compiled(spec, arch, image, path, meta, cache_hit=False)
 
 
 @functools.cache

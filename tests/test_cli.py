@@ -207,3 +207,19 @@ def test_warmup_into_a_read_only_cache_says_why(tmp_path, monkeypatch, capsys):
         (cache / "sm_80").chmod(0o700)
     expect = f"rtcinfer warmup: error: cannot write the kernel cache at {cache / 'sm_80'}: "
     assert capsys.readouterr().err == expect + "Permission denied\n"
+
+
+def test_the_ptx_of_native_jax_launches_is_listed_and_cleared(cache_dir, capsys):
+    """A flat entry's PTX (interop/xla_launch.py) is a cache entry like a CUBIN: listed with
+    its compute_XX target, removed by clear-cache."""
+    from rtcinfer import flat_entry, norm
+
+    spec = norm.norm_spec("rmsnorm", "bfloat16", "bfloat16", 4096)
+    layout = jit.struct_layout(spec, "NormParams")
+    flat_entry.compile_flat(spec, "norm_kernel", layout, 3, {"x": 0, "out": 2}, "sm_90a")
+    assert cli.main(["list-modules"]) == 0
+    out = capsys.readouterr().out
+    assert "compute_90a" in out and "1 modules in" in out and "corrupt" not in out
+    assert cli.main(["clear-cache"]) == 0
+    assert "removed 1 modules" in capsys.readouterr().out
+    assert not list(cache_dir.rglob("*.rtci")) and not list(cache_dir.glob("compute_*"))
