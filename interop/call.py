@@ -118,12 +118,17 @@ class Op:
     """A public op: its input slot names and `prepare(infos, align, static) -> Prepared`,
     where `infos` are ArrayInfo (None for an absent slot) and `align` is the largest power of
     two, at most 16, dividing every pointer (in bytes). `given`: the slots that hold outputs
-    given by the caller (`out=`), which JAX arrays cannot be."""
+    given by the caller (`out=`), which JAX arrays cannot be. `jax_static(static)`: the static
+    arguments a call on JAX arrays is prepared with, where they differ (an op that updates
+    inputs in place writes new arrays for JAX, whose arrays are immutable: no output aliases
+    an input, so XLA can launch it itself, interop/xla_launch.py)."""
 
     def __init__(self, name: str, slots: Sequence[str], prepare: Callable[..., Prepared],
-                 given: Sequence[str] = ()):  # fmt: skip
+                 given: Sequence[str] = (),
+                 jax_static: Callable[[tuple], tuple] | None = None):  # fmt: skip
         self.name, self.slots, self.prepare = name, tuple(slots), prepare
         self.given = tuple(self.slots.index(g) for g in given)
+        self.jax_static = jax_static
         self.cache: dict[tuple, Prepared] = {}
         self._lock = threading.Lock()
 

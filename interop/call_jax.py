@@ -26,6 +26,8 @@ def call_jax(op: Op, arrays, static, scalars):
     for i in op.given:
         if arrays[i] is not None:
             raise TypeError(f"{op.slots[i]}= is not supported for JAX arrays (they are immutable)")
+    if op.jax_static is not None:
+        static = op.jax_static(static)
     key = ["jax", op, static]
     for x, name in zip(arrays, op.slots, strict=True):
         if x is None:

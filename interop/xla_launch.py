@@ -34,6 +34,7 @@ into one CUDA graph again.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import shutil
@@ -158,7 +159,6 @@ def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
     """The native launches of recorded `steps`, or None when one cannot be made native."""
     n_in, outs = len(present), prep.outs
     n_slots = n_in + len(outs)
-    # an input updated in place is addressed as the output that carries its new value
     if any(o.alias for o in outs):
         # XLA may give an aliased output a buffer other than its operand's (interop/call_jax:
         # move_in_place_updates); an in-place kernel cannot copy first: the Python handler does
@@ -216,7 +216,7 @@ def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
             )
         )
         have.update(results)
-    if zero or any(n_in + j not in have for j, o in enumerate(outs) if _size(o.shape)):
+    if zero or any(n_in + j not in have for j, o in enumerate(outs) if math.prod(o.shape)):
         return None  # a fill no launch followed, or an output no launch wrote
     return native
 
@@ -242,13 +242,6 @@ def materialize(native: list[NativeLaunch], arch: str) -> list[Step] | None:
                                     params)  # fmt: skip
         steps.append(Step(n.operands, n.results, zlib.compress(call.to_proto(entry.name, b""))))
     return steps
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _kernel(lib, entry, warps: int, smem: int, cc: int):
@@ -277,7 +270,7 @@ def lower(prep, present: list[bool], native: list[Step], out_types: list):
             produced = call(*[value[s] for s in step.operands], opaque=step.opaque)
             value.update(zip(step.results, produced, strict=True))
         # an output no launch wrote is empty (plan() made sure)
-        return [value.get(n_in + j) if n_in + j in value else jax.numpy.zeros(t.shape, t.dtype)
+        return [value[n_in + j] if n_in + j in value else jax.numpy.zeros(t.shape, t.dtype)
                 for j, t in enumerate(out_types)]  # fmt: skip
 
     return run

@@ -161,13 +161,15 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
 
 
 _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",))
-_FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare)
 
 
-def _is_jax(x) -> bool:
-    """JAX arrays are immutable: a fused call on them writes its results to new arrays (no
-    buffer aliased, so XLA can launch it itself: interop/xla_launch.py)."""
-    return type(x).__module__.startswith(("jax", "jaxlib"))
+def _new_arrays(static: tuple) -> tuple:
+    """A fused call on JAX arrays (immutable): input and residual read, two new arrays written
+    (no output aliases an input, so XLA can launch it itself)."""
+    return (*static, True)
+
+
+_FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=_new_arrays)
 
 
 @compilable("input")
@@ -204,15 +206,13 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     so the result equals `residual += input; input[:] = rmsnorm(residual)` done in two steps.
     Returns (input, residual); for JAX arrays (immutable) these are the new values.
     """
-    return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm", _is_jax(input)),
-                (float(eps),))  # fmt: skip
+    return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm",), (float(eps),))
 
 
 @compilable("input")
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
-    return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm", _is_jax(input)),
-                (float(eps),))  # fmt: skip
+    return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
 
 
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:

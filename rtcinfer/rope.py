@@ -305,21 +305,21 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
     return run
 
 
+def _out_of_place(static: tuple) -> tuple:
+    """An `_inplace` call on JAX arrays (immutable): the out-of-place kernel, into two new
+    arrays (no output aliases an input, so XLA can launch it itself)."""
+    return (static[0], False, *static[2:])
+
+
 def _op(name: str, positions: tuple[str, ...]) -> Op:
     slots = ("q", "k", *positions, "q_out", "k_out")
-    return Op(name, slots, functools.partial(_prepare, positions), given=("q_out", "k_out"))
+    return Op(name, slots, functools.partial(_prepare, positions), given=("q_out", "k_out"),
+              jax_static=_out_of_place)  # fmt: skip
 
 
 _RAGGED = _op("rope", ("indptr", "offsets"))
 _POS_IDS = _op("rope_pos_ids", ("pos_ids",))
 _CACHE = _op("rope_cos_sin_cache", ("positions", "cos_sin_cache"))
-
-
-def _in_place(q) -> bool:
-    """Whether an `_inplace` call updates q and k in place: not for JAX arrays, which are
-    immutable (the call returns new arrays either way): written to fresh outputs, the launch
-    has no aliased buffers, so XLA can launch it itself (interop/xla_launch.py)."""
-    return not type(q).__module__.startswith(("jax", "jaxlib"))
 
 
 def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
@@ -351,7 +351,7 @@ def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
                        rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
     return call(_RAGGED, (q, k, indptr, offsets, None, None),
-                ("theta", _in_place(q), rotary_dim, interleave, None),
+                ("theta", True, rotary_dim, interleave, None),
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
@@ -370,7 +370,7 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
     return call(_POS_IDS, (q, k, pos_ids, None, None),
-                ("theta", _in_place(q), rotary_dim, interleave, None),
+                ("theta", True, rotary_dim, interleave, None),
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
@@ -394,7 +394,7 @@ def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleav
                                high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope` writing q and k in place; returns (q, k)."""
     return call(_RAGGED, (q, k, indptr, offsets, None, None),
-                ("llama31", _in_place(q), rotary_dim, interleave, None),
+                ("llama31", True, rotary_dim, interleave, None),
                 _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
                          old_context_len))  # fmt: skip
 
@@ -417,7 +417,7 @@ def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleav
                                        high_freq_factor=4.0, old_context_len=8192):  # fmt: skip
     """`apply_llama31_rope_pos_ids` writing q and k in place; returns (q, k)."""
     return call(_POS_IDS, (q, k, pos_ids, None, None),
-                ("llama31", _in_place(q), rotary_dim, interleave, None),
+                ("llama31", True, rotary_dim, interleave, None),
                 _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor,
                          old_context_len))  # fmt: skip
 
@@ -443,7 +443,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
                                           is_neox=True):  # fmt: skip
     """`apply_rope_with_cos_sin_cache` writing query and key in place; returns (query, key)."""
     return call(_CACHE, (query, key, positions, cos_sin_cache, None, None),
-                ("cos_sin_cache", _in_place(query), None, not is_neox, head_size))  # fmt: skip
+                ("cos_sin_cache", True, None, not is_neox, head_size))  # fmt: skip
 
 
 PUBLIC = (apply_rope, apply_rope_inplace, apply_rope_pos_ids, apply_rope_pos_ids_inplace,

@@ -210,3 +210,15 @@ def test_ptx_newer_than_jaxs_ptxas_keeps_the_handler(tmp_path, monkeypatch):
     assert not xla_launch.ptx_accepted("9.0", "sm_90a")
     xla_launch.ptx_accepted.cache_clear()
     assert xla_launch._ptx_version("//\n.version 9.5\n.target sm_90a\n") == "9.5"
+
+
+def test_in_place_ops_are_prepared_out_of_place_for_jax():
+    """call_jax prepares a call on JAX arrays with Op.jax_static: the fused norms and the
+    RoPE `_inplace` forms then write new arrays (the PyTorch and CuPy calls are unchanged)."""
+    from rtcinfer import rope
+
+    assert norm._FUSED.jax_static(("fused_add_rmsnorm",)) == ("fused_add_rmsnorm", True)
+    in_place = ("theta", True, None, False, None)
+    for op in (rope._RAGGED, rope._POS_IDS, rope._CACHE):
+        assert op.jax_static(in_place) == ("theta", False, None, False, None)
+    assert norm._PLAIN.jax_static is None
