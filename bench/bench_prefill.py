@@ -4,14 +4,14 @@ views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph vi
 FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
 same run; then plan() host time for a 64-request batch (against fa2). rtcinfer is called with
 PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
-on CuPy arrays captured with CuPy's stream capture; "other warp rows graph us" the same with
-the other warp shape where the kernel allows both (128-row tiles, head_dim <= 128, no custom
-mask): 16 rows a warp where plan() chose 32 (head_dim 128), 32 where it chose 16."""
+on CuPy arrays captured with CuPy's stream capture; "mma.sync graph us" the same call on the
+mma.sync kernel (RTCINFER_PREFILL_WGMMA=0) where plan() chose the warpgroup-MMA one (sm_90a)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 
 import numpy as np
@@ -34,7 +34,6 @@ from bench.common import (
     time_us,
     views,
 )
-from rtcinfer.attention import prefill as prefill_module
 from rtcinfer.interop.dtypes import numpy_dtype
 
 PAGE = 16
@@ -67,22 +66,17 @@ FA3_HEAD_DIMS = (128,)
 
 
 @contextlib.contextmanager
-def warp_rows_forced(warp_rows: int):
-    """Kernels planned inside take `warp_rows` rows a warp where the kernel allows it
-    (prefill_spec refuses the others: they keep plan()'s choice)."""
-    original = prefill_module.prefill_spec
-
-    def spec(*args, **kwargs):
-        try:
-            return original(*args, **kwargs, warp_rows=warp_rows)
-        except ValueError:
-            return original(*args, **kwargs)
-
-    prefill_module.prefill_spec = spec
+def mma_sync_kernel():
+    """Kernels planned inside are the mma.sync ones (no warpgroup MMAs)."""
+    before = os.environ.get("RTCINFER_PREFILL_WGMMA")
+    os.environ["RTCINFER_PREFILL_WGMMA"] = "0"
     try:
         yield
     finally:
-        prefill_module.prefill_spec = original
+        if before is None:
+            del os.environ["RTCINFER_PREFILL_WGMMA"]
+        else:
+            os.environ["RTCINFER_PREFILL_WGMMA"] = before
 
 
 def indptr_of(lengths: np.ndarray) -> np.ndarray:
@@ -196,13 +190,12 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
         wrapper = getattr(rtcinfer, FORMS[form])()
         wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
         cupy_graph = graph_time_us(lambda: wrapper.run(q, *kv, out=out))
-        other_warps = None
-        other = 48 - wrapper._launch.launch.kernel.spec.warp_rows  # 16 <-> 32
-        with warp_rows_forced(other):
-            alt = getattr(rtcinfer, FORMS[form])()
-            alt.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
-        if alt._launch.launch.kernel.spec.warp_rows == other:
-            other_warps = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
+        mma_sync = None
+        if wrapper._launch.launch.kernel.spec.wgmma:
+            with mma_sync_kernel():
+                alt = getattr(rtcinfer, FORMS[form])()
+                alt.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
+            mma_sync = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
         (tq, tout, *tkv), is_torch = callers(q, out, *kv)
         ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
@@ -215,7 +208,7 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
                 fa3 = flashinfer_views(fi, torch, wrappers, form, "fa3", tables, dims, causal,
                                        tq, tkv)  # fmt: skip
         fa3_graph = None if fa3 is None else fa3.graph
-        table.add(label, *ours.cells(), cupy_graph, other_warps, tflops,
+        table.add(label, *ours.cells(), cupy_graph, mma_sync, tflops,
                   100 * tflops / gemm_tflops(),
                   *peer_cells(ours, theirs), fa3_graph, ratio(ours.graph, fa3_graph))  # fmt: skip
 
@@ -255,7 +248,7 @@ def main() -> Tables:
     fi, torch = peer("flashinfer"), peer("torch")
     rng = np.random.default_rng(0)
     print(header())
-    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "other warp rows graph us", "TFLOP/s",
+    columns = ["case", *VIEW_COLUMNS, "CuPy graph us", "mma.sync graph us", "TFLOP/s",
                "% GEMM", *PEER_COLUMNS, "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
     wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
     tables = Tables()

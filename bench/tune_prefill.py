@@ -1,5 +1,6 @@
 """The prefill kernel's configurations timed on this GPU (graph view, CuPy arrays, ragged KV):
-query tile rows x KV tile keys x ring stages, for a few prompt shapes, with the registers,
+query tile rows x rows a warp (mma.sync) or warpgroup MMAs (wgmma, sm_90a) x KV tile keys x
+ring stages, for a few prompt shapes, with the registers,
 shared memory and resident CTAs per SM of each. The defaults (rtcinfer/attention/
 prefill_kernel.py, plan/prefill.py) come from these numbers.
 
@@ -27,35 +28,39 @@ SHAPES = [
     ("4 x 4096", (4096,) * 4, 32, 8, 128, True),
     ("4 x 4096, non-causal", (4096,) * 4, 32, 8, 128, False),
     ("16 x 1024", (1024,) * 16, 32, 8, 128, True),
+    ("32 x 512", (512,) * 32, 32, 8, 128, True),
+    ("4 x 4096, head_dim 256", (4096,) * 4, 32, 8, 256, True),
 ]
-# (query tile rows, rows per warp): 16 rows a warp, or 32 (two MMA row blocks) in 128-row tiles
-TILES = ((64, 16), (128, 16), (128, 32))
+# (query tile rows, rows per warp, wgmma): mma.sync with 16 rows a warp, or 32 (two MMA row
+# blocks) in 128-row tiles; warpgroup MMAs (sm_90a) over 64-row warpgroups, 64-key tiles
+TILES = ((64, 16, False), (128, 16, False), (128, 32, False), (64, 16, True), (128, 16, True))
 KV_TILES = (32, 64)
 STAGES = (2, 3)
 
 
-def forced(tile_rows: int, warp_rows: int, kv_tile: int, stages: int):
+def forced(tile_rows: int, warp_rows: int, kv_tile: int, stages: int, wgmma: bool = False):
     """prefill_spec and pick_tile_rows replaced by one fixed configuration."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, causal=False, pos_encoding_mode="NONE",
              soft_cap=False, max_smem=0, custom_mask=False, kv_dtype=None,
-             ragged=False):  # fmt: skip
+             ragged=False, **_):  # fmt: skip
         return PrefillSpec(q_dtype, o_dtype, head_dim, rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged), warp_rows)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma)  # fmt: skip
 
     prefill_module.prefill_spec = spec
-    prefill_module.pick_tile_rows = lambda cfg, qo_indptr: tile_rows
+    prefill_module.pick_tile_rows = lambda cfg, qo_indptr, **_: tile_rows
 
 
 def main() -> Tables:
     cp = cupy()
     bf16 = numpy_dtype("bfloat16")
     _, max_smem = jit.device_limits(cp.cuda.Device().id)
+    arch = arch_of(cp.cuda.Device().compute_capability)
     print(header())
     table = Table("prefill kernel configurations (ragged KV, bf16, graph view)",
-                  ["case", "tile rows", "warp rows", "KV tile", "stages", "regs", "smem KiB",
-                   "CTAs/SM", "us", "TFLOP/s"])  # fmt: skip
+                  ["case", "tile rows", "warp rows", "wgmma", "KV tile", "stages", "regs",
+                   "smem KiB", "CTAs/SM", "us", "TFLOP/s"])  # fmt: skip
     for label, qo_lens, hq, hkv, head_dim, causal in SHAPES:
         qo_len = np.array(qo_lens, dtype=np.int32)
         indptr = indptr_of(qo_len)
@@ -63,10 +68,15 @@ def main() -> Tables:
         k, v = (random_cache((int(qo_len.sum()), hkv, head_dim), "bfloat16") for _ in range(2))
         out = cp.empty(q.shape, dtype=bf16)
         flops = 4 * head_dim * hq * visible_pairs(qo_len, qo_len, causal)
-        for (rows, warp_rows), kv_tile, stages in itertools.product(TILES, KV_TILES, STAGES):
+        for (rows, warp_rows, wgmma), kv_tile, stages in itertools.product(TILES, KV_TILES,
+                                                                           STAGES):  # fmt: skip
             if warp_rows == 32 and kv_tile == 64:
                 continue  # S of 32 rows x 64 keys would not fit in registers beside O
-            forced(rows, warp_rows, kv_tile, stages)
+            if wgmma and (kv_tile != 64 or arch != "sm_90a"):
+                continue  # 64-key tiles; sm_90a only
+            if head_dim == 256 and not wgmma and rows == 128:
+                continue
+            forced(rows, warp_rows, kv_tile, stages, wgmma)
             spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal,
                                                ragged=True)  # fmt: skip
             if spec.smem_bytes > max_smem:
@@ -80,11 +90,10 @@ def main() -> Tables:
                 print(f"# {label} {rows}/{warp_rows}/{kv_tile}/{stages}: {type(e).__name__}: "
                       f"{e}"[:300])  # fmt: skip
                 continue
-            arch = arch_of(cp.cuda.Device().compute_capability)
             usage = jit.compile_spec(spec, arch).meta["resources"]
             ctas = wrapper._launch.launch.kernel.occupancy(cp.cuda.Device().id, spec.threads)
             regs = usage.get("prefill_kernel", {}).get("registers")  # None: not recorded
-            table.add(label, rows, warp_rows, kv_tile, stages, regs,
+            table.add(label, rows, warp_rows, wgmma, kv_tile, stages, regs,
                       spec.smem_bytes / 1024, ctas, us, flops / us / 1e6)  # fmt: skip
     tables = Tables()
     tables.append(table)

@@ -72,13 +72,15 @@ class PrefillPlan:
         return int(self.tile_items[self.tile_items > 1].sum())
 
 
-def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int) -> int:
+def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
+                     wide: bool = False) -> int:  # fmt: skip
     """Packed rows per query tile from the average packed query length: 16 for decode-like
     batches (up to 16 rows per request), 64 for medium ones, 128 for long prompts (64 at
-    head_dim 256, whose accumulators would not fit 128 rows)."""
+    head_dim 256, whose accumulators would not fit 128 rows, unless `wide`: a kernel whose
+    accumulators do, the warpgroup-MMA one)."""
     batch = qo_len.shape[0]
     avg = int(qo_len.sum()) * group_size / batch if batch else 0
-    if avg > 64 and head_dim < 256:
+    if avg > 64 and (head_dim < 256 or wide):
         return 128
     return 64 if avg > 16 else 16
 

@@ -85,7 +85,7 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
     specs += rope.specs_for(m.head_dim, (dtype,))
     specs += page.specs_for(m.head_dim, kv_dtype)
     specs += decode_kernel.specs_for(*attention)
-    specs += prefill_kernel.specs_for(*attention)
+    specs += prefill_kernel.specs_for(*attention, on.arch)
     specs += cascade.specs_for(m.head_dim, dtype)
     logits = tuple(dict.fromkeys(("float32", dtype)))
     specs += softmax_specs(m.vocab, logits)
@@ -153,7 +153,8 @@ def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
     head_dim 64/128/256, query tiles of 16 (four warps on the keys), 64 and 128 rows, causal,
     custom mask or neither, RoPE or ALiBi, soft cap, fp8 KV, the 2-stage ring (small shared
-    memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128)."""
+    memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128), and the
+    warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm)."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=16),
@@ -177,6 +178,12 @@ def prefill_specs() -> list:
         spec("bfloat16", "bfloat16", 128, 128, True, ragged=True, warp_rows=32),
         spec("float16", "float16", 128, 128, False, "ROPE_LLAMA", True, warp_rows=32),
         spec("bfloat16", "bfloat16", 128, 128, True, kv_dtype="float8_e4m3fn", warp_rows=32),
+        # warpgroup MMAs (sm_90a): head_dim 64/128/256, 64- and 128-row tiles, every mask
+        spec("bfloat16", "bfloat16", 128, 128, True, ragged=True, wgmma=True),
+        spec("float16", "float16", 128, 64, False, "ALIBI", True, wgmma=True),
+        spec("bfloat16", "float16", 64, 128, False, custom_mask=True, wgmma=True),
+        spec("float16", "float16", 256, 128, True, "NONE", True, ragged=True, wgmma=True),
+        spec("bfloat16", "bfloat16", 128, 128, False, max_smem=100 * 1024, wgmma=True),
     ]
 
 

@@ -377,6 +377,12 @@ def sm_count(device_id: int) -> int:
 
 
 @functools.cache
+def device_arch(device_id: int) -> str:
+    """The compile target of a device (gpu.compile_arch, asked once per process)."""
+    return gpu.compile_arch(device_id)
+
+
+@functools.cache
 def device_limits(device_id: int) -> tuple[int, int]:
     """(SM count, opt-in shared memory per block) of a device."""
     runtime = gpu.runtime()

@@ -144,6 +144,12 @@ def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
         return fake
 
     monkeypatch.setattr(gpu, "runtime", checked_runtime)
+    # the compile target, asked of the fake each time (jit caches the real one per device)
+    from rtcinfer import jit
+    from rtcinfer.attention import prefill
+
+    for module in (jit, prefill):
+        monkeypatch.setattr(module, "device_arch", gpu.compile_arch)
     return fake
 
 

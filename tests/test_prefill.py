@@ -379,7 +379,7 @@ def test_32_row_warps(monkeypatch, head_dim, variant):
 
     spec_of = prefill.prefill_spec
     monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(*a, **k, warp_rows=32))
-    monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr: 128)
+    monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
     rng = np.random.default_rng(zlib.crc32(repr((head_dim, variant)).encode()))
     qo, extra = [300, 1, 0, 129, 40], [0, 700, 9, 64, 1000]
     kv_dtype = "float8_e4m3fn" if variant == "fp8" else "bfloat16"

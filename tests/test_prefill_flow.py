@@ -179,7 +179,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
             return
         monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(
             *a, **k, warp_rows=warp_rows if a[3] == 128 else 16))  # fmt: skip
-        monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr: 128)
+        monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
     qo = np.array(qo)
     kv = qo + np.array(extra)
     hkv, d, page = 2, 64, 16

@@ -39,7 +39,17 @@ RTC_DEVICE uint32_t tile_offset(int row, int chunk) {
   return static_cast<uint32_t>(row * ROW_BYTES + phys * 16);
 }
 
-template <int TILE, int ROW_BYTES, int THREADS, bool ONE_PAGE = false>
+// Byte offset of 16-byte chunk `chunk` of row `row` in a [ROWS][ROW_BYTES] tile in the
+// 128-byte-swizzled canonical layout (ROW_BYTES a multiple of 128; the tile 1024-byte aligned).
+template <int ROWS, int ROW_BYTES>
+RTC_DEVICE uint32_t wgmma_tile_offset(int row, int chunk) {
+  static_assert(ROW_BYTES % 128 == 0 && ROWS % 8 == 0, "whole 128-byte blocks, 8-row groups");
+  const int block = chunk / 8, phys = (chunk % 8) ^ (row % 8);
+  return static_cast<uint32_t>(block * ROWS * 128 + row * 128 + phys * 16);
+}
+
+// CANONICAL: the tiles in wgmma's canonical layout (wgmma_tile_offset) instead.
+template <int TILE, int ROW_BYTES, int THREADS, bool ONE_PAGE = false, bool CANONICAL = false>
 struct PagedTileLoader {
   static constexpr int CHUNKS = ROW_BYTES / 16;
   static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
@@ -96,7 +106,11 @@ struct PagedTileLoader {
         k_src = offset_wide(k_base, page, k_page) + slot * k_token;  // slot * stride: 32 bits
         v_src = offset_wide(v_base, page, v_page) + slot * v_token;
       }
-      const uint32_t dst = tile_offset<ROW_BYTES>(row, chunk);
+      uint32_t dst;
+      if constexpr (CANONICAL)
+        dst = wgmma_tile_offset<TILE, ROW_BYTES>(row, chunk);
+      else
+        dst = tile_offset<ROW_BYTES>(row, chunk);
       cp_async_16(k_tile + dst, valid ? k_src : k_base, valid);
       cp_async_16(v_tile + dst, valid ? v_src : v_base, valid);
     }

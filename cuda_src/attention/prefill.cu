@@ -24,7 +24,10 @@
 // staging tile as each tile lands; k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
-// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32).
+// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
+// WGMMA (sm_90a: each warpgroup's 64 rows multiply by wgmma, S = Q K^T with Q and K from
+// shared memory and O += P V with P from registers; the Q, K and V tiles then use wgmma's
+// canonical layout, wgmma.cuh; 16-row warps, 64-key tiles, 16-bit KV, no in-kernel RoPE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -32,6 +35,7 @@
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
 #include "variant.cuh"
+#include "wgmma.cuh"
 
 constexpr int ROW_BLOCKS = WARP_ROWS / 16;         // 16-row MMA blocks of a warp
 constexpr int ROWS = 2 * ROW_BLOCKS;               // rows of a thread (g and g + 8 of each block)
@@ -57,7 +61,7 @@ constexpr int KEY_TILES = WARP_KEYS / 8;     // n-tiles of S per warp
 constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
 // Q fragments held in registers for the whole item, or re-read from shared memory per k-step
-constexpr bool Q_IN_REGS = HEAD_DIM <= 128 && ROW_BLOCKS == 1;
+constexpr bool Q_IN_REGS = HEAD_DIM <= 128 && ROW_BLOCKS == 1 && !WGMMA;
 constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
 constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
 constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
@@ -72,9 +76,21 @@ static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double bu
 static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "layout");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
+static_assert(!WGMMA || (WARP_ROWS == 16 && TILE_ROWS % 64 == 0 && KV_TILE == 64 && !FP8 && !ROPE),
+              "wgmma: warpgroups of 64 rows, 64-key tiles, 16-bit KV, RoPE outside the kernel");
+
+// Byte offset of chunk `chunk` of row `row` in a [ROWS][ROW_BYTES] Q, K or V tile as the MMAs
+// read it: XOR-swizzled rows for ldmatrix, or wgmma's canonical layout.
+template <int ROWS>
+RTC_DEVICE uint32_t mma_tile_offset(int row, int chunk) {
+  if constexpr (WGMMA)
+    return wgmma_tile_offset<ROWS, ROW_BYTES>(row, chunk);
+  else
+    return tile_offset<ROW_BYTES>(row, chunk);
+}
 
 using MT = QT;
-using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS, RAGGED>;
+using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS, RAGGED, WGMMA>;
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
 #include "prefill_fragments.cuh"
@@ -180,12 +196,49 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
     const int query = packed / p.group_size;
     const int head = kv_head * p.group_size + packed % p.group_size;
     const QT* src = p.q + (w.qo_start + query) * p.q_stride_n + head * p.q_stride_h + chunk * 8;
-    cp_async_16(q_tile + tile_offset<ROW_BYTES>(row, chunk), valid ? src : p.q, valid);
+    cp_async_16(q_tile + mma_tile_offset<TILE_ROWS>(row, chunk), valid ? src : p.q, valid);
   }
   cp_async_commit();
 }
 
 #include "prefill_tiles.cuh"
+
+// WGMMA: S = Q K^T of warpgroup `group`'s 64 rows and the tile's KV_TILE keys, s[n] the C
+// layout of key n-tile n (as mma.m16n8k16 leaves it). K-step c reads dims 16c..16c + 15:
+// column block c / 4 of the canonical tiles, 32 (c % 4) bytes into its swizzled rows.
+template <int N>  // KEY_TILES (a template: instantiated by WGMMA kernels only)
+RTC_DEVICE void qk_wgmma(float (&s)[N][4], uint32_t q_tile, uint32_t k_tile, int group) {
+  constexpr uint32_t GROUP8 = 8 * 128;  // bytes between 8-row groups
+  const uint64_t q = wgmma_desc(q_tile + group * 64 * 128, 16, GROUP8);
+  const uint64_t k = wgmma_desc(k_tile, 16, GROUP8);
+  wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < K_STEPS; ++c) {  // descriptor addresses count 16-byte units
+    const uint32_t at = (c % 4) * 2;
+    wgmma_ss_n64<MT>(s, q + (c / 4) * (TILE_ROWS * 8) + at, k + (c / 4) * (KV_TILE * 8) + at,
+                     c > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(s);
+}
+
+// WGMMA: O += P V for the warpgroup's rows, P from s (rounded to MT), V MN-major: key step j
+// reads keys 16j..16j + 15 (2048 bytes on), column blocks of 64 dims KV_TILE * 128 bytes apart.
+template <int N>  // KEY_TILES
+RTC_DEVICE void pv_wgmma(State (&st)[ROWS], const float (&s)[N][4], uint32_t v_tile) {
+  uint32_t a[KV_TILE / 16][4];
+#pragma unroll
+  for (int j = 0; j < KV_TILE / 16; ++j) p_fragment<MT>(a[j], s[2 * j], s[2 * j + 1]);
+  const uint64_t v = wgmma_desc(v_tile, KV_TILE * 128, 8 * 128);
+  wgmma_fence();  // after the writes of a and of the rescaled o
+#pragma unroll
+  for (int j = 0; j < KV_TILE / 16; ++j) wgmma_rs<MT, HEAD_DIM>(st[0].o, st[1].o, a[j], v + j * 128);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(st[0].o);
+  wgmma_hold(st[1].o);
+}
 
 // One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows. s[b][n]: S of row block
 // b, key n-tile n; row i = 2b + h of the thread is element 2h, 2h + 1 of s[b][n].
@@ -196,32 +249,36 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
                             const uint8_t* mask, int row_warp, int kv_warp, int lane, int t) {
   const int key_w = kv_warp * WARP_KEYS;  // this warp's first key in the tile
   float s[ROW_BLOCKS][KEY_TILES][4];
+  if constexpr (WGMMA) {
+    qk_wgmma(s[0], q_tile, k_tile, row_warp / 4);
+  } else {
 #pragma unroll
-  for (int b = 0; b < ROW_BLOCKS; ++b)
+    for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
-    for (int n = 0; n < KEY_TILES; ++n) s[b][n][0] = s[b][n][1] = s[b][n][2] = s[b][n][3] = 0.f;
+      for (int n = 0; n < KEY_TILES; ++n) s[b][n][0] = s[b][n][1] = s[b][n][2] = s[b][n][3] = 0.f;
 #pragma unroll
-  for (int c = 0; c < K_STEPS; ++c) {
-    uint32_t a[ROW_BLOCKS][4];
-    if constexpr (Q_IN_REGS) {
+    for (int c = 0; c < K_STEPS; ++c) {
+      uint32_t a[ROW_BLOCKS][4];
+      if constexpr (Q_IN_REGS) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[0][r] = qf[c][r];
-    } else {
+        for (int r = 0; r < 4; ++r) a[0][r] = qf[c][r];
+      } else {
 #pragma unroll
-      for (int b = 0; b < ROW_BLOCKS; ++b)
-        load_a_rows<ROW_BYTES>(a[b], q_tile, WARP_ROWS * row_warp + 16 * b, c, lane);
-    }
-#pragma unroll
-    for (int n = 0; n < KEY_TILES; n += 2) {
-      uint32_t kb[2][2];
-      load_k_pair<ROW_BYTES>(kb, k_tile, key_w + 8 * n, c, lane);
-#pragma unroll
-      for (int b = 0; b < ROW_BLOCKS; ++b) {
-        mma_16816<MT>(s[b][n][0], s[b][n][1], s[b][n][2], s[b][n][3], a[b], kb[0][0], kb[0][1]);
-        mma_16816<MT>(s[b][n + 1][0], s[b][n + 1][1], s[b][n + 1][2], s[b][n + 1][3], a[b],
-                      kb[1][0], kb[1][1]);
+        for (int b = 0; b < ROW_BLOCKS; ++b)
+          load_a_rows<ROW_BYTES>(a[b], q_tile, WARP_ROWS * row_warp + 16 * b, c, lane);
       }
-    }
+#pragma unroll
+      for (int n = 0; n < KEY_TILES; n += 2) {
+        uint32_t kb[2][2];
+        load_k_pair<ROW_BYTES>(kb, k_tile, key_w + 8 * n, c, lane);
+#pragma unroll
+        for (int b = 0; b < ROW_BLOCKS; ++b) {
+          mma_16816<MT>(s[b][n][0], s[b][n][1], s[b][n][2], s[b][n][3], a[b], kb[0][0], kb[0][1]);
+          mma_16816<MT>(s[b][n + 1][0], s[b][n + 1][1], s[b][n + 1][2], s[b][n + 1][3], a[b],
+                        kb[1][0], kb[1][1]);
+        }
+      }
+  }
   }
 
   // Logit transform (variant.cuh; FOLD: none yet, see below) and masks: element r of n-tile n
@@ -298,23 +355,27 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
   }
 
   // O += P V, 16 keys at a time; each V fragment feeds every row block.
+  if constexpr (WGMMA) {
+    pv_wgmma(st, s[0], v_tile);
+  } else {
 #pragma unroll
-  for (int j = 0; j < WARP_KEYS / 16; ++j) {
-    uint32_t a[ROW_BLOCKS][4];
+    for (int j = 0; j < WARP_KEYS / 16; ++j) {
+      uint32_t a[ROW_BLOCKS][4];
 #pragma unroll
-    for (int b = 0; b < ROW_BLOCKS; ++b) p_fragment<MT>(a[b], s[b][2 * j], s[b][2 * j + 1]);
+      for (int b = 0; b < ROW_BLOCKS; ++b) p_fragment<MT>(a[b], s[b][2 * j], s[b][2 * j + 1]);
 #pragma unroll
-    for (int c = 0; c < HEAD_DIM / 16; ++c) {
-      uint32_t vb[2][2];
-      load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
+      for (int c = 0; c < HEAD_DIM / 16; ++c) {
+        uint32_t vb[2][2];
+        load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
-      for (int b = 0; b < ROW_BLOCKS; ++b)
+        for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = 2 * c + h;  // dims 8n..8n + 7
-          mma_16816<MT>(st[2 * b].o[2 * n], st[2 * b].o[2 * n + 1], st[2 * b + 1].o[2 * n],
-                        st[2 * b + 1].o[2 * n + 1], a[b], vb[h][0], vb[h][1]);
-        }
+          for (int h = 0; h < 2; ++h) {
+            const int n = 2 * c + h;  // dims 8n..8n + 7
+            mma_16816<MT>(st[2 * b].o[2 * n], st[2 * b].o[2 * n + 1], st[2 * b + 1].o[2 * n],
+                          st[2 * b + 1].o[2 * n + 1], a[b], vb[h][0], vb[h][1]);
+          }
+      }
     }
   }
 }
@@ -323,7 +384,7 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];  // canonical tiles: 1024-aligned
   const int item = blockIdx.y;
   // Loaded before the count test so both loads overlap (padded slots are stale, unused).
   const PrefillWorkItem w = reinterpret_cast<const PrefillWorkItem*>(p.plan + ITEMS_AT)[item];
@@ -365,6 +426,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   if (LOOK < num_tiles) loader.fetch_pages(pages, key_first + LOOK * KV_TILE);
 
   cp_async_wait<LOOK>();  // the Q tile (the oldest group) landed
+  if constexpr (WGMMA) fence_proxy_async();
   __syncthreads();
   if constexpr (ROPE) {
     const int group = p.group_size, shift = w.kv_len - w.qo_len, row0 = w.tile_row;
@@ -375,7 +437,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   transform.init(p.qk_scale, p.soft_cap);
   if constexpr (FOLD) {
     transform.scale = fold_scale(p.qk_scale, smem);
-    if (p.qk_scale < 0.f) __syncthreads();  // uniform: the negated tile is read below
+    if (p.qk_scale < 0.f) {  // uniform: the negated tile is read below
+      if constexpr (WGMMA) fence_proxy_async();
+      __syncthreads();
+    }
   }
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
@@ -390,6 +455,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<LOOK - 1>();
+    if constexpr (WGMMA) fence_proxy_async();  // the tile, to the wgmma's async proxy
     __syncthreads();  // the tile landed for everyone; the stage refilled below is free
     const int next = tile + LOOK;
     if (next < num_tiles)

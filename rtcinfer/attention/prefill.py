@@ -23,7 +23,7 @@ import numpy as np
 from ..interop import Prepared
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
-from ..jit import device_limits
+from ..jit import device_arch, device_limits
 from ..launch import Launch, memcpy_async
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
@@ -39,7 +39,7 @@ from .paged_kv import (
 )
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
 from .prefill_args import check_backend, io_fields, mask_capacity_bytes, unsupported
-from .prefill_kernel import kernel, prefill_spec
+from .prefill_kernel import kernel, prefill_spec, use_wgmma
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
 
@@ -76,19 +76,31 @@ class _Launch:
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
 
 
-def pick_tile_rows(cfg: PrefillConfig, qo_indptr) -> int:
+def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wide: bool = False) -> int:
     """Packed query rows per CTA for a batch: 16 (decode-like), 64 or 128 (plan/prefill.py's
-    choice from the average packed query length)."""
+    choice from the average packed query length; `wide`: 128-row tiles at head_dim 256 too)."""
     attn = cfg.attn
-    return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim)
+    return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim, wide)
+
+
+def tile_rows_on(cfg: PrefillConfig, qo_indptr, device: int) -> int:
+    """pick_tile_rows for the device's kernel: 128-row tiles at head_dim 256 too where the
+    warpgroup-MMA kernel runs them."""
+    attn = cfg.attn
+    wide = use_wgmma(device_arch(device), 128, attn.pos_encoding_mode, attn.q_dtype,
+                     attn.kv_dtype)  # fmt: skip
+    return pick_tile_rows(cfg, qo_indptr, wide=wide)
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int):
     """(the kernel of a configuration and tile, its resident CTAs per SM on the device)."""
     attn = cfg.attn
+    wgmma = use_wgmma(device_arch(device), tile_rows, attn.pos_encoding_mode, attn.q_dtype,
+                      attn.kv_dtype)  # fmt: skip
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
-                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE)  # fmt: skip
+                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
+                        wgmma=wgmma)  # fmt: skip
     k = kernel(spec)
     return k, max(1, k.occupancy(device, spec.threads))
 
@@ -105,7 +117,7 @@ def plan_launch(
     num_sms, max_smem = limits
     group = attn.group_size
     if tile_rows is None:
-        tile_rows = pick_tile_rows(cfg, qo_indptr)
+        tile_rows = tile_rows_on(cfg, qo_indptr, device)
     k, ctas = kernel_for(cfg, tile_rows, device, max_smem)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
@@ -243,7 +255,7 @@ class _PrefillWrapper(PlannedWrapper):
         fixed = self._fixed
         if fixed is None or fixed.cfg != cfg:
             attn = cfg.attn
-            tile_rows = pick_tile_rows(cfg, qo_indptr)
+            tile_rows = tile_rows_on(cfg, qo_indptr, self._device)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
             num_sms, max_smem = self._limits
             _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem)

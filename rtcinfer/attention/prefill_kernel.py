@@ -8,6 +8,7 @@ through the plan.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -38,7 +39,14 @@ class PrefillSpec:
     kv_dtype: str  # q's, or an fp8 type (widened to q's in shared memory)
     ragged: bool = False  # K/V rows of each request contiguous (no page table to read)
     warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
+    wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
     source: ClassVar[str] = "attention/prefill.cu"
+
+    @property
+    def min_sm(self) -> int:
+        """wgmma is sm_90a's own (see wgmma_supported)."""
+        return 90 if self.wgmma else 80
+
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
 
@@ -73,12 +81,14 @@ class PrefillSpec:
             SMEM_BYTES=self.smem_bytes,
             RAGGED=self.ragged,
             WARP_ROWS=self.warp_rows,
+            WGMMA=self.wgmma,
         )
 
 
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=None,
+    wgmma=False,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
     tile of 64 rows; 32 with two row blocks a warp), as deep a ring (3 or 2 stages) as fits
@@ -86,7 +96,20 @@ def prefill_spec(
     page table; `warp_rows`: 16, or 32 in 128-row tiles at head_dim <= 128 without a custom
     mask (four warps, each K/V fragment feeding two MMAs); None chooses 32 where it was measured
     faster (128-row tiles at head_dim 128 without a custom mask: 5-18% on the H200, head_dim
-    64 8% slower) and 16 elsewhere."""
+    64 8% slower) and 16 elsewhere. `wgmma` (sm_90a, wgmma_supported): each 64-row warpgroup
+    multiplies with warpgroup MMAs, 16-row warps, 64-key tiles and a 2-stage ring (two CTAs,
+    four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a 3-stage ring
+    and one CTA; bench/tune_prefill.py); an explicit warp_rows asks for the mma.sync kernel with
+    that warp shape instead."""
+    if wgmma and warp_rows is None:
+        if not wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype):
+            raise ValueError(
+                f"wgmma with {tile_rows}-row tiles, {pos_encoding_mode}, KV {kv_dtype}: 64 or 128 "
+                "rows, RoPE outside the kernel, KV of q's dtype"
+            )
+        return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
+                        pos_encoding_mode, soft_cap, kv_dtype, ragged, 16, True, max_smem,
+                        stage_choices=(2,))  # fmt: skip
     if warp_rows is None:
         warp_rows = 32 if (tile_rows, head_dim, bool(custom_mask)) == (128, 128, False) else 16
     if warp_rows not in (16, 32) or (
@@ -97,10 +120,35 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
-    for stages in (3, 2):
+    return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
+                    pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
+                    max_smem)  # fmt: skip
+
+
+def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
+    """Whether prefill on `arch` takes the warpgroup-MMA kernel: on sm_90a where it covers the
+    configuration, unless RTCINFER_PREFILL_WGMMA=0 (the mma.sync kernel everywhere)."""
+    return (
+        arch == "sm_90a"
+        and os.environ.get("RTCINFER_PREFILL_WGMMA") != "0"
+        and wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype)
+    )
+
+
+def wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
+    """Whether the warpgroup-MMA kernel covers a configuration: 64- or 128-row tiles (whole
+    warpgroups), RoPE outside the kernel, 16-bit KV of q's dtype (no fp8 widening)."""
+    return tile_rows in (64, 128) and pos_encoding_mode != "ROPE_LLAMA" and kv_dtype == q_dtype
+
+
+def _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
+             pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, wgmma, max_smem,
+             stage_choices=(3, 2)):  # fmt: skip
+    """The first configuration of stage_choices whose ring fits in max_smem."""
+    for stages in stage_choices:
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged), warp_rows)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
@@ -109,20 +157,21 @@ def prefill_spec(
     )
 
 
-def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem) -> list:
-    """The prefill kernels a model's serving loop may launch (warmup) on a GPU with max_smem
-    bytes of shared memory per block: causal prefill in every query tile plan() may choose,
-    over the paged cache (kv_dtype) and over ragged new keys (q's dtype), and the tile of
-    decode with use_tensor_cores=True (one query per request, not causal)."""
+def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem,
+              arch="sm_80") -> list:  # fmt: skip
+    """The prefill kernels a model's serving loop may launch (warmup) on a GPU of `arch` with
+    max_smem bytes of shared memory per block: causal prefill in every query tile plan() may
+    choose, over the paged cache (kv_dtype) and over ragged new keys (q's dtype), and the tile
+    of decode with use_tensor_cores=True (one query per request, not causal)."""
     group = num_qo_heads // num_kv_heads
-    tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256]
-    specs = [prefill_spec(q_dtype, q_dtype, head_dim, rows, True, max_smem=max_smem, kv_dtype=kv,
-                          ragged=ragged)
-             for kv, ragged in ((kv_dtype, False), (q_dtype, True)) for rows in tiles]  # fmt: skip
-    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim)
-    specs.append(prefill_spec(q_dtype, q_dtype, head_dim, decode_rows, False, max_smem=max_smem,
-                              kv_dtype=kv_dtype))  # fmt: skip
-    return specs
+    wide = use_wgmma(arch, 128, "NONE", q_dtype, q_dtype)  # 128 rows at head_dim 256 too
+    tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256 or wide]
+    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide)
+    calls = [(rows, True, kv, ragged) for kv, ragged in ((kv_dtype, False), (q_dtype, True))
+             for rows in tiles] + [(decode_rows, False, kv_dtype, False)]  # fmt: skip
+    return [prefill_spec(q_dtype, q_dtype, head_dim, rows, causal, max_smem=max_smem, kv_dtype=kv,
+                         ragged=ragged, wgmma=use_wgmma(arch, rows, "NONE", q_dtype, kv))
+            for rows, causal, kv, ragged in calls]  # fmt: skip
 
 
 @functools.cache
@@ -130,4 +179,13 @@ def kernel(spec: PrefillSpec) -> Kernel:
     return Kernel(spec, "prefill_kernel", "PrefillParams", spec.smem_bytes)
 
 
-__all__ = ["HEAD_DIMS", "PrefillSpec", "TILE_ROWS", "kernel", "prefill_spec", "specs_for"]
+__all__ = [
+    "HEAD_DIMS",
+    "PrefillSpec",
+    "TILE_ROWS",
+    "kernel",
+    "prefill_spec",
+    "specs_for",
+    "use_wgmma",
+    "wgmma_supported",
+]
