@@ -2,7 +2,8 @@
 views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph view (visible
 (query, key) pairs only), % of a bf16 GEMM measured in the same run, the three views of
 FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
-same run; then plan() host time for a 64-request batch (against fa2). rtcinfer is called with
+same run; then plan() host time for a 64-request batch (against fa2).
+`python -m bench.bench_prefill ragged` (or paged) times one form only. rtcinfer is called with
 PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
 on CuPy arrays captured with CuPy's stream capture; "mma.sync graph us" the same call on the
 mma.sync kernel (RTCINFER_PREFILL_WGMMA=0) where plan() chose the warpgroup-MMA one (sm_90a)."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 
 import numpy as np
@@ -252,7 +254,10 @@ def main() -> Tables:
                "% GEMM", *PEER_COLUMNS, "FI fa3 graph us", "graph vs fa3"]  # fmt: skip
     wrappers: dict = {}  # (form, backend) -> FlashInfer's wrapper, reused
     tables = Tables()
+    forms = sys.argv[1:] or ["ragged", "paged"]
     for form, kv in (("ragged", "ragged KV"), ("paged", f"paged KV, page {PAGE}, permuted pages")):
+        if form not in forms:
+            continue
         table = Table(
             f"batch prefill, {kv} (bf16, Hq 32 / Hkv 8, head_dim 128, causal unless noted; "
             f"% GEMM of a bf16 8192^3 GEMM at {gemm_tflops():.0f} TFLOP/s)",
