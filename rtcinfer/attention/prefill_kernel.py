@@ -97,10 +97,11 @@ def prefill_spec(
     mask (four warps, each K/V fragment feeding two MMAs); None chooses 32 where it was measured
     faster (128-row tiles at head_dim 128 without a custom mask: 5-18% on the H200, head_dim
     64 8% slower) and 16 elsewhere. `wgmma` (sm_90a, wgmma_supported): each 64-row warpgroup
-    multiplies with warpgroup MMAs, 16-row warps, 64-key tiles and a 2-stage ring (two CTAs,
-    four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a 3-stage ring
-    and one CTA; bench/tune_prefill.py); an explicit warp_rows asks for the mma.sync kernel with
-    that warp shape instead."""
+    multiplies with warpgroup MMAs, 16-row warps, 64-key tiles; over ragged K/V a 2-stage ring
+    (two CTAs, four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a
+    3-stage ring and one CTA; bench/tune_prefill.py), over a paged cache 3 stages where they fit
+    (5-8% faster there: the page-table reads want the deeper lookahead); an explicit warp_rows
+    asks for the mma.sync kernel with that warp shape instead."""
     if wgmma and warp_rows is None:
         if not wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype):
             raise ValueError(
@@ -109,7 +110,7 @@ def prefill_spec(
             )
         return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
                         pos_encoding_mode, soft_cap, kv_dtype, ragged, 16, True, max_smem,
-                        stage_choices=(2,))  # fmt: skip
+                        stage_choices=(2,) if ragged else (3, 2))  # fmt: skip
     if warp_rows is None:
         warp_rows = 32 if (tile_rows, head_dim, bool(custom_mask)) == (128, 128, False) else 16
     if warp_rows not in (16, 32) or (
