@@ -83,20 +83,24 @@ def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wide: bool = False) -> int:
     return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim, wide)
 
 
-def tile_rows_on(cfg: PrefillConfig, qo_indptr, device: int) -> int:
-    """pick_tile_rows for the device's kernel: 128-row tiles at head_dim 256 too where the
-    warpgroup-MMA kernel runs them."""
+def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
+    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
     attn = cfg.attn
-    wide = use_wgmma(device_arch(device), 128, attn.pos_encoding_mode, attn.q_dtype,
+    return use_wgmma(device_arch(device), 128, attn.pos_encoding_mode, attn.q_dtype,
                      attn.kv_dtype)  # fmt: skip
-    return pick_tile_rows(cfg, qo_indptr, wide=wide)
 
 
-def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int):
-    """(the kernel of a configuration and tile, its resident CTAs per SM on the device)."""
+def tile_rows_on(cfg: PrefillConfig, qo_indptr, wgmma: bool) -> int:
+    """pick_tile_rows for the device's kernel: 128-row tiles at head_dim 256 too where the
+    warpgroup-MMA kernel runs them (wgmma: wgmma_on)."""
+    return pick_tile_rows(cfg, qo_indptr, wide=wgmma)
+
+
+def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool):
+    """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
+    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles."""
     attn = cfg.attn
-    wgmma = use_wgmma(device_arch(device), tile_rows, attn.pos_encoding_mode, attn.q_dtype,
-                      attn.kv_dtype)  # fmt: skip
+    wgmma = wgmma and tile_rows in (64, 128)
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
                         cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
@@ -116,9 +120,10 @@ def plan_launch(
     attn = cfg.attn
     num_sms, max_smem = limits
     group = attn.group_size
+    wgmma = wgmma_on(cfg, device)
     if tile_rows is None:
-        tile_rows = tile_rows_on(cfg, qo_indptr, device)
-    k, ctas = kernel_for(cfg, tile_rows, device, max_smem)
+        tile_rows = tile_rows_on(cfg, qo_indptr, wgmma)
+    k, ctas = kernel_for(cfg, tile_rows, device, max_smem, wgmma)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
@@ -255,10 +260,11 @@ class _PrefillWrapper(PlannedWrapper):
         fixed = self._fixed
         if fixed is None or fixed.cfg != cfg:
             attn = cfg.attn
-            tile_rows = tile_rows_on(cfg, qo_indptr, self._device)
+            wgmma = wgmma_on(cfg, self._device)
+            tile_rows = tile_rows_on(cfg, qo_indptr, wgmma)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
             num_sms, max_smem = self._limits
-            _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem)
+            _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem, wgmma)
             work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
             mask_ints = 0
             if mask is not None:

@@ -1,0 +1,68 @@
+"""Which prefill kernel plan() takes, without a GPU: the warpgroup-MMA one on sm_90a for 64- and
+128-row tiles of 16-bit KV without in-kernel RoPE (a 2-stage ring over ragged K/V, 3 stages over
+a paged cache, 128-row tiles at head_dim 256 too), the mma.sync one elsewhere and under
+RTCINFER_PREFILL_WGMMA=0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rtcinfer.attention.prefill_kernel import prefill_spec, use_wgmma
+
+from .fakes import fake_gpu, planning_without_a_gpu
+
+
+@pytest.mark.parametrize(
+    "arch,rows,mode,kv,env,expect",
+    [
+        ("sm_90a", 128, "NONE", "bfloat16", None, True),
+        ("sm_90a", 64, "ALIBI", "bfloat16", None, True),
+        ("sm_90a", 16, "NONE", "bfloat16", None, False),  # decode-like tiles: mma.sync
+        ("sm_90a", 128, "ROPE_LLAMA", "bfloat16", None, False),
+        ("sm_90a", 128, "NONE", "float8_e4m3fn", None, False),
+        ("sm_90a", 128, "NONE", "bfloat16", "0", False),
+        ("sm_80", 128, "NONE", "bfloat16", None, False),
+        ("sm_100", 128, "NONE", "bfloat16", None, False),
+    ],
+)
+def test_use_wgmma(monkeypatch, arch, rows, mode, kv, env, expect):
+    if env is None:
+        monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
+    else:
+        monkeypatch.setenv("RTCINFER_PREFILL_WGMMA", env)
+    assert use_wgmma(arch, rows, mode, "bfloat16", kv) is expect
+
+
+def test_wgmma_spec_shapes():
+    ragged = prefill_spec("bfloat16", "bfloat16", 128, 128, True, ragged=True, wgmma=True)
+    paged = prefill_spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True)
+    wide = prefill_spec("float16", "float16", 256, 128, True, wgmma=True)
+    assert (ragged.wgmma, ragged.warp_rows, ragged.kv_tile, ragged.stages) == (True, 16, 64, 2)
+    assert (paged.stages, paged.threads, paged.min_sm) == (3, 256, 90)
+    assert (wide.stages, wide.smem_bytes) == (2, 128 * 512 + 2 * 2 * 64 * 512 + 16)
+    # an explicit warp shape asks for the mma.sync kernel
+    assert not prefill_spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=32, wgmma=True).wgmma
+    with pytest.raises(ValueError, match="wgmma"):
+        prefill_spec("bfloat16", "bfloat16", 128, 16, True, wgmma=True)
+
+
+@pytest.mark.parametrize("cc,expect", [((9, 0), True), ((8, 0), False), ((12, 0), False)])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
+    import rtcinfer
+    from rtcinfer.attention import prefill
+    from rtcinfer.launch import Kernel
+
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    fake_gpu(monkeypatch, compute_capability=cc)
+    monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
+    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+    qo = np.array([0, 512, 1024], dtype=np.int32)  # long prompts: 128-row tiles where they fit
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo, qo, 32, 8, head_dim, causal=True, q_data_type="bfloat16")
+    spec = wrapper._launch.launch.kernel.spec
+    assert spec.wgmma is expect
+    assert spec.tile_rows == (64 if head_dim == 256 and not expect else 128)
