@@ -28,7 +28,7 @@ from ..launch import Launch, memcpy_async
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
-from .decode_kernel import Config, fast_div, kv_scales, make_config
+from .decode_kernel import Config, fast_div, kv_scales
 from .paged_kv import (
     cache_views,
     check_cache_view,
@@ -38,34 +38,19 @@ from .paged_kv import (
     token_head,
 )
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
-from .prefill_args import check_backend, io_fields, mask_capacity_bytes, unsupported
+from .prefill_args import (
+    PrefillConfig,
+    check_backend,
+    io_fields,
+    make_prefill_config,
+    mask_capacity_bytes,
+    unsupported,
+)
 from .prefill_kernel import kernel, prefill_spec, use_wgmma
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
 
 MAX_GRID_Y = 65535
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
-    RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's)."""
-
-    attn: Config
-    causal: bool
-    custom_mask: bool = False
-
-
-def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
-                        pos_encoding_mode, window_left, logits_soft_cap, q_dtype, kv_dtype,
-                        o_dtype, sm_scale, rope_scale, rope_theta,
-                        custom_mask=False) -> PrefillConfig:  # fmt: skip
-    attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-                       window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
-                       rope_scale, rope_theta)  # fmt: skip
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask))
 
 
 @dataclass(slots=True)
@@ -78,7 +63,8 @@ class _Launch:
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wide: bool = False) -> int:
     """Packed query rows per CTA for a batch: 16 (decode-like), 64 or 128 (plan/prefill.py's
-    choice from the average packed query length; `wide`: 128-row tiles at head_dim 256 too)."""
+    choice from the average packed query length; `wide`: 128-row tiles at head_dim 256 too,
+    where the warpgroup-MMA kernel runs them: wgmma_on)."""
     attn = cfg.attn
     return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim, wide)
 
@@ -88,12 +74,6 @@ def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
     attn = cfg.attn
     return use_wgmma(device_arch(device), 128, attn.pos_encoding_mode, attn.q_dtype,
                      attn.kv_dtype)  # fmt: skip
-
-
-def tile_rows_on(cfg: PrefillConfig, qo_indptr, wgmma: bool) -> int:
-    """pick_tile_rows for the device's kernel: 128-row tiles at head_dim 256 too where the
-    warpgroup-MMA kernel runs them (wgmma: wgmma_on)."""
-    return pick_tile_rows(cfg, qo_indptr, wide=wgmma)
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool):
@@ -122,7 +102,7 @@ def plan_launch(
     group = attn.group_size
     wgmma = wgmma_on(cfg, device)
     if tile_rows is None:
-        tile_rows = tile_rows_on(cfg, qo_indptr, wgmma)
+        tile_rows = pick_tile_rows(cfg, qo_indptr, wide=wgmma)
     k, ctas = kernel_for(cfg, tile_rows, device, max_smem, wgmma)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
@@ -261,7 +241,7 @@ class _PrefillWrapper(PlannedWrapper):
         if fixed is None or fixed.cfg != cfg:
             attn = cfg.attn
             wgmma = wgmma_on(cfg, self._device)
-            tile_rows = tile_rows_on(cfg, qo_indptr, wgmma)
+            tile_rows = pick_tile_rows(cfg, qo_indptr, wide=wgmma)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
             num_sms, max_smem = self._limits
             _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem, wgmma)

@@ -1,13 +1,39 @@
-"""The prefill API's arguments checked: FlashInfer's that select nothing here (the backends,
-one kernel serving them all; the options with no counterpart, raised; head_dim_vo), the
-CUDA-graph mask buffer (its size reserves room in the workspace), and run()'s q, out and lse
-strides (io_fields)."""
+"""The prefill API's arguments checked: plan()'s made into a PrefillConfig, FlashInfer's that
+select nothing here (the backends, one kernel serving them all; the options with no
+counterpart, raised; head_dim_vo), the CUDA-graph mask buffer (its size reserves room in the
+workspace), and run()'s q, out and lse strides (io_fields)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..interop.arrays import dtype_name
+from .decode_kernel import Config, make_config
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
+    RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's)."""
+
+    attn: Config
+    causal: bool
+    custom_mask: bool = False
+
+
+def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
+                        pos_encoding_mode, window_left, logits_soft_cap, q_dtype, kv_dtype,
+                        o_dtype, sm_scale, rope_scale, rope_theta,
+                        custom_mask=False) -> PrefillConfig:  # fmt: skip
+    attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+                       window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
+                       rope_scale, rope_theta)  # fmt: skip
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask))
+
 
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
 
