@@ -66,3 +66,20 @@ def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
     spec = wrapper._launch.launch.kernel.spec
     assert spec.wgmma is expect
     assert spec.tile_rows == (64 if head_dim == 256 and not expect else 128)
+
+
+def test_min_ctas_caps_the_registers():
+    """min_ctas reaches the launch bounds: the paged 128-row wgmma kernel (146 registers
+    uncapped with NVRTC 13.5) fits two CTAs of 256 threads per SM, 128 registers a thread; 0
+    asks for nothing."""
+    from dataclasses import replace
+
+    from rtcinfer import jit
+
+    spec = prefill_spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True, max_smem=100 * 1024)
+    assert (spec.stages, spec.ragged, spec.min_ctas) == (2, False, 0)
+    assert "constexpr int MIN_CTAS = 0;" in spec.prelude()
+    uncapped = jit.compile_spec(spec, "sm_90a")
+    capped = jit.compile_spec(replace(spec, min_ctas=2), "sm_90a")
+    assert capped.meta["resources"]["prefill_kernel"]["registers"] <= 128
+    assert capped.cubin != uncapped.cubin

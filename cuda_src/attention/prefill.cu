@@ -27,7 +27,9 @@
 // of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
 // WGMMA (sm_90a: each warpgroup's 64 rows multiply by wgmma, S = Q K^T with Q and K from
 // shared memory and O += P V with P from registers; the Q, K and V tiles then use wgmma's
-// canonical layout, wgmma.cuh; 16-row warps, 64-key tiles, 16-bit KV, no in-kernel RoPE).
+// canonical layout, wgmma.cuh; 16-row warps, 64-key tiles, 16-bit KV, no in-kernel RoPE),
+// MIN_CTAS (the launch bounds' CTAs per SM, registers then capped at 64K / (MIN_CTAS THREADS);
+// 0: no cap asked).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -347,7 +349,7 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 
 #include "prefill_epilogue.cuh"
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];  // canonical tiles: 1024-aligned
   const int item = blockIdx.y;

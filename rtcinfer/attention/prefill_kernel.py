@@ -40,6 +40,7 @@ class PrefillSpec:
     ragged: bool = False  # K/V rows of each request contiguous (no page table to read)
     warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
     wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
+    min_ctas: int = 0  # CTAs per SM the registers must leave room for (launch bounds; 0: none)
     source: ClassVar[str] = "attention/prefill.cu"
 
     @property
@@ -82,6 +83,7 @@ class PrefillSpec:
             RAGGED=self.ragged,
             WARP_ROWS=self.warp_rows,
             WGMMA=self.wgmma,
+            MIN_CTAS=self.min_ctas,
         )
 
 
