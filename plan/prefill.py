@@ -78,8 +78,13 @@ def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
     batches (up to 16 rows per request), 64 for medium ones, 128 for long prompts (64 at
     head_dim 256, whose accumulators would not fit 128 rows, unless `wide`: a kernel whose
     accumulators do, the warpgroup-MMA one)."""
-    batch = qo_len.shape[0]
-    avg = int(qo_len.sum()) * group_size / batch if batch else 0
+    return tile_rows_for(int(qo_len.sum()), qo_len.shape[0], group_size, head_dim, wide)
+
+
+def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
+                  wide: bool = False) -> int:  # fmt: skip
+    """choose_tile_rows from the batch's query count and size."""
+    avg = queries * group_size / batch if batch else 0
     if avg > 64 and (head_dim < 256 or wide):
         return 128
     return 64 if avg > 16 else 16
@@ -238,9 +243,9 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
         tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]])
         work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
 
-    def i32(a):
-        out = np.ascontiguousarray(a, dtype=np.int32)
-        out.flags.writeable = False
+    def i32(a):  # a read-only int32 copy (never the caller's own array)
+        out = a.astype(np.int32)
+        out.setflags(write=False)
         return out
 
     return PrefillPlan(
@@ -262,4 +267,11 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
     )
 
 
-__all__ = ["MIN_CHUNK_TOKENS", "PrefillPlan", "TILE_ROWS", "choose_tile_rows", "plan_prefill"]
+__all__ = [
+    "MIN_CHUNK_TOKENS",
+    "PrefillPlan",
+    "TILE_ROWS",
+    "choose_tile_rows",
+    "plan_prefill",
+    "tile_rows_for",
+]

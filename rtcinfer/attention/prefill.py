@@ -27,7 +27,7 @@ from ..jit import device_arch, device_limits
 from ..launch import Launch, memcpy_async
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
-from ..plan.prefill import PrefillPlan, choose_tile_rows, plan_prefill
+from ..plan.prefill import PrefillPlan, plan_prefill, tile_rows_for
 from .decode_kernel import Config, fast_div, kv_scales
 from .paged_kv import (
     cache_views,
@@ -66,7 +66,8 @@ def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wide: bool = False) -> int:
     choice from the average packed query length; `wide`: 128-row tiles at head_dim 256 too,
     where the warpgroup-MMA kernel runs them: wgmma_on)."""
     attn = cfg.attn
-    return choose_tile_rows(np.diff(qo_indptr), attn.group_size, attn.head_dim, wide)
+    queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
+    return tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wide)
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:

@@ -87,6 +87,7 @@ class PrefillSpec:
         )
 
 
+@functools.lru_cache(maxsize=256)  # plan() asks on every call
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=None,
