@@ -83,3 +83,34 @@ def test_min_ctas_caps_the_registers():
     capped = jit.compile_spec(replace(spec, min_ctas=2), "sm_90a")
     assert capped.meta["resources"]["prefill_kernel"]["registers"] <= 128
     assert capped.cubin != uncapped.cubin
+
+
+@pytest.mark.parametrize("form", ["ragged", "paged"])
+@pytest.mark.parametrize("prompt,expect", [(128, {"ragged": 128, "paged": 64}),
+                                           (512, {"ragged": 128, "paged": 64}),
+                                           (1024, {"ragged": 128, "paged": 128})])  # fmt: skip
+def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
+    """64-row tiles for the wgmma kernel over a paged cache up to 2,048 packed rows a request
+    (GQA group 4 here: prompts up to 512 tokens), 128 from there and over ragged K/V."""
+    import rtcinfer
+    from rtcinfer.attention import prefill
+    from rtcinfer.launch import Kernel
+
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
+    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+    qo = np.arange(5, dtype=np.int32) * prompt  # four requests of `prompt` tokens
+    if form == "ragged":
+        wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+        wrapper.plan(qo, qo, 32, 8, 128, causal=True, q_data_type="bfloat16")
+    else:
+        pages = prompt // 16
+        indptr = np.arange(5, dtype=np.int32) * pages
+        wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+        wrapper.plan(qo, indptr, np.arange(4 * pages, dtype=np.int32),
+                     np.full(4, 16, np.int32), 32, 8, 128, 16, causal=True,
+                     q_data_type="bfloat16")  # fmt: skip
+    spec = wrapper._launch.launch.kernel.spec
+    assert (spec.wgmma, spec.tile_rows) == (True, expect[form])
