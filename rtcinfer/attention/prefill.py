@@ -62,11 +62,9 @@ class _Launch:
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
-    """Packed query rows per CTA for a batch: 16 (decode-like), 64 or 128 (plan/prefill.py's
-    choice from the average packed query length). On the warpgroup-MMA kernel (wgmma_on):
-    128-row tiles at head_dim 256 too, and 64-row ones over a paged cache up to 2,048 packed
-    rows a request (the H200: 64 mixed prompts of 16-240 tokens 163 us against 184, 32 x 512
-    452 against 462; from 16 x 1024, 4,096 rows, 128 is faster)."""
+    """Packed query rows per CTA: 16, 64 or 128 from the average packed query length
+    (plan/prefill.py). On the wgmma kernel (wgmma_on): 128 at head_dim 256 too, and 64 over a
+    paged cache up to 2,048 packed rows a request (faster there on the H200: bench/LOG.md)."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
     rows = tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
