@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .. import gpu
+from .. import gpu, jit
 from .arrays import check_device_array
 from .call import _KINDS, ArrayInfo, Op, Prepared, _kind, _prepare, dense_strides, returned
 from .dtypes import normalize, numpy_dtype
@@ -87,7 +87,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
     devices = _jax_gpu_ordinals()
     # a launch reading state that may change after tracing (command_buffer False) keeps the
     # handler, which reads that state at every execution
-    if prep.command_buffer and len({gpu.compile_arch(d) for d in devices}) == 1:
+    if prep.command_buffer and len({jit.device_arch(d) for d in devices}) == 1:
         run = xla_launch.native_run(prep, present, scalars, devices[0], shapes)
         if run is not None:  # XLA launches it: no handler, no Python at execution
             return jax.jit(lambda *args: returned(run(*args), prep.scratch))

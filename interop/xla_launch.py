@@ -44,7 +44,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 
-from .. import flat_entry, gpu, jit
+from .. import flat_entry, jit
 from ..launch import FillRecord, LaunchRecord, recording
 
 _BASE = 1 << 62  # stand-in address of slot s: _BASE + (s << _SHIFT); offsets below 2**_SHIFT
@@ -329,7 +329,7 @@ def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types
     native = plan(prep, present, steps)
     if native is None:
         return None
-    arch = gpu.compile_arch(device)
+    arch = jit.device_arch(device)
     try:
         steps = materialize(native, arch)
     except jit.CacheMissError:  # RTCINFER_NO_COMPILE=1: the handler launches the cached CUBIN

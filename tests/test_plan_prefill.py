@@ -164,7 +164,7 @@ def test_tile_height_follows_the_packed_query_length():
     assert choose_tile_rows(np.array([8, 8]), 4, 128) == 64
     assert choose_tile_rows(np.array([512]), 4, 128) == 128
     assert choose_tile_rows(np.array([512]), 4, 256) == 64
-    assert choose_tile_rows(np.array([512]), 4, 256, wide=True) == 128  # warpgroup MMAs
+    assert choose_tile_rows(np.array([512]), 4, 256, wgmma=True) == 128  # warpgroup MMAs
     assert choose_tile_rows(np.array([], dtype=np.int64), 4, 128) == 16
 
 

@@ -62,16 +62,12 @@ class _Launch:
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
-    """Packed query rows per CTA: 16, 64 or 128 from the average packed query length
-    (plan/prefill.py). On the wgmma kernel (wgmma_on): 128 at head_dim 256 too, and 64 over a
-    paged cache up to 2,048 packed rows a request (faster there on the H200: bench/LOG.md)."""
+    """Packed query rows per CTA: plan/prefill.py's choice for the batch, the kernel (`wgmma`:
+    wgmma_on) and the cache form."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    rows = tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
-    paged = attn.page_size != RAGGED_PAGE
-    if wgmma and paged and rows == 128 and queries * attn.group_size <= 2048 * batch:
-        return 64
-    return rows
+    return tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma,
+                         attn.page_size != RAGGED_PAGE)  # fmt: skip
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:

@@ -42,14 +42,13 @@ class PrefillSpec:
     wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
     min_ctas: int = 0  # CTAs per SM the registers must leave room for (launch bounds; 0: none)
     source: ClassVar[str] = "attention/prefill.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
 
     @property
     def min_sm(self) -> int:
         """wgmma is sm_90a's own (see wgmma_supported)."""
         return 90 if self.wgmma else 80
-
-    kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
-    structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
 
     @property
     def threads(self) -> int:
@@ -170,7 +169,7 @@ def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem,
     group = num_qo_heads // num_kv_heads
     wide = use_wgmma(arch, 128, "NONE", q_dtype, q_dtype)  # 128 rows at head_dim 256 too
     tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256 or wide]
-    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide)
+    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide, paged=True)
     calls = [(rows, True, kv, ragged) for kv, ragged in ((kv_dtype, False), (q_dtype, True))
              for rows in tiles] + [(decode_rows, False, kv_dtype, False)]  # fmt: skip
     return [prefill_spec(q_dtype, q_dtype, head_dim, rows, causal, max_smem=max_smem, kv_dtype=kv,
