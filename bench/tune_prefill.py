@@ -5,12 +5,14 @@ wgmma configurations) a paged cache, with the registers, spilled bytes, shared m
 resident CTAs per SM of each. The defaults (rtcinfer/attention/prefill_kernel.py,
 plan/prefill.py) come from these numbers.
 
-    python -m bench.tune_prefill
+    python -m bench.tune_prefill            # ragged and paged
+    python -m bench.tune_prefill paged      # one KV form
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 
 import numpy as np
 
@@ -59,7 +61,7 @@ def forced(tile_rows: int, warp_rows: int, kv_tile: int, stages: int, wgmma: boo
     prefill_module.pick_tile_rows = lambda cfg, qo_indptr, **_: tile_rows
 
 
-def main() -> Tables:
+def main(forms: tuple[str, ...] = ("ragged", "paged")) -> Tables:
     cp = cupy()
     bf16 = numpy_dtype("bfloat16")
     _, max_smem = jit.device_limits(cp.cuda.Device().id)
@@ -70,7 +72,7 @@ def main() -> Tables:
                    "stages", "regs", "spill B", "smem KiB", "CTAs/SM", "us",
                    "TFLOP/s"])  # fmt: skip
     rng = np.random.default_rng(0)
-    cases = [(form, shape) for form in ("ragged", "paged") for shape in SHAPES
+    cases = [(form, shape) for form in forms for shape in SHAPES
              if form == "ragged" or shape[0] in PAGED]  # fmt: skip
     for form, (label, qo_lens, hq, hkv, head_dim, causal) in cases:
         qo_len = np.array(qo_lens, dtype=np.int32)
@@ -115,4 +117,4 @@ def main() -> Tables:
 
 
 if __name__ == "__main__":
-    print(main().markdown())
+    print(main(tuple(sys.argv[1:]) or ("ragged", "paged")).markdown())

@@ -72,21 +72,20 @@ class PrefillPlan:
         return int(self.tile_items[self.tile_items > 1].sum())
 
 
-def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int, wgmma: bool = False,
-                     paged: bool = False) -> int:  # fmt: skip
+def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
+                     wgmma: bool = False) -> int:  # fmt: skip
     """Packed rows per query tile from the average packed query length: 16 for decode-like
     batches (up to 16 rows per request), 64 for medium ones, 128 for long prompts (64 at
-    head_dim 256, whose accumulators would not fit 128 rows). On the warpgroup-MMA kernel
-    (`wgmma`): 128 at head_dim 256 too (its accumulators fit), and over a `paged` cache 64 up
-    to 2,048 packed rows a request (faster there on the H200: bench/LOG.md)."""
-    return tile_rows_for(int(qo_len.sum()), qo_len.shape[0], group_size, head_dim, wgmma, paged)
+    head_dim 256, whose accumulators would not fit 128 rows, except on the warpgroup-MMA
+    kernel, `wgmma`)."""
+    return tile_rows_for(int(qo_len.sum()), qo_len.shape[0], group_size, head_dim, wgmma)
 
 
 def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
-                  wgmma: bool = False, paged: bool = False) -> int:  # fmt: skip
+                  wgmma: bool = False) -> int:  # fmt: skip
     """choose_tile_rows from the batch's query count and size."""
     avg = queries * group_size / batch if batch else 0
-    if avg > 64 and (head_dim < 256 or wgmma) and not (wgmma and paged and avg <= 2048):
+    if avg > 64 and (head_dim < 256 or wgmma):
         return 128
     return 64 if avg > 16 else 16
 

@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 
 from rtcinfer import catalog, jit, toolchain
+from tests import sass
 
 ARCHS = ["sm_80", "sm_90a"]
 
@@ -27,10 +28,22 @@ def _targets():
 
 @pytest.mark.parametrize("spec,arch", list(_targets()))
 def test_shipped_spec_compiles_without_spills(spec, arch):
+    """No spills, except in a kernel whose registers are capped for occupancy (`min_ctas`):
+    there a few bytes, and no spill instruction inside a loop."""
     compiled = jit.compile_spec(spec, arch)
     assert compiled.cubin.startswith(b"\x7fELF")
     assert set(spec.kernels) <= set(compiled.meta["resources"]), "declared kernels missing"
     for kernel, usage in compiled.meta["resources"].items():
+        if getattr(spec, "min_ctas", 0):
+            assert usage["spill_stores"] + usage["spill_loads"] <= 64, (kernel, usage)
+            assert usage["stack"] <= 16, (kernel, usage)
+            tool = sass.nvdisasm()
+            if tool is None:  # the cuda13 extra installs it; CUDA 12's wheels do not ship it
+                pytest.skip("nvdisasm is not installed")
+            text = sass.function_text(sass.disassemble(compiled.cubin, tool), kernel)
+            assert sass.loops(text), "the kernel's loops were not found"
+            assert not sass.local_accesses_in_loops(text), (kernel, usage)
+            continue
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (kernel, usage)
         assert usage["stack"] == 0, (kernel, usage)
 

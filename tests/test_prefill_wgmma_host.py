@@ -39,7 +39,10 @@ def test_wgmma_spec_shapes():
     paged = prefill_spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True)
     wide = prefill_spec("float16", "float16", 256, 128, True, wgmma=True)
     assert (ragged.wgmma, ragged.warp_rows, ragged.kv_tile, ragged.stages) == (True, 16, 64, 2)
-    assert (paged.stages, paged.threads, paged.min_sm) == (3, 256, 90)
+    # over a paged cache: registers capped for two CTAs a SM, beside a 2-stage ring each
+    assert (paged.stages, paged.min_ctas, paged.threads, paged.min_sm) == (2, 2, 256, 90)
+    masked = prefill_spec("bfloat16", "bfloat16", 128, 128, False, custom_mask=True, wgmma=True)
+    assert (masked.stages, masked.min_ctas, ragged.min_ctas) == (3, 0, 0)
     assert (wide.stages, wide.smem_bytes) == (2, 128 * 512 + 2 * 2 * 64 * 512 + 16)
     # an explicit warp shape asks for the mma.sync kernel
     assert not prefill_spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=32, wgmma=True).wgmma
@@ -76,22 +79,22 @@ def test_min_ctas_caps_the_registers():
 
     from rtcinfer import jit
 
-    spec = prefill_spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True, max_smem=100 * 1024)
-    assert (spec.stages, spec.ragged, spec.min_ctas) == (2, False, 0)
+    capped_spec = prefill_spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True)
+    spec = replace(capped_spec, min_ctas=0)
+    assert (capped_spec.stages, capped_spec.ragged, capped_spec.min_ctas) == (2, False, 2)
     assert "constexpr int MIN_CTAS = 0;" in spec.prelude()
+    assert "constexpr int MIN_CTAS = 2;" in capped_spec.prelude()
     uncapped = jit.compile_spec(spec, "sm_90a")
-    capped = jit.compile_spec(replace(spec, min_ctas=2), "sm_90a")
+    capped = jit.compile_spec(capped_spec, "sm_90a")
     assert capped.meta["resources"]["prefill_kernel"]["registers"] <= 128
     assert capped.cubin != uncapped.cubin
 
 
 @pytest.mark.parametrize("form", ["ragged", "paged"])
-@pytest.mark.parametrize("prompt,expect", [(128, {"ragged": 128, "paged": 64}),
-                                           (512, {"ragged": 128, "paged": 64}),
-                                           (1024, {"ragged": 128, "paged": 128})])  # fmt: skip
+@pytest.mark.parametrize("prompt,expect", [(8, 64), (128, 128), (512, 128), (1024, 128)])
 def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
-    """64-row tiles for the wgmma kernel over a paged cache up to 2,048 packed rows a request
-    (GQA group 4 here: prompts up to 512 tokens), 128 from there and over ragged K/V."""
+    """The wgmma kernel's tiles follow the packed prompt length alike over ragged K/V and a
+    paged cache (GQA group 4: 32 packed rows take 64-row tiles, 512 and more 128)."""
     import rtcinfer
     from rtcinfer.attention import prefill
     from rtcinfer.launch import Kernel
@@ -106,11 +109,11 @@ def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
         wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
         wrapper.plan(qo, qo, 32, 8, 128, causal=True, q_data_type="bfloat16")
     else:
-        pages = prompt // 16
+        pages = -(-prompt // 16)
         indptr = np.arange(5, dtype=np.int32) * pages
         wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
         wrapper.plan(qo, indptr, np.arange(4 * pages, dtype=np.int32),
-                     np.full(4, 16, np.int32), 32, 8, 128, 16, causal=True,
+                     np.full(4, prompt - 16 * (pages - 1), np.int32), 32, 8, 128, 16, causal=True,
                      q_data_type="bfloat16")  # fmt: skip
     spec = wrapper._launch.launch.kernel.spec
-    assert (spec.wgmma, spec.tile_rows) == (True, expect[form])
+    assert (spec.wgmma, spec.tile_rows) == (True, expect)

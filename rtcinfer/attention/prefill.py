@@ -62,12 +62,11 @@ class _Launch:
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
-    """Packed query rows per CTA: plan/prefill.py's choice for the batch, the kernel (`wgmma`:
-    wgmma_on) and the cache form."""
+    """Packed query rows per CTA: plan/prefill.py's choice for the batch and the kernel
+    (`wgmma`: wgmma_on)."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    return tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma,
-                         attn.page_size != RAGGED_PAGE)  # fmt: skip
+    return tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:

@@ -101,18 +101,23 @@ def prefill_spec(
     64 8% slower) and 16 elsewhere. `wgmma` (sm_90a, wgmma_supported): each 64-row warpgroup
     multiplies with warpgroup MMAs, 16-row warps, 64-key tiles; over ragged K/V a 2-stage ring
     (two CTAs, four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a
-    3-stage ring and one CTA; bench/tune_prefill.py), over a paged cache 3 stages where they fit
-    (5-8% faster there: the page-table reads want the deeper lookahead); an explicit warp_rows
-    asks for the mma.sync kernel with that warp shape instead."""
+    3-stage ring and one CTA; bench/tune_prefill.py); over a paged cache, whose page-table
+    loader takes the 128-row kernel to ~146 registers, the same with registers capped for two
+    CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one CTA on the H200, the few
+    values it spills live outside the main loop; tests/test_jit.py checks the SASS), else 3
+    stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
+    shape instead."""
     if wgmma and warp_rows is None:
         if not wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype):
             raise ValueError(
                 f"wgmma with {tile_rows}-row tiles, {pos_encoding_mode}, KV {kv_dtype}: 64 or 128 "
                 "rows, RoPE outside the kernel, KV of q's dtype"
             )
+        two_ctas = not ragged and tile_rows == 128 and head_dim <= 128 and not custom_mask
         return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
                         pos_encoding_mode, soft_cap, kv_dtype, ragged, 16, True, max_smem,
-                        stage_choices=(2,) if ragged else (3, 2))  # fmt: skip
+                        stage_choices=(2,) if ragged or two_ctas else (3, 2),
+                        min_ctas=2 if two_ctas else 0)  # fmt: skip
     if warp_rows is None:
         warp_rows = 32 if (tile_rows, head_dim, bool(custom_mask)) == (128, 128, False) else 16
     if warp_rows not in (16, 32) or (
@@ -146,12 +151,13 @@ def wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
 
 def _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
              pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, wgmma, max_smem,
-             stage_choices=(3, 2)):  # fmt: skip
+             stage_choices=(3, 2), min_ctas=0):  # fmt: skip
     """The first configuration of stage_choices whose ring fits in max_smem."""
     for stages in stage_choices:
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma,
+                           min_ctas)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
@@ -169,7 +175,7 @@ def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem,
     group = num_qo_heads // num_kv_heads
     wide = use_wgmma(arch, 128, "NONE", q_dtype, q_dtype)  # 128 rows at head_dim 256 too
     tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256 or wide]
-    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide, paged=True)
+    decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide)
     calls = [(rows, True, kv, ragged) for kv, ragged in ((kv_dtype, False), (q_dtype, True))
              for rows in tiles] + [(decode_rows, False, kv_dtype, False)]  # fmt: skip
     return [prefill_spec(q_dtype, q_dtype, head_dim, rows, causal, max_smem=max_smem, kv_dtype=kv,
