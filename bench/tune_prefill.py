@@ -18,7 +18,7 @@ import numpy as np
 
 import rtcinfer
 from bench.bench_decode import random_cache
-from bench.bench_prefill import FORMS, PAGE, kv_arrays, plan_tables, visible_pairs
+from bench.bench_prefill import FORMS, MIXED, PAGE, kv_arrays, plan_tables, visible_pairs
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer import jit
 from rtcinfer.attention import prefill as prefill_module
@@ -33,6 +33,7 @@ SHAPES = [
     ("16 x 1024", (1024,) * 16, 32, 8, 128, True),
     ("32 x 512", (512,) * 32, 32, 8, 128, True),
     ("4 x 4096, head_dim 256", (4096,) * 4, 32, 8, 256, True),
+    ("64 x 16-240 (mixed)", MIXED, 32, 8, 128, True),
 ]
 # (query tile rows, rows per warp, wgmma, min CTAs per SM): mma.sync with 16 rows a warp, or 32
 # (two MMA row blocks) in 128-row tiles; warpgroup MMAs (sm_90a) over 64-row warpgroups, 64-key
@@ -40,7 +41,7 @@ SHAPES = [
 TILES = ((64, 16, False, 0), (128, 16, False, 0), (128, 32, False, 0), (64, 16, True, 0),
          (128, 16, True, 0), (128, 16, True, 2))  # fmt: skip
 # the paged cache (page 16, permuted pages) for these shapes, wgmma configurations only
-PAGED = ("4 x 4096", "16 x 1024", "32 x 512")
+PAGED = ("4 x 4096", "16 x 1024", "32 x 512", "64 x 16-240 (mixed)")
 KV_TILES = (32, 64)
 STAGES = (2, 3)
 

@@ -146,6 +146,8 @@ def test_run_checks_arrays_against_the_plan(wrappers):
         wrapper._prepare_run(good[:2] + [info((20, 4, 128))] + good[3:], 16, static)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         wrapper._prepare_run([good[0]._replace(offset=8)] + good[1:], 16, static)
+    with pytest.raises(ValueError, match="out: needs 16-byte aligned rows"):
+        wrapper._prepare_run(good[:3] + [info((10, 8, 128))._replace(offset=4), None], 16, static)
 
 
 @pytest.mark.parametrize("largest", [4, 2**31 - 1])

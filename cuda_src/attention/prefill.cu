@@ -451,6 +451,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     __syncthreads();  // every warp is done with the ring: it holds the exchange
     combine_warps(st, reinterpret_cast<float*>(smem + Q_BYTES), kv_warp, lane);
   }
+  if constexpr (KV_WARPS == 1) {
+    if (w.slot < 0) {
+      __syncthreads();  // every warp is past its last read of the Q tile, which stages o
+      store_rows(st, w, p, smem, kv_head, row_warp, lane);
+      return;
+    }
+  }
   if (kv_warp == 0) finish_rows(st, rows, w, p, kv_head, row_warp, g, t);
   if (w.slot < 0) return;
 

@@ -41,8 +41,49 @@ RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, in
   }
 }
 
-// The rows' results: normalized and written to o / lse (the tile's only item) or as fp32
-// partials to the item's slot.
+// The rows' results (the tile's only item, KV_WARPS == 1), normalized, through shared memory
+// to o: each warp writes its rows' fragments into its own rows of `o_tile` (the Q tile's bytes,
+// free once every warp is past its last MMA: the caller's barrier), swizzled by 16-byte chunk,
+// then stores whole rows in 16-byte pieces. (Straight from the fragments, a store instruction
+// puts 4 bytes into each of 8 rows: 8 of every 32 bytes the L2 receives are used.) lse from
+// the fragments. o's rows are 16-byte aligned (checked on the host).
+static_assert(sizeof(OT) == 2, "a 16-bit o row is a Q row");
+RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const PrefillParams& p,
+                           unsigned char* o_tile, int kv_head, int warp, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  const int rows_in = w.qo_len * p.group_size, first = w.tile_row + WARP_ROWS * warp;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
+    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
+    const float lse = st[i].lse();
+    st[i].normalize();
+    const int row = WARP_ROWS * warp + warp_row(i, g);
+#pragma unroll
+    for (int n = 0; n < DIM_TILES; ++n)
+      *reinterpret_cast<uint32_t*>(o_tile + tile_offset<ROW_BYTES>(row, n) + 4 * t) =
+          pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
+    const int packed = first + warp_row(i, g);
+    if (p.lse != nullptr && t == 0 && packed < rows_in)
+      p.lse[(w.qo_start + packed / p.group_size) * p.lse_stride_n + kv_head * p.group_size +
+            packed % p.group_size] = lse;
+  }
+  __syncwarp();
+  constexpr int PIECES = WARP_ROWS * CHUNKS;  // 16-byte pieces of the warp's rows
+#pragma unroll
+  for (int k = lane; k < PIECES; k += 32) {
+    const int r = k / CHUNKS, c = k % CHUNKS, packed = first + r;
+    if (packed >= rows_in) continue;
+    const uint4 piece =
+        *reinterpret_cast<const uint4*>(o_tile + tile_offset<ROW_BYTES>(WARP_ROWS * warp + r, c));
+    OT* o = p.o + (w.qo_start + packed / p.group_size) * p.o_stride_n +
+            (kv_head * p.group_size + packed % p.group_size) * p.o_stride_h;
+    *reinterpret_cast<uint4*>(o + 8 * c) = piece;
+  }
+}
+
+// The rows' results: normalized and written to o / lse (the tile's only item, KV_WARPS > 1) or
+// as fp32 partials to the item's slot.
 RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWorkItem& w,
                             const PrefillParams& p, int kv_head, int warp, int g, int t) {
 #pragma unroll
@@ -98,8 +139,8 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     }
     acc.normalize();
     OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[e] = from_float<OT>(acc.o[e]);
+    *reinterpret_cast<uint2*>(o) =  // 8 bytes at an 8-byte multiple of an aligned row
+        make_uint2(pack2<OT>(acc.o[0], acc.o[1]), pack2<OT>(acc.o[2], acc.o[3]));
     if (p.lse != nullptr && d == 0) p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
   }
 }

@@ -80,6 +80,11 @@ def io_fields(q, out, lse, attn) -> dict:
             f"q: needs 16-byte aligned rows (cp.async), got address offset {q.offset} and "
             f"strides {q.strides} (elements)"
         )
+    if out is not None and (out.offset % 16 or any(s % 8 for s in o_strides[:2])):
+        raise ValueError(
+            f"out: needs 16-byte aligned rows (written in 16-byte pieces), got address offset "
+            f"{out.offset} and strides {o_strides} (elements)"
+        )
     return dict(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
                 o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
 
