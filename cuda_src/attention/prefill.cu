@@ -130,11 +130,24 @@ struct PrefillParams {
   int num_qo_heads, group_size, page_size;
   uint32_t div_magic;     // n / page_size == (umulhi(n, div_magic) + n) >> div_shift
   int div_shift;
+  uint32_t group_magic;   // n / group_size, the same way
+  int group_shift;
   int window_left;        // keys before position - window_left are hidden; -1: no window
   float qk_scale;         // sm_scale * q_scale * k_scale
   float soft_cap;         // 0: none
   float v_scale;
 };
+
+// A packed row's query (row / group_size, by the plan's magic number: a division by a runtime
+// value takes ~20 instructions, and the Q load and the epilogue need one per 16-byte piece) and
+// its head within the kv head's group.
+struct PackedRow {
+  int query, head;
+};
+RTC_DEVICE PackedRow unpack_row(int packed, const PrefillParams& p) {
+  const int query = FastDiv{p.group_magic, p.group_shift}.div(packed);
+  return {query, packed - query * p.group_size};
+}
 
 // The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half).
 RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }
@@ -153,9 +166,10 @@ struct Rows {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int packed = w.tile_row + WARP_ROWS * warp + warp_row(i, g);
+      const PackedRow r = unpack_row(packed, p);
       valid[i] = packed < w.qo_len * p.group_size;
-      query[i] = packed / p.group_size;
-      head[i] = kv_head * p.group_size + packed % p.group_size;
+      query[i] = r.query;
+      head[i] = kv_head * p.group_size + r.head;
       pos[i] = query[i] + w.kv_len - w.qo_len;
       slope[i] = ALIBI ? alibi_slope(head[i], p.num_qo_heads) : 0.f;
       mask_bit[i] = 8 * static_cast<int64_t>(w.mask_byte) +
@@ -163,8 +177,8 @@ struct Rows {
     }
     const int first = w.tile_row + WARP_ROWS * warp, rows_in = w.qo_len * p.group_size;
     const int last = min(first + WARP_ROWS - 1, max(rows_in - 1, first));
-    pos_first = first / p.group_size + w.kv_len - w.qo_len;
-    pos_last = last / p.group_size + w.kv_len - w.qo_len;
+    pos_first = unpack_row(first, p).query + w.kv_len - w.qo_len;
+    pos_last = unpack_row(last, p).query + w.kv_len - w.qo_len;
   }
 
   // Whether every row of the warp sees every key of [lo, hi] (the item's range, the causal
@@ -195,9 +209,9 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
     const int row = i / CHUNKS, chunk = i % CHUNKS;
     const int packed = w.tile_row + row;
     const bool valid = packed < w.qo_len * p.group_size;
-    const int query = packed / p.group_size;
-    const int head = kv_head * p.group_size + packed % p.group_size;
-    const QT* src = p.q + (w.qo_start + query) * p.q_stride_n + head * p.q_stride_h + chunk * 8;
+    const PackedRow r = unpack_row(packed, p);
+    const QT* src = p.q + (w.qo_start + r.query) * p.q_stride_n +
+                    (kv_head * p.group_size + r.head) * p.q_stride_h + chunk * 8;
     cp_async_16(q_tile + mma_tile_offset<TILE_ROWS>(row, chunk), valid ? src : p.q, valid);
   }
   cp_async_commit();
@@ -396,8 +410,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   if constexpr (WGMMA) fence_proxy_async();
   __syncthreads();
   if constexpr (ROPE) {
-    const int group = p.group_size, shift = w.kv_len - w.qo_len, row0 = w.tile_row;
-    rope_tile<TILE_ROWS>(smem, freq_s, [&](int r) { return (row0 + r) / group + shift; });
+    const int shift = w.kv_len - w.qo_len, row0 = w.tile_row;
+    rope_tile<TILE_ROWS>(smem, freq_s, [&](int r) { return unpack_row(row0 + r, p).query + shift; });
     __syncthreads();
   }
   LogitTransform<ALIBI, SOFT_CAP> transform;

@@ -64,9 +64,10 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
       *reinterpret_cast<uint32_t*>(o_tile + tile_offset<ROW_BYTES>(row, n) + 4 * t) =
           pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
     const int packed = first + warp_row(i, g);
-    if (p.lse != nullptr && t == 0 && packed < rows_in)
-      p.lse[(w.qo_start + packed / p.group_size) * p.lse_stride_n + kv_head * p.group_size +
-            packed % p.group_size] = lse;
+    if (p.lse != nullptr && t == 0 && packed < rows_in) {
+      const PackedRow r = unpack_row(packed, p);
+      p.lse[(w.qo_start + r.query) * p.lse_stride_n + kv_head * p.group_size + r.head] = lse;
+    }
   }
   __syncwarp();
   constexpr int PIECES = WARP_ROWS * CHUNKS;  // 16-byte pieces of the warp's rows
@@ -76,8 +77,9 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
     if (packed >= rows_in) continue;
     const uint4 piece =
         *reinterpret_cast<const uint4*>(o_tile + tile_offset<ROW_BYTES>(WARP_ROWS * warp + r, c));
-    OT* o = p.o + (w.qo_start + packed / p.group_size) * p.o_stride_n +
-            (kv_head * p.group_size + packed % p.group_size) * p.o_stride_h;
+    const PackedRow rw = unpack_row(packed, p);
+    OT* o = p.o + (w.qo_start + rw.query) * p.o_stride_n +
+            (kv_head * p.group_size + rw.head) * p.o_stride_h;
     *reinterpret_cast<uint4*>(o + 8 * c) = piece;
   }
 }
@@ -124,8 +126,8 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     const int row = i / VECS, d = (i % VECS) * 4;
     const int packed = w.tile_row + row;
     if (packed >= w.qo_len * p.group_size) continue;
-    const int query = packed / p.group_size;
-    const int head = kv_head * p.group_size + packed % p.group_size;
+    const PackedRow r = unpack_row(packed, p);
+    const int query = r.query, head = kv_head * p.group_size + r.head;
     AttentionState<4> acc;
     acc.init();
     for (int k = 0; k < w.merge_count; ++k) {

@@ -124,6 +124,7 @@ def plan_launch(
     p = launch.params
     p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
     p.div_magic, p.div_shift = fast_div(attn.page_size)
+    p.group_magic, p.group_shift = fast_div(group)
     p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
     return launch, plan
 
