@@ -46,16 +46,16 @@ class PrefillPlan:
     tile_rows: int
     chunk_tokens: int
     split_kv: bool
-    qo_len: np.ndarray  # int32[B]
-    kv_len: np.ndarray  # int32[B]
-    tile_request: np.ndarray  # int32[T]
-    tile_row: np.ndarray  # int32[T]
-    tile_items: np.ndarray  # int32[T]
-    tile_slot: np.ndarray  # int32[T]
-    work_tile: np.ndarray  # int32[W]
-    work_kv_begin: np.ndarray  # int32[W]
-    work_kv_end: np.ndarray  # int32[W]
-    work_slot: np.ndarray  # int32[W]
+    qo_len: np.ndarray  # int64[B]
+    kv_len: np.ndarray  # int64[B]
+    tile_request: np.ndarray  # int64[T]
+    tile_row: np.ndarray  # int64[T]
+    tile_items: np.ndarray  # int64[T]
+    tile_slot: np.ndarray  # int64[T]
+    work_tile: np.ndarray  # int64[W]
+    work_kv_begin: np.ndarray  # int64[W]
+    work_kv_end: np.ndarray  # int64[W]
+    work_slot: np.ndarray  # int64[W]
 
     @property
     def num_tiles(self) -> int:
@@ -243,10 +243,9 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
         tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]])
         work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
 
-    def i32(a):  # a read-only int32 copy (never the caller's own array)
-        out = a.astype(np.int32)
-        out.setflags(write=False)
-        return out
+    def frozen(a):  # read-only: arrays made here (kv_len, maybe the caller's, is copied)
+        a.setflags(write=False)
+        return a
 
     return PrefillPlan(
         batch_size=batch,
@@ -254,16 +253,16 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
         tile_rows=tile_rows,
         chunk_tokens=int(min(chunk, INT32_MAX)),
         split_kv=num_work > num_tiles,
-        qo_len=i32(qo_len),
-        kv_len=i32(kv),
-        tile_request=i32(tile_request),
-        tile_row=i32(tile_row),
-        tile_items=i32(items),
-        tile_slot=i32(tile_slot),
-        work_tile=i32(work_tile),
-        work_kv_begin=i32(work_begin),
-        work_kv_end=i32(work_end),
-        work_slot=i32(work_slot),
+        qo_len=frozen(qo_len),
+        kv_len=frozen(kv.copy()),  # maybe the caller's own array
+        tile_request=frozen(tile_request),
+        tile_row=frozen(tile_row),
+        tile_items=frozen(items),
+        tile_slot=frozen(tile_slot),
+        work_tile=frozen(work_tile),
+        work_kv_begin=frozen(work_begin),
+        work_kv_end=frozen(work_end),
+        work_slot=frozen(work_slot),
     )
 
 
