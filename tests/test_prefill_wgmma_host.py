@@ -72,7 +72,7 @@ def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
 
 
 def test_min_ctas_caps_the_registers():
-    """min_ctas reaches the launch bounds: the paged 128-row wgmma kernel (146 registers
+    """min_ctas reaches the launch bounds: the paged 128-row wgmma kernel (137 registers
     uncapped with NVRTC 13.5) fits two CTAs of 256 threads per SM, 128 registers a thread; 0
     asks for nothing."""
     from dataclasses import replace

@@ -17,7 +17,8 @@
 // operands through ldmatrix from swizzled tiles (prefill_fragments.cuh), P rounded to the
 // 16-bit type. K/V tiles of KV_TILE keys stream through a STAGES-deep cp.async ring, starting
 // at the KV_TILE-aligned key below kv_begin (a row's reduction order depends on its own keys
-// only). Shared memory: the Q tile, the ring, a flag; SMEM_BYTES in all.
+// only). Shared memory: the Q tile (at the end, o's rows on their way out in 16-byte pieces),
+// the ring, a flag; SMEM_BYTES in all.
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
 // fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly) into a
