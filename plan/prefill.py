@@ -69,7 +69,7 @@ class PrefillPlan:
     @property
     def num_slots(self) -> int:
         """Partial slots (rows of tile_rows x head_dim floats per kv head)."""
-        return int(self.tile_items[self.tile_items > 1].sum())
+        return int(self.tile_items[self.tile_items > 1].sum()) if self.split_kv else 0
 
 
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
@@ -93,6 +93,16 @@ def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
 def _key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,
                 window_left):  # fmt: skip
     """[begin, end) of the keys any row of each tile may see, int64[T] each."""
+    if causal and window_left < 0:  # the common case, in fewer array passes
+        # end = offset + last query + 1 = offset + ceil(min(tile_row + tile_rows, rows) / g),
+        # never past kv_len; begin = 0
+        rows = (qo_len * group_size)[tile_request]
+        end = np.minimum(tile_row + tile_rows, rows)
+        end += group_size - 1
+        end //= group_size
+        end += (kv_len - qo_len)[tile_request]
+        np.maximum(end, 0, out=end)
+        return np.zeros_like(end), end
     qo, kv = qo_len[tile_request], kv_len[tile_request]
     first_query = tile_row // group_size
     last_query = (np.minimum(tile_row + tile_rows, qo * group_size) - 1) // group_size
@@ -194,7 +204,8 @@ def plan_prefill(
         chunk = whole
     else:
         chunk = _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget)
-    items = _items_per_tile(begin, end, chunk)
+    # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
+    items = np.ones_like(end) if chunk == whole else _items_per_tile(begin, end, chunk)
     num_work = int(items.sum())
     if max_work is not None and num_work > max_work:
         raise ValueError(
