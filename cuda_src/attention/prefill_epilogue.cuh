@@ -41,6 +41,15 @@ RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, in
   }
 }
 
+// A row's state closed: the partial sums of its four threads added, o normalized; its lse.
+RTC_DEVICE float close_row(State& s) {
+  s.d += __shfl_xor_sync(0xffffffffu, s.d, 1);
+  s.d += __shfl_xor_sync(0xffffffffu, s.d, 2);
+  const float lse = s.lse();
+  s.normalize();
+  return lse;
+}
+
 // The rows' results (the tile's only item, KV_WARPS == 1), normalized, through shared memory
 // to o: each warp writes its rows' fragments into its own rows of `o_tile` (the Q tile's bytes,
 // free once every warp is past its last MMA: the caller's barrier), swizzled by 16-byte chunk,
@@ -54,10 +63,7 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
   const int rows_in = w.qo_len * p.group_size, first = w.tile_row + WARP_ROWS * warp;
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
-    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
-    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
-    const float lse = st[i].lse();
-    st[i].normalize();
+    const float lse = close_row(st[i]);
     const int row = WARP_ROWS * warp + warp_row(i, g);
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n)
@@ -90,10 +96,7 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
                             const PrefillParams& p, int kv_head, int warp, int g, int t) {
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
-    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 1);
-    st[i].d += __shfl_xor_sync(0xffffffffu, st[i].d, 2);
-    const float lse = st[i].lse();
-    st[i].normalize();
+    const float lse = close_row(st[i]);
     if (!rows.valid[i]) continue;
     if (w.slot < 0) {
       OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
