@@ -11,7 +11,9 @@ The check: a dense PyTorch version of the same model (float32 attention over eac
 whole sequence, no cache) recomputes every emitted token's logits from the same token history:
 they agree within bf16 tolerance, and every token is the reference's argmax (or within the
 logits' error of it). Prints decode throughput and the share of the decode step spent in
-rtcinfer's kernels; exit code 1 on a mismatch."""
+rtcinfer's kernels; exit code 1 on a mismatch. With FlashInfer installed, the same loop runs
+again with FlashInfer's functions and wrappers swapped in (the same names and arguments: the
+drop-in case), for its throughput beside ours."""
 
 import sys
 import time
@@ -24,6 +26,30 @@ from serving import EPS, HIDDEN, HKV, HQ, INTER, LAYERS, PAGE, PAGES, THETA, VOC
 import rtcinfer
 
 bf16, dev = torch.bfloat16, "cuda"
+WORKSPACE = 128 << 20  # bytes, a FlashInfer wrapper's workspace
+
+
+def flashinfer_or_none():
+    """FlashInfer when it imports (the comparison runs), else None."""
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - a missing or broken peer only skips the comparison
+        print(f"(no FlashInfer comparison: {type(e).__name__}: {e})"[:200])
+        return None
+    return flashinfer
+
+
+def workspace(lib) -> tuple:
+    """A wrapper's leading arguments: none for rtcinfer (it sizes its own workspace), a
+    workspace buffer and the layout for FlashInfer."""
+    if lib is rtcinfer:
+        return ()
+    return (torch.empty(WORKSPACE, dtype=torch.uint8, device=dev), "NHD")
+
+
+def host(lib, a: np.ndarray):
+    """plan()'s index arrays: NumPy for rtcinfer, CPU tensors for FlashInfer."""
+    return a if lib is rtcinfer else torch.from_numpy(a)
 
 
 def weights(gen):
@@ -68,8 +94,9 @@ class DecodeGraph:
     def __init__(self, engine, inputs, plan_args):
         batch = len(plan_args[0]) - 1
         ints = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
-        self.wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
-            use_cuda_graph=True, paged_kv_indptr_buffer=ints(batch + 1),
+        lib = engine.lib
+        self.wrapper = lib.BatchDecodeWithPagedKVCacheWrapper(
+            *workspace(lib), use_cuda_graph=True, paged_kv_indptr_buffer=ints(batch + 1),
             paged_kv_indices_buffer=ints(PAGES), paged_kv_last_page_len_buffer=ints(batch),
         )  # fmt: skip
         self.wrapper.plan(*plan_args, HQ, HKV, D, PAGE, q_data_type=bf16)
@@ -87,15 +114,16 @@ class DecodeGraph:
 class Engine:
     """The paged cache (one [pages, 2, PAGE, HKV, D] array per layer), the page free list, a
     prefill and a decode wrapper re-planned every step, and with `graphs` one captured decode
-    step per batch size (the appends of a warm-up and a replay write the same values)."""
+    step per batch size (the appends of a warm-up and a replay write the same values). `lib`:
+    rtcinfer, or flashinfer for the comparison (the ops are called by the same names)."""
 
-    def __init__(self, model, rng, graphs=False):
-        self.model = model
+    def __init__(self, model, rng, graphs=False, lib=rtcinfer):
+        self.model, self.lib = model, lib
         self.cache = [torch.zeros(PAGES, 2, PAGE, HKV, D, device=dev, dtype=bf16)
                       for _ in range(LAYERS)]  # fmt: skip
         self.reset(rng)
-        self.prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
-        self.decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+        self.prefill = lib.BatchPrefillWithPagedKVCacheWrapper(*workspace(lib))
+        self.decode = lib.BatchDecodeWithPagedKVCacheWrapper(*workspace(lib))
         self.graphs = {} if graphs else None
         self._events = None
 
@@ -108,11 +136,11 @@ class Engine:
         """Append `new_tokens[b]` of each request to the cache and run the model over them;
         returns the logits of each request's last new token [B, VOCAB] float32."""
         step = serving.Step(requests, new_tokens, self.free)
-        indptr, indices, last = step.indptr, step.indices, step.last
+        indptr, indices, last = (host(self.lib, a) for a in (step.indptr, step.indices, step.last))
         inputs = Inputs(step)
         if wrapper is self.prefill:
-            wrapper.plan(step.qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True,
-                         q_data_type=bf16)  # fmt: skip
+            wrapper.plan(host(self.lib, step.qo_indptr), indptr, indices, last, HQ, HKV, D, PAGE,
+                         causal=True, q_data_type=bf16)  # fmt: skip
         elif self.graphs is not None:  # a captured decode step of this batch size
             graph = self.graphs.get(len(requests))
             if graph is None:
@@ -131,24 +159,25 @@ class Engine:
         """The model over the inputs' tokens with `wrapper`'s current plan (capturable)."""
         tokens, pos, bidx, indices, indptr, last, ends = inputs.tensors()
         table = (indices, indptr, last)
+        lib = self.lib
         x = self.model["embed"][tokens]
-        h = self._op(rtcinfer.rmsnorm, x, self.model["layers"][0]["ln1"], EPS)
+        h = self._op(lib.rmsnorm, x, self.model["layers"][0]["ln1"], EPS)
         residual = x.clone()
         n = x.shape[0]
         for i, layer in enumerate(self.model["layers"]):
             if i:
-                self._op(rtcinfer.fused_add_rmsnorm, h, residual, layer["ln1"], EPS)
+                self._op(lib.fused_add_rmsnorm, h, residual, layer["ln1"], EPS)
             qkv = h @ layer["qkv"]
             q = qkv[:, : HQ * D].reshape(n, HQ, D).contiguous()
             k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D).contiguous()
             v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D).contiguous()
-            self._op(rtcinfer.apply_rope_pos_ids_inplace, q, k, pos, rope_theta=THETA)
-            self._op(rtcinfer.append_paged_kv_cache, k, v, bidx, pos, self.cache[i], *table)
+            self._op(lib.apply_rope_pos_ids_inplace, q, k, pos, rope_theta=THETA)
+            self._op(lib.append_paged_kv_cache, k, v, bidx, pos, self.cache[i], *table)
             o = self._op(wrapper.run, q, self.cache[i])
             h = o.reshape(n, HQ * D) @ layer["o"]
-            self._op(rtcinfer.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
-            h = self._op(rtcinfer.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
-        self._op(rtcinfer.fused_add_rmsnorm, h, residual, self.model["norm"], EPS)
+            self._op(lib.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
+            h = self._op(lib.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
+        self._op(lib.fused_add_rmsnorm, h, residual, self.model["norm"], EPS)
         return (h[ends] @ self.model["lm_head"]).float()
 
     def _op(self, fn, *args, **kwargs):
@@ -230,7 +259,7 @@ def serve(engine, rng):
             start = time.perf_counter()
             engine.time_kernels(True)
             logits = engine.step(running, [1] * len(running), engine.decode)
-            tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=step)
+            tokens = greedy(engine.lib, logits, step)
             engine.time_kernels(False)
             decode_s += time.perf_counter() - start
             decode_tokens += len(running)
@@ -238,7 +267,7 @@ def serve(engine, rng):
         if arrived:  # prefill the new prompts, which emit their first token
             lens = [len(r.tokens) for r in arrived]
             logits = engine.step(arrived, lens, engine.prefill)
-            tokens = rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
+            tokens = greedy(engine.lib, logits)
             emit(arrived, tokens, logits, f"prefill of {len(arrived)}")
             running += arrived
         for r in [r for r in running if len(r.emitted) == r.max_new]:
@@ -247,6 +276,13 @@ def serve(engine, rng):
             done.append(r)
         step += 1
     return done, decode_s, decode_tokens
+
+
+def greedy(lib, logits, seed=None):
+    """Tokens by top_k_top_p_sampling_from_logits with top_k 1 (rtcinfer's takes a seed)."""
+    if lib is rtcinfer and seed is not None:
+        return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=seed)
+    return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
 
 
 def emit(requests, tokens, logits, where):
@@ -260,19 +296,24 @@ def main():
     rng = np.random.default_rng(0)
     model = weights(gen)
     ok = True
-    for graphs in (False, True):
-        engine = Engine(model, rng, graphs)
-        serve(engine, np.random.default_rng(1))  # warm-up: compiles, loads, captures
-        engine.reset(rng)  # other pages, the same stream: nothing new to capture
-        done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
-        print("decode steps in CUDA graphs (one per batch size):" if graphs else "eager:")
-        ok &= serving.check(done, lambda tokens: reference_logits(model, tokens).cpu().numpy())
-        line = (f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
-                f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
-        if not graphs:
-            kernels = engine.kernel_ms / 1e3
-            line += f"; rtcinfer kernels (events) {100 * kernels / decode_s:.0f}% of the step time"
-        print(line)
+    fi = flashinfer_or_none()
+    for lib in (rtcinfer,) + ((fi,) if fi is not None else ()):
+        name = lib.__name__
+        for graphs in (False, True):
+            engine = Engine(model, rng, graphs, lib)
+            serve(engine, np.random.default_rng(1))  # warm-up: compiles, loads, captures
+            engine.reset(rng)  # other pages, the same stream: nothing new to capture
+            done, decode_s, decode_tokens = serve(engine, np.random.default_rng(1))
+            print(f"{name}, decode steps in CUDA graphs (one per batch size):" if graphs
+                  else f"{name}, eager:")  # fmt: skip
+            good = serving.check(done, lambda t: reference_logits(model, t).cpu().numpy())
+            ok &= good or lib is not rtcinfer  # the comparison's own result is reported only
+            line = (f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
+                    f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
+            if not graphs:
+                share = 100 * engine.kernel_ms / 1e3 / decode_s
+                line += f"; {name} kernels (events) {share:.0f}% of the step time"
+            print(line)
     rtcinfer.check_errors()
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
