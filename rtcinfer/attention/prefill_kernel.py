@@ -103,8 +103,9 @@ def prefill_spec(
     (two CTAs, four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a
     3-stage ring and one CTA; bench/tune_prefill.py); over a paged cache, whose page-table
     loader takes the 128-row kernel past 128 registers, the same with registers capped for two
-    CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one CTA on the H200, the few
-    values it spills live outside the main loop; tests/test_jit.py checks the SASS), else 3
+    CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one CTA on the H200; with
+    NVRTC 13.5 the causal kernel spills one value, reloaded once a K/V tile in the main loop,
+    the others none; tests/test_jit.py bounds it in the SASS), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
     shape instead."""
     if wgmma and warp_rows is None:
