@@ -92,24 +92,24 @@ def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
 
 def _key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,
                 window_left):  # fmt: skip
-    """[begin, end) of the keys any row of each tile may see, int64[T] each."""
-    if causal and window_left < 0:  # the common case, in fewer array passes
-        # end = offset + last query + 1 = offset + ceil(min(tile_row + tile_rows, rows) / g),
-        # never past kv_len; begin = 0
-        rows = (qo_len * group_size)[tile_request]
-        end = np.minimum(tile_row + tile_rows, rows)
+    """[begin, end) of the keys any row of each tile may see, int64[T] each. Causal: up to the
+    tile's last query's position, offset + ceil(min(tile_row + tile_rows, rows) / g) (never
+    past kv_len); a window: from its first query's position - window_left."""
+    offset = (kv_len - qo_len)[tile_request]  # key position of query 0
+    if causal:
+        end = np.minimum(tile_row + tile_rows, (qo_len * group_size)[tile_request])
         end += group_size - 1
         end //= group_size
-        end += (kv_len - qo_len)[tile_request]
+        end += offset
         np.maximum(end, 0, out=end)
+    else:
+        end = kv_len[tile_request]
+    if window_left < 0:
         return np.zeros_like(end), end
-    qo, kv = qo_len[tile_request], kv_len[tile_request]
-    first_query = tile_row // group_size
-    last_query = (np.minimum(tile_row + tile_rows, qo * group_size) - 1) // group_size
-    offset = kv - qo  # key position of query 0
-    end = np.minimum(kv, offset + last_query + 1) if causal else kv.copy()
-    begin = np.maximum(offset + first_query - window_left, 0) if window_left >= 0 else 0 * end
-    return np.minimum(begin, np.maximum(end, 0)), np.maximum(end, 0)
+    begin = offset + tile_row // group_size - window_left
+    np.maximum(begin, 0, out=begin)
+    np.minimum(begin, end, out=begin)
+    return begin, end
 
 
 def _items_per_tile(begin: np.ndarray, end: np.ndarray, chunk: int) -> np.ndarray:

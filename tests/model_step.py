@@ -131,14 +131,12 @@ def _decode(m, dtype: str, kv_dtype: str, arrays) -> None:
 
 
 def _prefill(m, dtype: str, kv_dtype: str, arrays) -> None:
-    """Two prompts per query tile (packed rows per request: the tile's rows; 4,096 for 128-row
-    tiles, past the 2,048 up to which the wgmma kernel takes 64-row tiles over a paged cache),
-    after a prefix of 40 tokens: paged and ragged causal prefill, and the merges of their
-    states."""
+    """Two prompts per query tile (packed rows per request: the tile's rows), after a prefix of
+    40 tokens: paged and ragged causal prefill, and the merges of their states."""
     hq, hkv, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
     group = hq // hkv
     for rows in (r for r in TILE_ROWS if r < 128 or d < 256):
-        qo_len = max(1, (rows if rows < 128 else 4096) // group)
+        qo_len = max(1, rows // group)
         qo_indptr = np.arange(3, dtype=np.int32) * qo_len
         kv_lengths = [40 + qo_len] * 2
         cache, table = _paged(m, kv_dtype, arrays, kv_lengths, PAGE)

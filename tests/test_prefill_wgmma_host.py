@@ -1,7 +1,7 @@
 """Which prefill kernel plan() takes, without a GPU: the warpgroup-MMA one on sm_90a for 64- and
-128-row tiles of 16-bit KV without in-kernel RoPE (a 2-stage ring over ragged K/V, 3 stages over
-a paged cache, 128-row tiles at head_dim 256 too), the mma.sync one elsewhere and under
-RTCINFER_PREFILL_WGMMA=0."""
+128-row tiles of 16-bit KV without in-kernel RoPE (a 2-stage ring; over a paged cache the
+128-row kernel's registers capped for two CTAs a SM; 128-row tiles at head_dim 256 too), the
+mma.sync one elsewhere and under RTCINFER_PREFILL_WGMMA=0."""
 
 from __future__ import annotations
 
