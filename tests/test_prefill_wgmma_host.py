@@ -43,7 +43,8 @@ def test_wgmma_spec_shapes():
     assert (paged.stages, paged.min_ctas, paged.threads, paged.min_sm) == (2, 2, 256, 90)
     masked = prefill_spec("bfloat16", "bfloat16", 128, 128, False, custom_mask=True, wgmma=True)
     assert (masked.stages, masked.min_ctas, ragged.min_ctas) == (3, 0, 0)
-    assert (wide.stages, wide.smem_bytes) == (2, 128 * 512 + 2 * 2 * 64 * 512 + 16)
+    table = 2 * 2 * 64 * 8  # a paged cache's row offsets: two tiles of K and V, int64
+    assert (wide.stages, wide.smem_bytes) == (2, 128 * 512 + 2 * 2 * 64 * 512 + table + 16)
     # an explicit warp shape asks for the mma.sync kernel
     assert not prefill_spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=32, wgmma=True).wgmma
     with pytest.raises(ValueError, match="wgmma"):

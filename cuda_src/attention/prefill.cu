@@ -37,6 +37,7 @@
 #include "mma.cuh"
 #include "attention_state.cuh"
 #include "paged_kv.cuh"
+#include "paged_rows.cuh"
 #include "variant.cuh"
 #include "wgmma.cuh"
 
@@ -76,7 +77,7 @@ static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or
 static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
               (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");
 static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
-static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + 16 == SMEM_BYTES, "layout");
+static_assert(STAGES <= 3, "the row table's two buffers cover two tiles ahead");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
 static_assert(!(CAUSAL && CUSTOM_MASK), "a custom mask replaces the causal one");
 static_assert(!WGMMA || (WARP_ROWS == 16 && TILE_ROWS % 64 == 0 && KV_TILE == 64 && !FP8 && !ROPE),
@@ -93,7 +94,19 @@ RTC_DEVICE uint32_t mma_tile_offset(int row, int chunk) {
 }
 
 using MT = QT;
-using Loader = PagedTileLoader<KV_TILE, KV_ROW_BYTES, THREADS, RAGGED, WGMMA>;
+// The K/V rows' stream: a table of row offsets over a paged cache, rows from one start ragged.
+template <bool R>
+struct KvRowsOf {
+  using type = PagedRowTable<KV_TILE, KV_ROW_BYTES, THREADS, WGMMA>;
+};
+template <>
+struct KvRowsOf<true> {
+  using type = RaggedRows<KV_TILE, KV_ROW_BYTES, THREADS, WGMMA>;
+};
+using KvRows = typename KvRowsOf<RAGGED>::type;
+constexpr int TABLE_BYTES = KvRows::BYTES;
+static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES + 16 == SMEM_BYTES,
+              "layout");
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
 #include "prefill_fragments.cuh"
@@ -377,7 +390,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
   unsigned char* staging = smem + Q_BYTES + RING_BYTES;
   float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
-  int* last_s = reinterpret_cast<int*>(staging + STAGING_BYTES + FREQ_BYTES);
+  int64_t* table_s = reinterpret_cast<int64_t*>(staging + STAGING_BYTES + FREQ_BYTES);
+  int* last_s = reinterpret_cast<int*>(staging + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES);
   if constexpr (ROPE)  // visible to all after the barrier below
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
       freq_s[i] = reinterpret_cast<const float2*>(p.plan + HEADER_INTS)[i];
@@ -389,23 +403,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
                                               : 0;
   auto k_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES; };
   auto v_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES + RING_TILE_BYTES; };
-  Loader loader;
-  loader.init(p.k_cache + kv_head * p.k_head, p.k_page, p.k_token, p.v_cache + kv_head * p.v_head,
-              p.v_page, p.v_token, p.plan + w.page_ids, FastDiv{p.div_magic, p.div_shift},
-              p.page_size, w.kv_end);
-  {
-    int pages[LOOK][Loader::PASSES];
+  // The ring's first LOOK tiles; tile s's row offsets in table buffer s % 2 (paged_rows.cuh).
+  KvRows kv;
+  kv.init(p, w, kv_head, table_s);
+  kv.prefetch(key_first);
 #pragma unroll
-    for (int s = 0; s < LOOK; ++s)
-      if (s < num_tiles) loader.fetch_pages(pages[s], key_first + s * KV_TILE);
+  for (int s = 0; s < LOOK; ++s)
+    if (s < num_tiles) kv.prepare(key_first + s * KV_TILE, s % 2, p);
+  if constexpr (!RAGGED) __syncthreads();  // the tables written
 #pragma unroll
-    for (int s = 0; s < LOOK; ++s) {
-      if (s < num_tiles) loader.issue(pages[s], key_first + s * KV_TILE, k_tile(s), v_tile(s));
-      cp_async_commit();
-    }
+  for (int s = 0; s < LOOK; ++s) {
+    if (s < num_tiles) kv.issue(key_first + s * KV_TILE, s % 2, k_tile(s), v_tile(s));
+    cp_async_commit();
   }
-  int pages[Loader::PASSES] = {};
-  if (LOOK < num_tiles) loader.fetch_pages(pages, key_first + LOOK * KV_TILE);
+  if constexpr (!RAGGED) __syncthreads();  // the tables read: buffer LOOK % 2 is free
+  if (LOOK < num_tiles) kv.prepare(key_first + LOOK * KV_TILE, LOOK % 2, p);
 
   cp_async_wait<LOOK>();  // the Q tile (the oldest group) landed
   if constexpr (WGMMA) fence_proxy_async();
@@ -441,9 +453,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     __syncthreads();  // the tile landed for everyone; the stage refilled below is free
     const int next = tile + LOOK;
     if (next < num_tiles)
-      loader.issue(pages, key_first + next * KV_TILE, k_tile(next % STAGES), v_tile(next % STAGES));
+      kv.issue(key_first + next * KV_TILE, next % 2, k_tile(next % STAGES), v_tile(next % STAGES));
     cp_async_commit();
-    if (next + 1 < num_tiles) loader.fetch_pages(pages, key_first + (next + 1) * KV_TILE);
+    // next + 1's offsets into the buffer next - 1 was issued from (before this barrier)
+    if (next + 1 < num_tiles) kv.prepare(key_first + (next + 1) * KV_TILE, (next + 1) % 2, p);
     // The 16-bit K and V the MMAs read: the ring's stage, or the staging tiles for fp8.
     unsigned char* k_mma = FP8 ? staging : smem + Q_BYTES + (tile % STAGES) * 2 * TILE_BYTES;
     if constexpr (FP8) {

@@ -58,12 +58,14 @@ class PrefillSpec:
     @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8, RoPE
-        frequencies, a flag."""
+        frequencies, a paged cache's row-offset table (two tiles of K and V int64 offsets), a
+        flag."""
         row = self.head_dim * itemsize(self.q_dtype)
         ring = self.stages * 2 * self.kv_tile * self.head_dim * itemsize(self.kv_dtype)
         staging = 2 * self.kv_tile * row if self.kv_dtype in FP8_DTYPES else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
-        return self.tile_rows * row + ring + staging + freq + 16
+        table = 0 if self.ragged else 2 * 2 * self.kv_tile * 8
+        return self.tile_rows * row + ring + staging + freq + table + 16
 
     def prelude(self) -> str:
         return jit.prelude(
@@ -117,7 +119,7 @@ def prefill_spec(
         two_ctas = not ragged and tile_rows == 128 and head_dim <= 128 and not custom_mask
         return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
                         pos_encoding_mode, soft_cap, kv_dtype, ragged, 16, True, max_smem,
-                        stage_choices=(2,) if ragged or two_ctas else (3, 2),
+                        stage_choices=(3, 2) if custom_mask and not ragged else (2,),
                         min_ctas=2 if two_ctas else 0)  # fmt: skip
     if warp_rows is None:
         warp_rows = 32 if (tile_rows, head_dim, bool(custom_mask)) == (128, 128, False) else 16

@@ -1,0 +1,104 @@
+// Streaming one kv head of one request into shared-memory tiles for the prefill kernel.
+// PagedRowTable (a paged cache): the first TILE threads, one per row of a tile ("makers"), turn
+// the tokens of the next tile into byte offsets (the page id from the plan, page and slot by
+// FastDiv, the strides) and store them in a table in shared memory, one tile ahead; every
+// thread's cp.async chunks then read their rows' offsets from it (a broadcast read). A row's page
+// arithmetic is done once, where PagedTileLoader (paged_kv.cuh) redoes it in every thread that
+// copies a 16-byte piece of the row (CHUNKS times), and the page ids in flight take one register
+// a thread, not one per copy pass.
+//   prefetch(t0)           makers: the page id of their row of the tile starting at token t0
+//   prepare(t0, b, p)      makers: that tile's offsets into table buffer b; prefetch(t0 + TILE)
+//   issue(t0, b, k, v)     everyone: cp.async of their chunks, the offsets from buffer b
+// Buffer b is written by prepare and read by issue on opposite sides of a CTA barrier, and
+// written again only after a barrier that follows its last issue (the caller's schedule).
+// RaggedRows (ragged K/V, PagedTileLoader's ONE_PAGE form) has the same calls; its rows need no
+// table.
+#pragma once
+
+template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL>
+struct PagedRowTable {
+  static constexpr int CHUNKS = ROW_BYTES / 16;
+  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+  static constexpr int PASSES = TILE / ROWS_PER_PASS;
+  static constexpr int BYTES = 2 * 2 * TILE * 8;  // [2 buffers][K, V][TILE] int64 offsets
+  static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "whole rows per pass");
+  static_assert(THREADS >= TILE, "a maker thread per row");
+
+  const char* k_base;  // K of this kv head at page 0, slot 0, plus this thread's chunk
+  const char* v_base;
+  int64_t* table;        // shared memory, BYTES
+  const int* page_ids;   // this request's page list
+  FastDiv page_div;
+  int page_size;
+  int token_end;  // tokens >= token_end are not read (zero-filled)
+  int page;       // a maker's prefetched page id
+
+  // kv head `kv_head` of work item w's request; `t`: the table (shared memory)
+  template <typename Params, typename Item>
+  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, int64_t* t) {
+    const int chunk = threadIdx.x % CHUNKS;
+    k_base = p.k_cache + kv_head * p.k_head + chunk * 16;
+    v_base = p.v_cache + kv_head * p.v_head + chunk * 16;
+    table = t, page_ids = p.plan + w.page_ids, page_div = FastDiv{p.div_magic, p.div_shift};
+    page_size = p.page_size, token_end = w.kv_end;
+  }
+
+  RTC_DEVICE void prefetch(int t0) {
+    const int token = t0 + static_cast<int>(threadIdx.x);
+    if (threadIdx.x < TILE) page = token < token_end ? __ldg(page_ids + page_div.div(token)) : 0;
+  }
+
+  // The byte strides (and slot x stride) fit in 32 bits, checked on the host; page x stride
+  // is taken 32 x 32 -> 64 bits.
+  template <typename Params>
+  RTC_DEVICE void prepare(int t0, int b, const Params& p) {
+    if (threadIdx.x < TILE) {
+      const int token = t0 + static_cast<int>(threadIdx.x);
+      const int slot = token - page_div.div(token) * page_size;
+      table[2 * b * TILE + threadIdx.x] = static_cast<int64_t>(page) * static_cast<int>(p.k_page) +
+                                          slot * static_cast<int>(p.k_token);
+      table[(2 * b + 1) * TILE + threadIdx.x] =
+          static_cast<int64_t>(page) * static_cast<int>(p.v_page) +
+          slot * static_cast<int>(p.v_token);
+    }
+    prefetch(t0 + TILE);
+  }
+
+  RTC_DEVICE void issue(int t0, int b, uint32_t k_tile, uint32_t v_tile) const {
+    const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int row = row0 + pass * ROWS_PER_PASS;
+      const bool valid = t0 + row < token_end;
+      const int64_t k_off = table[2 * b * TILE + row], v_off = table[(2 * b + 1) * TILE + row];
+      uint32_t dst;
+      if constexpr (CANONICAL)
+        dst = wgmma_tile_offset<TILE, ROW_BYTES>(row, chunk);
+      else
+        dst = tile_offset<ROW_BYTES>(row, chunk);
+      cp_async_16(k_tile + dst, valid ? k_base + k_off : k_base, valid);
+      cp_async_16(v_tile + dst, valid ? v_base + v_off : v_base, valid);
+    }
+  }
+};
+
+template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL>
+struct RaggedRows {
+  static constexpr int BYTES = 0;
+  using Loader = PagedTileLoader<TILE, ROW_BYTES, THREADS, true, CANONICAL>;
+  Loader loader;
+
+  // request rows from the one page id (its first row), no table
+  template <typename Params, typename Item>
+  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, int64_t*) {
+    loader.init(p.k_cache + kv_head * p.k_head, 0, p.k_token, p.v_cache + kv_head * p.v_head, 0,
+                p.v_token, p.plan + w.page_ids, FastDiv{1, 0}, 1, w.kv_end);
+  }
+  RTC_DEVICE void prefetch(int) {}
+  template <typename Params>
+  RTC_DEVICE void prepare(int, int, const Params&) {}
+  RTC_DEVICE void issue(int t0, int, uint32_t k_tile, uint32_t v_tile) const {
+    const int none[Loader::PASSES] = {};
+    loader.issue(none, t0, k_tile, v_tile);
+  }
+};
