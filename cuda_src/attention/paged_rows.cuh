@@ -20,13 +20,13 @@ struct PagedRowTable {
   static constexpr int CHUNKS = ROW_BYTES / 16;
   static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
   static constexpr int PASSES = TILE / ROWS_PER_PASS;
-  static constexpr int BYTES = 2 * 2 * TILE * 8;  // [2 buffers][K, V][TILE] int64 offsets
+  static constexpr int BYTES = 2 * TILE * 16;  // [2 buffers][TILE] (K, V) int64 offset pairs
   static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "whole rows per pass");
   static_assert(THREADS >= TILE, "a maker thread per row");
 
   const char* k_base;  // K of this kv head at page 0, slot 0, plus this thread's chunk
   const char* v_base;
-  int64_t* table;        // shared memory, BYTES
+  longlong2* table;      // shared memory, BYTES
   const int* page_ids;   // this request's page list
   FastDiv page_div;
   int page_size;
@@ -35,7 +35,7 @@ struct PagedRowTable {
 
   // kv head `kv_head` of work item w's request; `t`: the table (shared memory)
   template <typename Params, typename Item>
-  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, int64_t* t) {
+  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, longlong2* t) {
     const int chunk = threadIdx.x % CHUNKS;
     k_base = p.k_cache + kv_head * p.k_head + chunk * 16;
     v_base = p.v_cache + kv_head * p.v_head + chunk * 16;
@@ -55,11 +55,11 @@ struct PagedRowTable {
     if (threadIdx.x < TILE) {
       const int token = t0 + static_cast<int>(threadIdx.x);
       const int slot = token - page_div.div(token) * page_size;
-      table[2 * b * TILE + threadIdx.x] = static_cast<int64_t>(page) * static_cast<int>(p.k_page) +
-                                          slot * static_cast<int>(p.k_token);
-      table[(2 * b + 1) * TILE + threadIdx.x] =
-          static_cast<int64_t>(page) * static_cast<int>(p.v_page) +
-          slot * static_cast<int>(p.v_token);
+      const int64_t k = static_cast<int64_t>(page) * static_cast<int>(p.k_page) +
+                        slot * static_cast<int>(p.k_token);
+      const int64_t v = static_cast<int64_t>(page) * static_cast<int>(p.v_page) +
+                        slot * static_cast<int>(p.v_token);
+      table[b * TILE + threadIdx.x] = make_longlong2(k, v);
     }
     prefetch(t0 + TILE);
   }
@@ -70,14 +70,14 @@ struct PagedRowTable {
     for (int pass = 0; pass < PASSES; ++pass) {
       const int row = row0 + pass * ROWS_PER_PASS;
       const bool valid = t0 + row < token_end;
-      const int64_t k_off = table[2 * b * TILE + row], v_off = table[(2 * b + 1) * TILE + row];
+      const longlong2 off = table[b * TILE + row];  // one 16-byte read: K's and V's offsets
       uint32_t dst;
       if constexpr (CANONICAL)
         dst = wgmma_tile_offset<TILE, ROW_BYTES>(row, chunk);
       else
         dst = tile_offset<ROW_BYTES>(row, chunk);
-      cp_async_16(k_tile + dst, valid ? k_base + k_off : k_base, valid);
-      cp_async_16(v_tile + dst, valid ? v_base + v_off : v_base, valid);
+      cp_async_16(k_tile + dst, valid ? k_base + off.x : k_base, valid);
+      cp_async_16(v_tile + dst, valid ? v_base + off.y : v_base, valid);
     }
   }
 };
@@ -90,7 +90,7 @@ struct RaggedRows {
 
   // request rows from the one page id (its first row), no table
   template <typename Params, typename Item>
-  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, int64_t*) {
+  RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, longlong2*) {
     loader.init(p.k_cache + kv_head * p.k_head, 0, p.k_token, p.v_cache + kv_head * p.v_head, 0,
                 p.v_token, p.plan + w.page_ids, FastDiv{1, 0}, 1, w.kv_end);
   }

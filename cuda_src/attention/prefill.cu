@@ -390,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
   unsigned char* staging = smem + Q_BYTES + RING_BYTES;
   float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
-  int64_t* table_s = reinterpret_cast<int64_t*>(staging + STAGING_BYTES + FREQ_BYTES);
+  longlong2* table_s = reinterpret_cast<longlong2*>(staging + STAGING_BYTES + FREQ_BYTES);
   int* last_s = reinterpret_cast<int*>(staging + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES);
   if constexpr (ROPE)  // visible to all after the barrier below
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
