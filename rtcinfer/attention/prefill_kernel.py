@@ -106,8 +106,8 @@ def prefill_spec(
     3-stage ring and one CTA; bench/tune_prefill.py); over a paged cache, whose page-table
     loader takes the 128-row kernel past 128 registers, the same with registers capped for two
     CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one CTA on the H200; with
-    NVRTC 13.5 the causal kernel spills one value, reloaded once a K/V tile in the main loop,
-    the others none; tests/test_jit.py bounds it in the SASS), else 3
+    the row table, paged_rows.cuh, nothing spills on NVRTC 13.5, and tests/test_jit.py keeps
+    any spill out of the loops), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
     shape instead."""
     if wgmma and warp_rows is None:
