@@ -113,3 +113,102 @@ def test_shared_prefix_decode_and_prefill():
                               causal=True, sm_scale=1 / np.sqrt(D))
             for b, u in enumerate(unique)]  # fmt: skip
     check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
+
+
+def _framework_arrays(framework, *arrays):
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        return [torch.from_dlpack(a) for a in arrays]
+    if framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        return [jnp.asarray(a.get()) for a in arrays]
+    return list(arrays)
+
+
+def _captured(framework, fn):
+    """fn() captured into a CUDA graph on a side stream of the framework, and its replay."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return out, graph.replay
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        out = fn()
+        graph = stream.end_capture()
+    return out, lambda: graph.launch(stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("own_first", [False, True])
+@pytest.mark.parametrize(
+    "framework, graph",
+    [("cupy", False), ("cupy", True), ("torch", False), ("torch", True), ("jax", False)],
+)
+def test_levels_side_by_side(framework, graph, own_first):
+    """The shared and own levels on two streams (side_stream.py), in either launch order, for
+    each framework (JAX: one after the other), eager and captured into a CUDA graph whose
+    replays see new queries; the multi-level wrapper's later levels the same way."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    pool = PagedPool(rng, 300)
+    k_shared = random_values(rng, (700, HKV, D), "float16")
+    v_shared = random_values(rng, (700, HKV, D), "float16")
+    unique = [pool.add(n) for n in (1, 250, 0, 600, 33)]
+    indptr, indices, last = table(unique)
+    decode = rtcinfer.BatchDecodeWithSharedPrefixPagedKVCacheWrapper()
+    decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="float16")
+    decode._own_work = float("inf") if own_first else 0.0
+    q_dev = to_gpu(np.zeros((5, HQ, D), np.float16))
+    device = [to_gpu(a) for a in (pool.cache, k_shared, v_shared)]
+    cache_in, ks_in, vs_in = _framework_arrays(framework, *device)
+    q_in = _framework_arrays(framework, q_dev)[0]  # a view of q_dev (torch, CuPy)
+
+    def call():
+        return decode.run(q_in, ks_in, vs_in, cache_in, return_lse=True)
+
+    replay = None
+    if graph:
+        call()  # load the kernels outside the capture
+        cupy.cuda.Device().synchronize()
+        (o, lse), replay = _captured(framework, call)
+    for _ in range(2):  # new queries each time: a replay must see them
+        q = random_values(rng, (5, HQ, D), "float16")
+        q_dev[...] = to_gpu(q)
+        cupy.cuda.Device().synchronize()
+        if replay is None:
+            q_in = _framework_arrays(framework, q_dev)[0]
+            o, lse = call()
+        else:
+            replay()
+        cupy.cuda.Device().synchronize()
+        outs = [aref.attention_ref(q[b : b + 1], np.concatenate([k_shared, u[0]]),
+                                  np.concatenate([v_shared, u[1]]), sm_scale=1 / np.sqrt(D))
+                for b, u in enumerate(unique)]  # fmt: skip
+        check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
+
+    if graph:
+        return
+    qo = [2, 19, 0, 40, 7]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    q = random_values(rng, (sum(qo), HQ, D), "float16")
+    prefix, own = pool.add(200), [pool.add(n + 5) for n in qo]
+    levels = [table([prefix]), table(own)]
+    wrapper = rtcinfer.MultiLevelCascadeAttentionWrapper(2)
+    wrapper.plan([np.array([0, sum(qo)], np.int32), qo_indptr], [t[0] for t in levels],
+                 [t[1] for t in levels], [t[2] for t in levels], HQ, HKV, D, PAGE,
+                 causal=True, q_data_type="float16")  # fmt: skip
+    wrapper._later_first = own_first
+    q_in, cache_in = _framework_arrays(framework, to_gpu(q), to_gpu(pool.cache))
+    o, lse = wrapper.run(q_in, cache_in, return_lse=True)
+    assert type(o).__module__.partition(".")[0] == type(q_in).__module__.partition(".")[0]
+    outs = [aref.attention_ref(q[qo_indptr[b] : qo_indptr[b + 1]],
+                              np.concatenate([prefix[0], u[0]]), np.concatenate([prefix[1], u[1]]),
+                              causal=True, sm_scale=1 / np.sqrt(D))
+            for b, u in enumerate(own)]  # fmt: skip
+    check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))

@@ -59,6 +59,7 @@ class _Launch:
     cfg: PrefillConfig
     nnz_q: int  # rows of q and o
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
+    plan: PrefillPlan  # the work plan (its lengths: cascade levels weigh their work by them)
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
@@ -227,7 +228,7 @@ class _PrefillWrapper(PlannedWrapper):
         if mask is not None:
             p.mask = regions["plan"] + 4 * capacity.mask_at if in_plan else mask.device
             self._mask = mask.keep  # a device mask read in place (or copied) stays alive
-        self._launch = _Launch(launch, cfg, rows, num_kv_rows)
+        self._launch = _Launch(launch, cfg, rows, num_kv_rows, plan)
 
     def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> _GraphCapacity:
         """The fixed capacity of a CUDA-graph wrapper for this plan (set by the first plan of
