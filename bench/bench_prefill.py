@@ -2,7 +2,7 @@
 views (eager, loop, graph; bench/common.py), effective TFLOP/s from the graph view (visible
 (query, key) pairs only), % of a bf16 GEMM measured in the same run, the three views of
 FlashInfer's fa2 wrapper of the same form and fa3's graph view at head_dim 128, measured in the
-same run; then plan() host time for a 64-request batch (against fa2).
+same run; then plan() host time for batches of 64 and 256 mixed requests (against fa2).
 `python -m bench.bench_prefill ragged` (or paged) times one form only. rtcinfer is called with
 PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is the same call
 on CuPy arrays captured with CuPy's stream capture; "mma.sync graph us" the same call on the
@@ -215,9 +215,10 @@ def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> Non
                   *peer_cells(ours, theirs), fa3_graph, ratio(ours.graph, fa3_graph))  # fmt: skip
 
 
-def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
-    """plan() host time for the 64 mixed requests (host arrays, no device sync)."""
-    qo_len = np.array(MIXED, dtype=np.int32)
+def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng, batch: int = 64) -> None:
+    """plan() host time for `batch` mixed requests (MIXED repeated; host arrays, no device
+    sync)."""
+    qo_len = np.resize(np.array(MIXED, dtype=np.int32), batch)
     tables = plan_tables(form, qo_len, qo_len, rng)
     dims = (32, 8, 128) + ((PAGE,) if form == "paged" else ())
     wrapper = getattr(rtcinfer, FORMS[form])()
@@ -242,7 +243,7 @@ def plan_row(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
             print(f"# flashinfer {form} plan failed: {type(e).__name__}: {str(e)[:200]}")
     blank = (None,) * 6  # loop, graph, CuPy graph, other warps, TFLOP/s, % GEMM of a kernel row
-    table.add("plan(), 64 mixed requests (host us)", ours, *blank, theirs, None, None,
+    table.add(f"plan(), {batch} mixed requests (host us)", ours, *blank, theirs, None, None,
               ratio(ours, theirs), None, None, None)  # fmt: skip
 
 
@@ -264,7 +265,8 @@ def main() -> Tables:
             columns,
         )
         prefill_rows(table, form, fi, torch, wrappers, rng)
-        plan_row(table, form, fi, torch, wrappers, rng)
+        for batch in (64, 256):
+            plan_row(table, form, fi, torch, wrappers, rng, batch)
         tables.append(table)
     return tables
 

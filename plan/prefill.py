@@ -72,6 +72,78 @@ class PrefillPlan:
         return int(self.tile_items[self.tile_items > 1].sum()) if self.split_kv else 0
 
 
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """A batch with one work item per query tile, none split: item t is tile t, request b's
+    tiles are items tile_indptr[b] .. tile_indptr[b + 1] - 1, each over all the keys its rows
+    may see (as PrefillPlan's one-item tiles). Its items are expanded on the device
+    (rtcinfer/attention/prefill_items.py) from these arrays (read-only)."""
+
+    batch_size: int
+    group_size: int
+    tile_rows: int
+    qo_len: np.ndarray  # int64[B]
+    kv_len: np.ndarray  # int64[B]
+    tile_indptr: np.ndarray  # int64[B + 1]
+    split_kv = False
+    num_slots = 0
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_indptr[-1])
+
+    @property
+    def num_work(self) -> int:
+        return int(self.tile_indptr[-1])
+
+
+def tile_indptr_of(qo_len: np.ndarray, group_size: int, tile_rows: int) -> np.ndarray:
+    """int64[B + 1]: request b's query tiles are tile_indptr[b] .. tile_indptr[b + 1] - 1
+    (ceil(qo_len * group_size / tile_rows) of them)."""
+    tiles = qo_len * group_size
+    tiles += tile_rows - 1
+    tiles //= tile_rows
+    indptr = np.zeros(qo_len.shape[0] + 1, dtype=np.int64)
+    np.cumsum(tiles, out=indptr[1:])
+    return indptr
+
+
+def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *, num_sms: int,
+                       ctas_per_sm: int, tile_rows: int, fixed_split_size: int | None = None,
+                       disable_split_kv: bool = False,
+                       max_work: int | None = None) -> TilePlan | None:  # fmt: skip
+    """plan_prefill's plan as a TilePlan when it has one item per tile because the tiles alone
+    fill the GPU (num_tiles * num_kv_heads >= slots), the split is disabled or there are no
+    tiles; else None (plan_prefill then plans the split). The arrays are checked as
+    plan_prefill checks them; the other arguments are taken as they are (plan_launch's,
+    already valid)."""
+    qo_len, _ = indptr_counts("qo_indptr", as_int_array("qo_indptr", qo_indptr))
+    kv = as_int_array("kv_len", kv_len)
+    batch = qo_len.shape[0]
+    if kv.shape != (batch,):
+        raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
+    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
+        b = first_bad((kv < 0) | (kv > INT32_MAX))
+        raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
+    if tile_rows not in TILE_ROWS:
+        raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
+    tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
+    num_tiles = int(tile_indptr[-1])
+    budget = num_sms * ctas_per_sm // num_kv_heads
+    if max_work is not None:
+        if num_tiles > max_work:
+            return None  # plan_prefill names the error
+        budget = min(budget, max_work)
+    whole = disable_split_kv or num_tiles == 0 or (fixed_split_size is None and num_tiles >= budget)
+    if not whole:
+        return None
+    if kv is kv_len:
+        kv = kv.copy()  # the caller's own array
+    for a in (qo_len, kv, tile_indptr):
+        a.setflags(write=False)
+    return TilePlan(batch, group_size, tile_rows, qo_len, kv, tile_indptr)
+
+
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
                      wgmma: bool = False) -> int:  # fmt: skip
     """Packed rows per query tile from the average packed query length: 16 for decode-like
@@ -178,11 +250,9 @@ def plan_prefill(
     if tile_rows not in TILE_ROWS:
         raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
 
-    tiles = -(-(qo_len * group_size) // tile_rows)
-    tile_indptr = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum(tiles, out=tile_indptr[1:])
+    tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
     num_tiles = int(tile_indptr[-1])
-    tile_request = np.repeat(np.arange(batch, dtype=np.int64), tiles)
+    tile_request = np.repeat(np.arange(batch, dtype=np.int64), np.diff(tile_indptr))
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
     begin, end = _key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
                              causal, window_left)  # fmt: skip
@@ -281,7 +351,10 @@ __all__ = [
     "MIN_CHUNK_TOKENS",
     "PrefillPlan",
     "TILE_ROWS",
+    "TilePlan",
     "choose_tile_rows",
     "plan_prefill",
+    "plan_prefill_tiles",
+    "tile_indptr_of",
     "tile_rows_for",
 ]

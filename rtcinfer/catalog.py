@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from . import activation, bitpack, norm, rope
 from .attention import cascade, decode_kernel, page, prefill_kernel
+from .attention.prefill_items import PrefillItemsSpec
 from .sampling.cluster import ClusterSampleSpec, cluster_choices
 from .sampling.renorm import RenormSpec
 from .sampling.renorm import specs_for as renorm_specs
@@ -85,7 +86,7 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
     specs += rope.specs_for(m.head_dim, (dtype,))
     specs += page.specs_for(m.head_dim, kv_dtype)
     specs += decode_kernel.specs_for(*attention)
-    specs += prefill_kernel.specs_for(*attention, on.arch)
+    specs += prefill_kernel.specs_for(*attention, on.arch) + [PrefillItemsSpec()]
     specs += cascade.specs_for(m.head_dim, dtype)
     logits = tuple(dict.fromkeys(("float32", dtype)))
     specs += softmax_specs(m.vocab, logits)
@@ -118,7 +119,7 @@ def shipped_specs() -> list:
                         )  # fmt: skip
                     )
     specs += decode_specs()
-    specs += prefill_specs()
+    specs += prefill_specs() + [PrefillItemsSpec()]
     specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
               for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
                                      ("float32", False, False)]]  # fmt: skip

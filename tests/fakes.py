@@ -24,14 +24,19 @@ class NullDevice:
     def synchronize(self):
         pass
 
+    def record(self, stream=None):  # as an event
+        pass
 
-def planning_without_a_gpu(monkeypatch, regions: dict, upload) -> type:
+
+def planning_without_a_gpu(monkeypatch, regions: dict, upload, expand=None) -> type:
     """What a wrapper's plan() touches on a device, stubbed: the driver checks (fake_gpu),
     CuPy's Device and current stream (a NullDevice subclass of the test's own, returned, whose
-    attributes a test may patch), the workspace reserve (its regions at `regions`) and upload
-    (`upload(self, fill, stream)`)."""
+    attributes a test may patch), the workspace reserve (its regions at `regions`), upload
+    (`upload(self, fill, stream)`) and its event, and the device expansion of a prefill plan's
+    items (`expand(layout)`, prefill_items.ItemsLayout; default: nothing)."""
     import cupy
 
+    from rtcinfer.attention import prefill_upload
     from rtcinfer.attention.workspace import Workspace
 
     fake_gpu(monkeypatch)
@@ -45,6 +50,9 @@ def planning_without_a_gpu(monkeypatch, regions: dict, upload) -> type:
         Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
     )
     monkeypatch.setattr(Workspace, "upload", upload)
+    monkeypatch.setattr(Workspace, "last_upload", lambda self: NullDevice())
+    monkeypatch.setattr(prefill_upload, "expand_items",
+                        lambda plan, stream, device, layout: expand and expand(layout))  # fmt: skip
     return Device
 
 
@@ -278,6 +286,7 @@ class FakeDevice:
 
         monkeypatch.setattr(Workspace, "reserve", reserve)
         monkeypatch.setattr(Workspace, "upload", upload)
+        monkeypatch.setattr(Workspace, "last_upload", lambda ws: NullDevice())
         monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
 
         def info(x, name):  # a meta tensor as a CUDA array of device 0, 16-byte aligned

@@ -4,7 +4,8 @@ A decode step: the layer's norms (and Qwen3's q/k norm), RoPE in every position 
 offers, the MLP activation, the KV append with its device index ops, batch decode (plain
 wrapper on short requests, on long ones in pages of 64, the CUDA-graph and the tensor-core
 wrappers), then softmax, every sampler and renorm at batch sizes that take every block and
-cluster size. A prefill step: paged and ragged causal prefill in each query tile, their merges.
+cluster size. A prefill step: paged and ragged causal prefill in each query tile, their
+merges, and a batch whose tiles fill the GPU (its work items expanded on the device).
 
 `run(model, dtype, kv_dtype, arrays)` makes its arrays with `arrays` (zeros of a shape and
 dtype, and device copies of host ints), so that one step serves two tests
@@ -156,6 +157,12 @@ def _prefill(m, dtype: str, kv_dtype: str, arrays) -> None:
                                       mask=arrays.zeros((2 * qo_len,), "bool"))  # fmt: skip
     n = 3
     rtcinfer.merge_states(arrays.zeros((n, 2, hq, d), dtype), arrays.zeros((n, 2, hq), "float32"))
+    # 64 prompts of a 64-row tile each fill the GPU: one item a tile, expanded on the device
+    qo_indptr = np.arange(65, dtype=np.int32) * max(1, 64 // group)
+    ragged = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(qo_indptr, qo_indptr, hq, hkv, d, causal=True, q_data_type=dtype)
+    q, k, v = (arrays.zeros((int(qo_indptr[-1]), h, d), dtype) for h in (hq, hkv, hkv))
+    ragged.run(q, k, v)
 
 
 def _sample(m, dtype: str, arrays, batches) -> None:

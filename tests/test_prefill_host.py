@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rtcinfer.attention.prefill_items import expand_items_host
 from rtcinfer.attention.prefill_plan import (
     HEADER_INTS,
     ITEM_INTS,
@@ -32,8 +33,11 @@ def wrappers(monkeypatch):
         buf = np.zeros(1 << 20, np.int32)
         packed["plan"] = buf[: fill(buf)]
 
+    def expand(layout):  # the device's expansion of the items, by its NumPy twin
+        expand_items_host(packed["plan"], layout)
+
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, upload)
+    planning_without_a_gpu(monkeypatch, regions, upload, expand)
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     return prefill, packed

@@ -111,21 +111,7 @@ using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t 
 
 #include "prefill_fragments.cuh"
 
-// A work item of the plan (rtcinfer/attention/prefill_plan.py writes them by these names).
-struct alignas(16) PrefillWorkItem {
-  int qo_start;     // the request's first query row in q / o
-  int qo_len;       // its queries
-  int kv_len;       // its keys
-  int page_ids;     // where its page ids start in the plan (ints)
-  int tile_row;     // the tile's first packed row
-  int kv_begin;     // this item's keys: [kv_begin, kv_end)
-  int kv_end;
-  int slot;         // the item's partial slot; -1: the tile's only item, rows written directly
-  int tile;         // the tile's index (its merge counters)
-  int merge_slot;   // the tile's first slot
-  int merge_count;  // the tile's items
-  int mask_byte;    // CUSTOM_MASK: the request's first byte in the packed mask
-};
+#include "prefill_item.cuh"
 
 struct PrefillParams {
   const QT* q;            // [nnz_q, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)

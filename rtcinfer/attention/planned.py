@@ -216,6 +216,7 @@ class PlannedWrapper:
             self._ws.upload(fill, stream)
             if after is not None:
                 after(self._ws.pointers, stream)
+                self._ws.last_upload().record(stream)  # runs elsewhere wait for that work too
             if self._jax:
                 self._ws.last_upload().synchronize()
         return self._ws.pointers

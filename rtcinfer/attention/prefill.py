@@ -24,10 +24,10 @@ from ..interop import Prepared
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..jit import device_arch, device_limits
-from ..launch import Launch, memcpy_async
+from ..launch import Launch
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
-from ..plan.prefill import PrefillPlan, plan_prefill, tile_rows_for
+from ..plan.prefill import PrefillPlan, TilePlan, plan_prefill, plan_prefill_tiles, tile_rows_for
 from .decode_kernel import Config, fast_div, kv_scales
 from .paged_kv import (
     cache_views,
@@ -48,7 +48,8 @@ from .prefill_args import (
 )
 from .prefill_kernel import kernel, prefill_spec, use_wgmma
 from .prefill_mask import packed_mask
-from .prefill_plan import RAGGED_PAGE, Capacity, pack_plan
+from .prefill_plan import RAGGED_PAGE, Capacity
+from .prefill_upload import plan_writers
 
 MAX_GRID_Y = 65535
 
@@ -59,7 +60,7 @@ class _Launch:
     cfg: PrefillConfig
     nnz_q: int  # rows of q and o
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
-    plan: PrefillPlan  # the work plan (its lengths: cascade levels weigh their work by them)
+    plan: PrefillPlan | TilePlan  # its lengths: cascade levels weigh their work by them
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
@@ -92,12 +93,13 @@ def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, w
 
 def plan_launch(
     cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
-    disable_split_kv=False, tile_rows=None, max_work=None,
-) -> tuple[Launch, PrefillPlan]:  # fmt: skip
+    disable_split_kv=False, tile_rows=None, max_work=None, device_items=False,
+) -> tuple[Launch, PrefillPlan | TilePlan]:  # fmt: skip
     """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
     depends only on them and the configuration filled (the plan's regions and the arrays'
     pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
-    grid (max_work items; those past the plan's count exit at once)."""
+    grid (max_work items; those past the plan's count exit at once). `device_items`: a plan
+    without split KV comes as a TilePlan, its items to be expanded on the device."""
     attn = cfg.attn
     num_sms, max_smem = limits
     group = attn.group_size
@@ -108,7 +110,14 @@ def plan_launch(
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
-    plan = plan_prefill(
+    plan = None
+    if device_items:
+        plan = plan_prefill_tiles(
+            qo_indptr, kv_len, group, attn.num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas,
+            tile_rows=tile_rows, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv, max_work=max_work,
+        )  # fmt: skip
+    plan = plan or plan_prefill(
         qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
         ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
         page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
@@ -195,33 +204,24 @@ class _PrefillWrapper(PlannedWrapper):
             fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv, fixed.tile_rows,
-                                       fixed.capacity.max_work)  # fmt: skip
+                                       fixed.capacity.max_work, device_items=True)  # fmt: skip
             capacity, rows = fixed.capacity, fixed.rows
         else:
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
-                                       fixed_split_size, disable_split_kv)  # fmt: skip
+                                       fixed_split_size, disable_split_kv,
+                                       device_items=True)  # fmt: skip
             host_mask = mask is not None and mask.host is not None
             capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
                                 plan.num_slots, cfg.attn.num_kv_heads,
                                 launch.kernel.spec.tile_rows, cfg.attn.head_dim,
-                                mask.ints if host_mask else 0)  # fmt: skip
+                                mask.ints if host_mask else 0,
+                                plan.batch_size if isinstance(plan, TilePlan) else 0)  # fmt: skip
         # The mask travels with the plan (a host mask; any mask of a graph wrapper, copied
         # on the device behind the upload) or is read where it lies (a device mask).
         in_plan = mask is not None and (mask.host is not None or self._graph)
-        after = None
-        if in_plan and mask.host is None:
-
-            def after(regions, stream):
-                dst = regions["plan"] + 4 * capacity.mask_at
-                memcpy_async(dst, mask.device, mask.nbytes, stream)
-
-        attn = cfg.attn
-        freq = attn.freq()
-        regions = self._upload(capacity, lambda buf: pack_plan(
-            buf, plan, qo_indptr, first_page, page_ids, attn.head_dim, freq,
-            None if mask is None else mask.mask_byte, None if mask is None else mask.host,
-            capacity.mask_at,
-        ), after)  # fmt: skip
+        fill, after = plan_writers(plan, capacity, cfg, qo_indptr, first_page, page_ids, mask,
+                                   in_plan, self._device)  # fmt: skip
+        regions = self._upload(capacity, fill, after)
         p = launch.params
         p.plan, p.partial_o = regions["plan"], regions["o"]
         p.partial_lse, p.counters = regions["lse"], regions["counters"]
@@ -253,7 +253,8 @@ class _PrefillWrapper(PlannedWrapper):
                 room = self._mask_bytes if self._mask_bytes is not None else mask.nbytes
                 mask_ints = -(-room // 4)
             capacity = Capacity(work, self._max_pages, tiles, work, attn.num_kv_heads,
-                                tile_rows, attn.head_dim, mask_ints)  # fmt: skip
+                                tile_rows, attn.head_dim, mask_ints,
+                                self._max_batch)  # fmt: skip
             fixed = self._fixed = _GraphCapacity(cfg, tile_rows, rows, capacity)
         elif rows > fixed.rows:
             raise ValueError(

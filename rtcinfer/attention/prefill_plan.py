@@ -2,8 +2,8 @@
 
 Device layout (each region 256-byte aligned, the plan first):
 
-    plan       int32[4 + D + 12 * max_work + max_pages + max_mask_ints]
-                                             header | RoPE | items | page ids | packed mask
+    plan       int32[4 + D + 12 * max_work + max_pages + max_mask_ints + 6 * max_requests + 1]
+                          header | RoPE | items | page ids | packed mask | requests table
     counters   int32[max_tiles * num_kv_heads]                  merge arrivals, zero at rest
     lse        float32[max_slots * num_kv_heads * tile_rows]    partial LSE of split tiles
     o          float32[max_slots * num_kv_heads * tile_rows, head_dim]   partial outputs
@@ -15,7 +15,9 @@ record of the same layout; their `page_ids` index the page ids inside the plan r
 KV cache is a paged one whose request b is one "page" starting at row kv_indptr[b] (page size
 2^30). A custom mask's packed bytes, when they travel with the plan (a host mask, or any mask
 of a CUDA-graph wrapper, whose address must not move), start at int `mask_at` of the region,
-a fixed place for a given capacity; the items' mask_byte count from there.
+a fixed place for a given capacity; the items' mask_byte count from there. A plan without
+split KV may leave its items to the device (prefill_items.py), which expands them from the
+requests table at `requests_at` (room for max_requests requests; none when 0).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Capacity:
     tile_rows: int
     head_dim: int
     max_mask_ints: int = 0  # the packed custom mask's room in the plan region
+    max_requests: int = 0  # the requests table's room (prefill_items.py), in requests
 
     @property
     def mask_at(self) -> int:
@@ -56,8 +59,13 @@ class Capacity:
         return items_at(self.head_dim) + ITEM_INTS * self.max_work + self.max_pages
 
     @property
-    def plan_ints(self) -> int:
+    def requests_at(self) -> int:
+        """Where the requests table starts in the plan region (ints)."""
         return self.mask_at + self.max_mask_ints
+
+    @property
+    def plan_ints(self) -> int:
+        return self.requests_at + (6 * self.max_requests + 1 if self.max_requests else 0)
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of every region, and "end" (the bytes needed)."""
@@ -81,7 +89,14 @@ class Capacity:
         """Whether this layout serves `other`: the same shape and every count at least its."""
         return self._shape() == other._shape() and all(
             getattr(self, f) >= getattr(other, f)
-            for f in ("max_work", "max_pages", "max_tiles", "max_slots", "max_mask_ints")
+            for f in (
+                "max_work",
+                "max_pages",
+                "max_tiles",
+                "max_slots",
+                "max_mask_ints",
+                "max_requests",
+            )
         )
 
     def grown(self, need: Capacity) -> Capacity:
@@ -95,7 +110,8 @@ class Capacity:
 
         return Capacity(grow(self.max_work, need.max_work), grow(self.max_pages, need.max_pages),
                         grow(self.max_tiles, need.max_tiles), grow(self.max_slots, need.max_slots),
-                        *need._shape(), grow(self.max_mask_ints, need.max_mask_ints))  # fmt: skip
+                        *need._shape(), grow(self.max_mask_ints, need.max_mask_ints),
+                        grow(self.max_requests, need.max_requests))  # fmt: skip
 
 
 def items_at(head_dim: int) -> int:
