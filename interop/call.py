@@ -30,6 +30,34 @@ from .. import gpu
 from .arrays import as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 
+# Per thread: `stream`, a CUDA stream handle that launches go to instead of the caller's
+# current stream, while set (launching_on; rtcinfer/attention/side_stream.py).
+_LOCAL = threading.local()
+
+
+class launching_on:
+    """Launch the calls of the block on CUDA stream `stream` (a handle) instead of the caller's
+    current stream. The calls must allocate no output (give `out=`): the caller's allocator
+    would hand out memory ordered on its own stream only, so a call that would allocate raises."""
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: int):
+        self.stream, self.previous = stream, 0
+
+    def __enter__(self):
+        self.previous = getattr(_LOCAL, "stream", 0)
+        _LOCAL.stream = self.stream
+
+    def __exit__(self, *exc):
+        _LOCAL.stream = self.previous
+
+
+def _unallocated(op: Op) -> RuntimeError:
+    return RuntimeError(
+        f"{op.name}: a call launched on another stream (launching_on) must be given its outputs"
+    )
+
 
 class ArrayInfo(NamedTuple):
     """One argument as a prepare function sees it."""
@@ -255,15 +283,18 @@ def _call_torch(op: Op, arrays, static, scalars):
     key = tuple(key)
     prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, bits, static)
     if prep.dense:
-        arrays, ptrs = _densify_torch(prep, arrays, ptrs)
+        arrays, ptrs = _densify_torch(op, prep, arrays, ptrs)
     first = arrays[0]
     device = first.get_device()
+    stream = getattr(_LOCAL, "stream", 0)
     results = []
     for slot in prep.outs:
         if slot.source is not None:
             ptrs.append(ptrs[slot.source])
             results.append(arrays[slot.source])
             continue
+        if stream:
+            raise _unallocated(op)
         if slot.like is not None:
             t = empty_like(arrays[slot.like])
         else:
@@ -271,18 +302,20 @@ def _call_torch(op: Op, arrays, static, scalars):
         ptrs.append(t.data_ptr())
         results.append(t)
     if gpu.runtime().getDevice() == device:
-        prep.run(raw_stream(device), device, ptrs, scalars)
+        prep.run(stream or raw_stream(device), device, ptrs, scalars)
     else:
         with _on_device(device):
-            prep.run(raw_stream(device), device, ptrs, scalars)
+            prep.run(stream or raw_stream(device), device, ptrs, scalars)
     return returned(results, prep.scratch)
 
 
-def _densify_torch(prep: Prepared, arrays, ptrs):
+def _densify_torch(op: Op, prep: Prepared, arrays, ptrs):
     arrays, ptrs = list(arrays), list(ptrs)
     for i in prep.dense:
         x = arrays[i]
         if x is not None and not x.is_contiguous():
+            if getattr(_LOCAL, "stream", 0):  # the copy would be ordered on another stream
+                raise _unallocated(op)
             arrays[i] = x.contiguous()
             ptrs[i] = arrays[i].data_ptr()
     return arrays, ptrs
@@ -326,22 +359,25 @@ def _call_cupy(op: Op, arrays, static, scalars):
     key = tuple(key)
     prep = op.cache.get(key) or _prepare(op, key, arrays, _cupy_info, bits, static)
     device = arrays[0].data.device_id
+    stream = getattr(_LOCAL, "stream", 0)
     with _on_device(device):
         if prep.dense:
-            arrays, ptrs = _densify_cupy(prep, arrays, ptrs)
+            arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs)
         results = []
         for slot in prep.outs:
             if slot.source is not None:
                 ptrs.append(ptrs[slot.source])
                 results.append(arrays[slot.source])
                 continue
+            if stream:
+                raise _unallocated(op)
             if slot.like is not None:
                 a = cupy.empty_like(arrays[slot.like])
             else:
                 a = cupy.empty(slot.shape, dtype=numpy_dtype(_storage(slot.dtype)))
             ptrs.append(a.data.ptr)
             results.append(a)
-        prep.run(current_stream().ptr, device, ptrs, scalars)
+        prep.run(stream or current_stream().ptr, device, ptrs, scalars)
     return returned(results, prep.scratch)
 
 
@@ -356,12 +392,14 @@ def _storage(dtype: str) -> str:
     return "uint8" if dtype.startswith("float8") else dtype
 
 
-def _densify_cupy(prep: Prepared, arrays, ptrs):
+def _densify_cupy(op: Op, prep: Prepared, arrays, ptrs):
     cupy = _cupy()[0]
     arrays, ptrs = list(arrays), list(ptrs)
     for i in prep.dense:
         x = arrays[i]
         if x is not None and not x.flags.c_contiguous:
+            if getattr(_LOCAL, "stream", 0):  # the copy would be ordered on another stream
+                raise _unallocated(op)
             if cupy.cuda.get_current_stream().is_capturing():  # a copy would not outlive it
                 raise ValueError(
                     f"a strided array cannot be made dense inside a CUDA-graph capture; pass "
@@ -427,4 +465,13 @@ def release(op: Op) -> None:
             jax_ffi.remove_handler(handler)
 
 
-__all__ = ["ArrayInfo", "Op", "OutSlot", "Prepared", "call", "dense_strides", "release"]
+__all__ = [
+    "ArrayInfo",
+    "Op",
+    "OutSlot",
+    "Prepared",
+    "call",
+    "dense_strides",
+    "launching_on",
+    "release",
+]

@@ -149,11 +149,16 @@ def _captured(framework, fn):
     "framework, graph",
     [("cupy", False), ("cupy", True), ("torch", False), ("torch", True), ("jax", False)],
 )
-def test_levels_side_by_side(framework, graph, own_first):
+def test_levels_side_by_side(monkeypatch, framework, graph, own_first):
     """The shared and own levels on two streams (side_stream.py), in either launch order, for
     each framework (JAX: one after the other), eager and captured into a CUDA graph whose
-    replays see new queries; the multi-level wrapper's later levels the same way."""
+    replays see new queries; the multi-level wrapper's later levels the same way. (These
+    levels are small: the overlap is forced.)"""
     import cupy
+
+    from rtcinfer.attention import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_SIDE_WORK", 0)
 
     rng = np.random.default_rng(11)
     pool = PagedPool(rng, 300)
@@ -203,7 +208,7 @@ def test_levels_side_by_side(framework, graph, own_first):
     wrapper.plan([np.array([0, sum(qo)], np.int32), qo_indptr], [t[0] for t in levels],
                  [t[1] for t in levels], [t[2] for t in levels], HQ, HKV, D, PAGE,
                  causal=True, q_data_type="float16")  # fmt: skip
-    wrapper._later_first = own_first
+    wrapper._work = [1.0, 2.0] if own_first else [2.0, 1.0]
     q_in, cache_in = _framework_arrays(framework, to_gpu(q), to_gpu(pool.cache))
     o, lse = wrapper.run(q_in, cache_in, return_lse=True)
     assert type(o).__module__.partition(".")[0] == type(q_in).__module__.partition(".")[0]
@@ -212,3 +217,24 @@ def test_levels_side_by_side(framework, graph, own_first):
                               causal=True, sm_scale=1 / np.sqrt(D))
             for b, u in enumerate(own)]  # fmt: skip
     check(o, lse, np.concatenate([x[0] for x in outs]), np.concatenate([x[1] for x in outs]))
+
+
+@pytest.mark.gpu
+def test_a_call_on_another_stream_must_be_given_its_outputs():
+    """launching_on (the side stream's calls) refuses a call that would allocate, whose memory
+    the caller's allocator orders on its own stream only."""
+    import cupy
+
+    from rtcinfer.interop.call import launching_on
+
+    x = cupy.ones((4, 256), cupy.float16)
+    w = cupy.ones(256, cupy.float16)
+    cupy.cuda.Device().synchronize()  # the side stream is not ordered after the legacy one
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with launching_on(stream.ptr), pytest.raises(RuntimeError, match="given its outputs"):
+        rtcinfer.rmsnorm(x, w)
+    out = cupy.empty_like(x)
+    with launching_on(stream.ptr):
+        rtcinfer.rmsnorm(x, w, out=out)
+    stream.synchronize()
+    assert_close(to_host(out), to_host(x), "float16", "rmsnorm of ones")

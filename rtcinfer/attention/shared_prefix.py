@@ -23,8 +23,9 @@ them to the unique part only.
 Levels run side by side (side_stream.py) for PyTorch and CuPy callers: the shared level is
 bound by its MMAs (every query over the prefix), the requests' own level by memory (each
 request's keys once), and the GPU does both at once better than one after the other
-(H200, 128 requests on a 32K-token prefix: 193 us against 214). The level with the most work
-(`level_work`) is launched first.
+(H200, 128 requests on a 32K-token prefix: 197 us against 214). The level with the most work
+(`level_work`) is launched first; levels too small to gain from it (side_stream.MIN_SIDE_WORK)
+run one after the other.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .cascade import merge_state_in_place
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .planned import host_ints
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
-from .side_stream import empty_like_in, side_by_side
+from .side_stream import MIN_SIDE_WORK, empty_like_in, side_by_side
 from .single_prefill import single_prefill_with_kv_cache
 
 # dense 16-bit MMA flops per byte of HBM traffic at which a level's MMAs take as long as its
@@ -94,7 +95,7 @@ class MultiLevelCascadeAttentionWrapper:
             for i in range(num_levels)
         ]
         self._nnz: int | None = None
-        self._later_first = False  # the later levels have more work than the first
+        self._work = [0.0] * num_levels  # level_work of each level's plan
 
     def plan(
         self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
@@ -132,8 +133,7 @@ class MultiLevelCascadeAttentionWrapper:
                 )
             nnz = rows
         self._nnz = nnz
-        work = [_prefill_level_work(level) for level in self._levels]
-        self._later_first = sum(work[1:]) > work[0]
+        self._work = [_prefill_level_work(level) for level in self._levels]
 
     def run(self, q, paged_kv_cache, return_lse=False):
         """o [nnz, Hq, D] (and lse [nnz, Hq], base 2, when return_lse) over every level."""
@@ -143,8 +143,11 @@ class MultiLevelCascadeAttentionWrapper:
         if not rest:
             o, lse = first.run(q, paged_kv_cache, return_lse=True)
             return (o, lse) if return_lse else o
+        first_work, rest_work = self._work[0], sum(self._work[1:])
+        together = min(first_work, rest_work) >= MIN_SIDE_WORK
         outs = [(empty_like_in(q, q.shape, level._plan_o_dtype()),
-                 empty_like_in(q, q.shape[:2], "float32")) for level in rest]  # fmt: skip
+                 empty_like_in(q, q.shape[:2], "float32")) if together else (None, None)
+                for level in rest]  # fmt: skip
 
         def later_levels():
             return [level.run(q, paged_kv_cache, out=o, lse=lse, return_lse=True)
@@ -152,7 +155,7 @@ class MultiLevelCascadeAttentionWrapper:
 
         state, states = side_by_side(
             q, lambda: first.run(q, paged_kv_cache, return_lse=True), later_levels,
-            side_first=self._later_first,
+            side_first=rest_work > first_work, together=together,
         )  # fmt: skip
         o, lse = _merge_levels([state, *states])
         return (o, lse) if return_lse else o
@@ -176,8 +179,12 @@ class _SharedPrefixWrapper:
         """o (and lse when return_lse) over the shared prefix and each request's pages."""
         if self._config is None:
             raise RuntimeError("plan() must be called before run()")
-        o_own = empty_like_in(q, q.shape, self._inner._plan_o_dtype())
-        lse_own = empty_like_in(q, q.shape[:2], "float32")
+        own, prefix = self._own_work, self._prefix_work(q, k_shared)
+        together = min(own, prefix) >= MIN_SIDE_WORK
+        o_own = lse_own = None
+        if together:  # side_by_side's side level writes arrays made before its fork
+            o_own = empty_like_in(q, q.shape, self._inner._plan_o_dtype())
+            lse_own = empty_like_in(q, q.shape[:2], "float32")
         shared, unique = side_by_side(
             q,
             lambda: single_prefill_with_kv_cache(q, k_shared, v_shared, causal=False,
@@ -185,7 +192,7 @@ class _SharedPrefixWrapper:
                                                  **self._config),  # fmt: skip
             lambda: self._inner.run(q, unique_kv_cache, out=o_own, lse=lse_own,
                                     return_lse=True),  # fmt: skip
-            side_first=self._own_work > self._prefix_work(q, k_shared),
+            side_first=own > prefix, together=together,
         )  # fmt: skip
         o, lse = _merge_levels([shared, unique])
         return (o, lse) if return_lse else o

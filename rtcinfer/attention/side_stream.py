@@ -1,16 +1,18 @@
 """Two pieces of GPU work of one call run side by side: `main()` on the caller's current stream
-and `side()` on a second stream of the same framework, forked from the current stream and
-joined back into it (events, no host sync), so that a compute-bound kernel and a memory-bound
-one share the GPU instead of queueing. A CUDA-graph capture of the caller's stream takes both
-branches in (the side stream joins the capture through the fork event).
+and `side()` on a second stream, forked from the current stream and joined back into it
+(events, no host sync), so that a compute-bound kernel and a memory-bound one share the GPU
+instead of queueing. A CUDA-graph capture of the caller's stream takes both branches in (the
+side stream joins the capture through the fork event).
 
     current:  ──fork──[first launched]──────────wait(join)──> (whatever follows)
                   └──side: ...[side()]...──join──┘
 
-`side()` must write only arrays allocated before the fork (on the current stream) or ones it
-allocates itself and drops (each framework's allocator orders a stream's own reuse). JAX
-arrays and calls while torch.compile traces run the two in order on the current stream (XLA
-owns the streams there), as do arrays of other producers.
+side()'s calls launch on the side stream through interop's launching_on (no framework stream
+is switched: that costs PyTorch ~10 us a call) and must be given their outputs, allocated
+before the fork (`empty_like_in`). JAX arrays and calls while torch.compile traces run the two
+in order on the current stream (XLA owns the streams there), as do arrays of other producers,
+and so does `together=False` (too little work to gain from the overlap: the fork and join
+cost a few microseconds of host time).
 """
 
 from __future__ import annotations
@@ -20,72 +22,72 @@ import threading
 from collections.abc import Callable
 
 from ..interop.arrays import framework, torch_compiling
+from ..interop.call import launching_on
 from ..interop.dtypes import numpy_dtype
 from ..launch import record_event, wait_event
 
-_SIDE: dict[tuple[str, int], tuple[object, object, object]] = {}  # (framework, device) -> state
+# A level's work (shared_prefix.level_work, in bytes moved) below which the overlap does not
+# pay for its fork and join: about 16 us of HBM traffic on an H200.
+MIN_SIDE_WORK = 64 << 20
+
+_SIDE: dict[int, tuple[object, object, object]] = {}  # device -> (side stream, fork, join)
 # One fork-join at a time: threads share a side stream and its two events.
 _LOCK = threading.RLock()
 
 
-def _torch_streams(x):
-    """(current stream handle, the side stream's context, its handle, fork event, join event)."""
-    torch = sys.modules["torch"]
-    device = x.get_device()
-    side, fork, join = _side_state("torch", device)
-    current = torch.cuda.current_stream(device).cuda_stream
-    return current, torch.cuda.stream(side), side.cuda_stream, fork, join
-
-
-def _cupy_streams(x):
-    import cupy
-
-    device = x.data.device_id
-    side, fork, join = _side_state("cupy", device)
-    return cupy.cuda.get_current_stream().ptr, side, side.ptr, fork, join
-
-
-def _side_state(kind: str, device: int):
-    state = _SIDE.get((kind, device))
+def _side_state(device: int):
+    """(side stream, fork event, join event) of `device`: CuPy objects, their raw handles
+    used whatever the caller's framework."""
+    state = _SIDE.get(device)
     if state is None:
         import cupy
 
         with _LOCK, cupy.cuda.Device(device):
-            if kind == "torch":
-                side = sys.modules["torch"].cuda.Stream(device=device)
-            else:
-                side = cupy.cuda.Stream(non_blocking=True)
             events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
-            state = _SIDE.setdefault((kind, device), (side, *events))
+            state = _SIDE.setdefault(device, (cupy.cuda.Stream(non_blocking=True), *events))
     return state
 
 
-def side_by_side(x, main: Callable, side: Callable, side_first: bool = False) -> tuple:
-    """(main(), side()), run concurrently when `x` (an array of the call) is a PyTorch or CuPy
-    array, else one after the other. `side_first`: side() is launched first (the longer piece
-    should start first: it then has the GPU to itself while the other fills the gaps)."""
+def _current(kind: str, x) -> tuple[int, int]:
+    """(device, the caller's current stream handle on it) for a PyTorch or CuPy array x."""
+    if kind == "torch":
+        device = x.get_device()
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return device, raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
+    import cupy
+
+    return x.data.device_id, cupy.cuda.get_current_stream().ptr
+
+
+def side_by_side(x, main: Callable, side: Callable, side_first: bool = False,
+                 together: bool = True) -> tuple:  # fmt: skip
+    """(main(), side()), run concurrently when `together` and `x` (an array of the call) is a
+    PyTorch or CuPy array, else one after the other. `side_first`: side() is launched first
+    (the longer piece should start first: it has the GPU to itself while the other fills the
+    gaps)."""
     kind = framework(x)
-    if kind not in ("torch", "cupy") or torch_compiling(x):
+    if not together or kind not in ("torch", "cupy") or torch_compiling(x):
         if side_first:
             s = side()
             return main(), s
         return main(), side()
+    device, current = _current(kind, x)
     with _LOCK:
-        current, context, side_ptr, fork, join = (_torch_streams if kind == "torch"
-                                                  else _cupy_streams)(x)  # fmt: skip
+        stream, fork, join = _side_state(device)
         record_event(fork.ptr, current)
-        wait_event(side_ptr, fork.ptr)
+        wait_event(stream.ptr, fork.ptr)
         try:
             if side_first:
-                with context:
+                with launching_on(stream.ptr):
                     s = side()
                 m = main()
             else:
                 m = main()
-                with context:
+                with launching_on(stream.ptr):
                     s = side()
         finally:  # the side stream rejoins even when a call raised (a capture must end joined)
-            record_event(join.ptr, side_ptr)
+            record_event(join.ptr, stream.ptr)
             wait_event(current, join.ptr)
     return m, s
 
@@ -106,4 +108,4 @@ def empty_like_in(x, shape: tuple, dtype: str):
     return None
 
 
-__all__ = ["empty_like_in", "side_by_side"]
+__all__ = ["MIN_SIDE_WORK", "empty_like_in", "side_by_side"]
