@@ -371,10 +371,11 @@ def _call_cupy(op: Op, arrays, static, scalars):
                 continue
             if stream:
                 raise _unallocated(op)
-            if slot.like is not None:
-                a = cupy.empty_like(arrays[slot.like])
+            if slot.like is not None:  # a C-contiguous array of its shape and dtype, as empty_like
+                like = arrays[slot.like]  # makes of one but without its layout logic
+                a = ndarray(like.shape, like.dtype)
             else:
-                a = cupy.empty(slot.shape, dtype=numpy_dtype(_storage(slot.dtype)))
+                a = ndarray(slot.shape, numpy_dtype(_storage(slot.dtype)))
             ptrs.append(a.data.ptr)
             results.append(a)
         prep.run(stream or current_stream().ptr, device, ptrs, scalars)
