@@ -18,7 +18,7 @@ from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
 from .decode_plan import ITEM_INTS, header_ints, pack_plan
 from .paged_kv import check_cache_view, check_layout, check_strides_fit, paged_view, token_head
-from .workspace import device_copy
+from .workspace import device_copy, split_scratch
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
 
@@ -88,9 +88,9 @@ def _prepare(infos, align, static) -> Prepared:
     outs = [OutSlot((hq, d), cfg.o_dtype)]
     if with_lse:
         outs.append(OutSlot((hq,), "float32"))
-    if split:
-        outs += [OutSlot((w, hq, d), "float32"), OutSlot((w, hq), "float32"),
-                 OutSlot((1, cfg.kv_blocks), "int32")]  # fmt: skip
+    if split:  # partials [w, hq, d] and [w, hq], a counter per kv block: one allocation
+        scratch = split_scratch(w * hq, d, cfg.kv_blocks)
+        outs.append(scratch.slot)
     launch = Launch(kernel(spec), (cfg.kv_blocks, w, 1), (THREADS, 1, 1))
     p = launch.params
     cfg.fill(p)
@@ -114,13 +114,15 @@ def _prepare(infos, align, static) -> Prepared:
             p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
             p.lse = ptrs[4] if with_lse else 0
             if split:
-                p.partial_o, p.partial_lse, p.counters = ptrs[4 + n_lse : 7 + n_lse]
+                at = ptrs[4 + n_lse]
+                p.partial_o, p.partial_lse = at, at + scratch.lse_at
+                p.counters = at + scratch.counters_at
                 memset_d32(p.counters, 0, cfg.kv_blocks, stream)
             p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
             launch(stream, device)
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer,
-                    scratch=3 if split else 0)  # fmt: skip
+                    scratch=1 if split else 0)  # fmt: skip
 
 
 _OP = Op("single_decode", ("q", "k", "v"), _prepare)

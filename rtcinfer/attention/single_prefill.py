@@ -22,7 +22,7 @@ from .paged_kv import check_cache_view, check_layout, token_head
 from .prefill import make_prefill_config, plan_launch
 from .prefill_args import check_backend, io_fields
 from .prefill_plan import ITEM_INTS, RAGGED_PAGE, items_at, pack_plan
-from .workspace import device_copy
+from .workspace import device_copy, split_scratch
 
 
 def single_prefill_with_kv_cache(
@@ -76,9 +76,9 @@ def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
 
 
 def _prepare(infos, align, static) -> Prepared:
-    """Slots (q, k, v, packed mask) -> o (and lse); a split plan adds per-call scratch outputs
-    (partial o, partial lse, merge counters; not returned) so that concurrent calls never
-    share them."""
+    """Slots (q, k, v, packed mask) -> o (and lse); a split plan adds a per-call scratch output
+    (not returned: partial o, partial lse and the merge counters in one float32 array, one
+    allocation) so that concurrent calls never share them."""
     o_dtype, causal, kv_layout, pos_encoding_mode, sm_scale, window_left, cap = static[:7]
     rope_scale, rope_theta, with_lse = static[7:]
     q, k, v, mask = infos
@@ -123,9 +123,8 @@ def _prepare(infos, align, static) -> Prepared:
     split = plan.num_slots > 0
     counters = plan.num_tiles * num_kv_heads
     if split:
-        rows = plan.num_slots * num_kv_heads * tile_rows
-        outs += [OutSlot((rows, head_dim), "float32"), OutSlot((rows,), "float32"),
-                 OutSlot((counters,), "int32")]  # fmt: skip
+        scratch = split_scratch(plan.num_slots * num_kv_heads * tile_rows, head_dim, counters)
+        outs.append(scratch.slot)
     p = launch.params
     p.plan = plan_buffer.ptr
     item = k.itemsize
@@ -148,12 +147,14 @@ def _prepare(infos, align, static) -> Prepared:
             p.q, p.k_cache, p.v_cache, p.mask, p.o = ptrs[:5]
             p.lse = ptrs[5] if with_lse else 0
             if split:
-                p.partial_o, p.partial_lse, p.counters = ptrs[5 + n_lse : 8 + n_lse]
+                at = ptrs[5 + n_lse]
+                p.partial_o, p.partial_lse = at, at + scratch.lse_at
+                p.counters = at + scratch.counters_at
                 memset_d32(p.counters, 0, counters, stream)
             launch(stream, device)
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,),
-                    scratch=3 if split else 0)  # fmt: skip
+                    scratch=1 if split else 0)  # fmt: skip
 
 
 _OP = Op("single_prefill", ("q", "k", "v", "packed_custom_mask"), _prepare)

@@ -11,9 +11,12 @@ copy may still be reading it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import gpu
+from ..interop import OutSlot
 from ..launch import driver
 
 ALIGN = 256
@@ -31,6 +34,23 @@ def region_offsets(sizes: dict[str, int]) -> dict[str, int]:
         at += _align(size)
     out["end"] = at
     return out
+
+
+class SplitScratch(NamedTuple):
+    """A one-shot call's split-KV scratch (single decode and prefill: per call, so concurrent
+    calls never share it) as one float32 output, one allocation: partial o [rows, head_dim],
+    then partial LSE [rows] at byte `lse_at`, then int32 merge counters [counters] at byte
+    `counters_at` (zeroed by the call)."""
+
+    slot: OutSlot
+    lse_at: int
+    counters_at: int
+
+
+def split_scratch(rows: int, head_dim: int, counters: int) -> SplitScratch:
+    """The scratch of `rows` partial rows of head_dim floats and `counters` counters."""
+    return SplitScratch(OutSlot((rows * (head_dim + 1) + counters,), "float32"),
+                        4 * rows * head_dim, 4 * rows * (head_dim + 1))  # fmt: skip
 
 
 # cudaErrorStreamCaptureUnsupported ... cudaErrorStreamCaptureImplicit, cudaErrorCapturedEvent,
