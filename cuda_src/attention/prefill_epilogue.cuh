@@ -120,37 +120,27 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
   }
 }
 
-// The tile's partials (merge_count slots from merge_slot) merged into o / lse by the last CTA
-// of the tile: thread (row, 4 dims) takes the slots' largest LSE M, then sums w_k o_k with
-// w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k). The weights
-// are independent (no chain of dependent merges), so four slots' loads are in flight at once.
-// An empty partial (lse = -inf, o written as 0) weighs 0; a NaN lse makes the row NaN.
+// The tile's partials (merge_count slots from merge_slot, in chunk order) merged into o / lse,
+// by the last CTA of the tile: thread (row, 4 dims) walks the slots. With M = max lse_k and
+// w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k).
 RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int kv_head) {
   constexpr int VECS = HEAD_DIM / 4;
-  const int64_t slot_rows = static_cast<int64_t>(gridDim.x) * TILE_ROWS;  // from slot to slot
   for (int i = threadIdx.x; i < TILE_ROWS * VECS; i += THREADS) {
     const int row = i / VECS, d = (i % VECS) * 4;
     const int packed = w.tile_row + row;
     if (packed >= w.qo_len * p.group_size) continue;
     const PackedRow r = unpack_row(packed, p);
     const int query = r.query, head = kv_head * p.group_size + r.head;
-    const int64_t first =
-        (static_cast<int64_t>(w.merge_slot) * gridDim.x + kv_head) * TILE_ROWS + row;
-    const float* lse_k = p.partial_lse + first;             // slot k: lse_k[k * slot_rows]
-    const float* o_k = p.partial_o + first * HEAD_DIM + d;  // slot k: o_k[k * slot_rows * D]
-    float m = neg_inf();
-#pragma unroll 8
-    for (int k = 0; k < w.merge_count; ++k) m = fmaxf(m, __ldcg(lse_k + k * slot_rows));
     AttentionState<4> acc;
     acc.init();
-    const float off = acc.rescale(m);
-#pragma unroll 4
     for (int k = 0; k < w.merge_count; ++k) {
-      const float wk = fast_exp2(__ldcg(lse_k + k * slot_rows) - off);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(o_k + k * slot_rows * HEAD_DIM));
-      acc.d += wk;
-      acc.o[0] = fmaf(wk, v.x, acc.o[0]), acc.o[1] = fmaf(wk, v.y, acc.o[1]);
-      acc.o[2] = fmaf(wk, v.z, acc.o[2]), acc.o[3] = fmaf(wk, v.w, acc.o[3]);
+      const int64_t at =
+          (static_cast<int64_t>(w.merge_slot + k) * gridDim.x + kv_head) * TILE_ROWS + row;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_o + at * HEAD_DIM + d));
+      AttentionState<4> part;
+      const float o4[4] = {v.x, v.y, v.z, v.w};
+      part.set_normalized(o4, __ldcg(p.partial_lse + at));
+      acc.merge(part);
     }
     acc.normalize();
     OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
