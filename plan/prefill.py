@@ -108,6 +108,20 @@ def tile_indptr_of(qo_len: np.ndarray, group_size: int, tile_rows: int) -> np.nd
     return indptr
 
 
+def _lengths(qo_indptr, kv_len) -> tuple[np.ndarray, np.ndarray]:
+    """(qo_len, kv_len) int64[B] of a batch, checked: qo_indptr starts at 0 and never
+    decreases, kv_len has one entry a request, each in [0, 2^31)."""
+    qo_len, _ = indptr_counts("qo_indptr", as_int_array("qo_indptr", qo_indptr))
+    kv = as_int_array("kv_len", kv_len)
+    batch = qo_len.shape[0]
+    if kv.shape != (batch,):
+        raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
+    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
+        b = first_bad((kv < 0) | (kv > INT32_MAX))
+        raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
+    return qo_len, kv
+
+
 def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *, num_sms: int,
                        ctas_per_sm: int, tile_rows: int, fixed_split_size: int | None = None,
                        disable_split_kv: bool = False,
@@ -117,14 +131,8 @@ def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *,
     tiles; else None (plan_prefill then plans the split). The arrays are checked as
     plan_prefill checks them; the other arguments are taken as they are (plan_launch's,
     already valid)."""
-    qo_len, _ = indptr_counts("qo_indptr", as_int_array("qo_indptr", qo_indptr))
-    kv = as_int_array("kv_len", kv_len)
+    qo_len, kv = _lengths(qo_indptr, kv_len)
     batch = qo_len.shape[0]
-    if kv.shape != (batch,):
-        raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
-    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
-        b = first_bad((kv < 0) | (kv > INT32_MAX))
-        raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
     if tile_rows not in TILE_ROWS:
         raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
     tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
@@ -236,14 +244,8 @@ def plan_prefill(
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
 
-    qo_len, _ = indptr_counts("qo_indptr", as_int_array("qo_indptr", qo_indptr))
-    kv = as_int_array("kv_len", kv_len)
+    qo_len, kv = _lengths(qo_indptr, kv_len)
     batch = qo_len.shape[0]
-    if kv.shape != (batch,):
-        raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
-    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
-        b = first_bad((kv < 0) | (kv > INT32_MAX))
-        raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
     if tile_rows is None:
         tile_rows = 64 if fixed_split_size is not None else choose_tile_rows(
             qo_len, group_size, head_dim)  # fmt: skip
