@@ -101,3 +101,44 @@ def test_device_expansion_writes_pack_plans_items(seed, group, tile_rows, causal
     items = slice(layout.items_at, layout.items_at + ITEM_INTS * int(ref[0]))
     np.testing.assert_array_equal(got[items], ref[items])
     np.testing.assert_array_equal(got[: ref.shape[0]], ref)
+
+
+def test_tile_plans_are_plan_prefills_unsplit_plans():
+    """Over random batches, GPU sizes, fixed split sizes, graph capacities and windows: a
+    TilePlan comes back only where plan_prefill's plan has one item per tile, and then its
+    expanded items are pack_plan's (where plan_prefill refuses the batch, so does it)."""
+    rng = np.random.default_rng(5)
+    taken = 0
+    for trial in range(300):
+        qo_indptr, kv, first_page, page_ids, _ = _batch(trial)
+        group = int(rng.choice([1, 4, 8]))
+        tile_rows = int(rng.choice(TILE_ROWS))
+        sms, ctas = int(rng.integers(1, 140)), int(rng.integers(1, 4))
+        fixed = None if rng.random() < 0.7 else int(rng.integers(1, 64))
+        disable = bool(rng.random() < 0.2)
+        max_work = None if rng.random() < 0.7 else int(rng.integers(1, 400))
+        causal, window = bool(rng.random() < 0.5), int(rng.choice([-1, 0, 50]))
+        kw = dict(num_sms=sms, ctas_per_sm=ctas, tile_rows=tile_rows, fixed_split_size=fixed,
+                  disable_split_kv=disable, max_work=max_work)  # fmt: skip
+        tiles = plan_prefill_tiles(qo_indptr, kv, group, 8, **kw)
+        try:
+            ref_plan = plan_prefill(qo_indptr, kv, group, 8, HEAD_DIM, causal=causal,
+                                    window_left=window, page_size=16, **kw)  # fmt: skip
+        except ValueError:  # more tiles or items than the capacity: no TilePlan either
+            assert tiles is None
+            continue
+        one_each = not ref_plan.split_kv and ref_plan.num_work == ref_plan.num_tiles
+        if tiles is None:
+            continue  # a plan that may split (the NumPy planner's, whatever it chose)
+        assert one_each, trial
+        taken += 1
+        ref = np.full(1 << 16, -7, np.int32)
+        n_ref = pack_plan(ref, ref_plan, qo_indptr, first_page, page_ids, HEAD_DIM)
+        buf = np.full(1 << 16, -7, np.int32)
+        n = pack_requests(buf, tiles, qo_indptr, first_page, page_ids, HEAD_DIM, n_ref + 3)
+        layout = ItemsLayout(tiles.batch_size, tile_rows, group, 4 + HEAD_DIM, n_ref + 3, causal,
+                             window)  # fmt: skip
+        expand_items_host(buf, layout)
+        np.testing.assert_array_equal(buf[:n_ref], ref[:n_ref], err_msg=f"trial {trial}")
+        assert n > n_ref
+    assert taken > 50
