@@ -122,34 +122,48 @@ def _lengths(qo_indptr, kv_len) -> tuple[np.ndarray, np.ndarray]:
     return qo_len, kv
 
 
-def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *, num_sms: int,
-                       ctas_per_sm: int, tile_rows: int, fixed_split_size: int | None = None,
-                       disable_split_kv: bool = False,
-                       max_work: int | None = None) -> TilePlan | None:  # fmt: skip
-    """plan_prefill's plan as a TilePlan when it has one item per tile because the tiles alone
-    fill the GPU (num_tiles * num_kv_heads >= slots), the split is disabled or there are no
-    tiles; else None (plan_prefill then plans the split). The arrays are checked as
-    plan_prefill checks them; the other arguments are taken as they are (plan_launch's,
-    already valid)."""
+def tile_counts(qo_indptr, kv_len, group_size: int, tile_rows: int) -> TilePlan:
+    """The batch's query tiles as a TilePlan (one item a tile, whatever the GPU): lengths
+    checked as plan_prefill checks them, arrays read-only (kv_len copied when it is the
+    caller's own array). plan_prefill takes it back (`tiles=`) when the batch must split."""
     qo_len, kv = _lengths(qo_indptr, kv_len)
-    batch = qo_len.shape[0]
     if tile_rows not in TILE_ROWS:
         raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
     tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
-    num_tiles = int(tile_indptr[-1])
-    budget = num_sms * ctas_per_sm // num_kv_heads
-    if max_work is not None:
-        if num_tiles > max_work:
-            return None  # plan_prefill names the error
-        budget = min(budget, max_work)
-    whole = disable_split_kv or num_tiles == 0 or (fixed_split_size is None and num_tiles >= budget)
-    if not whole:
-        return None
     if kv is kv_len:
         kv = kv.copy()  # the caller's own array
     for a in (qo_len, kv, tile_indptr):
         a.setflags(write=False)
-    return TilePlan(batch, group_size, tile_rows, qo_len, kv, tile_indptr)
+    return TilePlan(qo_len.shape[0], group_size, tile_rows, qo_len, kv, tile_indptr)
+
+
+def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: int,
+              fixed_split_size: int | None = None, disable_split_kv: bool = False,
+              max_work: int | None = None) -> bool:  # fmt: skip
+    """Whether plan_prefill gives the batch one item per tile because the tiles alone fill the
+    GPU (num_tiles * num_kv_heads >= slots, or max_work), the split is disabled or there are
+    no tiles (and the tiles fit max_work; plan_prefill names the error where they do not)."""
+    num_tiles = tiles.num_tiles
+    budget = num_sms * ctas_per_sm // num_kv_heads
+    if max_work is not None:
+        if num_tiles > max_work:
+            return False
+        budget = min(budget, max_work)
+    return disable_split_kv or num_tiles == 0 or (fixed_split_size is None and num_tiles >= budget)
+
+
+def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *, num_sms: int,
+                       ctas_per_sm: int, tile_rows: int, fixed_split_size: int | None = None,
+                       disable_split_kv: bool = False,
+                       max_work: int | None = None) -> TilePlan | None:  # fmt: skip
+    """plan_prefill's plan as a TilePlan when it has one item per tile (fills_gpu), else None
+    (plan_prefill then plans the split). The arrays are checked as plan_prefill checks them;
+    the other arguments are taken as they are (plan_launch's, already valid)."""
+    tiles = tile_counts(qo_indptr, kv_len, group_size, tile_rows)
+    fits = fills_gpu(tiles, num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                     max_work=max_work)  # fmt: skip
+    return tiles if fits else None
 
 
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
@@ -215,6 +229,7 @@ def plan_prefill(
     disable_split_kv: bool = False,
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     max_work: int | None = None,
+    tiles: TilePlan | None = None,
 ) -> PrefillPlan:
     """Choose the query tile and the KV chunk; list the work items.
 
@@ -227,6 +242,7 @@ def plan_prefill(
 
     kv_len: int [B] keys of each request (paged: (pages - 1) * page_size + last page length);
     chunks are whole pages of page_size tokens. ``max_work`` caps W (CUDA-graph capacity).
+    ``tiles``: tile_counts of this batch and tile_rows, computed already (not checked again).
     """
     group_size = as_int("group_size", group_size, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -244,15 +260,17 @@ def plan_prefill(
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
 
-    qo_len, kv = _lengths(qo_indptr, kv_len)
+    if tiles is not None and tiles.tile_rows == tile_rows:
+        qo_len, kv, tile_indptr = tiles.qo_len, tiles.kv_len, tiles.tile_indptr
+    else:
+        qo_len, kv = _lengths(qo_indptr, kv_len)
+        if tile_rows is None:
+            tile_rows = 64 if fixed_split_size is not None else choose_tile_rows(
+                qo_len, group_size, head_dim)  # fmt: skip
+        if tile_rows not in TILE_ROWS:
+            raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
+        tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
     batch = qo_len.shape[0]
-    if tile_rows is None:
-        tile_rows = 64 if fixed_split_size is not None else choose_tile_rows(
-            qo_len, group_size, head_dim)  # fmt: skip
-    if tile_rows not in TILE_ROWS:
-        raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
-
-    tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
     num_tiles = int(tile_indptr[-1])
     tile_request = np.repeat(np.arange(batch, dtype=np.int64), np.diff(tile_indptr))
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
@@ -355,8 +373,10 @@ __all__ = [
     "TILE_ROWS",
     "TilePlan",
     "choose_tile_rows",
+    "fills_gpu",
     "plan_prefill",
     "plan_prefill_tiles",
+    "tile_counts",
     "tile_indptr_of",
     "tile_rows_for",
 ]

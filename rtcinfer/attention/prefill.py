@@ -25,9 +25,10 @@ from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..jit import device_arch, device_limits
 from ..launch import Launch
+from ..plan import prefill as planner
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
-from ..plan.prefill import PrefillPlan, TilePlan, plan_prefill, plan_prefill_tiles, tile_rows_for
+from ..plan.prefill import PrefillPlan, TilePlan
 from .decode_kernel import Config, fast_div, kv_scales
 from .paged_kv import (
     cache_views,
@@ -48,7 +49,7 @@ from .prefill_args import (
 )
 from .prefill_kernel import kernel, prefill_spec, use_wgmma
 from .prefill_mask import packed_mask
-from .prefill_plan import RAGGED_PAGE, Capacity
+from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
 
 MAX_GRID_Y = 65535
@@ -64,18 +65,16 @@ class _Launch:
 
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
-    """Packed query rows per CTA: plan/prefill.py's choice for the batch and the kernel
-    (`wgmma`: wgmma_on)."""
+    """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on)."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    return tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+    return planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
     """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
-    attn = cfg.attn
-    return use_wgmma(device_arch(device), 128, attn.pos_encoding_mode, attn.q_dtype,
-                     attn.kv_dtype)  # fmt: skip
+    a = cfg.attn
+    return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool):
@@ -91,38 +90,52 @@ def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, w
     return k, max(1, k.occupancy(device, spec.threads))
 
 
+def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
+                  tile_rows: int | None = None):  # fmt: skip
+    """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
+    asked once per configuration: `kernels` is a wrapper's cache, emptied when its
+    configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
+    if tile_rows not in kernels:
+        wgmma = tile_rows is not None and chosen_kernel(kernels, cfg, device, max_smem)
+        kernels[tile_rows] = (wgmma_on(cfg, device) if tile_rows is None
+                              else kernel_for(cfg, tile_rows, device, max_smem, wgmma))  # fmt: skip
+    return kernels[tile_rows]
+
+
 def plan_launch(
     cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
-    disable_split_kv=False, tile_rows=None, max_work=None, device_items=False,
+    disable_split_kv=False, tile_rows=None, max_work=None, device_items=False, kernels=None,
 ) -> tuple[Launch, PrefillPlan | TilePlan]:  # fmt: skip
     """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
     depends only on them and the configuration filled (the plan's regions and the arrays'
     pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
     grid (max_work items; those past the plan's count exit at once). `device_items`: a plan
-    without split KV comes as a TilePlan, its items to be expanded on the device."""
+    without split KV comes as a TilePlan, its items to be expanded on the device. `kernels`:
+    a wrapper's cache of the configuration's choices (chosen_kernel)."""
     attn = cfg.attn
     num_sms, max_smem = limits
     group = attn.group_size
-    wgmma = wgmma_on(cfg, device)
+    kernels = {} if kernels is None else kernels
+    wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
         tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
-    k, ctas = kernel_for(cfg, tile_rows, device, max_smem, wgmma)
+    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
-    plan = None
+    tiles = plan = None
     if device_items:
-        plan = plan_prefill_tiles(
-            qo_indptr, kv_len, group, attn.num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas,
-            tile_rows=tile_rows, fixed_split_size=fixed_split_size,
-            disable_split_kv=disable_split_kv, max_work=max_work,
-        )  # fmt: skip
-    plan = plan or plan_prefill(
+        tiles = planner.tile_counts(qo_indptr, kv_len, group, tile_rows)
+        if planner.fills_gpu(tiles, attn.num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                     max_work=max_work):  # fmt: skip
+            plan = tiles
+    plan = plan or planner.plan_prefill(
         qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
         ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
         page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
         tile_rows=tile_rows, fixed_split_size=fixed_split_size,
-        disable_split_kv=disable_split_kv, max_work=max_work,
+        disable_split_kv=disable_split_kv, max_work=max_work, tiles=tiles,
     )  # fmt: skip
     items = plan.num_work if max_work is None else max_work
     if items > MAX_GRID_Y:
@@ -137,17 +150,6 @@ def plan_launch(
     p.group_magic, p.group_shift = fast_div(group)
     p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
     return launch, plan
-
-
-@dataclass(frozen=True)
-class _GraphCapacity:
-    """What a CUDA-graph wrapper keeps fixed across plans of one configuration: the kernel's
-    tile, the query rows run() takes (the first plan's), and the workspace layout."""
-
-    cfg: PrefillConfig
-    tile_rows: int
-    rows: int
-    capacity: Capacity
 
 
 class _PrefillWrapper(PlannedWrapper):
@@ -173,7 +175,7 @@ class _PrefillWrapper(PlannedWrapper):
         self._launch: _Launch | None = None
         self._mask = None  # what keeps the plan's packed custom mask alive
         self._mask_bytes = mask_capacity_bytes(custom_mask_buf)
-        self._fixed: _GraphCapacity | None = None
+        self._fixed: GraphCapacity | None = None
         if self._graph:
             if qo_indptr_buf is None:
                 raise ValueError(
@@ -190,6 +192,7 @@ class _PrefillWrapper(PlannedWrapper):
     def _setup(self, cfg: PrefillConfig) -> None:
         num_sms, max_smem = device_limits(self._device)
         self._limits = (num_sms, max_smem)
+        self._kernels = {}  # chosen_kernel's cache for this configuration
 
     def _plan(self, qo_indptr, kv_len, first_page, page_ids, args, masks, fixed_split_size,
               disable_split_kv, num_kv_rows) -> None:  # fmt: skip
@@ -204,12 +207,12 @@ class _PrefillWrapper(PlannedWrapper):
             fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv, fixed.tile_rows,
-                                       fixed.capacity.max_work, device_items=True)  # fmt: skip
+                                       fixed.capacity.max_work, True, self._kernels)  # fmt: skip
             capacity, rows = fixed.capacity, fixed.rows
         else:
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
-                                       fixed_split_size, disable_split_kv,
-                                       device_items=True)  # fmt: skip
+                                       fixed_split_size, disable_split_kv, None, None, True,
+                                       self._kernels)  # fmt: skip
             host_mask = mask is not None and mask.host is not None
             capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
                                 plan.num_slots, cfg.attn.num_kv_heads,
@@ -230,7 +233,7 @@ class _PrefillWrapper(PlannedWrapper):
             self._mask = mask.keep  # a device mask read in place (or copied) stays alive
         self._launch = _Launch(launch, cfg, rows, num_kv_rows, plan)
 
-    def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> _GraphCapacity:
+    def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> GraphCapacity:
         """The fixed capacity of a CUDA-graph wrapper for this plan (set by the first plan of
         the configuration), after checking that the plan (and its packed mask) fits it."""
         batch, rows = qo_indptr.shape[0] - 1, int(qo_indptr[-1])
@@ -242,11 +245,11 @@ class _PrefillWrapper(PlannedWrapper):
         fixed = self._fixed
         if fixed is None or fixed.cfg != cfg:
             attn = cfg.attn
-            wgmma = wgmma_on(cfg, self._device)
+            num_sms, max_smem = self._limits
+            wgmma = chosen_kernel(self._kernels, cfg, self._device, max_smem)
             tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
-            num_sms, max_smem = self._limits
-            _, ctas = kernel_for(cfg, tile_rows, self._device, max_smem, wgmma)
+            _, ctas = chosen_kernel(self._kernels, cfg, self._device, max_smem, tile_rows)
             work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
             mask_ints = 0
             if mask is not None:
@@ -255,7 +258,7 @@ class _PrefillWrapper(PlannedWrapper):
             capacity = Capacity(work, self._max_pages, tiles, work, attn.num_kv_heads,
                                 tile_rows, attn.head_dim, mask_ints,
                                 self._max_batch)  # fmt: skip
-            fixed = self._fixed = _GraphCapacity(cfg, tile_rows, rows, capacity)
+            fixed = self._fixed = GraphCapacity(cfg, tile_rows, rows, capacity)
         elif rows > fixed.rows:
             raise ValueError(
                 f"{rows} query rows, but this CUDA-graph wrapper's run() takes {fixed.rows} "

@@ -114,6 +114,17 @@ class Capacity:
                         grow(self.max_requests, need.max_requests))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GraphCapacity:
+    """What a CUDA-graph prefill wrapper keeps fixed across plans of one configuration: the
+    kernel's tile, the query rows run() takes (the first plan's), and the workspace layout."""
+
+    cfg: object  # the PrefillConfig
+    tile_rows: int
+    rows: int
+    capacity: Capacity
+
+
 def items_at(head_dim: int) -> int:
     """Where the work items start in the plan (ints)."""
     return HEADER_INTS + head_dim
@@ -176,6 +187,7 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
 
 __all__ = [
     "Capacity",
+    "GraphCapacity",
     "HEADER_INTS",
     "ITEM_INTS",
     "RAGGED_PAGE",
