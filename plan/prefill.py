@@ -152,20 +152,6 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
     return disable_split_kv or num_tiles == 0 or (fixed_split_size is None and num_tiles >= budget)
 
 
-def plan_prefill_tiles(qo_indptr, kv_len, group_size: int, num_kv_heads: int, *, num_sms: int,
-                       ctas_per_sm: int, tile_rows: int, fixed_split_size: int | None = None,
-                       disable_split_kv: bool = False,
-                       max_work: int | None = None) -> TilePlan | None:  # fmt: skip
-    """plan_prefill's plan as a TilePlan when it has one item per tile (fills_gpu), else None
-    (plan_prefill then plans the split). The arrays are checked as plan_prefill checks them;
-    the other arguments are taken as they are (plan_launch's, already valid)."""
-    tiles = tile_counts(qo_indptr, kv_len, group_size, tile_rows)
-    fits = fills_gpu(tiles, num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas_per_sm,
-                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                     max_work=max_work)  # fmt: skip
-    return tiles if fits else None
-
-
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
                      wgmma: bool = False) -> int:  # fmt: skip
     """Packed rows per query tile from the average packed query length: 16 for decode-like
@@ -184,7 +170,7 @@ def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
     return 64 if avg > 16 else 16
 
 
-def _key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,
+def key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,
                 window_left):  # fmt: skip
     """[begin, end) of the keys any row of each tile may see, int64[T] each. Causal: up to the
     tile's last query's position, offset + ceil(min(tile_row + tile_rows, rows) / g) (never
@@ -274,7 +260,7 @@ def plan_prefill(
     num_tiles = int(tile_indptr[-1])
     tile_request = np.repeat(np.arange(batch, dtype=np.int64), np.diff(tile_indptr))
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
-    begin, end = _key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
+    begin, end = key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
                              causal, window_left)  # fmt: skip
     max_end = max(int(end.max()) if num_tiles else 0, 1)
     whole = -(-max_end // page_size) * page_size  # one chunk covers every tile's keys
@@ -374,8 +360,8 @@ __all__ = [
     "TilePlan",
     "choose_tile_rows",
     "fills_gpu",
+    "key_ranges",
     "plan_prefill",
-    "plan_prefill_tiles",
     "tile_counts",
     "tile_indptr_of",
     "tile_rows_for",

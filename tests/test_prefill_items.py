@@ -15,9 +15,15 @@ from rtcinfer.attention.prefill_items import (
     requests_ints,
 )
 from rtcinfer.attention.prefill_plan import ITEM_INTS, pack_plan
-from rtcinfer.plan.prefill import TILE_ROWS, plan_prefill, plan_prefill_tiles
+from rtcinfer.plan.prefill import TILE_ROWS, fills_gpu, plan_prefill, tile_counts
 
 HEAD_DIM = 128
+
+
+def plan_prefill_tiles(qo_indptr, kv, group, num_kv_heads, *, tile_rows, **gpu):
+    """plan_launch's choice: the batch's tiles when they give one item a tile, else None."""
+    tiles = tile_counts(qo_indptr, kv, group, tile_rows)
+    return tiles if fills_gpu(tiles, num_kv_heads, **gpu) else None
 
 
 def _batches():

@@ -21,11 +21,10 @@ import numpy as np
 
 from .. import jit
 from ..launch import Kernel, Launch
-from ..plan.prefill import TilePlan
-from .prefill_plan import HEADER_INTS, ITEM_INTS, WORK_ITEM, items_at
+from ..plan.prefill import TilePlan, key_ranges
+from .prefill_plan import HEADER_INTS, ITEM_COLUMN, ITEM_INTS, items_at
 
 WARPS = 4  # requests a block (a warp each)
-_COLUMNS = {name: WORK_ITEM.fields[name][1] // 4 for name in WORK_ITEM.names}
 
 
 @dataclass(frozen=True)
@@ -87,32 +86,24 @@ def pack_requests(buf: np.ndarray, plan: TilePlan, qo_indptr: np.ndarray,
 
 
 def expand_items_host(buf: np.ndarray, layout: ItemsLayout) -> None:
-    """The items of the requests table in `buf`, written into `buf` as the kernel writes them."""
+    """The items of the requests table in `buf`, written into `buf` as the kernel writes them
+    (each tile's keys by plan/prefill.py's key_ranges)."""
     b = layout.batch
     table = buf[layout.requests_at : layout.requests_at + requests_ints(b)].astype(np.int64)
     tile_indptr = table[: b + 1]
     qo_start, qo_len, kv_len, page_ids, mask_byte = table[b + 1 :].reshape(5, b)
-    tiles = np.diff(tile_indptr)
     n = int(tile_indptr[-1])
-    request = np.repeat(np.arange(b), tiles)
+    request = np.repeat(np.arange(b), np.diff(tile_indptr))
     tile_row = (np.arange(n) - tile_indptr[request]) * layout.tile_rows
-    g = layout.group_size
-    offset = (kv_len - qo_len)[request]
-    if layout.causal:
-        last = np.minimum(tile_row + layout.tile_rows, (qo_len * g)[request])
-        end = np.maximum(offset + -(-last // g), 0)
-    else:
-        end = kv_len[request]
-    begin = np.zeros(n, np.int64)
-    if layout.window_left >= 0:
-        begin = np.minimum(np.maximum(offset + tile_row // g - layout.window_left, 0), end)
+    begin, end = key_ranges(qo_len, kv_len, request, tile_row, layout.group_size,
+                            layout.tile_rows, layout.causal, layout.window_left)  # fmt: skip
     items = np.empty((n, ITEM_INTS), np.int32)
     for name, values in (("qo_start", qo_start[request]), ("qo_len", qo_len[request]),
                          ("kv_len", kv_len[request]), ("page_ids", page_ids[request]),
                          ("tile_row", tile_row), ("kv_begin", begin), ("kv_end", end),
                          ("slot", -1), ("tile", np.arange(n)), ("merge_slot", -1),
                          ("merge_count", 1), ("mask_byte", mask_byte[request])):  # fmt: skip
-        items[:, _COLUMNS[name]] = values
+        items[:, ITEM_COLUMN[name]] = values
     buf[layout.items_at : layout.items_at + ITEM_INTS * n] = items.reshape(-1)
 
 

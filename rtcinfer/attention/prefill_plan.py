@@ -33,8 +33,8 @@ from .workspace import region_offsets
 WORK_ITEM = record_dtype(jit.source_layout("attention/prefill.cu", "PrefillWorkItem"))
 ITEM_INTS = WORK_ITEM.itemsize // 4
 # field name -> its int in an item (every field of PrefillWorkItem is one int32)
-_ITEM_COLUMN = {name: WORK_ITEM.fields[name][1] // 4 for name in WORK_ITEM.names}
-assert len(_ITEM_COLUMN) == ITEM_INTS and all(
+ITEM_COLUMN = {name: WORK_ITEM.fields[name][1] // 4 for name in WORK_ITEM.names}
+assert len(ITEM_COLUMN) == ITEM_INTS and all(
     WORK_ITEM.fields[name][0] == np.dtype(np.int32) for name in WORK_ITEM.names
 ), "PrefillWorkItem is all int32 fields"
 HEADER_INTS = 4
@@ -155,7 +155,7 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     cols = np.empty((ITEM_INTS, w), np.int32)
 
     def put(name, values):
-        cols[_ITEM_COLUMN[name]] = values
+        cols[ITEM_COLUMN[name]] = values
 
     if w == plan.num_tiles:  # one item per tile (work_tile is the identity): no gathers
         tile, request = plan.work_tile, plan.tile_request
@@ -171,7 +171,7 @@ def pack_plan(buf: np.ndarray, plan, qo_indptr: np.ndarray, first_page: np.ndarr
     put("qo_start", qo_indptr[:-1][request])
     put("qo_len", plan.qo_len[request])
     put("kv_len", plan.kv_len[request])
-    np.add(first_page[request], pages_at, out=cols[_ITEM_COLUMN["page_ids"]], casting="unsafe")
+    np.add(first_page[request], pages_at, out=cols[ITEM_COLUMN["page_ids"]], casting="unsafe")
     put("kv_begin", plan.work_kv_begin)
     put("kv_end", plan.work_kv_end)
     put("slot", plan.work_slot)
@@ -189,6 +189,7 @@ __all__ = [
     "Capacity",
     "GraphCapacity",
     "HEADER_INTS",
+    "ITEM_COLUMN",
     "ITEM_INTS",
     "RAGGED_PAGE",
     "WORK_ITEM",
