@@ -37,7 +37,7 @@ SHAPES = [
 ]
 # (query tile rows, rows per warp, wgmma, min CTAs per SM): mma.sync with 16 rows a warp, or 32
 # (two MMA row blocks) in 128-row tiles; warpgroup MMAs (sm_90a) over 64-row warpgroups, 64-key
-# tiles, also with registers capped for two CTAs per SM (the paged 128-row kernel needs ~137)
+# tiles, also with registers capped for two CTAs per SM (the paged 128-row kernel's need)
 TILES = ((64, 16, False, 0), (128, 16, False, 0), (128, 32, False, 0), (64, 16, True, 0),
          (128, 16, True, 0), (128, 16, True, 2))  # fmt: skip
 # the paged cache (page 16, permuted pages) for these shapes, wgmma configurations only

@@ -282,11 +282,11 @@ def _call_torch(op: Op, arrays, static, scalars):
     key.append(bits & 15)
     key = tuple(key)
     prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, bits, static)
+    stream = getattr(_LOCAL, "stream", 0)
     if prep.dense:
-        arrays, ptrs = _densify_torch(op, prep, arrays, ptrs)
+        arrays, ptrs = _densify_torch(op, prep, arrays, ptrs, stream)
     first = arrays[0]
     device = first.get_device()
-    stream = getattr(_LOCAL, "stream", 0)
     results = []
     for slot in prep.outs:
         if slot.source is not None:
@@ -309,12 +309,12 @@ def _call_torch(op: Op, arrays, static, scalars):
     return returned(results, prep.scratch)
 
 
-def _densify_torch(op: Op, prep: Prepared, arrays, ptrs):
+def _densify_torch(op: Op, prep: Prepared, arrays, ptrs, stream: int):
     arrays, ptrs = list(arrays), list(ptrs)
     for i in prep.dense:
         x = arrays[i]
         if x is not None and not x.is_contiguous():
-            if getattr(_LOCAL, "stream", 0):  # the copy would be ordered on another stream
+            if stream:  # launching_on: the copy would be ordered on another stream
                 raise _unallocated(op)
             arrays[i] = x.contiguous()
             ptrs[i] = arrays[i].data_ptr()
@@ -362,7 +362,7 @@ def _call_cupy(op: Op, arrays, static, scalars):
     stream = getattr(_LOCAL, "stream", 0)
     with _on_device(device):
         if prep.dense:
-            arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs)
+            arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs, stream)
         results = []
         for slot in prep.outs:
             if slot.source is not None:
@@ -382,6 +382,15 @@ def _call_cupy(op: Op, arrays, static, scalars):
     return returned(results, prep.scratch)
 
 
+def caller_stream(x) -> tuple[int, int]:
+    """(device, the current stream handle there) of a PyTorch or CuPy array's framework: the
+    stream a call on x launches on (outside launching_on)."""
+    if (_KINDS.get(type(x)) or _kind(x)) == "torch":
+        device = x.get_device()
+        return device, _torch()[2](device)
+    return x.data.device_id, _cupy()[2]().ptr
+
+
 def returned(results: list, scratch: int):
     """What a call returns of its outputs: all but the last `scratch`, one bare, else a tuple."""
     if scratch:
@@ -393,13 +402,13 @@ def _storage(dtype: str) -> str:
     return "uint8" if dtype.startswith("float8") else dtype
 
 
-def _densify_cupy(op: Op, prep: Prepared, arrays, ptrs):
+def _densify_cupy(op: Op, prep: Prepared, arrays, ptrs, stream: int):
     cupy = _cupy()[0]
     arrays, ptrs = list(arrays), list(ptrs)
     for i in prep.dense:
         x = arrays[i]
         if x is not None and not x.flags.c_contiguous:
-            if getattr(_LOCAL, "stream", 0):  # the copy would be ordered on another stream
+            if stream:  # launching_on: the copy would be ordered on another stream
                 raise _unallocated(op)
             if cupy.cuda.get_current_stream().is_capturing():  # a copy would not outlive it
                 raise ValueError(
@@ -472,6 +481,7 @@ __all__ = [
     "OutSlot",
     "Prepared",
     "call",
+    "caller_stream",
     "dense_strides",
     "launching_on",
     "release",

@@ -185,7 +185,7 @@ def prefill_specs() -> list:
         spec("bfloat16", "float16", 64, 128, False, custom_mask=True, wgmma=True),
         spec("float16", "float16", 256, 128, True, "NONE", True, ragged=True, wgmma=True),
         spec("bfloat16", "bfloat16", 128, 128, False, max_smem=100 * 1024, wgmma=True),
-        # paged 128-row tiles, registers capped for two CTAs a SM (the causal one spills a little)
+        # paged 128-row tiles, registers capped for two CTAs a SM
         spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True),
         spec("float16", "float16", 128, 128, True, "NONE", True, wgmma=True),
     ]

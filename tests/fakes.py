@@ -49,7 +49,13 @@ def planning_without_a_gpu(monkeypatch, regions: dict, upload, expand=None) -> t
     monkeypatch.setattr(
         Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
     )
-    monkeypatch.setattr(Workspace, "upload", upload)
+
+    def upload_then_after(ws, fill, stream, after=None):
+        upload(ws, fill, stream)
+        if after is not None:
+            after(regions, stream)
+
+    monkeypatch.setattr(Workspace, "upload", upload_then_after)
     monkeypatch.setattr(Workspace, "last_upload", lambda self: NullDevice())
     monkeypatch.setattr(prefill_upload, "expand_items",
                         lambda plan, stream, device, layout: expand and expand(layout))  # fmt: skip
@@ -280,9 +286,11 @@ class FakeDevice:
             ws.capacity = need
             ws.pointers = {name: 0 for name in need.offsets()}
 
-        def upload(ws, fill, stream):
+        def upload(ws, fill, stream, after=None):
             fill(np.zeros(ws.capacity.plan_ints, np.int32))  # packs the plan as it would
             ws.stream_ptr = stream.ptr
+            if after is not None:  # device work behind the upload (launches are recorded)
+                after(ws.pointers, stream)
 
         monkeypatch.setattr(Workspace, "reserve", reserve)
         monkeypatch.setattr(Workspace, "upload", upload)

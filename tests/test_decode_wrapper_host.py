@@ -96,7 +96,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     monkeypatch.setattr(planned, "wait_event", lambda stream, event: None)
     monkeypatch.setattr(planned, "record_event", lambda event, stream: setattr(event, "on", stream))
 
-    def upload(self, fill, stream):
+    def upload(self, fill, stream, after=None):
         self.stream_ptr = stream.ptr
 
     monkeypatch.setattr(Workspace, "upload", upload)

@@ -220,13 +220,13 @@ def test_strided_index_arrays_are_not_copied_inside_a_graph_capture(monkeypatch)
     op = call.Op("op", ("x",), lambda *a: prep)
     strided = FakeArray((4,), 1, strides=(2,))
     with pytest.raises(ValueError, match="cannot be made dense inside a CUDA-graph capture"):
-        call._densify_cupy(op, prep, [strided], [0])
+        call._densify_cupy(op, prep, [strided], [0], 0)
     contiguous = FakeArray((4,), 1)
-    assert call._densify_cupy(op, prep, [contiguous], [0])[0][0] is contiguous
+    assert call._densify_cupy(op, prep, [contiguous], [0], 0)[0][0] is contiguous
     # nor launched on another stream (launching_on): the copy would be ordered on the caller's
-    with call.launching_on(7), pytest.raises(RuntimeError, match="given its outputs"):
-        call._densify_cupy(op, prep, [strided], [0])
-    assert call._densify_cupy(op, prep, [contiguous], [0])[0][0] is contiguous
+    with pytest.raises(RuntimeError, match="given its outputs"):
+        call._densify_cupy(op, prep, [strided], [0], 7)
+    assert call._densify_cupy(op, prep, [contiguous], [0], 7)[0][0] is contiguous
 
 
 def test_vector_width():

@@ -213,10 +213,7 @@ class PlannedWrapper:
                 if ptr != stream.ptr:
                     stream.wait_event(self._run_events[ptr])
             self._unwaited.clear()
-            self._ws.upload(fill, stream)
-            if after is not None:
-                after(self._ws.pointers, stream)
-                self._ws.last_upload().record(stream)  # runs elsewhere wait for that work too
+            self._ws.upload(fill, stream, after)
             if self._jax:
                 self._ws.last_upload().synchronize()
         return self._ws.pointers

@@ -95,10 +95,10 @@ def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
     """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
     asked once per configuration: `kernels` is a wrapper's cache, emptied when its
     configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
+    if None not in kernels:
+        kernels[None] = wgmma_on(cfg, device)
     if tile_rows not in kernels:
-        wgmma = tile_rows is not None and chosen_kernel(kernels, cfg, device, max_smem)
-        kernels[tile_rows] = (wgmma_on(cfg, device) if tile_rows is None
-                              else kernel_for(cfg, tile_rows, device, max_smem, wgmma))  # fmt: skip
+        kernels[tile_rows] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None])
     return kernels[tile_rows]
 
 
@@ -203,16 +203,16 @@ class _PrefillWrapper(PlannedWrapper):
         cfg = self._configure((*args, custom), make_prefill_config, self._setup)
         rows = int(qo_indptr[-1])
         mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
+        plan_kw = dict(device_items=True, kernels=self._kernels)
         if self._graph:
             fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv, fixed.tile_rows,
-                                       fixed.capacity.max_work, True, self._kernels)  # fmt: skip
+                                       fixed.capacity.max_work, **plan_kw)  # fmt: skip
             capacity, rows = fixed.capacity, fixed.rows
         else:
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
-                                       fixed_split_size, disable_split_kv, None, None, True,
-                                       self._kernels)  # fmt: skip
+                                       fixed_split_size, disable_split_kv, **plan_kw)  # fmt: skip
             host_mask = mask is not None and mask.host is not None
             capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
                                 plan.num_slots, cfg.attn.num_kv_heads,

@@ -103,11 +103,11 @@ def prefill_spec(
     64 8% slower) and 16 elsewhere. `wgmma` (sm_90a, wgmma_supported): each 64-row warpgroup
     multiplies with warpgroup MMAs, 16-row warps, 64-key tiles; over ragged K/V a 2-stage ring
     (two CTAs, four warpgroups, per SM at head_dim <= 128: 20-40% faster on the H200 than a
-    3-stage ring and one CTA; bench/tune_prefill.py); over a paged cache, whose page-table
-    loader takes the 128-row kernel past 128 registers, the same with registers capped for two
-    CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one CTA on the H200; with
-    the row table, paged_rows.cuh, nothing spills on NVRTC 13.5, and tests/test_jit.py keeps
-    any spill out of the loops), else 3
+    3-stage ring and one CTA; bench/tune_prefill.py); over a paged cache the same with
+    registers capped for two CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one
+    CTA on the H200; the row table, paged_rows.cuh, keeps the 128-row kernel within 128
+    registers without spills on NVRTC 13.5, and tests/test_jit.py keeps any spill out of the
+    loops), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
     shape instead."""
     if wgmma and warp_rows is None:

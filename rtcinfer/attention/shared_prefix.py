@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interop.dtypes import itemsize, normalize
+from ..plan.decode import _pages_and_lens
 from .cascade import merge_state_in_place
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .planned import host_ints
@@ -225,8 +226,10 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
         pos_encoding_mode="NONE",
     ) -> None:  # fmt: skip
         """Plan the decode over each request's own pages (the shared part needs no plan)."""
+        indptr = host_ints("unique_kv_indptr", unique_kv_indptr)  # copied once if on a device
+        last = host_ints("unique_kv_last_page_len", unique_kv_last_page_len)
         self._inner.plan(
-            unique_kv_indptr, unique_kv_indices, unique_kv_last_page_len, num_qo_heads,
+            indptr, unique_kv_indices, last, num_qo_heads,
             num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
             window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
             kv_data_type=kv_data_type, sm_scale=sm_scale, rope_scale=rope_scale,
@@ -234,10 +237,7 @@ class BatchDecodeWithSharedPrefixPagedKVCacheWrapper(_SharedPrefixWrapper):
         )  # fmt: skip
         self._config = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
         cfg = self._inner._launch.cfg
-        indptr = host_ints("unique_kv_indptr", unique_kv_indptr)
-        last = host_ints("unique_kv_last_page_len", unique_kv_last_page_len)
-        pages = np.diff(indptr)
-        tokens = int(((pages - 1) * page_size + last)[pages > 0].sum())
+        tokens = int(_pages_and_lens(indptr, last, cfg.page_size)[2].sum())  # checked by plan()
         self._heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
         self._own_work = level_work(tokens, tokens, *self._heads, itemsize(cfg.kv_dtype))
 

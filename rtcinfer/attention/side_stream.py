@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 from ..interop.arrays import framework, torch_compiling
-from ..interop.call import launching_on
+from ..interop.call import caller_stream, launching_on
 from ..interop.dtypes import numpy_dtype
 from ..launch import record_event, wait_event
 
@@ -48,18 +48,6 @@ def _side_state(device: int):
     return state
 
 
-def _current(kind: str, x) -> tuple[int, int]:
-    """(device, the caller's current stream handle on it) for a PyTorch or CuPy array x."""
-    if kind == "torch":
-        device = x.get_device()
-        torch = sys.modules["torch"]
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        return device, raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
-    import cupy
-
-    return x.data.device_id, cupy.cuda.get_current_stream().ptr
-
-
 def side_by_side(x, main: Callable, side: Callable, side_first: bool = False,
                  together: bool = True) -> tuple:  # fmt: skip
     """(main(), side()), run concurrently when `together` and `x` (an array of the call) is a
@@ -72,7 +60,7 @@ def side_by_side(x, main: Callable, side: Callable, side_first: bool = False,
             s = side()
             return main(), s
         return main(), side()
-    device, current = _current(kind, x)
+    device, current = caller_stream(x)
     with _LOCK:
         stream, fork, join = _side_state(device)
         record_event(fork.ptr, current)

@@ -158,8 +158,10 @@ class Workspace:
     def pointer(self, region: str) -> int:
         return self.pointers[region]
 
-    def upload(self, fill, stream) -> None:
-        """fill(int32 host buffer) -> ints written; one async copy of them to the plan region."""
+    def upload(self, fill, stream, after=None) -> None:
+        """fill(int32 host buffer) -> ints written; one async copy of them to the plan region,
+        then after(pointers, stream) (device work on the plan, ordered behind the copy) when
+        given; last_upload() covers both."""
         runtime = gpu.runtime()
         i = self._next
         self._next ^= 1
@@ -168,6 +170,8 @@ class Workspace:
         host = self._host[i]
         n = fill(host)
         runtime.memcpyAsync(self.base, self._pinned[i].ptr, 4 * n, 1, stream.ptr)  # host->device
+        if after is not None:
+            after(self.pointers, stream)
         self._events[i].record(stream)
         self._pending[i] = True
         self.stream_ptr = stream.ptr
