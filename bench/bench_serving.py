@@ -12,7 +12,7 @@ appending one token a request and decoding it. Three times per step:
 "vs ideal" is ideal / the step's time (1.0: the step costs only its kernels). FlashInfer's
 functions and wrappers are swapped in by name when it imports, as in serve_torch.py.
 
-    python -m bench.bench_serving
+    python -m bench.bench_serving [rtcinfer] [flashinfer]   (default: both)
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ def _measure(lib, st, step, rng) -> tuple[float, float, float]:
         engine.decode.plan(*plan_args, *dims, q_data_type=st.bf16)
         return st.greedy(lib, engine.forward(inputs, engine.decode), 1)
 
+    began = time.perf_counter()
+    eager()  # compiles and loads the step's kernels
+    torch.cuda.synchronize()
+    print(f"# {lib.__name__}: first eager step {time.perf_counter() - began:.1f} s", flush=True)
     captured = st.DecodeGraph(engine, st.Inputs(step), plan_args)
 
     def replayed():
@@ -129,6 +133,7 @@ def main() -> Tables:
     import rtcinfer
 
     libs = [rtcinfer] + [fi for fi in (peer("flashinfer"),) if fi is not None]
+    libs = [lib for lib in libs if lib.__name__ in (sys.argv[1:] or [lib.__name__])]
     for lib in libs:
         try:
             ideal, graph, eager = _measure(lib, st, step, np.random.default_rng(1))

@@ -13,8 +13,10 @@
 // items; the host makes rows_per_item the whole token unless tokens are too few to fill the GPU.
 // Angles are exact to fp32 rounding for positions below 2^24 (a position is taken as a float,
 // as in FlashInfer): the frequency in turns per position is a double-float (hi, lo) computed in
-// fp64 once per CTA into shared memory, the product pos * f is split with an FMA and reduced to
-// [-1/2, 1/2] turns before sincospif.
+// fp64 on the host (rtcinfer/rope_table.py) and passed in the parameter block, copied to shared
+// memory once per CTA (pairs past the table's 128, of heads wider than 256, are computed here in
+// fp64); the product pos * f is split with an FMA and reduced to [-1/2, 1/2] turns before
+// sincospif.
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE, the BadIndex enum.
 #include "bad_index.cuh"
@@ -33,7 +35,7 @@ static_assert(INTERLEAVE ? ROTARY_DIM % VEC == 0 && VEC % 2 == 0 : HALF % VEC ==
 using TVec = Vec<T, VEC>;
 
 // The kernel's parameters, declared before the helpers: turns_per_position reads the frequency
-// fields (the last five).
+// scalars (the five before the table).
 struct RopeParams {
   const T* q;                  // [nnz, num_q_heads, HEAD_DIM] strides (q_tok, q_head, 1)
   const T* k;                  // [nnz, num_k_heads, HEAD_DIM] strides (k_tok, k_head, 1)
@@ -48,7 +50,9 @@ struct RopeParams {
   int64_t q_tok, q_head, k_tok, k_head, qo_tok, qo_head, ko_tok, ko_head;
   int nnz, num_q_heads, num_k_heads, batch_size, rows_per_item, max_pos;
   float rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len;
+  float freq[256];  // [min(ROTARY_DIM / 2, 128)][2]: pair i's turns per position (hi, lo)
 };
+constexpr int TABLE_PAIRS = 128;
 
 // Frequency of pair i in turns per position, as (hi, lo) floats: f = hi + lo to ~2^-48.
 RTC_DEVICE float2 turns_per_position(int i, const RopeParams& p) {
@@ -130,7 +134,13 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
   __shared__ float2 freq[MODE == RopeMode::COS_SIN_CACHE ? 1 : HALF];
   if constexpr (MODE != RopeMode::COS_SIN_CACHE) {
-    for (int i = threadIdx.x; i < HALF; i += THREADS) freq[i] = turns_per_position(i, p);
+    for (int i = threadIdx.x; i < HALF; i += THREADS) {
+      if (HALF <= TABLE_PAIRS || i < TABLE_PAIRS) {
+        freq[i] = make_float2(p.freq[2 * i], p.freq[2 * i + 1]);
+      } else {
+        freq[i] = turns_per_position(i, p);
+      }
+    }
     __syncthreads();
   } else {  // note the positions outside the table, apart from the rotation loop
     for (int t = blockIdx.x * THREADS + threadIdx.x; t < nnz; t += gridDim.x * THREADS) {

@@ -21,6 +21,7 @@ from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
 from .layout import fit_vec, widest_vec
+from .rope_table import table_writer
 
 
 class RopeMode(enum.IntEnum):
@@ -273,6 +274,7 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
     p, inplace = launch.params, spec.inplace
     ragged, cache = spec.pos_from == "indptr", spec.mode == "cos_sin_cache"
     theta, llama31 = spec.mode == "theta", spec.mode == "llama31"
+    write_table = None if cache else table_writer(p, spec.mode, spec.rotary_dim)
 
     def run(stream, device, ptrs, scalars):
         found = None
@@ -298,6 +300,8 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
             elif llama31:
                 (p.rope_scale, p.rope_theta, p.low_freq_factor, p.high_freq_factor,
                  p.old_context_len) = scalars  # fmt: skip
+            if write_table is not None:
+                write_table(scalars)
             launch(stream, device)
         if found is not None and check:
             errors.check_launch(found, stream)

@@ -9,10 +9,13 @@ import pytest
 
 import rtcinfer
 from rtcinfer import errors, jit, rope
+from rtcinfer import rope_table as rope_table_module
 from rtcinfer.interop import ArrayInfo
 from rtcinfer.interop.dtypes import normalize
 from rtcinfer.launch import Kernel
+from rtcinfer.rope_table import TABLE_PAIRS, frequency_table, table_writer
 
+from . import reference as ref
 from .fakes import FakeRecords, launched
 
 Q = np.zeros((3, 4, 64), np.float16)
@@ -120,6 +123,7 @@ def test_pos_ids_in_place(prepare, monkeypatch):
         0x6000, 0x6000, 0x7000, 0x7000, 0x3000
     )  # fmt: skip
     assert (p["rope_scale"], p["rope_theta"]) == (2.0, 5e5)
+    assert list(p["freq"])[: 2 * 64] == frequency_table("theta", 128, (2.0, 5e5)).ravel().tolist()
     assert (p["q_tok"], p["q_head"], p["k_tok"], p["k_head"]) == (8192, 256, 1024, 128)
     assert (p["qo_tok"], p["qo_head"], p["ko_tok"], p["ko_head"]) == (8192, 256, 1024, 128)
     assert (p["nnz"], p["num_q_heads"], p["num_k_heads"], p["batch_size"]) == (4, 32, 8, 0)
@@ -143,6 +147,8 @@ def test_ragged_llama31_into_given_outs(prepare, monkeypatch):
     assert (p["q"], p["k"], p["q_out"], p["k_out"]) == (1 << 12, 2 << 12, 5 << 12, 6 << 12)
     assert (p["indptr"], p["offsets"], p["batch_size"]) == (3 << 12, 4 << 12, 2)
     assert (p["old_context_len"], p["high_freq_factor"]) == (8192.0, 4.0)
+    table = frequency_table("llama31", 64, scalars).ravel().tolist()
+    assert list(p["freq"])[: 2 * 32] == table
     # Tokens enough to fill the GPU: an item is a whole token (9 rows, in batches of 8), 16 items
     # a CTA, and no more CTAs than fit at once.
     assert p["rows_per_item"] == 16 and launch.grid == (SMS * OCCUPANCY, 1, 1)
@@ -212,3 +218,46 @@ def test_position_arrays_do_not_narrow_the_vectors(prepare, monkeypatch):
     prepare[0] = 4
     with pytest.raises(ValueError, match="q and k rows are not aligned to 8 elements"):
         rtcinfer.apply_rope_pos_ids_inplace(q, k, pos)  # 64 lanes of 2
+
+
+@pytest.mark.parametrize("mode, scalars", [
+    ("theta", (1.0, 1e4)), ("theta", (2.5, 5e5)), ("llama31", (8.0, 5e5, 1.0, 4.0, 8192.0)),
+    ("llama31", (32.0, 1e6, 2.0, 16.0, 4096.0)),
+])  # fmt: skip
+@pytest.mark.parametrize("rotary_dim", [64, 128, 512])
+def test_frequency_table_is_the_float64_frequency_split_in_two_floats(mode, scalars,
+                                                                     rotary_dim):  # fmt: skip
+    """hi + lo is the fp64 frequency (in turns per position) of every pair to ~2^-48 relative:
+    pos * f keeps its fractional turn for positions below 2^24; heads wider than 256 get the
+    first 128 pairs (the kernel computes the others)."""
+    table = frequency_table(mode, rotary_dim, scalars)
+    pairs = min(rotary_dim // 2, TABLE_PAIRS)
+    assert table.shape == (pairs, 2) and table.dtype == np.float32
+    f32 = [float(np.float32(s)) for s in scalars]  # the kernel's parameters are fp32
+    if mode == "theta":
+        inv = ref.rope_inv_freq(rotary_dim, f32[0], f32[1])
+    else:
+        inv = ref.llama31_inv_freq(rotary_dim, *f32)
+    want = inv[:pairs] / (2 * np.pi)
+    hi, lo = table[:, 0].astype(np.float64), table[:, 1].astype(np.float64)
+    assert np.all(np.abs(hi - want) <= 2.0**-24 * want)  # hi: the float nearest f
+    assert np.all(np.abs(hi + lo - want) <= 2.0**-46 * want)
+
+
+def test_table_writer_writes_only_new_scalars(monkeypatch):
+    """The launch's parameter block gets the table of the call's scalars; a call with the
+    scalars of the last one writes nothing."""
+    spec = rope.RopeSpec("bfloat16", "int32", 128, 128, False, "theta", "pos_ids", True, 8)
+    params = Kernel(spec, "rope_kernel", "RopeParams").params_type()
+    write = table_writer(params, "theta", 128)
+    moved = []
+    memmove = rope_table_module.ctypes.memmove
+    monkeypatch.setattr(rope_table_module.ctypes, "memmove",
+                        lambda *a: (moved.append(a[2]), memmove(*a)))  # fmt: skip
+    write((1.0, 1e4))
+    write((1.0, 1e4))
+    assert moved == [64 * 2 * 4]
+    assert list(params.freq)[:128] == frequency_table("theta", 128, (1.0, 1e4)).ravel().tolist()
+    write((2.0, 1e4))
+    assert len(moved) == 2
+    assert list(params.freq)[:128] == frequency_table("theta", 128, (2.0, 1e4)).ravel().tolist()
