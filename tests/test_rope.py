@@ -22,7 +22,9 @@ def ragged(rng, lengths):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (64, 32), (256, 256), (96, 96), (512, 512)])
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim", [(128, 128), (64, 32), (256, 256), (96, 96), (512, 512)]
+)
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_apply_rope(rng, dtype, head_dim, rotary_dim, interleave, inplace):
