@@ -10,7 +10,8 @@ appending one token a request and decoding it. Three times per step:
     eager  a step run eagerly: plan(), the forward op by op, sample (wall time)
 
 "vs ideal" is ideal / the step's time (1.0: the step costs only its kernels). FlashInfer's
-functions and wrappers are swapped in by name when it imports, as in serve_torch.py.
+functions and wrappers are swapped in by name when it imports, as in serve_torch.py (its
+greedy tokens by torch.argmax: its sampling module takes minutes to build).
 
     python -m bench.bench_serving [rtcinfer] [flashinfer]   (default: both)
 """

@@ -279,8 +279,11 @@ def serve(engine, rng):
 
 
 def greedy(lib, logits, seed=None):
-    """Tokens by top_k_top_p_sampling_from_logits with top_k 1 (rtcinfer's takes a seed)."""
-    if lib is rtcinfer and seed is not None:
+    """Tokens by top_k_top_p_sampling_from_logits with top_k 1 (rtcinfer's takes a seed).
+    FlashInfer's loop takes them by torch.argmax: its sampling module takes minutes to build."""
+    if lib is not rtcinfer:
+        return logits.argmax(-1)
+    if seed is not None:
         return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=seed)
     return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
 
