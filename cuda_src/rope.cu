@@ -52,7 +52,7 @@ struct RopeParams {
   float rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len;
   float freq[256];  // [min(ROTARY_DIM / 2, 128)][2]: pair i's turns per position (hi, lo)
 };
-constexpr int TABLE_PAIRS = 128;
+constexpr int TABLE_PAIRS = sizeof(RopeParams::freq) / (2 * sizeof(float));
 
 // Frequency of pair i in turns per position, as (hi, lo) floats: f = hi + lo to ~2^-48.
 RTC_DEVICE float2 turns_per_position(int i, const RopeParams& p) {

@@ -249,6 +249,7 @@ def test_table_writer_writes_only_new_scalars(monkeypatch):
     scalars of the last one writes nothing."""
     spec = rope.RopeSpec("bfloat16", "int32", 128, 128, False, "theta", "pos_ids", True, 8)
     params = Kernel(spec, "rope_kernel", "RopeParams").params_type()
+    assert len(params.freq) == 2 * TABLE_PAIRS  # the kernel's table, as rope.cu declares it
     write = table_writer(params, "theta", 128)
     moved = []
     memmove = rope_table_module.ctypes.memmove
