@@ -273,7 +273,6 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
     spec = launch.kernel.spec
     p, inplace = launch.params, spec.inplace
     ragged, cache = spec.pos_from == "indptr", spec.mode == "cos_sin_cache"
-    theta, llama31 = spec.mode == "theta", spec.mode == "llama31"
     write_table = None if cache else table_writer(p, spec.mode, spec.rotary_dim)
 
     def run(stream, device, ptrs, scalars):
@@ -295,12 +294,7 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
                 if cache:
                     p.cos_sin_cache = ptrs[3]
                     p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            if theta:
-                p.rope_scale, p.rope_theta = scalars
-            elif llama31:
-                (p.rope_scale, p.rope_theta, p.low_freq_factor, p.high_freq_factor,
-                 p.old_context_len) = scalars  # fmt: skip
-            if write_table is not None:
+            if write_table is not None:  # theta, Llama 3.1: their scalars and table
                 write_table(scalars)
             launch(stream, device)
         if found is not None and check:

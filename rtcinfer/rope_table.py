@@ -53,13 +53,18 @@ def frequency_table(mode: str, rotary_dim: int, scalars: tuple) -> np.ndarray:
 
 
 def table_writer(params, mode: str, rotary_dim: int):
-    """write(scalars): puts the table of `scalars` into `params`' freq field, unless the last
-    write was of the same scalars (a model's calls all pass the same ones)."""
+    """write(scalars): puts `scalars` into `params`' frequency fields (rope_scale, rope_theta,
+    and Llama 3.1's low_freq_factor, high_freq_factor, old_context_len) and their table into its
+    freq field, unless the last write was of the same scalars (a model's calls all pass the
+    same ones)."""
     address = ctypes.addressof(params) + type(params).freq.offset
+    names = ("rope_scale", "rope_theta", "low_freq_factor", "high_freq_factor", "old_context_len")
     last = [None]
 
     def write(scalars: tuple) -> None:
         if scalars != last[0]:
+            for name, value in zip(names, scalars, strict=False):
+                setattr(params, name, value)
             table = frequency_table(mode, rotary_dim, scalars)
             ctypes.memmove(address, table.ctypes.data, table.nbytes)
             last[0] = scalars
