@@ -1,11 +1,12 @@
 """Prepared kernel launches: a loaded kernel, its geometry and its parameter block.
 
 A call with a signature it has seen before only writes its pointers into the parameter block
-and calls the driver's cuLaunchKernel (through cuda.bindings' Cython wrapper: a few hundred
-nanoseconds over the driver's own cost, where ctypes' argument conversion costs microseconds):
-no argument conversion, no CuPy launch path. The block is the kernel's parameter struct
-(rtcinfer.params), passed as the kernel's single argument; the driver copies it at launch, so
-the block may be rewritten for the next call at once.
+and calls the driver's cuLaunchKernel through CuPy's Cython wrapper, which takes plain integers
+(the function, geometry, stream and parameter pointer): no argument conversion, no CuPy launch
+path. cuda.bindings' wrapper, which converts its function, stream and parameter arguments on
+every call, cost 4.5 us a launch on the H200 host, two thirds of an eager call. The block is
+the kernel's parameter struct (rtcinfer.params), passed as the kernel's single argument; the
+driver copies it at launch, so the block may be rewritten for the next call at once.
 
     launch = Launch(Kernel(spec, "norm_kernel", "NormParams", smem), grid, block)
     launch.params.eps = 1e-6               # fields that depend only on the signature
@@ -89,6 +90,16 @@ def driver():
     return cu
 
 
+@functools.cache
+def fast():
+    """CuPy's Cython driver and runtime wrappers, (driver, runtime): integer arguments, no
+    conversion, a failure raised as CUDADriverError / CUDARuntimeError with its `status`."""
+    from cupy_backends.cuda.api import driver as cu
+    from cupy_backends.cuda.api import runtime as rt
+
+    return cu, rt
+
+
 class CudaError(RuntimeError):
     """A driver call failed; `code` is the CUresult."""
 
@@ -105,6 +116,10 @@ def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
     if count:
         if (steps := _recorded("")) is not None:
             steps.append(FillRecord(ptr, value, count))
+            return
+        if value == 0:  # the runtime's byte fill, through CuPy's wrapper: the cheap call
+            _, rt = fast()
+            rt.memsetAsync(ptr, 0, 4 * count, stream)
             return
         (rc,) = driver().cuMemsetD32Async(ptr, value, count, stream)
         if rc:
@@ -125,25 +140,25 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
 def record_event(event: int, stream: int) -> None:
     """Record CUevent `event` on `stream`."""
     _recorded("an event")
-    (rc,) = driver().cuEventRecord(event, stream)
-    if rc:
-        raise CudaError(rc, "cuEventRecord")
+    fast()[1].eventRecord(event, stream)
 
 
 def wait_event(stream: int, event: int) -> None:
     """Make `stream` wait (on the device) for the work recorded by `event`."""
     _recorded("an event")
-    (rc,) = driver().cuStreamWaitEvent(stream, event, 0)
-    if rc:
-        raise CudaError(rc, "cuStreamWaitEvent")
+    fast()[1].streamWaitEvent(stream, event, 0)
 
 
 def is_capturing(stream: int) -> bool:
-    """Whether `stream` is being captured into a CUDA graph."""
-    rc, status = driver().cuStreamIsCapturing(stream)
-    if rc:
-        raise CudaError(rc, "cuStreamIsCapturing")
-    return int(status) != 0
+    """Whether `stream` is being captured into a CUDA graph (also when the capture has been
+    invalidated by an error, which CuPy's wrapper raises as a plain RuntimeError)."""
+    rt = fast()[1]
+    try:
+        return rt.streamIsCapturing(stream)
+    except rt.CUDARuntimeError:
+        raise
+    except RuntimeError:
+        return True
 
 
 _STREAM_DEVICES: dict[int, int] = {}  # stream handle -> the CUDA ordinal of its device
@@ -188,15 +203,16 @@ class Kernel:
     def __init__(self, spec, name: str, params: str, smem: int = 0):
         self.spec, self.name, self.smem, self.params_name = spec, name, smem, params
         self.params_type = params_type(jit.struct_layout(spec, params))
-        self._functions: dict[int, object] = {}
+        self._functions: dict[int, int] = {}
         self._occupancy: dict[tuple[int, int], int] = {}
 
-    def function(self, device: int):
-        """The CUfunction on `device` (compiled or read from the disk cache, loaded once)."""
+    def function(self, device: int) -> int:
+        """The CUfunction handle on `device` (compiled or read from the disk cache, loaded
+        once)."""
         fn = self._functions.get(device)
         if fn is None:
             ptr = jit.get_function(self.spec, self.name, device, dynamic_smem=self.smem).ptr
-            fn = self._functions[device] = driver().CUfunction(ptr)
+            fn = self._functions[device] = int(ptr)
         return fn
 
     def occupancy(self, device: int, threads: int) -> int:
@@ -205,10 +221,10 @@ class Kernel:
         key = (device, threads)
         ctas = self._occupancy.get(key)
         if ctas is None:
-            from cupy_backends.cuda.api import driver as cu
-
-            fn = int(self.function(device))
-            ctas = cu.occupancyMaxActiveBlocksPerMultiprocessor(fn, threads, self.smem)
+            cu, _ = fast()
+            ctas = cu.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.function(device), threads, self.smem
+            )
             self._occupancy[key] = ctas
         return ctas
 
@@ -233,7 +249,7 @@ class Launch:
         self._argv = ctypes.addressof(self._argv_array)  # void** kernelParams
         self._geometry = (*self.grid, *self.block, kernel.smem)
         self._functions = kernel._functions  # device -> CUfunction, filled by kernel.function
-        self._launch = driver().cuLaunchKernel
+        self._launch = fast()[0].launchKernel
         self.empty = 0 in self.grid
         for n in (*self.grid, *self.block):
             if not 0 <= n < 2**31:
@@ -253,14 +269,21 @@ class Launch:
             steps.append(LaunchRecord(self.kernel, self.grid, self.block, blob))
             return
         fn = self._functions.get(device) or self.kernel.function(device)
-        (rc,) = self._launch(fn, *self._geometry, stream, self._argv, 0)
-        if rc == CUDA_ERROR_INVALID_CONTEXT:  # a new thread: make the device's context current
-            from cupy_backends.cuda.api import runtime
+        try:
+            self._launch(fn, *self._geometry, stream, self._argv, 0)
+        except fast()[0].CUDADriverError as e:  # its status: the CUresult
+            if e.status != CUDA_ERROR_INVALID_CONTEXT:
+                raise CudaError(e.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
+            self._relaunch(fn, stream, device)
 
-            runtime.setDevice(device)
-            (rc,) = driver().cuLaunchKernel(fn, *self._geometry, stream, self._argv, 0)
-        if rc:
-            raise CudaError(rc, f"launch of {self.kernel!r}, grid {self.grid}")
+    def _relaunch(self, fn: int, stream: int, device: int) -> None:
+        """The launch from a thread with no current context: make the device's current."""
+        cu, rt = fast()
+        rt.setDevice(device)
+        try:
+            cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
+        except cu.CUDADriverError as e:
+            raise CudaError(e.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
 
     def __repr__(self) -> str:
         return f"Launch({self.kernel!r}, grid={self.grid}, block={self.block})"
