@@ -40,7 +40,7 @@ def _examples():
     return serve_torch, serving
 
 
-def _batch(serving, rng):
+def decode_batch(serving, rng):
     """The step's host tables and device inputs' arrays: request b holds contexts[b] tokens and
     appends one (its pages after the append, scattered over the pool)."""
     page = serving.PAGE
@@ -128,7 +128,7 @@ def main() -> Tables:
     print(header())
     st, serving = _examples()
     rng = np.random.default_rng(0)
-    step, pages, tokens = _batch(serving, rng)
+    step, pages, tokens = decode_batch(serving, rng)
     st.PAGES = serving.PAGES = pages  # the pool: exactly the batch's pages
     print(f"# {BATCH} requests, {tokens} tokens in the cache after the step, {pages} pages")
     import rtcinfer

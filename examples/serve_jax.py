@@ -69,11 +69,26 @@ def paged_decode_jax(q, cache, indices, indptr, last):
     return jax.vmap(one)(jnp.arange(q.shape[0]), q)
 
 
-def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, wrapper):
-    """The model over new tokens [n] at positions pos, appended to the paged caches; returns
-    the updated caches and the greedy token and logits [B, VOCAB] of each request's last one.
-    wrapper: the prefill or decode wrapper planned for this step, or None for decode
-    attention in plain JAX (paged_decode_jax)."""
+def paged(wrapper):
+    """Attention with rtcinfer: k, v appended to the paged cache, then `wrapper` (the prefill
+    or decode wrapper planned for this step) over it, or, wrapper None, plain-JAX decode
+    attention (paged_decode_jax). An attention function takes the layer's q [n, Hq, D],
+    k, v [n, Hkv, D], its cache and the step's (pos, bidx, indices, indptr, last); it returns
+    the attention output [n, Hq, D] and the updated cache."""
+
+    def attend(q, k, v, cache, pos, bidx, indices, indptr, last):
+        cache = rtcinfer.append_paged_kv_cache(k, v, bidx, pos, cache, indices, indptr, last)
+        if wrapper is None:
+            return paged_decode_jax(q, cache, indices, indptr, last), cache
+        return wrapper.run(q, cache), cache  # the latest plan's batch
+
+    return attend
+
+
+def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, attend):
+    """The model over new tokens [n] at positions pos, appended to the caches by `attend` (an
+    attention function: see paged); returns the updated caches and the greedy token and
+    logits [B, VOCAB] of each request's last one."""
     x = model["embed"][tokens]
     n = x.shape[0]
     h, residual = rtcinfer.rmsnorm(x, model["layers"][0]["ln1"], EPS), x
@@ -86,12 +101,8 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, wrapp
         k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
         v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D)
         q, k = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos, rope_theta=THETA)
-        cache = rtcinfer.append_paged_kv_cache(k, v, bidx, pos, caches[i], indices, indptr, last)
+        o, cache = attend(q, k, v, caches[i], pos, bidx, indices, indptr, last)
         updated.append(cache)
-        if wrapper is None:
-            o = paged_decode_jax(q, cache, indices, indptr, last)
-        else:
-            o = wrapper.run(q, cache)  # the latest plan's batch
         h = o.reshape(n, HQ * D) @ layer["o"]
         h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln2"], EPS)
         h = rtcinfer.silu_and_mul(h @ layer["gate_up"]) @ layer["down"]
@@ -103,18 +114,18 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, wrapp
 @functools.partial(jax.jit, donate_argnums=1)
 def prefill_step(model, caches, *arrays):
     traces["prefill"] += 1  # runs when JAX traces, not when the compiled step runs
-    return forward(model, caches, *arrays, prefill)
+    return forward(model, caches, *arrays, paged(prefill))
 
 
 @functools.partial(jax.jit, donate_argnums=1)
 def decode_step(model, caches, *arrays):
     traces["decode"] += 1
-    return forward(model, caches, *arrays, decode)
+    return forward(model, caches, *arrays, paged(decode))
 
 
 @functools.partial(jax.jit, donate_argnums=1)
 def decode_step_plain_jax(model, caches, *arrays):
-    return forward(model, caches, *arrays, None)
+    return forward(model, caches, *arrays, paged(None))
 
 
 def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):

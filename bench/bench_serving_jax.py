@@ -1,0 +1,223 @@
+"""The JAX serving loop's decode step at batch 64 with mixed contexts: serve_jax.py's model (2
+layers, hidden 4096, GQA 32/8, head_dim 128) over 64 requests of 256-4096 cached tokens, each
+step appending one token a request and decoding it in one jax.jit step, with three attention
+back ends (everything else, norms, RoPE, activation and greedy sampling, is rtcinfer's):
+
+    rtcinfer  append_paged_kv_cache into the paged cache [pages, 2, 16, Hkv, D], then the batch
+              decode wrapper over it: serve_jax.py's step
+    pallas    JAX's Pallas GPU paged_attention over a paged cache in its layout (k and v
+              [Hkv, pages, 16, D], each request's page table padded to a multiple of 128
+              pages, as its 16 splits of 8-page blocks need; q scaled before the call, as it
+              takes no scale), the new token scattered in by XLA
+    cudnn     jax.nn.dot_product_attention(implementation="cudnn") over a dense cache padded
+              to the longest request (k and v [B, L, Hkv, D], L rounded up to 128) with each
+              request's length, the new token scattered in by XLA
+
+Two times per step:
+    device  the jitted step back to back on the same device inputs (the host's dispatch hides
+            behind the GPU): the step's GPU time
+    loop    a serving step as serve_jax.py runs it: plan() (rtcinfer), the step's inputs to the
+            device, the step, its tokens back to the host (wall time)
+
+Every back end reads the same cached keys and values (random, written into each layout); its
+greedy tokens and logits are compared with rtcinfer's.
+
+    python -m bench.bench_serving_jax [rtcinfer] [pallas] [cudnn]   (default: all three)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.bench_serving import BATCH, CONTEXTS, decode_batch
+from bench.common import Table, Tables, header
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the caches are large
+STEPS = 30
+BACKENDS = ("rtcinfer", "pallas", "cudnn")
+
+
+def _examples():
+    """serving and serve_jax (examples/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import serve_jax
+    import serving
+
+    return serving, serve_jax
+
+
+class Batch:
+    """The step's host tables (decode_batch) and where each cached token lives: request
+    `owner[t]`, position `position[t]`, page `page[t]`, slot `slot[t]` of token t."""
+
+    def __init__(self, serving, rng):
+        self.step, self.pages, self.tokens = decode_batch(serving, rng)
+        st, page = self.step, serving.PAGE
+        self.lengths = ((np.diff(st.indptr) - 1) * page + st.last).astype(np.int32)
+        self.owner = np.repeat(np.arange(BATCH), self.lengths)
+        self.position = np.concatenate([np.arange(n) for n in self.lengths])
+        self.page = st.padded[st.indptr[self.owner] + self.position // page]
+        self.slot = self.position % page
+        self.table_pages = -(-int(np.diff(st.indptr).max()) // 128) * 128
+        self.dense_len = -(-int(self.lengths.max()) // 128) * 128
+
+    def inputs(self):
+        """The step's arrays, in serve_jax.forward's order after the caches."""
+        st = self.step
+        return (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last,
+                st.ends)  # fmt: skip
+
+
+def _attention(name: str, sj, batch: Batch, wrapper):
+    """(attend, caches from the token-major kv [layers][T, 2, Hkv, D]) of back end `name`."""
+    import jax
+    import jax.numpy as jnp
+
+    page, hkv, d = sj.PAGE, sj.HKV, sj.D
+    where = {k: jnp.asarray(getattr(batch, k)) for k in ("owner", "position", "page", "slot")}
+
+    def lengths(indptr, last):
+        return ((indptr[1:] - indptr[:-1] - 1) * page + last).astype(jnp.int32)
+
+    if name == "rtcinfer":
+
+        def fill(kv):
+            cache = jnp.zeros((batch.pages, 2, page, hkv, d), kv.dtype)
+            return cache.at[where["page"], :, where["slot"]].set(kv)
+
+        return sj.paged(wrapper), fill
+    if name == "pallas":
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        def fill(kv):
+            pages = jnp.zeros((hkv, batch.pages, page, d), kv.dtype)
+            at = (slice(None), where["page"], where["slot"])
+            return tuple(pages.at[at].set(kv[:, i].transpose(1, 0, 2)) for i in (0, 1))
+
+        def attend(q, k, v, cache, pos, bidx, indices, indptr, last):
+            at = (slice(None), indices[indptr[bidx] + pos // page], pos % page)
+            kp, vp = (
+                c.at[at].set(x.transpose(1, 0, 2)) for c, x in zip(cache, (k, v), strict=True)
+            )
+            rows = indptr[:-1, None] + jnp.arange(batch.table_pages)
+            table = indices[jnp.minimum(rows, indices.shape[0] - 1)]
+            scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
+            return paged_attention(scaled, kp, vp, table, lengths(indptr, last)), (kp, vp)
+
+        return attend, fill
+
+    def fill(kv):
+        dense = jnp.zeros((BATCH, batch.dense_len, hkv, d), kv.dtype)
+        at = (where["owner"], where["position"])
+        return tuple(dense.at[at].set(kv[:, i]) for i in (0, 1))
+
+    def attend(q, k, v, cache, pos, bidx, indices, indptr, last):  # one query per request
+        kd, vd = (c.at[bidx, pos].set(x) for c, x in zip(cache, (k, v), strict=True))
+        o = jax.nn.dot_product_attention(q[:, None], kd, vd, scale=d**-0.5,
+                                         key_value_seq_lengths=lengths(indptr, last),
+                                         implementation="cudnn")  # fmt: skip
+        return o[:, 0], (kd, vd)
+
+    return attend, fill
+
+
+def _measure(name: str, sj, batch: Batch, model, kv):
+    """(device us, loop us, tokens, logits) of back end `name`."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import rtcinfer
+
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper() if name == "rtcinfer" else None
+    attend, fill = _attention(name, sj, batch, wrapper)
+    caches = [fill(layer) for layer in kv]
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(model, caches, *arrays):
+        return sj.forward(model, caches, *arrays, attend)
+
+    st = batch.step
+
+    def plan():
+        if wrapper is not None:
+            wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
+                         q_data_type=sj.bf16)  # fmt: skip
+
+    plan()
+    arrays = [jnp.asarray(a) for a in batch.inputs()]
+    began = time.perf_counter()
+    caches, tokens, logits = step(model, caches, *arrays)
+    tokens, logits = np.asarray(tokens), np.asarray(logits)
+    print(f"# {name}: first step {time.perf_counter() - began:.1f} s", flush=True)
+    for _ in range(3):
+        caches, out, _ = step(model, caches, *arrays)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        caches, out, _ = step(model, caches, *arrays)
+    jax.block_until_ready((caches, out))
+    device = (time.perf_counter() - start) / STEPS * 1e6
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        plan()
+        caches, out, _ = step(model, caches, *[jnp.asarray(a) for a in batch.inputs()])
+        np.asarray(out)
+    loop = (time.perf_counter() - start) / STEPS * 1e6
+    return device, loop, tokens, logits
+
+
+def main() -> Tables:
+    table = Table(
+        f"JAX decode step, batch {BATCH}, contexts {CONTEXTS[0]}-{CONTEXTS[1]} "
+        "(serve_jax's model, one jax.jit step)",
+        ["attention", "device us", "loop us", "loop tokens/s", "rtcinfer's loop speedup",
+         "same tokens", "max logit diff"],
+    )  # fmt: skip
+    tables = Tables()
+    tables.append(table)
+    try:
+        import jax
+    except ImportError:
+        print("# bench_serving_jax needs JAX with a CUDA GPU")
+        return tables
+    if jax.default_backend() != "gpu":
+        print("# bench_serving_jax needs JAX with a CUDA GPU")
+        return tables
+    print(header())
+    serving, sj = _examples()
+    batch = Batch(serving, np.random.default_rng(0))
+    print(f"# {BATCH} requests, {batch.tokens} tokens in the cache after the step, "
+          f"{batch.pages} pages; Pallas tables of {batch.table_pages} pages; dense cache "
+          f"{batch.dense_len} tokens")  # fmt: skip
+    model = sj.weights(jax.random.PRNGKey(0))
+    keys = jax.random.split(jax.random.PRNGKey(1), serving.LAYERS)
+    kv = [jax.random.normal(k, (batch.tokens, 2, sj.HKV, sj.D), sj.bf16) for k in keys]
+    names = [n for n in BACKENDS if n in (sys.argv[1:] or BACKENDS)]
+    results = {}
+    for name in names:
+        try:
+            results[name] = _measure(name, sj, batch, model, kv)
+        except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
+            if name == "rtcinfer":
+                raise
+            print(f"# {name} failed: {type(e).__name__}: {str(e)[:300]}")
+    ours = results.get("rtcinfer")
+    for name, (device, loop, tokens, logits) in results.items():
+        same = diff = speedup = None
+        if ours is not None:
+            speedup = f"{loop / ours[1]:.2f}"
+            same = f"{int((tokens == ours[2]).sum())}/{BATCH}"
+            diff = float(np.abs(logits - ours[3]).max())
+        table.add(name, device, loop, BATCH / loop * 1e6, speedup, same, diff)
+    return tables
+
+
+if __name__ == "__main__":
+    print(main().markdown())
