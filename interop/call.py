@@ -30,9 +30,16 @@ from .. import gpu
 from .arrays import as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 
-# Per thread: `stream`, a CUDA stream handle that launches go to instead of the caller's
-# current stream, while set (launching_on; rtcinfer/attention/side_stream.py).
-_LOCAL = threading.local()
+
+class _Local(threading.local):
+    """Per thread: `stream`, a CUDA stream handle that launches go to instead of the caller's
+    current stream, while nonzero (launching_on; rtcinfer/attention/side_stream.py). A class
+    default, not getattr's: a missing thread-local attribute costs a caught AttributeError."""
+
+    stream = 0
+
+
+_LOCAL = _Local()
 
 
 class launching_on:
@@ -46,7 +53,7 @@ class launching_on:
         self.stream, self.previous = stream, 0
 
     def __enter__(self):
-        self.previous = getattr(_LOCAL, "stream", 0)
+        self.previous = _LOCAL.stream
         _LOCAL.stream = self.stream
 
     def __exit__(self, *exc):
@@ -282,7 +289,7 @@ def _call_torch(op: Op, arrays, static, scalars):
     key.append(bits & 15)
     key = tuple(key)
     prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, bits, static)
-    stream = getattr(_LOCAL, "stream", 0)
+    stream = _LOCAL.stream
     if prep.dense:
         arrays, ptrs = _densify_torch(op, prep, arrays, ptrs, stream)
     first = arrays[0]
@@ -306,7 +313,9 @@ def _call_torch(op: Op, arrays, static, scalars):
     else:
         with _on_device(device):
             prep.run(stream or raw_stream(device), device, ptrs, scalars)
-    return returned(results, prep.scratch)
+    if prep.scratch:
+        del results[-prep.scratch :]
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _densify_torch(op: Op, prep: Prepared, arrays, ptrs, stream: int):
@@ -359,7 +368,7 @@ def _call_cupy(op: Op, arrays, static, scalars):
     key = tuple(key)
     prep = op.cache.get(key) or _prepare(op, key, arrays, _cupy_info, bits, static)
     device = arrays[0].data.device_id
-    stream = getattr(_LOCAL, "stream", 0)
+    stream = _LOCAL.stream
     with _on_device(device):
         if prep.dense:
             arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs, stream)
