@@ -164,13 +164,21 @@ def _measure(name: str, sj, batch: Batch, model, kv):
         caches, out, _ = step(model, caches, *arrays)
     jax.block_until_ready((caches, out))
     device = (time.perf_counter() - start) / STEPS * 1e6
-    start = time.perf_counter()
+    parts = np.zeros(4)  # plan, inputs to the device, the step's dispatch, wait and fetch
     for _ in range(STEPS):
+        t0 = time.perf_counter()
         plan()
-        caches, out, _ = step(model, caches, *[jnp.asarray(a) for a in batch.inputs()])
+        t1 = time.perf_counter()
+        inputs = [jnp.asarray(a) for a in batch.inputs()]
+        t2 = time.perf_counter()
+        caches, out, _ = step(model, caches, *inputs)
+        t3 = time.perf_counter()
         np.asarray(out)
-    loop = (time.perf_counter() - start) / STEPS * 1e6
-    return device, loop, tokens, logits
+        parts += np.diff([t0, t1, t2, t3, time.perf_counter()])
+    parts *= 1e6 / STEPS
+    print(f"# {name}: a loop step's parts: plan {parts[0]:.1f} us, inputs {parts[1]:.1f}, "
+          f"dispatch {parts[2]:.1f}, wait and fetch {parts[3]:.1f}", flush=True)  # fmt: skip
+    return device, float(parts.sum()), tokens, logits
 
 
 def main() -> Tables:
