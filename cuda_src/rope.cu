@@ -158,11 +158,25 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int t = item / chunks;
     const int row_begin = (item % chunks) * rows_per_item;
     const int row_end = min(rows, row_begin + rows_per_item);
-    // The position is read, then the first rows, and only then are the angles computed:
-    // the two reads' latencies overlap (on few tokens the kernel is one chain of them).
-    const int64_t pos = active && rotary ? token_position(t, pos_ids, indptr, offsets, batch_size)
-                                         : 0;
     float2 cs[PAIRS];
+    if (active && rotary) {
+      const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
+      const bool in_cache = MODE != RopeMode::COS_SIN_CACHE || (pos >= 0 && pos < p.max_pos);
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j) {
+        if constexpr (MODE == RopeMode::COS_SIN_CACHE) {
+          const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
+          if (in_cache) {
+            const float* row = cos_sin_cache + pos * ROTARY_DIM;
+            cs[j] = make_float2(row[i], row[HALF + i]);
+          } else {
+            cs[j] = make_float2(1.f, 0.f);  // cos 0, sin 0: the token passes through
+          }
+        } else {
+          cs[j] = cos_sin(float(pos), freq[pair_of(e0, INTERLEAVE ? 2 * j : j)]);
+        }
+      }
+    }
     for (int r0 = 0; r0 < rows_per_item; r0 += UNROLL) {  // uniform: every lane shuffles
       TVec x[UNROLL];
 #pragma unroll
@@ -171,23 +185,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         const T* src = r < num_q_heads ? q + t * q_tok + r * q_head
                                        : k + t * k_tok + (r - num_q_heads) * k_head;
         if (active && r < row_end) x[u].load(src + e0);
-      }
-      if (r0 == 0 && active && rotary) {
-        const bool in_cache = MODE != RopeMode::COS_SIN_CACHE || (pos >= 0 && pos < p.max_pos);
-#pragma unroll
-        for (int j = 0; j < PAIRS; ++j) {
-          if constexpr (MODE == RopeMode::COS_SIN_CACHE) {
-            const int i = pair_of(e0, INTERLEAVE ? 2 * j : j);
-            if (in_cache) {
-              const float* row = cos_sin_cache + pos * ROTARY_DIM;
-              cs[j] = make_float2(row[i], row[HALF + i]);
-            } else {
-              cs[j] = make_float2(1.f, 0.f);  // cos 0, sin 0: the token passes through
-            }
-          } else {
-            cs[j] = cos_sin(float(pos), freq[pair_of(e0, INTERLEAVE ? 2 * j : j)]);
-          }
-        }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
