@@ -111,21 +111,27 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, atten
     return updated, rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=0), logits
 
 
-@functools.partial(jax.jit, donate_argnums=1)
-def prefill_step(model, caches, *arrays):
+def unpack(tables, sizes):
+    """The step's host tables, sent as one int32 array (a JAX transfer costs 50-100 us of host
+    time: one a step, not seven), split back inside the jitted step."""
+    return jnp.split(tables, np.cumsum(sizes)[:-1])
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
+def prefill_step(model, caches, tables, sizes):
     traces["prefill"] += 1  # runs when JAX traces, not when the compiled step runs
-    return forward(model, caches, *arrays, paged(prefill))
+    return forward(model, caches, *unpack(tables, sizes), paged(prefill))
 
 
-@functools.partial(jax.jit, donate_argnums=1)
-def decode_step(model, caches, *arrays):
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
+def decode_step(model, caches, tables, sizes):
     traces["decode"] += 1
-    return forward(model, caches, *arrays, paged(decode))
+    return forward(model, caches, *unpack(tables, sizes), paged(decode))
 
 
-@functools.partial(jax.jit, donate_argnums=1)
-def decode_step_plain_jax(model, caches, *arrays):
-    return forward(model, caches, *arrays, paged(None))
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
+def decode_step_plain_jax(model, caches, tables, sizes):
+    return forward(model, caches, *unpack(tables, sizes), paged(None))
 
 
 def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
@@ -141,9 +147,10 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     else:
         step = decode_step
         decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
-    arrays = [jnp.asarray(a) for a in (st.tokens, st.positions, st.batch_indices, st.padded,
-                                       st.indptr, st.last, st.ends)]  # fmt: skip
-    caches, tokens, logits = step(model, caches, *arrays)
+    tables = (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last, st.ends)
+    sizes = tuple(len(a) for a in tables)
+    packed = jax.device_put(np.concatenate([np.asarray(a, np.int32) for a in tables]))
+    caches, tokens, logits = step(model, caches, packed, sizes)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
         r.emitted.append((len(r.tokens), t, np.asarray(row), f"{phase} of {len(requests)}"))
         r.tokens.append(t)
