@@ -23,20 +23,13 @@ def framework(x) -> str:
     return "dlpack"
 
 
-_COMPILING: dict[type, object] = {}  # an argument's type -> torch's is_compiling, or None
-
-
 def torch_compiling(x) -> bool:
     """Whether `x` is a PyTorch tensor seen while torch.compile traces: the call then becomes a
-    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one lookup of the
-    argument's type, and PyTorch is never imported here."""
-    check = _COMPILING.get(type(x), False)
-    if check is False:
-        torch_type = type(x).__module__.partition(".")[0] == "torch"
-        check = _COMPILING[type(x)] = (
-            sys.modules["torch"].compiler.is_compiling if torch_type else None
-        )
-    return check is not None and check()
+    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one module-name
+    test, and PyTorch is never imported here."""
+    if type(x).__module__.partition(".")[0] != "torch":
+        return False
+    return sys.modules["torch"].compiler.is_compiling()
 
 
 def compilable(tensor_arg: str):
