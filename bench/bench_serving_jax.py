@@ -141,13 +141,10 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     attend, fill = _attention(name, sj, batch, wrapper)
     caches = [fill(layer) for layer in kv]
     host = batch.inputs()
-    sizes = tuple(a.size for a in host[1:])
-    tables = np.concatenate([a.astype(np.int32) for a in host[1:]])  # one transfer a step
 
     @functools.partial(jax.jit, donate_argnums=1, static_argnums=4)
     def step(model, caches, tokens, tables, sizes):
-        arrays = jnp.split(tables, np.cumsum(sizes)[:-1])
-        return sj.forward(model, caches, tokens, *arrays, attend)
+        return sj.forward(model, caches, tokens, *sj.unpack(tables, sizes), attend)
 
     st = batch.step
 
@@ -157,7 +154,7 @@ def _measure(name: str, sj, batch: Batch, model, kv):
                          q_data_type=sj.bf16)  # fmt: skip
 
     plan()
-    on_device = jax.device_put(tables)
+    on_device, sizes = sj.pack(host[1:])  # one transfer a step
     began = time.perf_counter()
     caches, out, logits = step(model, caches, jnp.asarray(host[0]), on_device, sizes)
     tokens, logits = np.asarray(out), np.asarray(logits)
@@ -176,7 +173,7 @@ def _measure(name: str, sj, batch: Batch, model, kv):
         t0 = time.perf_counter()
         plan()
         t1 = time.perf_counter()
-        on_device = jax.device_put(tables)
+        on_device, _ = sj.pack(host[1:])
         t2 = time.perf_counter()
         caches, out, _ = step(model, caches, out, on_device, sizes)
         parts += np.diff([t0, t1, t2, time.perf_counter()])
@@ -188,7 +185,7 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     start = time.perf_counter()
     for _ in range(STEPS):
         plan()
-        caches, out, _ = step(model, caches, out, jax.device_put(tables), sizes)
+        caches, out, _ = step(model, caches, out, sj.pack(host[1:])[0], sizes)
         np.asarray(out)
     fetching = (time.perf_counter() - start) / STEPS * 1e6
     return device, loop, fetching, tokens, logits

@@ -45,7 +45,8 @@ def call_jax(op: Op, arrays, static, scalars):
         prep = prep or _prepare(op, key, arrays, _jax_info, 0, static)
     fn = prep._jax.get(scalars)
     if fn is None:
-        fn = prep._jax[scalars] = _jax_callable(prep, [x is not None for x in arrays], scalars)
+        present = [x is not None for x in arrays]
+        fn = prep._jax[scalars] = _jax_callable(op, prep, present, scalars)
     try:
         return fn(*[x for x in arrays if x is not None])
     except Exception:
@@ -71,7 +72,7 @@ def _check_on_gpu(op: Op, arrays) -> None:
             check_device_array(x, name, "jax")
 
 
-def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
+def _jax_callable(op: Op, prep: Prepared, present: list[bool], scalars: tuple):
     """A jitted function of the present inputs that runs `prep`: launched by XLA itself where
     the call can be recorded (xla_launch), else through the Python FFI target."""
     import jax
@@ -108,7 +109,7 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
         for p in outs:
             bits |= p
         if bits & 15:
-            raise ValueError("XLA passed a buffer not aligned to 16 bytes")
+            raise ValueError(_misaligned(op, ptrs, outs))
         if in_place:
             move_in_place_updates(in_place, ptrs, outs, stream, memcpy_async)
         ptrs += outs
@@ -125,6 +126,17 @@ def _jax_callable(prep: Prepared, present: list[bool], scalars: tuple):
         return returned(list(results), prep.scratch)
 
     return jax.jit(run)
+
+
+def _misaligned(op: Op, ptrs: list[int], outs: list[int]) -> str:
+    """The error of a call XLA gave buffers off 16-byte boundaries, naming them."""
+    bad = [n for n, p in zip(op.slots, ptrs, strict=True) if p & 15]
+    bad += [f"output {j}" for j, p in enumerate(outs) if p & 15]
+    return (
+        f"{op.name}: XLA passed {', '.join(bad)} at an address not aligned to 16 bytes, which "
+        "rtcinfer's kernels read in 16-byte vectors: inside jax.jit, XLA passes a slice of "
+        "another array as a view at its offset; start such slices at multiples of 16 bytes"
+    )
 
 
 def move_in_place_updates(in_place, ptrs: list[int], outs: list[int], stream: int, copy) -> None:

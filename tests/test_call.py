@@ -193,3 +193,12 @@ def test_an_in_place_update_lands_in_the_output_buffer_xla_gave():
     ptrs = [100, 200, 300, 400]
     move_in_place_updates(in_place, ptrs, [200, 400], 7, lambda *a: copies.append(a))
     assert ptrs == [100, 200, 300, 400] and len(copies) == 1
+
+
+def test_a_misaligned_buffer_from_xla_is_named():
+    from rtcinfer.interop.call_jax import _misaligned
+
+    op = Op("append", ("key", "value", "indptr"), lambda *a: None)
+    message = _misaligned(op, [0x1000, 0x2000, 0x3004], [0x4000, 0x5008])
+    assert message.startswith("append: XLA passed indptr, output 1 at an address not aligned")
+    assert "multiples of 16 bytes" in message
