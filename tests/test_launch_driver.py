@@ -1,0 +1,103 @@
+"""The prepared launch's driver calls without a GPU: CuPy's Cython wrappers faked, the launch
+retried once from a thread with no current context, other failures raised with their name."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtcinfer import launch
+from rtcinfer.params import Field, StructLayout, params_type
+
+
+class DriverError(RuntimeError):
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+class FakeDriver:
+    """CuPy's driver wrapper: launchKernel fails with the queued statuses, then succeeds."""
+
+    CUDADriverError = DriverError
+
+    def __init__(self, *statuses: int):
+        self.statuses, self.launches = list(statuses), []
+
+    def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):  # noqa: N802
+        self.launches.append((fn, (gx, gy, gz), (bx, by, bz), smem, stream, extra))
+        if self.statuses:
+            raise DriverError(self.statuses.pop(0))
+
+
+class FakeRuntime:
+    CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+
+    def __init__(self):
+        self.calls = []
+
+    def setDevice(self, device):  # noqa: N802
+        self.calls.append(("setDevice", device))
+
+    def memsetAsync(self, ptr, value, nbytes, stream):  # noqa: N802
+        self.calls.append(("memsetAsync", ptr, value, nbytes, stream))
+
+    def streamIsCapturing(self, stream):  # noqa: N802
+        raise RuntimeError("the stream was capturing, but an error has invalidated it")
+
+
+class Names:
+    """cuda.bindings' error names, as CudaError asks them."""
+
+    @staticmethod
+    def CUresult(code):  # noqa: N802
+        return code
+
+    @staticmethod
+    def cuGetErrorName(code):  # noqa: N802
+        return 0, {201: b"CUDA_ERROR_INVALID_CONTEXT", 700: b"CUDA_ERROR_ILLEGAL_ADDRESS"}[code]
+
+
+@pytest.fixture
+def prepared(monkeypatch):
+    """A Launch of a fake kernel (its function handle 0x1234 on device 0) and the fakes."""
+    drv, rt = FakeDriver(), FakeRuntime()
+    monkeypatch.setattr(launch, "fast", lambda: (drv, rt))
+    monkeypatch.setattr(launch, "driver", lambda: Names)
+
+    class Kernel:
+        smem, _functions = 512, {0: 0x1234}
+        params_type = params_type(StructLayout("P", (Field("x", "ptr", 1, 0, 8),), 8, 8))
+
+        def function(self, device):
+            return self._functions[device]
+
+    return launch.Launch(Kernel(), (3, 1, 1), (128, 1, 1)), drv, rt
+
+
+def test_a_launch_passes_its_handle_geometry_and_stream(prepared):
+    made, drv, _ = prepared
+    made(0x77, 0)
+    assert drv.launches == [(0x1234, (3, 1, 1), (128, 1, 1), 512, 0x77, 0)]
+
+
+def test_a_thread_without_a_context_makes_the_device_current_and_launches_again(prepared):
+    made, drv, rt = prepared
+    drv.statuses = [201]
+    made(0x77, 0)
+    assert rt.calls == [("setDevice", 0)] and len(drv.launches) == 2
+
+
+def test_a_failed_launch_raises_the_driver_error_by_name(prepared):
+    made, drv, _ = prepared
+    drv.statuses = [700]
+    with pytest.raises(launch.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS \\(700\\)") as e:
+        made(0x77, 0)
+    assert e.value.code == 700
+
+
+def test_a_zero_fill_is_the_runtime_byte_fill_and_an_invalidated_capture_counts(prepared):
+    _, _, rt = prepared
+    launch.memset_d32(0x1000, 0, 6, 0x77)
+    launch.memset_d32(0x1000, 0, 0, 0x77)  # nothing to fill: no call
+    assert rt.calls == [("memsetAsync", 0x1000, 0, 24, 0x77)]
+    assert launch.is_capturing(0x77)
