@@ -101,3 +101,28 @@ def test_a_zero_fill_is_the_runtime_byte_fill_and_an_invalidated_capture_counts(
     launch.memset_d32(0x1000, 0, 0, 0x77)  # nothing to fill: no call
     assert rt.calls == [("memsetAsync", 0x1000, 0, 24, 0x77)]
     assert launch.is_capturing(0x77)
+
+
+def test_each_device_loads_the_kernel_once_and_launches_its_own(monkeypatch):
+    """Per-device module caches: a launch on device d passes the function loaded on d, loaded
+    the first time d needs it (a tensor-parallel process launches one kernel on two GPUs)."""
+    drv, rt = FakeDriver(), FakeRuntime()
+    monkeypatch.setattr(launch, "fast", lambda: (drv, rt))
+    loads = []
+
+    def get_function(spec, name, device, dynamic_smem=0):
+        loads.append((name, device, dynamic_smem))
+        return type("Function", (), {"ptr": 0x1000 + device})()
+
+    layout = StructLayout("P", (Field("x", "ptr", 1, 0, 8),), 8, 8)
+    monkeypatch.setattr(launch.jit, "struct_layout", lambda spec, name: layout)
+    monkeypatch.setattr(launch.jit, "get_function", get_function)
+    kernel = launch.Kernel("spec", "k", "P", smem=256)
+    made = launch.Launch(kernel, (2, 1, 1), (64, 1, 1))
+    made(0x10, 1)
+    made(0x20, 0)
+    made(0x11, 1)
+    assert [(fn, stream) for fn, _, _, _, stream, _ in drv.launches] == [
+        (0x1001, 0x10), (0x1000, 0x20), (0x1001, 0x11)
+    ]  # fmt: skip
+    assert loads == [("k", 1, 256), ("k", 0, 256)]
