@@ -202,3 +202,51 @@ def test_a_misaligned_buffer_from_xla_is_named():
     message = _misaligned(op, [0x1000, 0x2000, 0x3004], [0x4000, 0x5008])
     assert message.startswith("append: XLA passed indptr, output 1 at an address not aligned")
     assert "multiples of 16 bytes" in message
+
+
+def _two_device_op(monkeypatch, devices: dict):
+    """An op x, w -> y over CPU tensors that stand in for CUDA ones on the device `devices`
+    gives each (by id), device 0 current; returns the op, its runs and the device switches."""
+    fake = fake_gpu(monkeypatch, devices=2)
+    switches, runs = [], []
+    fake.current = 0
+    monkeypatch.setattr(fake, "getDevice", lambda: fake.current, raising=False)
+
+    def set_device(d):
+        switches.append(d)
+        fake.current = d
+
+    monkeypatch.setattr(fake, "setDevice", set_device, raising=False)
+
+    def info(x, name):
+        if x is None:
+            return None
+        return path.ArrayInfo(tuple(x.shape), tuple(x.stride()), str(x.dtype)[6:], devices[id(x)])
+
+    real = path._torch()
+    monkeypatch.setattr(path, "_torch_info", info)
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 100 + d, real[3]))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: devices[id(self)])
+
+    def prepare(infos, align, static):
+        return Prepared((OutSlot(infos[0].shape, infos[0].dtype, source=0, alias=True),),
+                        lambda stream, device, ptrs, scalars: runs.append(
+                            (stream, device, fake.current)))  # fmt: skip
+
+    return Op("toy2", ("x", "w"), prepare), runs, switches
+
+
+def test_a_call_on_another_device_launches_there_and_restores_the_current(monkeypatch):
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    op, runs, switches = _two_device_op(monkeypatch, {id(x): 1, id(w): 1})
+    call(op, (x, w))
+    assert runs == [(101, 1, 1)]  # device 1's stream, device 1 current during the launch
+    assert switches == [1, 0]  # and device 0 current again after it
+
+
+def test_arrays_on_two_devices_in_one_call_are_refused(monkeypatch):
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    op, runs, _ = _two_device_op(monkeypatch, {id(x): 0, id(w): 1})
+    with pytest.raises(ValueError, match="arrays are on different devices: {'x': 0, 'w': 1}"):
+        call(op, (x, w))
+    assert runs == []
