@@ -68,6 +68,26 @@ def test_ragged_plan_packs_items_by_name(wrappers):
     assert launch.params.group_size == 4 and launch.kernel.spec.causal
 
 
+def test_a_replan_of_the_same_grid_keeps_its_launch_and_rewrites_its_regions(wrappers):
+    """A plan whose configuration, kernel and grid are the last plan's reuses its launch (no
+    new parameter block), its plan regions written again; another grid or configuration makes
+    a new one."""
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    first = [0, 10, 300], [0, 50, 350]
+    wrapper.plan(*first, 8, 2, 128, causal=True, q_data_type="bfloat16")
+    launch = wrapper._launch.launch
+    launch.params.plan = 12345  # a stale region: plan() must write it again
+    wrapper.plan([0, 290, 300], [0, 300, 350], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    assert wrapper._launch.launch is launch and not launch.params.plan  # region 0 here
+    assert wrapper._launch.nnz_q == 300
+    wrapper.plan([0, 10], [0, 50], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    assert wrapper._launch.launch is not launch  # fewer tiles: another grid
+    launch = wrapper._launch.launch
+    wrapper.plan([0, 10], [0, 50], 8, 2, 128, causal=False, q_data_type="bfloat16")
+    assert wrapper._launch.launch is not launch  # another configuration
+
+
 def test_paged_plan_reads_the_table(wrappers):
     prefill, packed = wrappers
     wrapper = prefill.BatchPrefillWithPagedKVCacheWrapper()

@@ -30,14 +30,7 @@ from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, TilePlan
 from .decode_kernel import Config, fast_div, kv_scales
-from .paged_kv import (
-    cache_views,
-    check_cache_view,
-    kv_pair,
-    kv_storage,
-    page_table_ids,
-    token_head,
-)
+from .paged_kv import cache_views, check_cache_view, kv_pair, kv_storage, page_table_ids, token_head
 from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
 from .prefill_args import (
     PrefillConfig,
@@ -105,13 +98,15 @@ def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
 def plan_launch(
     cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
     disable_split_kv=False, tile_rows=None, max_work=None, device_items=False, kernels=None,
+    previous=None,
 ) -> tuple[Launch, PrefillPlan | TilePlan]:  # fmt: skip
     """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
     depends only on them and the configuration filled (the plan's regions and the arrays'
     pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
     grid (max_work items; those past the plan's count exit at once). `device_items`: a plan
     without split KV comes as a TilePlan, its items to be expanded on the device. `kernels`:
-    a wrapper's cache of the configuration's choices (chosen_kernel)."""
+    a wrapper's cache of the configuration's choices (chosen_kernel). `previous`: the launch of
+    the configuration's last plan, reused when its kernel and grid are this one's."""
     attn = cfg.attn
     num_sms, max_smem = limits
     group = attn.group_size
@@ -143,7 +138,10 @@ def plan_launch(
             f"{items} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch in parts "
             "or use a larger fixed_split_size"
         )
-    launch = Launch(k, (attn.num_kv_heads, items, 1), (spec.threads, 1, 1))
+    grid = (attn.num_kv_heads, items, 1)
+    if previous is not None and previous.kernel is k and previous.grid == grid:
+        return previous, plan
+    launch = Launch(k, grid, (spec.threads, 1, 1))
     p = launch.params
     p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
     p.div_magic, p.div_shift = fast_div(attn.page_size)
@@ -203,7 +201,8 @@ class _PrefillWrapper(PlannedWrapper):
         cfg = self._configure((*args, custom), make_prefill_config, self._setup)
         rows = int(qo_indptr[-1])
         mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
-        plan_kw = dict(device_items=True, kernels=self._kernels)
+        last = self._launch if self._launch is not None and self._launch.cfg is cfg else None
+        plan_kw = dict(device_items=True, kernels=self._kernels, previous=last and last.launch)
         if self._graph:
             fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
@@ -226,11 +225,12 @@ class _PrefillWrapper(PlannedWrapper):
                                    in_plan, self._device)  # fmt: skip
         regions = self._upload(capacity, fill, after)
         p = launch.params
-        p.plan, p.partial_o = regions["plan"], regions["o"]
-        p.partial_lse, p.counters = regions["lse"], regions["counters"]
-        if mask is not None:
-            p.mask = regions["plan"] + 4 * capacity.mask_at if in_plan else mask.device
-            self._mask = mask.keep  # a device mask read in place (or copied) stays alive
+        with launch.lock:  # a reused launch (the last plan's) may be launching in a run()
+            p.plan, p.partial_o = regions["plan"], regions["o"]
+            p.partial_lse, p.counters = regions["lse"], regions["counters"]
+            if mask is not None:
+                p.mask = regions["plan"] + 4 * capacity.mask_at if in_plan else mask.device
+                self._mask = mask.keep  # a device mask read in place (or copied) stays alive
         self._launch = _Launch(launch, cfg, rows, num_kv_rows, plan)
 
     def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> GraphCapacity:
