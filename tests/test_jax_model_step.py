@@ -14,9 +14,9 @@ import pytest
 
 import rtcinfer
 from tests import reference as ref
-from tests import reference_attention as aref
 from tests.checks import assert_close
 from tests.gpu import randn
+from tests.step_checks import assert_rope_append_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -69,12 +69,8 @@ def test_a_decode_step_inside_jit_matches_float64_op_by_op(jax_gpu, batch):
     q = qkv[:, : HQ * D].reshape(batch, HQ, D)
     k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(batch, HKV, D)
     v = qkv[:, (HQ + HKV) * D :].reshape(batch, HKV, D)
-    inv = ref.rope_inv_freq(D)
-    assert_close(q2, ref.rope_ref(q, pos, D, False, inv), "bfloat16")
-    assert_close(k2, ref.rope_ref(k, pos, D, False, inv), "bfloat16")
-    want_cache = aref.append_paged_kv_cache_ref(k2, v, bidx, pos, cache, indices, indptr, last)
-    np.testing.assert_array_equal(cache2.astype(np.float32), want_cache.astype(np.float32))
-    assert_close(o, aref.batch_decode_paged_ref(q2, cache2, indptr, indices, last), "bfloat16")
+    table = (indptr, indices, last)
+    assert_rope_append_decode(q, k, v, cache, pos, bidx, table, q2, k2, cache2, o)
     want_out, want_residual = ref.fused_add_rmsnorm_ref(
         o.reshape(batch, HQ * D)[:, :HIDDEN], x, ln, EPS, dtype="bfloat16"
     )

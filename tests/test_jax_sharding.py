@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from tests import reference as ref
 from tests import reference_attention as aref
 from tests.checks import assert_close
 from tests.gpu import randn
+from tests.paged_batch import page_table_for
+from tests.step_checks import assert_rope_append_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -21,16 +22,15 @@ HQ, HKV, D, PAGE, PAGES = 8, 2, 128, 16, 16
 LENGTHS = [37, 5, 20]  # tokens each request holds, the new one included
 
 
-def _batch(rng):
-    pages = [-(-n // PAGE) for n in LENGTHS]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = rng.permutation(PAGES)[: indptr[-1]].astype(np.int32)
-    last = np.array([n - (p - 1) * PAGE for n, p in zip(LENGTHS, pages, strict=True)], np.int32)
+def _tables(lengths, rng):
+    """(indptr, indices, last, indices padded to PAGES, positions of the new tokens, batch
+    indices) of requests holding `lengths` tokens, the new one included, over PAGES pages."""
+    used = sum(-(-n // PAGE) for n in lengths)
+    indptr, indices, last, _ = page_table_for(lengths, PAGE, rng, spare_pages=PAGES - used)
     padded = np.zeros(PAGES, np.int32)
     padded[: len(indices)] = indices
-    pos = np.array(LENGTHS, np.int32) - 1
-    bidx = np.arange(len(LENGTHS), dtype=np.int32)
-    return indptr, indices, last, padded, pos, bidx
+    pos = np.array(lengths, np.int32) - 1
+    return indptr, indices, last, padded, pos, np.arange(len(lengths), dtype=np.int32)
 
 
 def _step(decode):
@@ -61,7 +61,7 @@ def _sharded(jax, how: str, step):
 def test_an_attention_step_runs_under_shardings_and_matches_float64(jax_gpu, how):
     jax = jax_gpu
     rng = np.random.default_rng(3)
-    indptr, indices, last, padded, pos, bidx = _batch(rng)
+    indptr, indices, last, padded, pos, bidx = _tables(LENGTHS, rng)
     n = len(LENGTHS)
     q, k, v = (randn(rng, (n, h, D), "bfloat16") for h in (HQ, HKV, HKV))
     cache = randn(rng, (PAGES, 2, PAGE, HKV, D), "bfloat16")
@@ -70,21 +70,10 @@ def test_an_attention_step_runs_under_shardings_and_matches_float64(jax_gpu, how
     step = _sharded(jax, how, _step(decode))
     args = [jax.numpy.asarray(a) for a in (q, k, v, cache, pos, bidx, padded, indptr, last)]
     q2, k2, cache2, o = (np.asarray(a) for a in step(*args))
-    inv = ref.rope_inv_freq(D)
-    assert_close(q2, ref.rope_ref(q, pos, D, False, inv), "bfloat16")
-    assert_close(k2, ref.rope_ref(k, pos, D, False, inv), "bfloat16")
-    want_cache = aref.append_paged_kv_cache_ref(k2, v, bidx, pos, cache, indices, indptr, last)
-    np.testing.assert_array_equal(cache2.astype(np.float32), want_cache.astype(np.float32))
-    assert_close(o, aref.batch_decode_paged_ref(q2, cache2, indptr, indices, last), "bfloat16")
+    table = (indptr, indices, last)
+    assert_rope_append_decode(q, k, v, cache, pos, bidx, table, q2, k2, cache2, o)
     # a re-plan with other lengths, the same shapes: the compiled step reads the new plan
-    lengths = [3, 40, 17]
-    pages = [-(-m // PAGE) for m in lengths]
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = rng.permutation(PAGES)[: indptr[-1]].astype(np.int32)
-    last = np.array([m - (p - 1) * PAGE for m, p in zip(lengths, pages, strict=True)], np.int32)
-    padded[:] = 0
-    padded[: len(indices)] = indices
-    pos = np.array(lengths, np.int32) - 1
+    indptr, indices, last, padded, pos, bidx = _tables([3, 40, 17], rng)
     decode.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
     args = [jax.numpy.asarray(a) for a in (q, k, v, cache, pos, bidx, padded, indptr, last)]
     q2, _, cache2, o = (np.asarray(a) for a in step(*args))
