@@ -169,7 +169,7 @@ def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
     for step in steps:
         if isinstance(step, FillRecord):
             found = _slot_of(step.ptr, n_slots)
-            if step.value or found is None or found[1] or found[0] < n_in or found[0] in have:
+            if found is None or found[1] or found[0] < n_in or found[0] in have:
                 return None
             zero[found[0]] = max(zero.get(found[0], 0), 4 * step.count)
             continue

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import gpu, jit
-from .launch import is_capturing, memset_d32
+from .launch import is_capturing, zero_fill
 from .params import record_dtype
 
 
@@ -207,7 +207,7 @@ def _clear_device(rec: Record, stream: int | None) -> None:
     if stream is None:
         gpu.runtime().memset(rec.device_ptr, 0, RECORD.itemsize)
     else:
-        memset_d32(rec.device_ptr, 0, RECORD.itemsize // 4, stream)
+        zero_fill(rec.device_ptr, RECORD.itemsize // 4, stream)
 
 
 def _clear_host(rec: Record) -> None:

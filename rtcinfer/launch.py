@@ -40,7 +40,7 @@ class NotRecordable(RuntimeError):
 @contextlib.contextmanager
 def recording():
     """Record instead of run, in this thread: inside, a Launch appends a LaunchRecord and
-    memset_d32 a FillRecord to the yielded list; copies and events raise NotRecordable. The
+    zero_fill a FillRecord to the yielded list; copies and events raise NotRecordable. The
     device is not touched (a kernel is not even loaded): a call can be recorded on any host."""
     steps: list = []
     outer = getattr(_RECORDING, "steps", None)
@@ -76,10 +76,9 @@ class LaunchRecord:
 
 @dataclass(frozen=True)
 class FillRecord:
-    """memset_d32(ptr, value, count) as recorded."""
+    """zero_fill(ptr, count) as recorded."""
 
     ptr: int
-    value: int
     count: int
 
 
@@ -92,7 +91,7 @@ def driver():
 
 
 @functools.cache
-def fast():
+def cupy_api():
     """CuPy's Cython driver and runtime wrappers, (driver, runtime): integer arguments, no
     conversion, a failure raised as CUDADriverError / CUDARuntimeError with its `status`."""
     from cupy_backends.cuda.api import driver as cu
@@ -112,19 +111,13 @@ class CudaError(RuntimeError):
         self.code = int(code)
 
 
-def memset_d32(ptr: int, value: int, count: int, stream: int) -> None:
-    """Fill `count` 32-bit words at device address `ptr` with `value`, on `stream`."""
+def zero_fill(ptr: int, count: int, stream: int) -> None:
+    """Zero `count` 32-bit words at device address `ptr`, on `stream`."""
     if count:
         if (steps := _recorded("")) is not None:
-            steps.append(FillRecord(ptr, value, count))
+            steps.append(FillRecord(ptr, count))
             return
-        if value == 0:  # the runtime's byte fill, through CuPy's wrapper: the cheap call
-            _, rt = fast()
-            rt.memsetAsync(ptr, 0, 4 * count, stream)
-            return
-        (rc,) = driver().cuMemsetD32Async(ptr, value, count, stream)
-        if rc:
-            raise CudaError(rc, "cuMemsetD32Async")
+        cupy_api()[1].memsetAsync(ptr, 0, 4 * count, stream)
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
@@ -141,19 +134,19 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream) -> None:
 def record_event(event: int, stream: int) -> None:
     """Record CUevent `event` on `stream`."""
     _recorded("an event")
-    fast()[1].eventRecord(event, stream)
+    cupy_api()[1].eventRecord(event, stream)
 
 
 def wait_event(stream: int, event: int) -> None:
     """Make `stream` wait (on the device) for the work recorded by `event`."""
     _recorded("an event")
-    fast()[1].streamWaitEvent(stream, event, 0)
+    cupy_api()[1].streamWaitEvent(stream, event, 0)
 
 
 def is_capturing(stream: int) -> bool:
     """Whether `stream` is being captured into a CUDA graph (also when the capture has been
     invalidated by an error, which CuPy's wrapper raises as a plain RuntimeError)."""
-    rt = fast()[1]
+    rt = cupy_api()[1]
     try:
         return rt.streamIsCapturing(stream)
     except rt.CUDARuntimeError:
@@ -222,7 +215,7 @@ class Kernel:
         key = (device, threads)
         ctas = self._occupancy.get(key)
         if ctas is None:
-            cu, _ = fast()
+            cu, _ = cupy_api()
             ctas = cu.occupancyMaxActiveBlocksPerMultiprocessor(
                 self.function(device), threads, self.smem
             )
@@ -250,7 +243,7 @@ class Launch:
         self._argv = ctypes.addressof(self._argv_array)  # void** kernelParams
         self._geometry = (*self.grid, *self.block, kernel.smem)
         self._functions = kernel._functions  # device -> CUfunction, filled by kernel.function
-        self._launch = fast()[0].launchKernel
+        self._launch = cupy_api()[0].launchKernel
         self.empty = 0 in self.grid
         for n in (*self.grid, *self.block):
             if not 0 <= n < 2**31:
@@ -272,14 +265,14 @@ class Launch:
         fn = self._functions.get(device) or self.kernel.function(device)
         try:
             self._launch(fn, *self._geometry, stream, self._argv, 0)
-        except fast()[0].CUDADriverError as e:  # its status: the CUresult
+        except cupy_api()[0].CUDADriverError as e:  # its status: the CUresult
             if e.status != CUDA_ERROR_INVALID_CONTEXT:
                 raise CudaError(e.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
             self._relaunch(fn, stream, device)
 
     def _relaunch(self, fn: int, stream: int, device: int) -> None:
         """The launch from a thread with no current context: make the device's current."""
-        cu, rt = fast()
+        cu, rt = cupy_api()
         rt.setDevice(device)
         try:
             cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
@@ -299,7 +292,7 @@ __all__ = [
     "NotRecordable",
     "driver",
     "is_capturing",
-    "memset_d32",
+    "zero_fill",
     "record_event",
     "recording",
     "stream_device",

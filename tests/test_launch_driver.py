@@ -61,7 +61,7 @@ class Names:
 def prepared(monkeypatch):
     """A Launch of a fake kernel (its function handle 0x1234 on device 0) and the fakes."""
     drv, rt = FakeDriver(), FakeRuntime()
-    monkeypatch.setattr(launch, "fast", lambda: (drv, rt))
+    monkeypatch.setattr(launch, "cupy_api", lambda: (drv, rt))
     monkeypatch.setattr(launch, "driver", lambda: Names)
 
     class Kernel:
@@ -97,8 +97,8 @@ def test_a_failed_launch_raises_the_driver_error_by_name(prepared):
 
 def test_a_zero_fill_is_the_runtime_byte_fill_and_an_invalidated_capture_counts(prepared):
     _, _, rt = prepared
-    launch.memset_d32(0x1000, 0, 6, 0x77)
-    launch.memset_d32(0x1000, 0, 0, 0x77)  # nothing to fill: no call
+    launch.zero_fill(0x1000, 6, 0x77)
+    launch.zero_fill(0x1000, 0, 0x77)  # nothing to fill: no call
     assert rt.calls == [("memsetAsync", 0x1000, 0, 24, 0x77)]
     assert launch.is_capturing(0x77)
 
@@ -107,7 +107,7 @@ def test_each_device_loads_the_kernel_once_and_launches_its_own(monkeypatch):
     """Per-device module caches: a launch on device d passes the function loaded on d, loaded
     the first time d needs it (a tensor-parallel process launches one kernel on two GPUs)."""
     drv, rt = FakeDriver(), FakeRuntime()
-    monkeypatch.setattr(launch, "fast", lambda: (drv, rt))
+    monkeypatch.setattr(launch, "cupy_api", lambda: (drv, rt))
     loads = []
 
     def get_function(spec, name, device, dynamic_smem=0):

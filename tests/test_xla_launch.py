@@ -110,7 +110,7 @@ def test_memory_the_call_does_not_own_keeps_the_python_handler():
 
 def test_a_fill_becomes_bytes_to_zero_of_the_next_launch():
     def run(stream, device, ptrs, scalars):
-        launch.memset_d32(ptrs[2], 0, 8, stream)
+        launch.zero_fill(ptrs[2], 8, stream)
         _fake_launch((ptrs[0], ptrs[2], ptrs[1]))(stream, device)
 
     prep = _Prep(run)

@@ -13,7 +13,7 @@ import numpy as np
 from ..interop import Op, OutSlot, Prepared, call
 from ..interop.arrays import torch_compiling
 from ..jit import device_limits
-from ..launch import Launch, memset_d32
+from ..launch import Launch, zero_fill
 from ..plan.decode import plan_decode
 from .decode_kernel import THREADS, ctas_per_sm, kernel, kv_scales, make_config
 from .decode_plan import ITEM_INTS, header_ints, pack_plan
@@ -117,7 +117,7 @@ def _prepare(infos, align, static) -> Prepared:
                 at = ptrs[4 + n_lse]
                 p.partial_o, p.partial_lse = at, at + scratch.lse_at
                 p.counters = at + scratch.counters_at
-                memset_d32(p.counters, 0, cfg.kv_blocks, stream)
+                zero_fill(p.counters, cfg.kv_blocks, stream)
             p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
             launch(stream, device)
 

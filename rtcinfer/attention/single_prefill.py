@@ -17,7 +17,7 @@ from ..bitpack import packbits
 from ..interop import Op, OutSlot, Prepared, call
 from ..interop.arrays import device_like, framework, torch_compiling
 from ..jit import device_limits
-from ..launch import memset_d32
+from ..launch import zero_fill
 from .paged_kv import check_cache_view, check_layout, token_head
 from .prefill import make_prefill_config, plan_launch
 from .prefill_args import check_backend, io_fields
@@ -150,7 +150,7 @@ def _prepare(infos, align, static) -> Prepared:
                 at = ptrs[5 + n_lse]
                 p.partial_o, p.partial_lse = at, at + scratch.lse_at
                 p.counters = at + scratch.counters_at
-                memset_d32(p.counters, 0, counters, stream)
+                zero_fill(p.counters, counters, stream)
             launch(stream, device)
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,),

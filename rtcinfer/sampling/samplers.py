@@ -28,7 +28,7 @@ from ..errors import BadIndex
 from ..interop import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, framework
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
-from ..launch import Kernel, Launch, memset_d32
+from ..launch import Kernel, Launch, zero_fill
 from ..layout import (
     fit_vec,
     leading_rows,
@@ -194,7 +194,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             if found.reported.value:
                 errors.raise_reported(found, stream)
         if check_nan:
-            memset_d32(ptrs[_FLAG], 0, 1, stream)
+            zero_fill(ptrs[_FLAG], 1, stream)
         with launch.lock:
             p.probs, p.out = ptrs[0], ptrs[_OUT]
             for field, i in pointers:
