@@ -313,9 +313,7 @@ def _call_torch(op: Op, arrays, static, scalars):
     else:
         with _on_device(device):
             prep.run(stream or raw_stream(device), device, ptrs, scalars)
-    if prep.scratch:
-        del results[-prep.scratch :]
-    return results[0] if len(results) == 1 else tuple(results)
+    return returned(results, prep.scratch)
 
 
 def _densify_torch(op: Op, prep: Prepared, arrays, ptrs, stream: int):

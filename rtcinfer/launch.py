@@ -266,18 +266,20 @@ class Launch:
         try:
             self._launch(fn, *self._geometry, stream, self._argv, 0)
         except cupy_api()[0].CUDADriverError as e:  # its status: the CUresult
-            if e.status != CUDA_ERROR_INVALID_CONTEXT:
-                raise CudaError(e.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
-            self._relaunch(fn, stream, device)
+            self._failed(e, fn, stream, device)
 
-    def _relaunch(self, fn: int, stream: int, device: int) -> None:
-        """The launch from a thread with no current context: make the device's current."""
-        cu, rt = cupy_api()
-        rt.setDevice(device)
-        try:
-            cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
-        except cu.CUDADriverError as e:
-            raise CudaError(e.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
+    def _failed(self, error, fn: int, stream: int, device: int) -> None:
+        """A launch that failed: from a thread with no current context, make the device's
+        current and launch again; otherwise, or if that fails, raise the error by name."""
+        if error.status == CUDA_ERROR_INVALID_CONTEXT:
+            cu, rt = cupy_api()
+            rt.setDevice(device)
+            try:
+                cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
+                return
+            except cu.CUDADriverError as again:
+                error = again
+        raise CudaError(error.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
 
     def __repr__(self) -> str:
         return f"Launch({self.kernel!r}, grid={self.grid}, block={self.block})"

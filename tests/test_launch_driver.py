@@ -64,13 +64,15 @@ def prepared(monkeypatch):
     monkeypatch.setattr(launch, "cupy_api", lambda: (drv, rt))
     monkeypatch.setattr(launch, "driver", lambda: Names)
 
+    layout = StructLayout("P", (Field("x", "ptr", 1, 0, 8),), 8, 8)
+
     class Kernel:
         smem, _functions = 512, {0: 0x1234}
-        params_type = params_type(StructLayout("P", (Field("x", "ptr", 1, 0, 8),), 8, 8))
 
         def function(self, device):
             return self._functions[device]
 
+    Kernel.params_type = params_type(layout)
     return launch.Launch(Kernel(), (3, 1, 1), (128, 1, 1)), drv, rt
 
 
@@ -84,6 +86,14 @@ def test_a_thread_without_a_context_makes_the_device_current_and_launches_again(
     made, drv, rt = prepared
     drv.statuses = [201]
     made(0x77, 0)
+    assert rt.calls == [("setDevice", 0)] and len(drv.launches) == 2
+
+
+def test_a_retry_that_fails_too_raises_its_own_error(prepared):
+    made, drv, rt = prepared
+    drv.statuses = [201, 700]
+    with pytest.raises(launch.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        made(0x77, 0)
     assert rt.calls == [("setDevice", 0)] and len(drv.launches) == 2
 
 
