@@ -241,17 +241,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
     def _launch_of(self, spec, items: int, cfg: Config, pointers: tuple) -> Launch:
         """The launch of `spec` over `items` work items with the current workspace: the
         previous one when nothing it holds changed (a plan's data lives in the workspace)."""
-        old = self._launch.launch if self._launch is not None else None
-        k = kernel(spec)
-        if (
-            old is not None
-            and old.kernel is k
-            and old.grid[1] == items
-            and self._launch.cfg is cfg
-            and old.params.plan == pointers[0]
-        ):
+        k, grid = kernel(spec), (cfg.kv_blocks, items, 1)
+        old = self._kept_launch(cfg, k, grid)
+        if old is not None and old.params.plan == pointers[0]:
             return old
-        launch = Launch(k, (cfg.kv_blocks, items, 1), (THREADS, 1, 1))
+        launch = Launch(k, grid, (THREADS, 1, 1))
         p = launch.params
         p.plan, p.partial_o, p.partial_lse, p.counters = pointers
         cfg.fill(p)

@@ -218,6 +218,16 @@ class PlannedWrapper:
                 self._ws.last_upload().synchronize()
         return self._ws.pointers
 
+    def _kept_launch(self, cfg, kernel, grid: tuple):
+        """The latest plan's launch (self._launch: a subclass's record of it, .launch and .cfg)
+        when a new plan's configuration, kernel and grid are its own: its parameter block holds
+        every field they fix (a plan's data lives in the workspace), so plan() keeps it."""
+        last = self._launch
+        if last is None or last.cfg is not cfg:
+            return None
+        launch = last.launch
+        return launch if launch.kernel is kernel and launch.grid == grid else None
+
     def _call(self, arrays: Sequence, static: tuple, scalars: tuple):
         return call(self._op, arrays, static, scalars)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -98,15 +99,15 @@ def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
 def plan_launch(
     cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
     disable_split_kv=False, tile_rows=None, max_work=None, device_items=False, kernels=None,
-    previous=None,
+    keep=None,
 ) -> tuple[Launch, PrefillPlan | TilePlan]:  # fmt: skip
     """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
     depends only on them and the configuration filled (the plan's regions and the arrays'
     pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
     grid (max_work items; those past the plan's count exit at once). `device_items`: a plan
     without split KV comes as a TilePlan, its items to be expanded on the device. `kernels`:
-    a wrapper's cache of the configuration's choices (chosen_kernel). `previous`: the launch of
-    the configuration's last plan, reused when its kernel and grid are this one's."""
+    a wrapper's cache of the configuration's choices (chosen_kernel). `keep(kernel, grid)`: a
+    launch to keep instead of a new one, or None (PlannedWrapper._kept_launch)."""
     attn = cfg.attn
     num_sms, max_smem = limits
     group = attn.group_size
@@ -139,8 +140,8 @@ def plan_launch(
             "or use a larger fixed_split_size"
         )
     grid = (attn.num_kv_heads, items, 1)
-    if previous is not None and previous.kernel is k and previous.grid == grid:
-        return previous, plan
+    if keep is not None and (kept := keep(k, grid)) is not None:
+        return kept, plan
     launch = Launch(k, grid, (spec.threads, 1, 1))
     p = launch.params
     p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
@@ -201,17 +202,16 @@ class _PrefillWrapper(PlannedWrapper):
         cfg = self._configure((*args, custom), make_prefill_config, self._setup)
         rows = int(qo_indptr[-1])
         mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
-        last = self._launch if self._launch is not None and self._launch.cfg is cfg else None
-        plan_kw = dict(device_items=True, kernels=self._kernels, previous=last and last.launch)
+        kw = dict(device_items=True, kernels=self._kernels, keep=partial(self._kept_launch, cfg))
         if self._graph:
             fixed = self._graph_capacity(cfg, qo_indptr, page_ids.shape[0], mask)
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
                                        fixed_split_size, disable_split_kv, fixed.tile_rows,
-                                       fixed.capacity.max_work, **plan_kw)  # fmt: skip
+                                       fixed.capacity.max_work, **kw)  # fmt: skip
             capacity, rows = fixed.capacity, fixed.rows
         else:
             launch, plan = plan_launch(cfg, qo_indptr, kv_len, self._device, self._limits,
-                                       fixed_split_size, disable_split_kv, **plan_kw)  # fmt: skip
+                                       fixed_split_size, disable_split_kv, **kw)  # fmt: skip
             host_mask = mask is not None and mask.host is not None
             capacity = Capacity(plan.num_work, page_ids.shape[0], plan.num_tiles,
                                 plan.num_slots, cfg.attn.num_kv_heads,
