@@ -4,7 +4,7 @@ step appending one token a request and decoding it in one jax.jit step, with thr
 back ends (everything else, norms, RoPE, activation and greedy sampling, is rtcinfer's):
 
     rtcinfer  append_paged_kv_cache into the paged cache [pages, 2, 16, Hkv, D], then the batch
-              decode wrapper over it: serve_jax.py's step
+              decode wrapper over it, its plan passed as an array: serve_jax.py's step
     pallas    JAX's Pallas GPU paged_attention over a paged cache in its layout (k and v
               [Hkv, pages, 16, D], each request's page table padded to a multiple of 128
               pages, as its 16 splits of 8-page blocks need; q scaled before the call, as it
@@ -76,7 +76,8 @@ class Batch:
 
 
 def _attention(name: str, sj, batch: Batch, wrapper):
-    """(attend, caches from the token-major kv [layers][T, 2, Hkv, D]) of back end `name`."""
+    """(attend(plan) -> the attention function of a step given its plan array, caches from
+    the token-major kv [layers][T, 2, Hkv, D]) of back end `name`."""
     import jax
     import jax.numpy as jnp
 
@@ -92,7 +93,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
             cache = jnp.zeros((batch.pages, 2, page, hkv, d), kv.dtype)
             return cache.at[where["page"], :, where["slot"]].set(kv)
 
-        return sj.paged(wrapper), fill
+        return lambda plan: sj.paged(wrapper, plan), fill
     if name == "pallas":
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
@@ -111,7 +112,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
             scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
             return paged_attention(scaled, kp, vp, table, lengths(indptr, last)), (kp, vp)
 
-        return attend, fill
+        return lambda plan: attend, fill
 
     def fill(kv):
         dense = jnp.zeros((BATCH, batch.dense_len, hkv, d), kv.dtype)
@@ -125,7 +126,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
                                          implementation="cudnn")  # fmt: skip
         return o[:, 0], (kd, vd)
 
-    return attend, fill
+    return lambda plan: attend, fill
 
 
 def _measure(name: str, sj, batch: Batch, model, kv):
@@ -135,26 +136,29 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     import jax
     import jax.numpy as jnp
 
-    import rtcinfer
 
-    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper() if name == "rtcinfer" else None
+    wrapper = sj.decode_wrapper(BATCH, batch.pages) if name == "rtcinfer" else None
     attend, fill = _attention(name, sj, batch, wrapper)
     caches = [fill(layer) for layer in kv]
     host = batch.inputs()
 
     @functools.partial(jax.jit, donate_argnums=1, static_argnums=4)
     def step(model, caches, tokens, tables, sizes):
-        return sj.forward(model, caches, tokens, *sj.unpack(tables, sizes), attend)
+        *tables, plan = sj.unpack(tables, sizes)  # the plan array last (rtcinfer's)
+        return sj.forward(model, caches, tokens, *tables, attend(plan))
 
     st = batch.step
+    none = np.zeros(4, np.int32)
 
     def plan():
-        if wrapper is not None:
-            wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
-                         q_data_type=sj.bf16)  # fmt: skip
+        """plan() and the step's tables, the plan array last (other back ends: zeros)."""
+        if wrapper is None:
+            return host[1:] + (none,)
+        wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
+                     q_data_type=sj.bf16)  # fmt: skip
+        return host[1:] + (wrapper.plan_array(),)
 
-    plan()
-    on_device, sizes = sj.pack(host[1:])  # one transfer a step
+    on_device, sizes = sj.pack(plan())  # one transfer a step
     began = time.perf_counter()
     caches, out, logits = step(model, caches, jnp.asarray(host[0]), on_device, sizes)
     tokens, logits = np.asarray(out), np.asarray(logits)
@@ -171,9 +175,9 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     start = time.perf_counter()
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        plan()
+        tables = plan()
         t1 = time.perf_counter()
-        on_device, _ = sj.pack(host[1:])
+        on_device, _ = sj.pack(tables)
         t2 = time.perf_counter()
         caches, out, _ = step(model, caches, out, on_device, sizes)
         parts += np.diff([t0, t1, t2, time.perf_counter()])
@@ -184,8 +188,7 @@ def _measure(name: str, sj, batch: Batch, model, kv):
           f"{parts[1]:.1f}, dispatch {parts[2]:.1f}", flush=True)  # fmt: skip
     start = time.perf_counter()
     for _ in range(STEPS):
-        plan()
-        caches, out, _ = step(model, caches, out, sj.pack(host[1:])[0], sizes)
+        caches, out, _ = step(model, caches, out, sj.pack(plan())[0], sizes)
         np.asarray(out)
     fetching = (time.perf_counter() - start) / STEPS * 1e6
     return device, loop, fetching, tokens, logits

@@ -2,8 +2,10 @@
 same Llama-style decoder and request stream, each model pass one jax.jit step with rtcinfer's
 norms, RoPE, append (the donated caches updated in place), paged prefill or batch decode, and
 greedy top_k_top_p_sampling_from_logits. plan() runs on host arrays before each step and
-reaches the compiled step as data: a step is traced once per shape (batch size, prompt tokens),
-and a second pass over the same stream, with fresh page tables, traces nothing new.
+reaches the compiled step as data: the decode plan as an array (plan_array(), sent with the
+step's other tables), so XLA launches every op of a decode step itself, with no Python and no
+host wait; a step is traced once per shape (batch size, prompt tokens), and a second pass over
+the same stream, with fresh page tables, traces nothing new.
 
 The check: a pure-JAX dense version of the model (float32 attention, no cache, one jitted
 function over sequences padded to a fixed length) recomputes every emitted token's logits from
@@ -29,8 +31,19 @@ import rtcinfer  # noqa: E402
 
 MAX_LEN = 512  # the reference's padded sequence length
 bf16 = jnp.bfloat16
+
+
+def decode_wrapper(max_batch: int, max_pages: int):
+    """A decode wrapper of fixed capacity, whose plans reach a jitted step as arrays of one
+    size (plan_array())."""
+    return rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(max_batch + 1, np.int32),
+        paged_kv_indices_buffer=np.zeros(max_pages, np.int32),
+    )  # fmt: skip
+
+
 prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()  # one per model, re-planned each step
-decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
+decode = decode_wrapper(len(serving.REQUESTS), PAGES)
 traces = {"prefill": 0, "decode": 0}
 
 
@@ -69,18 +82,18 @@ def paged_decode_jax(q, cache, indices, indptr, last):
     return jax.vmap(one)(jnp.arange(q.shape[0]), q)
 
 
-def paged(wrapper):
+def paged(wrapper, plan=None):
     """Attention with rtcinfer: k, v appended to the paged cache, then `wrapper` (the prefill
-    or decode wrapper planned for this step) over it, or, wrapper None, plain-JAX decode
-    attention (paged_decode_jax). An attention function takes the layer's q [n, Hq, D],
-    k, v [n, Hkv, D], its cache and the step's (pos, bidx, indices, indptr, last); it returns
-    the attention output [n, Hq, D] and the updated cache."""
+    or decode wrapper planned for this step; with `plan`, the decode plan as an array) over
+    it, or, wrapper None, plain-JAX decode attention (paged_decode_jax). An attention function
+    takes the layer's q [n, Hq, D], k, v [n, Hkv, D], its cache and the step's (pos, bidx,
+    indices, indptr, last); it returns the attention output [n, Hq, D] and the updated cache."""
 
     def attend(q, k, v, cache, pos, bidx, indices, indptr, last):
         cache = rtcinfer.append_paged_kv_cache(k, v, bidx, pos, cache, indices, indptr, last)
         if wrapper is None:
             return paged_decode_jax(q, cache, indices, indptr, last), cache
-        return wrapper.run(q, cache), cache  # the latest plan's batch
+        return wrapper.run(q, cache, plan_array=plan), cache
 
     return attend
 
@@ -135,7 +148,8 @@ def prefill_step(model, caches, tables, sizes):
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step(model, caches, tables, sizes):
     traces["decode"] += 1
-    return forward(model, caches, *unpack(tables, sizes), paged(decode))
+    *tables, plan = unpack(tables, sizes)  # the plan array last
+    return forward(model, caches, *tables, paged(decode, plan))
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
@@ -147,6 +161,7 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     """Grow the requests' pages, plan, and run one jitted step over their new tokens
     (plain_jax: decode attention in plain JAX instead of rtcinfer's)."""
     st = serving.Step(requests, new_tokens, free)
+    tables = (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last, st.ends)
     if phase == "prefill":
         step = prefill_step
         prefill.plan(st.qo_indptr, st.indptr, st.indices, st.last, HQ, HKV, D, PAGE,
@@ -156,7 +171,7 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     else:
         step = decode_step
         decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
-    tables = (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last, st.ends)
+        tables += (decode.plan_array(),)
     caches, tokens, logits = step(model, caches, *pack(tables))
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
         r.emitted.append((len(r.tokens), t, np.asarray(row), f"{phase} of {len(requests)}"))

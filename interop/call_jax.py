@@ -89,7 +89,8 @@ def _jax_callable(op: Op, prep: Prepared, present: list[bool], scalars: tuple):
     # a launch reading state that may change after tracing (command_buffer False) keeps the
     # handler, which reads that state at every execution
     if prep.command_buffer and len({jit.device_arch(d) for d in devices}) == 1:
-        run = xla_launch.native_run(prep, present, scalars, devices[0], shapes)
+        run = xla_launch.native_run(prep, present, scalars, devices[0], shapes,
+                                    single=len(devices) == 1)  # fmt: skip
         if run is not None:  # XLA launches it: no handler, no Python at execution
             return jax.jit(lambda *args: returned(run(*args), prep.scratch))
     for device in devices:  # load now: never inside XLA's execution or capture

@@ -11,16 +11,20 @@ and launches with cuLaunchKernel from C++, so a call inside `jax.jit` costs what
 kernel costs.
 
 A call is recorded only when everything its launches read comes from its own arrays: each
-non-null pointer field must address one of the call's input or output slots, a fill must
-zero the start of an output before the launch that first writes it, the block must be
-one-dimensional (a whole number of warps), and no output may update an input in place (XLA
-may give such an output a buffer of its own, which the Python handler first copies the input
-into: call_jax.move_in_place_updates). Anything else (a plan's workspace, the bad-index record,
-copies, events) keeps the Python FFI handler (call_jax), as does every call when the ptxas
-jaxlib compiles with refuses the PTX version NVRTC writes (ptx_accepted: NVRTC may be the
-newer). Multi-launch calls become a chain of custom calls, each output passed on to the next
-launch that addresses it (aliased, so it is updated in place). RTCINFER_JAX_LAUNCH=python
-keeps every call on the Python handler.
+non-null pointer field must address one of the call's input or output slots (or, where JAX
+sees one GPU, memory kept for the process' life: launch.keep_resident, the device's bad-index
+record, baked in as a constant), a fill must zero the start of an output before the launch
+that first writes it, and the block must be one-dimensional (a whole number of warps). An
+output that updates an input in place (the cache of append_paged_kv_cache) is aliased to it
+and written through the output's address only: XLA may give such an output a buffer of its
+own (seen for a slice of another array), so the chain starts with move_kernel
+(rtcinfer/move.py), which copies the input there when the addresses differ and returns at once
+when they do not. Anything else (a plan's workspace, copies, events, RTCINFER_CHECK=1's waits)
+keeps the Python FFI handler (call_jax), as does every call when the ptxas jaxlib compiles
+with refuses the PTX version NVRTC writes (ptx_accepted: NVRTC may be the newer). Multi-launch
+calls become a chain of custom calls, each output passed on to the next launch that addresses
+it (aliased, so it is updated in place). RTCINFER_JAX_LAUNCH=python keeps every call on the
+Python handler.
 
 jaxlib registers its launcher as not command-buffer compatible, so XLA would run it outside
 the CUDA graphs it records around runs of compatible calls (ours among them), at about 5 us of
@@ -44,8 +48,9 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 
-from .. import flat_entry, jit
-from ..launch import FillRecord, LaunchRecord, recording
+from .. import errors, flat_entry, jit, move
+from ..launch import FillRecord, LaunchRecord, recording, resident
+from .dtypes import itemsize
 
 _BASE = 1 << 62  # stand-in address of slot s: _BASE + (s << _SHIFT); offsets below 2**_SHIFT
 _SHIFT = 36
@@ -105,12 +110,13 @@ def _lib():
 
 @dataclass(frozen=True)
 class Step:
-    """One native launch: the slots passed as operands, the output slots it returns (an
-    operand slot that is also returned is aliased to that result) and the custom call's
-    serialized kernel call."""
+    """One native launch: the slots passed as operands, the output slots it returns, which
+    operand (index) each aliased result (index) updates, and the custom call's serialized
+    kernel call."""
 
     operands: tuple[int, ...]
     results: tuple[int, ...]
+    aliases: dict
     opaque: bytes
 
 
@@ -124,6 +130,8 @@ def record(prep, present: list[bool], scalars: tuple, device: int) -> list | Non
     try:
         with recording() as steps:
             prep.run(0, device, ptrs, scalars)
+    except errors.BadIndexError:
+        raise  # an earlier call's report, taken from the record as it was raised: say it now
     except Exception:  # noqa: BLE001 - NotRecordable, or what the handler will raise
         return None
     return steps
@@ -142,7 +150,9 @@ class NativeLaunch:
     """A recorded launch as the native launcher takes it. Buffers are `operands` then
     `results` (slots); `bound` maps each non-null pointer field to its buffer and `offsets`
     gives its byte offset there (layout order); `values` the other fields' values with
-    jaxlib's type names (value_fields order); `zero` the bytes of each result to zero first."""
+    jaxlib's type names (value_fields order); `zero` the bytes of each result to zero first;
+    `moves` (operand slot, result slot) where the result is the operand updated in place
+    (besides a slot that is both)."""
 
     kernel: object  # launch.Kernel
     grid: tuple[int, int, int]
@@ -153,19 +163,40 @@ class NativeLaunch:
     offsets: tuple[int, ...]
     values: tuple[tuple[int | float, str], ...]
     zero: tuple[int, ...]
+    moves: tuple[tuple[int, int], ...] = ()
+
+    def aliases(self) -> dict:
+        """{operand index: result index} of the results that update an operand."""
+        pairs = [(s, s) for s in self.operands if s in self.results] + list(self.moves)
+        return {self.operands.index(a): self.results.index(b) for a, b in pairs}
 
 
-def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
-    """The native launches of recorded `steps`, or None when one cannot be made native."""
+def _move(source: int, slot: int, nbytes: int) -> NativeLaunch:
+    """The launch of move_kernel that makes output `slot` hold input `source` (rtcinfer/move.py)."""
+    return NativeLaunch(move.kernel(), (move.CTAS, 1, 1), move.THREADS // 32, (source,), (slot,),
+                        {"src": 0, "dst": 1}, (0, 0), ((nbytes // 16, "i64"),), (0,),
+                        ((source, slot),))  # fmt: skip
+
+
+def plan(prep, present: list[bool], steps: list, constants: bool = False
+         ) -> list[NativeLaunch] | None:  # fmt: skip
+    """The native launches of recorded `steps`, or None when one cannot be made native.
+    constants: a pointer into resident memory (launch.keep_resident) may be baked in (the
+    computation runs on one GPU, the one the call was recorded for)."""
     n_in, outs = len(present), prep.outs
     n_slots = n_in + len(outs)
-    if any(o.alias for o in outs):
-        # XLA may give an aliased output a buffer other than its operand's (interop/call_jax:
-        # move_in_place_updates); an in-place kernel cannot copy first: the Python handler does
-        return None
     have = {i for i, p in enumerate(present) if p}  # slots holding a value
     zero: dict[int, int] = {}  # output slot -> bytes to zero before its first launch
     native = []
+    moved = set()  # input slots updated in place: written through their outputs only
+    for j, o in enumerate(outs):
+        if o.alias:
+            nbytes = math.prod(o.shape) * itemsize(o.dtype)
+            if nbytes % 16:
+                return None
+            native.append(_move(o.source, n_in + j, nbytes))
+            have.add(n_in + j)
+            moved.add(o.source)
     for step in steps:
         if isinstance(step, FillRecord):
             found = _slot_of(step.ptr, n_slots)
@@ -187,11 +218,13 @@ def plan(prep, present: list[bool], steps: list) -> list[NativeLaunch] | None:
             width = f.size // f.count
             items = [struct.unpack_from(fmt, step.params, f.offset + i * width)[0]
                      for i in range(f.count)]  # fmt: skip
-            if f.ctype == "ptr" and items[0]:
-                found = _slot_of(items[0], n_slots)
-                if found is None:
-                    return None  # memory the call does not own: stays on the Python handler
+            found = _slot_of(items[0], n_slots) if f.ctype == "ptr" and items[0] else None
+            if found is not None:
+                if found[0] in moved:
+                    return None  # read or written through the input, not its output
                 addressed[f.name] = found
+            elif f.ctype == "ptr" and items[0] and not (constants and resident(items[0])):
+                return None  # memory the call does not own: stays on the Python handler
             else:
                 values += [(v, kind) for v in items]
         slots = list(dict.fromkeys(s for s, _ in addressed.values()))
@@ -240,7 +273,8 @@ def materialize(native: list[NativeLaunch], arch: str) -> list[Step] | None:
         params += [lib.create_scalar_parameter(v, kind) for v, kind in n.values]
         call = lib.TritonKernelCall(_kernel(lib, entry, n.warps, n.kernel.smem, cc), *n.grid,
                                     params)  # fmt: skip
-        steps.append(Step(n.operands, n.results, zlib.compress(call.to_proto(entry.name, b""))))
+        steps.append(Step(n.operands, n.results, n.aliases(),
+                          zlib.compress(call.to_proto(entry.name, b""))))  # fmt: skip
     return steps
 
 
@@ -263,10 +297,8 @@ def lower(prep, present: list[bool], native: list[Step], out_types: list):
         value = dict(zip(slots, args, strict=True))
         for step in native:
             types = [out_types[s - n_in] for s in step.results]
-            aliases = {k: step.results.index(s) for k, s in enumerate(step.operands)
-                       if s in step.results}  # fmt: skip
             call = jax.ffi.ffi_call(_TARGET, types,
-                                    input_output_aliases=aliases or None)  # fmt: skip
+                                    input_output_aliases=step.aliases or None)  # fmt: skip
             produced = call(*[value[s] for s in step.operands], opaque=step.opaque)
             value.update(zip(step.results, produced, strict=True))
         # an output no launch wrote is empty (plan() made sure)
@@ -318,15 +350,16 @@ def _ptx_version(ptx: str) -> str | None:
     return found[1] if found else None
 
 
-def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types):
-    """run(*inputs) -> outputs launched natively on GPUs like `device`, or None (the call
-    keeps the Python handler)."""
-    if not enabled():
+def native_run(prep, present: list[bool], scalars: tuple, device: int, out_types,
+               single: bool = False):  # fmt: skip
+    """run(*inputs) -> outputs launched natively on GPUs like `device` (single: on `device`,
+    the only GPU JAX sees), or None (the call keeps the Python handler)."""
+    if not enabled() or errors.checking():  # RTCINFER_CHECK=1 waits after each call
         return None
     steps = record(prep, present, scalars, device)
     if not steps:
         return None
-    native = plan(prep, present, steps)
+    native = plan(prep, present, steps, constants=single)
     if native is None:
         return None
     arch = jit.device_arch(device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from . import activation, bitpack, norm, rope
+from . import activation, bitpack, move, norm, rope
 from .attention import cascade, decode_kernel, page, prefill_kernel
 from .attention.prefill_items import PrefillItemsSpec
 from .sampling.cluster import ClusterSampleSpec, cluster_choices
@@ -127,6 +127,7 @@ def shipped_specs() -> list:
     specs += list(page.INDEX_SPECS.values())
     specs += sampling_specs()
     specs += [bitpack.PackbitsSpec(True, "int32"), bitpack.PackbitsSpec(False, "int64")]
+    specs.append(move.MoveSpec())
     return list(dict.fromkeys(specs))
 
 

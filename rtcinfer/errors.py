@@ -20,6 +20,10 @@ BadIndexError, naming the array, the entry, what it held and its valid range, is
 - every such call, at once, under RTCINFER_CHECK=1 (read when a call signature is first
   prepared): the call synchronizes its stream after the launch (skipped while the stream is
   captured into a CUDA graph). A debugging aid: it stalls the host at every call.
+Inside jax.jit, where JAX sees one GPU, XLA launches these kernels itself with the record's
+addresses baked in (interop/xla_launch.py): no Python runs before such a launch, so what it
+reports is raised by the next call made from Python or by check_errors(). (RTCINFER_CHECK=1
+keeps the Python handler, which checks at every call.)
 
 Decode and prefill (attention/decode.py, prefill.py) take page ids from their plan, which is
 checked on the host: their run() refuses a plan whose largest page id is not a page of the
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import gpu, jit
-from .launch import is_capturing, zero_fill
+from .launch import is_capturing, keep_resident, zero_fill
 from .params import record_dtype
 
 
@@ -186,6 +190,8 @@ def _allocate(device: int) -> Record:
         runtime.memset(memory.ptr, 0, nbytes)
     host_ptr = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
     ctypes.memset(host_ptr, 0, nbytes)
+    keep_resident(memory.ptr, nbytes)  # never freed: a launch inside jax.jit may name them
+    keep_resident(host_ptr, nbytes)
     return Record(device, memory.ptr, host_ptr, ctypes.c_int32.from_address(host_ptr), memory)
 
 

@@ -55,6 +55,21 @@ def recording():
         _RECORDING.steps = outer
 
 
+_RESIDENT: dict[int, int] = {}  # start address -> bytes, of memory kept for the process' life
+
+
+def keep_resident(ptr: int, nbytes: int) -> None:
+    """Declare [ptr, ptr + nbytes) memory that lives as long as the process and is the same for
+    every call on its device (a device's bad-index record): a recorded launch may address it
+    as a constant (interop/xla_launch.py bakes it into a single-device computation)."""
+    _RESIDENT[ptr] = nbytes
+
+
+def resident(ptr: int) -> bool:
+    """Whether `ptr` lies in memory declared by keep_resident."""
+    return any(start <= ptr < start + n for start, n in _RESIDENT.items())
+
+
 def _recorded(what: str) -> list | None:
     if not _recorders[0]:
         return None
@@ -294,6 +309,8 @@ __all__ = [
     "NotRecordable",
     "driver",
     "is_capturing",
+    "keep_resident",
+    "resident",
     "zero_fill",
     "record_event",
     "recording",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import types
 
+import numpy as np
+
 
 class NullDevice:
     """Stands in for cupy.cuda.Device (and a stream) where no GPU is: device 0, a context
@@ -28,6 +30,11 @@ class NullDevice:
         pass
 
 
+def packing_upload(ws, fill, stream) -> None:
+    """A stubbed upload that packs the plan into a host buffer as the real one does."""
+    fill(np.zeros(ws.capacity.plan_ints, np.int32))
+
+
 def planning_without_a_gpu(monkeypatch, regions: dict, upload, expand=None) -> type:
     """What a wrapper's plan() touches on a device, stubbed: the driver checks (fake_gpu),
     CuPy's Device and current stream (a NullDevice subclass of the test's own, returned, whose
@@ -46,9 +53,11 @@ def planning_without_a_gpu(monkeypatch, regions: dict, upload, expand=None) -> t
 
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Device())
-    monkeypatch.setattr(
-        Workspace, "reserve", lambda self, need, stream, grow: setattr(self, "pointers", regions)
-    )
+
+    def reserve(ws, need, stream, grow):
+        ws.capacity, ws.pointers = need, regions
+
+    monkeypatch.setattr(Workspace, "reserve", reserve)
 
     def upload_then_after(ws, fill, stream, after=None):
         upload(ws, fill, stream)

@@ -1,9 +1,11 @@
 """A jitted serving step (norm, activation, batch decode) re-planned between calls with the
 same batch size and very different lengths, checked against float64 after every call.
 
+Three wrappers: a plain one, a CUDA-graph one (fixed capacity) and that one with each plan
+passed to the step as an array (plan_array: no Python at execution, the step traced once).
 Run by tests/test_jax_replan.py in-process (XLA's default flags) and in a subprocess with XLA
-command buffers forced on for custom calls (`python -m tests.jax_replan plain|graph`), where
-XLA records the FFI launches once and replays them without calling Python.
+command buffers forced on for custom calls (`python -m tests.jax_replan plain|graph|array`),
+where XLA records the launches once and replays them without calling Python.
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ ROUNDS = [  # lengths per plan: split plans (a long request among short ones) an
 MAX_PAGES = 2 * 15000 // PAGE + 8
 
 
-def run(graph: bool, rounds=ROUNDS) -> int:
+MODES = ("plain", "graph", "array")
+
+
+def run(mode: str, rounds=ROUNDS) -> int:
     """Plans every round's table into one wrapper and runs the same jitted step after each;
     raises on the first mismatch. Returns the number of steps checked."""
+    graph = mode != "plain"
     import jax
     import jax.numpy as jnp
 
@@ -60,11 +66,15 @@ def run(graph: bool, rounds=ROUNDS) -> int:
     else:
         wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
 
+    traces = []
+
     @jax.jit
-    def step(x, res, w, gate, q, cache):
+    def step(x, res, w, gate, q, cache, plan):
+        traces.append(1)
         h, res = rtcinfer.fused_add_rmsnorm(x, res, w)
         a = rtcinfer.silu_and_mul(gate)
-        o, lse = wrapper.run(q, cache, return_lse=True)
+        o, lse = wrapper.run(q, cache, return_lse=True,
+                             plan_array=plan if mode == "array" else None)  # fmt: skip
         return h, res, a, o, lse
 
     expect_h, expect_res = ref.fused_add_rmsnorm_ref(x, res, w, dtype="bfloat16")
@@ -73,8 +83,9 @@ def run(graph: bool, rounds=ROUNDS) -> int:
         indptr, _, last, _ = page_table_for(lengths, PAGE, rng, spare_pages=0)
         indices = rng.permutation(MAX_PAGES)[: indptr[-1]].astype(np.int32)
         wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
+        plan = jnp.asarray(wrapper.plan_array() if mode == "array" else np.zeros(4, np.int32))
         h, res2, a, o, lse = step(dev["x"], dev["res"], dev["w"], dev["gate"], dev["q"],
-                                  dev["cache"])  # fmt: skip
+                                  dev["cache"], plan)  # fmt: skip
         o_ref, lse_ref = aref.batch_decode_paged_ref(q, cache, indptr, indices, last,
                                                     kv_layout="NHD", return_lse=True)  # fmt: skip
         try:
@@ -84,9 +95,12 @@ def run(graph: bool, rounds=ROUNDS) -> int:
             np.testing.assert_array_equal(np.asarray(res2).astype(np.float64), expect_res)
             assert_close(np.asarray(a), expect_a, "bfloat16", "a")
         except AssertionError as e:
-            raise AssertionError(f"step {i} (lengths {lengths}, graph={graph}): {e}") from e
+            raise AssertionError(f"step {i} (lengths {lengths}, {mode}): {e}") from e
+    assert len(traces) == 1, f"{len(traces)} traces"
+    if mode == "array":  # nothing waited on the host: the wrapper never learned of JAX
+        assert not wrapper._jax
     return len(rounds)
 
 
 if __name__ == "__main__":
-    print(f"checked {run(sys.argv[1] == 'graph')} steps")
+    print(f"checked {run(sys.argv[1])} steps")

@@ -10,7 +10,7 @@ import pytest
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 
-from .fakes import FakeStream, NullDevice, planning_without_a_gpu
+from .fakes import FakeStream, NullDevice, packing_upload, planning_without_a_gpu
 from .paged_batch import page_table_for
 
 
@@ -21,7 +21,7 @@ def host_wrapper(monkeypatch):
     from rtcinfer.attention import decode
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    planning_without_a_gpu(monkeypatch, regions, packing_upload)
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
     return decode.BatchDecodeWithPagedKVCacheWrapper()
@@ -97,6 +97,7 @@ def test_uploads_wait_for_runs_on_every_other_stream(host_wrapper, monkeypatch):
     monkeypatch.setattr(planned, "record_event", lambda event, stream: setattr(event, "on", stream))
 
     def upload(self, fill, stream, after=None):
+        fill(np.zeros(self.capacity.plan_ints, np.int32))
         self.stream_ptr = stream.ptr
 
     monkeypatch.setattr(Workspace, "upload", upload)

@@ -48,4 +48,19 @@ def test_ops_on_their_own_arrays_are_launched_by_xla(jax_gpu):
     append = lambda k, cache: rtcinfer.append_paged_kv_cache(  # noqa: E731
         k, k, i32([0, 0, 0, 0]), i32([0, 1, 2, 3]), cache, i32([0]), i32([0, 1]), i32([4])
     )
-    assert _targets(jax, append, k, cache) == {"rtcinfer_cuda"}  # in place: the handler
+    # in place: a move (nothing when XLA aliased the cache), then the append; on one GPU only
+    # (its bad-index record is a constant)
+    one_gpu = len([d for d in jax.local_devices() if d.platform == "gpu"]) == 1
+    want = "rtcinfer_xla_launch" if one_gpu else "rtcinfer_cuda"
+    assert _targets(jax, append, k, cache) == {want}
+    # batch decode with its plan as an array reads only its arrays: native (on the wrapper's
+    # plan it keeps the handler, which reads the latest plan at every execution)
+    decode = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(5, np.int32),
+        paged_kv_indices_buffer=np.zeros(4, np.int32),
+    )  # fmt: skip
+    decode.plan(np.arange(5), np.arange(4), [16, 3, 1, 9], 32, 8, 128, 16, q_data_type="bfloat16")
+    plan = jnp.asarray(decode.plan_array())
+    run = lambda q, cache, plan: decode.run(q, cache, plan_array=plan)  # noqa: E731
+    assert _targets(jax, run, q, cache, plan) == {"rtcinfer_xla_launch"}
+    assert _targets(jax, lambda q, cache: decode.run(q, cache), q, cache) == {"rtcinfer_cuda"}

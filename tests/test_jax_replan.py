@@ -1,6 +1,7 @@
 """JAX inside jax.jit with plans that change between executions (GPU): every re-plan reaches
 the compiled step as data, with XLA's default flags and with command buffers forced on, for
-the plain and the CUDA-graph decode wrapper; a dropped wrapper is collected."""
+the plain and the CUDA-graph decode wrapper and for plans passed as arrays; a dropped wrapper
+is collected."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ def _jax():
     return jax
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["plain", "graph"])
-def test_replanned_step_default_flags(graph):
+@pytest.mark.parametrize("mode", jax_replan.MODES)
+def test_replanned_step_default_flags(mode):
     _jax()
-    assert jax_replan.run(graph) == len(jax_replan.ROUNDS)
+    assert jax_replan.run(mode) == len(jax_replan.ROUNDS)
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["plain", "graph"])
-def test_replanned_step_with_command_buffers(graph):
+@pytest.mark.parametrize("mode", jax_replan.MODES)
+def test_replanned_step_with_command_buffers(mode):
     """XLA records the custom calls into CUDA graphs and replays them: a plain wrapper's launch
     (whose grid follows the plan) must not be recorded, a graph wrapper's may be."""
     _jax()
@@ -43,7 +44,7 @@ def test_replanned_step_with_command_buffers(graph):
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # fmt: skip
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, "-m", "tests.jax_replan", "graph" if graph else "plain"],
+        [sys.executable, "-m", "tests.jax_replan", mode],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .fakes import planning_without_a_gpu
+from .fakes import packing_upload, planning_without_a_gpu
 
 torch = pytest.importorskip("torch")
 
@@ -19,7 +19,7 @@ def planned(monkeypatch):
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    planning_without_a_gpu(monkeypatch, regions, packing_upload)
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))

@@ -9,7 +9,7 @@ import pytest
 
 from rtcinfer import catalog, flat_entry, jit, launch, norm
 from rtcinfer.interop import xla_launch
-from rtcinfer.interop.call import ArrayInfo
+from rtcinfer.interop.call import ArrayInfo, dense_strides
 
 X = ArrayInfo((3, 4096), (4096, 1), "bfloat16", 0)
 W = ArrayInfo((4096,), (1,), "bfloat16", 0)
@@ -65,13 +65,51 @@ def test_rmsnorm_records_one_launch_on_its_own_buffers():
     assert n.values[-1] == (pytest.approx(1e-6), "fp32") and n.values[-2] == (1, "i32")
 
 
-def test_in_place_updates_keep_the_python_handler():
-    """fused_add_rmsnorm updates input and residual in place: XLA may give those outputs
-    buffers of their own, which only the Python handler copies the inputs into first."""
+def test_in_place_updates_start_by_moving_their_inputs():
+    """fused_add_rmsnorm updates input and residual in place (its PyTorch and CuPy form): each
+    output is aliased to its input and starts with move_kernel (a copy where XLA gave the
+    output a buffer of its own, nothing where it did not); the norm then reads and writes the
+    outputs, aliased again."""
     prep = norm._FUSED.prepare([X, X, W], 16, ("fused_add_rmsnorm",))
     steps = xla_launch.record(prep, [True] * 3, (1e-6,), 0)
     assert len(steps) == 1
-    assert xla_launch.plan(prep, [True] * 3, steps) is None
+    first, second, fused = xla_launch.plan(prep, [True] * 3, steps)
+    for n, source in ((first, 0), (second, 1)):
+        assert n.kernel.name == "move_kernel" and n.operands == (source,)
+        assert n.results == (3 + source,) and n.aliases() == {0: 0}
+        assert n.bound == {"src": 0, "dst": 1} and n.values == ((3 * 4096 * 2 // 16, "i64"),)
+    assert fused.operands == (3, 4, 2) and fused.results == (3, 4)
+    assert fused.aliases() == {0: 0, 1: 1}
+    assert fused.bound["x"] == 3 and fused.bound["residual"] == 4  # the results' buffers
+
+
+def test_a_launch_through_an_input_updated_in_place_keeps_the_handler():
+    """An in-place update must be written through its output's address (the input's may be
+    another buffer): a launch addressing the input slot keeps the Python handler."""
+
+    def run(stream, device, ptrs, scalars):
+        _fake_launch((ptrs[0], ptrs[0], ptrs[1]))(stream, device)
+
+    prep = _Prep(run)
+    prep.outs = (norm.OutSlot((1, 4096), "bfloat16", 0, alias=True),)
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    assert xla_launch.plan(prep, [True, True], steps) is None
+
+
+def test_resident_memory_is_a_constant_on_one_gpu_only():
+    """A pointer into memory kept for the process (a device's bad-index record) is baked in
+    where the computation runs on one GPU; otherwise the call keeps the Python handler."""
+    record = 0x7F0000100000
+    launch.keep_resident(record, 32)
+
+    def run(stream, device, ptrs, scalars):
+        _fake_launch((ptrs[0], ptrs[2], record + 8))(stream, device)
+
+    prep = _Prep(run)
+    steps = xla_launch.record(prep, [True, True], (), 0)
+    assert xla_launch.plan(prep, [True, True], steps) is None
+    (n,) = xla_launch.plan(prep, [True, True], steps, constants=True)
+    assert "weight" not in n.bound and (record + 8, "u64") in n.values
 
 
 def test_fused_norm_on_new_arrays_is_native():
@@ -177,7 +215,7 @@ def test_a_multi_launch_call_chains_its_outputs():
 def test_rope_on_jax_arrays_is_native(monkeypatch):
     """The RoPE `_inplace` calls on JAX arrays take the out-of-place kernel (static inplace
     False): q, k and the positions in, two new arrays out, one native launch; the in-place
-    kernel (PyTorch, CuPy) would alias its outputs and keep the handler."""
+    kernel (PyTorch, CuPy) aliases its outputs, which first takes a move each."""
     from rtcinfer import rope
 
     monkeypatch.setattr(jit, "sm_count", lambda device: 132)
@@ -186,13 +224,12 @@ def test_rope_on_jax_arrays_is_native(monkeypatch):
     k = ArrayInfo((4, 8, 128), (1024, 128, 1), "bfloat16", 0)
     pos = ArrayInfo((4,), (1,), "int32", 0)
     present = [True, True, True, False, False]
-    for in_place, native in ((False, True), (True, False)):
+    for in_place, launches in ((False, 1), (True, 3)):
         static = ("theta", in_place, None, False, None)
         prep = rope._POS_IDS.prepare([q, k, pos, None, None], 16, static)
         planned = xla_launch.plan(prep, present, xla_launch.record(prep, present, (1.0, 1e4), 0))
-        assert (planned is not None) == native
-        if native:
-            assert planned[0].operands == (0, 1, 2) and planned[0].results == (5, 6)
+        assert len(planned) == launches
+        assert planned[-1].operands[-1] == 2 and planned[-1].results == (5, 6)
 
 
 def test_ptx_newer_than_jaxs_ptxas_keeps_the_handler(tmp_path, monkeypatch):
@@ -222,3 +259,31 @@ def test_in_place_ops_are_prepared_out_of_place_for_jax():
     for op in (rope._RAGGED, rope._POS_IDS, rope._CACHE):
         assert op.jax_static(in_place) == ("theta", False, None, False, None)
     assert norm._PLAIN.jax_static is None
+
+
+def test_append_is_native_on_one_gpu(monkeypatch):
+    """append_paged_kv_cache on JAX arrays: a move of the cache into its output (nothing when
+    XLA aliased them, as it normally does), then the append kernel writing through the
+    output, its device's bad-index record a constant: where JAX sees one GPU."""
+    import ctypes
+
+    from rtcinfer import errors
+    from rtcinfer.attention import page
+
+    fake = errors.Record(0, 0x7F0000200000, 0x7F0000300000, ctypes.c_int32(0))
+    monkeypatch.setattr(errors, "_RECORDS", {0: fake})
+    launch.keep_resident(fake.device_ptr, 32)
+    launch.keep_resident(fake.host_ptr, 32)
+    info = lambda shape, dtype="int32": ArrayInfo(shape, dense_strides(shape), dtype, 0)  # noqa: E731
+    rows = [info((4, 8, 128), "bfloat16")] * 2 + [info((4,))] * 2
+    cache = info((64, 2, 16, 8, 128), "bfloat16")
+    infos = [*rows, cache, info((8,)), info((3,)), info((2,))]
+    prep = page._APPEND.prepare(infos, 16, ("NHD",))
+    present = [True] * len(infos)
+    steps = xla_launch.record(prep, present, (), 0)
+    assert xla_launch.plan(prep, present, steps) is None  # several GPUs: the handler
+    moved, append = xla_launch.plan(prep, present, steps, constants=True)
+    assert moved.kernel.name == "move_kernel" and moved.operands == (4,)
+    assert moved.results == (8,) and moved.aliases() == {0: 0}
+    assert append.results == (8,) and 8 in append.operands and append.aliases()
+    assert (fake.device_ptr, "u64") in append.values and (fake.host_ptr, "u64") in append.values

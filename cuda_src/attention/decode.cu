@@ -45,6 +45,8 @@ struct DecodeParams {
   int64_t q_stride_n, q_stride_h, o_stride_n, o_stride_h, lse_stride_n;
   int64_t k_page, k_token, k_head, v_page, v_token, v_head;
   int num_qo_heads, group_size, page_size;
+  int num_rows;            // rows of q and o: items of later requests (a plan for a larger
+                           // batch, passed as an array) are skipped
   uint32_t div_magic;      // n / page_size == (umulhi(n, div_magic) + n) >> div_shift
   int div_shift;
   int window_left;         // keys older than q_pos - window_left are masked; -1: none
@@ -65,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2)
   // The work item, loaded before the count test so both loads overlap: the plan region holds
   // an item for every CTA of the grid (padded slots are stale and unused).
   const DecodeWorkItem w = reinterpret_cast<const DecodeWorkItem*>(plan + HEADER_INTS)[item];
-  if (item >= __ldg(plan)) return;
+  if (item >= __ldg(plan) || w.request >= p.num_rows) return;
   const int subgroups = (group_size + HEADS - 1) / HEADS;
   const int kv_head = blockIdx.x / subgroups, sub = blockIdx.x % subgroups;
   const int head0 = kv_head * group_size + sub * HEADS;  // first query head of this CTA

@@ -23,17 +23,22 @@ from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
 from ..plan.decode import plan_decode
+from .decode_array import PlanArrays
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
+from .decode_run import check_run_arrays, run_fields
 from .paged_kv import (
     cache_views,
-    check_cache_view,
     kv_pair,
-    kv_storage,
     page_table_ids,
-    token_head,
 )
-from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
+from .planned import (
+    PlannedWrapper,
+    host_ints,
+    run_outputs,
+    weak_hooks,
+    write_run_arguments,
+)
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
@@ -77,9 +82,10 @@ class _Launch:
     cfg: Config
     batch: int  # rows of q and o
     max_page: int  # largest page id in kv_indices (-1 without pages)
+    packed: np.ndarray  # the packed plan (a view of the upload's host buffer: plan_array())
 
 
-class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
+class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
     """Batch decode over a paged KV cache: plan() once per step, run() for every layer.
 
         pages_b = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
@@ -104,6 +110,13 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
     Streams (attention/planned.py): plan() uploads on CuPy's current stream, run() may be on
     any stream, ordered by events. One run() at a time per wrapper: the merge counters are
     shared.
+
+    Plan arrays (attention/decode_array.py): with use_cuda_graph=True, plan_array() gives each
+    plan as an int32 array of one size (plan_array_size); run(q, cache, plan_array=a), with a
+    on the device, reads the plan from it and nothing from the wrapper, so a step compiled once
+    (jax.jit: launched by XLA itself, recorded into its command buffers) serves every later
+    plan of the configuration, with no host wait in plan(). The caches such runs were prepared
+    with bound the page ids later plans may hold.
 
     JAX (eager or inside jax.jit): a run() traced with one plan serves every later plan of the
     same batch size and configuration. A plain wrapper's launch follows each plan (its grid,
@@ -144,6 +157,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
         self._launch: _Launch | None = None
+        self._init_plan_arrays()
         self._tc = None  # use_tensor_cores: the prefill wrapper that serves plan() and run()
         if use_tensor_cores:
             self._tc = BatchPrefillWithPagedKVCacheWrapper(
@@ -223,11 +237,17 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
             sizes = (self._max_batch, self._max_work, self._max_pages)
         else:
             sizes = (plan.batch_size, plan.num_work, num_pages)
+        self._check_array_pages(max_page)
         partials = sizes[1] if self._graph or plan.split_kv else 0  # a graph may split later
         capacity = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
-        regions = self._upload(
-            capacity, lambda buf: pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq)
-        )
+        packed = []
+
+        def fill(buf):
+            n = pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq)
+            packed.append(buf[:n])
+            return n
+
+        regions = self._upload(capacity, fill)
         pointers = tuple(regions[r] for r in ("plan", "o", "lse", "counters"))
         items = self._max_work if self._graph else plan.num_work
         variant = spec  # a graph keeps one kernel
@@ -236,7 +256,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         elif not self._graph:
             variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
         launch = self._launch_of(variant, items, cfg, pointers)
-        self._launch = _Launch(launch, cfg, plan.batch_size, max_page)
+        self._launch = _Launch(launch, cfg, plan.batch_size, max_page, packed[0])
 
     def _launch_of(self, spec, items: int, cfg: Config, pointers: tuple) -> Launch:
         """The launch of `spec` over `items` work items with the current workspace: the
@@ -252,7 +272,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         return launch
 
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse=False, enable_pdl=None, window_left=None):  # fmt: skip
+            lse=None, return_lse=False, enable_pdl=None, window_left=None,
+            plan_array=None):  # fmt: skip
         """o [B, Hq, D] (and lse [B, Hq] float32, base 2, when return_lse) for q [B, Hq, D].
 
         paged_kv_cache: [pages, 2, page_size, Hkv, D] (NHD) / [pages, 2, Hkv, page_size, D]
@@ -261,7 +282,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         q_scale multiplies sm_scale as k_scale does (FlashInfer's calibration scales, None: 1);
         window_left may repeat the plan's value (None: the plan's); enable_pdl is accepted for
         drop-in compatibility and has no effect (no programmatic dependent launch).
+        plan_array: a plan_array() on the device, read instead of the wrapper's latest plan
+        (which must have the same configuration); q may then have more rows than its batch.
         """
+        if plan_array is not None:
+            return self._run_array(q, paged_kv_cache, plan_array, q_scale, k_scale, v_scale,
+                                   out, lse, return_lse, window_left)  # fmt: skip
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
@@ -321,28 +347,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         q, k, v, out, lse = infos
         five_d = v is None
         o_shape = (batch, cfg.num_qo_heads, cfg.head_dim)
-        if q.shape != o_shape or q.dtype != cfg.q_dtype:
-            raise ValueError(
-                f"q: expected shape {o_shape} and dtype {cfg.q_dtype} (the plan), "
-                f"got {q.shape} and {q.dtype}"
-            )
-        tokens_heads = (cfg.page_size, cfg.num_kv_heads)
-        if self._kv_layout == "HND":
-            tokens_heads = tokens_heads[::-1]
-        storage = kv_storage(cfg.kv_dtype)
-        caches = [("paged_kv_cache", k)] if five_d else [("k_cache", k), ("v_cache", v)]
-        for name, cache in caches:
-            expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)
-            if cache.shape[1:] != expect or cache.dtype not in storage:
-                raise ValueError(
-                    f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
-                    f"dtype {cfg.kv_dtype} ({self._kv_layout}, from the plan), got "
-                    f"{cache.shape} and {cache.dtype}"
-                )
+        check_run_arrays(q, k, v, cfg, self._kv_layout, batch)
         outs = run_outputs(out, lse, o_shape, cfg.o_dtype, with_lse)
         num_pages = k.shape[0]
         empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
-        fields = {} if empty else _run_fields(q, k, v, out, lse, self._kv_layout, cfg)
+        fields = {} if empty else run_fields(q, k, v, out, lse, self._kv_layout, cfg)
         v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset
         graph = self._graph
         ref = weakref.ref(self)
@@ -376,32 +385,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlannedWrapper):
         on_trace, preload = weak_hooks(self)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,
                         on_trace=on_trace)  # fmt: skip
-
-
-def _run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:
-    """The DecodeParams fields of run()'s arrays that depend only on their signature: strides
-    (elements for q, o and lse; bytes for the caches), after checking what the kernel needs."""
-    fields = {}
-    item = itemsize(k.dtype)
-    views = cache_views(k, v, kv_layout, item)
-    for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
-        dims, _ = token_head(arr.shape, arr.strides, kv_layout)
-        strides = (view.page, view.token, view.head)
-        check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides, item,
-                         arr.strides[-1] * item)  # fmt: skip
-        fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
-    o_strides = (
-        out.strides if out is not None else (cfg.num_qo_heads * cfg.head_dim, cfg.head_dim, 1)
-    )
-    lse_strides = lse.strides if lse is not None else (cfg.num_qo_heads, 1)
-    if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
-        raise ValueError(
-            f"q, out and lse must be contiguous in their last dimension, got strides (elements) "
-            f"q {q.strides}, out {o_strides}, lse {lse_strides}"
-        )
-    fields.update(q_stride_n=q.strides[0], q_stride_h=q.strides[1], o_stride_n=o_strides[0],
-                  o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
-    return fields
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

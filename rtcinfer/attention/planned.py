@@ -42,7 +42,7 @@ from .paged_kv import check_layout
 from .workspace import Workspace
 
 
-def _weak_method(obj, name: str):
+def weak_method(obj, name: str):
     """obj.name(...) through a weak reference (a cache owned by obj must not keep it alive)."""
     ref = weakref.ref(obj)
 
@@ -161,7 +161,7 @@ class PlannedWrapper:
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
         self._reserved = None  # the capacity of the latest reserve()
         self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
-                      _weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
+                      weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
         weakref.finalize(self, release, self._op)
         self._number = next(_NUMBERS)
         _LIVE[self._number] = self

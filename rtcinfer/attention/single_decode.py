@@ -104,7 +104,7 @@ def _prepare(infos, align, static) -> Prepared:
             check_strides_fit(name, (view.page,))
     p.k_page, p.k_token, p.k_head = k_view.page, k_view.token, k_view.head
     p.v_page, p.v_token, p.v_head = v_view.page, v_view.token, v_view.head
-    p.q_stride_n, p.q_stride_h = 0, q.strides[0]
+    p.q_stride_n, p.q_stride_h, p.num_rows = 0, q.strides[0], 1
     p.o_stride_n, p.o_stride_h, p.lse_stride_n = 0, d, 0
     p.plan = plan_buffer.ptr
     n_lse = 1 if with_lse else 0
