@@ -136,7 +136,6 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     import jax
     import jax.numpy as jnp
 
-
     wrapper = sj.decode_wrapper(BATCH, batch.pages) if name == "rtcinfer" else None
     attend, fill = _attention(name, sj, batch, wrapper)
     caches = [fill(layer) for layer in kv]
