@@ -45,6 +45,7 @@ def decode_wrapper(max_batch: int, max_pages: int):
 prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()  # one per model, re-planned each step
 decode = decode_wrapper(len(serving.REQUESTS), PAGES)
 traces = {"prefill": 0, "decode": 0}
+last_decode = []  # the latest decode step's tables and sizes (step_split)
 
 
 def weights(key):
@@ -98,10 +99,12 @@ def paged(wrapper, plan=None):
     return attend
 
 
-def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, attend):
+def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, attend,
+            mm=jnp.matmul):  # fmt: skip
     """The model over new tokens [n] at positions pos, appended to the caches by `attend` (an
     attention function: see paged); returns the updated caches and the greedy token and
-    logits [B, VOCAB] of each request's last one."""
+    logits [B, VOCAB] of each request's last one. mm(h, w): the matmul (stub_matmul times
+    the step without its matmuls)."""
     x = model["embed"][tokens]
     n = x.shape[0]
     h, residual = rtcinfer.rmsnorm(x, model["layers"][0]["ln1"], EPS), x
@@ -109,19 +112,25 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, atten
     for i, layer in enumerate(model["layers"]):
         if i:
             h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln1"], EPS)
-        qkv = h @ layer["qkv"]
+        qkv = mm(h, layer["qkv"])
         q = qkv[:, : HQ * D].reshape(n, HQ, D)
         k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
         v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D)
         q, k = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos, rope_theta=THETA)
         o, cache = attend(q, k, v, caches[i], pos, bidx, indices, indptr, last)
         updated.append(cache)
-        h = o.reshape(n, HQ * D) @ layer["o"]
+        h = mm(o.reshape(n, HQ * D), layer["o"])
         h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln2"], EPS)
-        h = rtcinfer.silu_and_mul(h @ layer["gate_up"]) @ layer["down"]
+        h = mm(rtcinfer.silu_and_mul(mm(h, layer["gate_up"])), layer["down"])
     h, _ = rtcinfer.fused_add_rmsnorm(h, residual, model["norm"], EPS)
-    logits = (h[ends] @ model["lm_head"]).astype(jnp.float32)
+    logits = mm(h[ends], model["lm_head"]).astype(jnp.float32)
     return updated, rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=0), logits
+
+
+def stub_matmul(a, w):
+    """A stand-in for a @ w of its shape and dtype (a's first column, broadcast): a step with
+    it runs rtcinfer's ops on the same shapes, and of XLA's work only small fusions."""
+    return jnp.broadcast_to(a[:, :1], (a.shape[0], w.shape[1]))
 
 
 def pack(tables):
@@ -153,6 +162,13 @@ def decode_step(model, caches, tables, sizes):
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
+def decode_step_stubbed(model, caches, tables, sizes):
+    """decode_step with stub_matmul: the step's rtcinfer ops and little else."""
+    *tables, plan = unpack(tables, sizes)
+    return forward(model, caches, *tables, paged(decode, plan), mm=stub_matmul)
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step_plain_jax(model, caches, tables, sizes):
     return forward(model, caches, *unpack(tables, sizes), paged(None))
 
@@ -172,7 +188,10 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
         step = decode_step
         decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
         tables += (decode.plan_array(),)
-    caches, tokens, logits = step(model, caches, *pack(tables))
+    packed = pack(tables)
+    if step is decode_step:
+        last_decode[:] = packed
+    caches, tokens, logits = step(model, caches, *packed)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
         r.emitted.append((len(r.tokens), t, np.asarray(row), f"{phase} of {len(requests)}"))
         r.tokens.append(t)
@@ -206,6 +225,31 @@ def serve(model, rng, pages_rng, plain_jax=False):
             done.append(r)
         step += 1
     return done, decode_s, decode_tokens
+
+
+def gpu_us(step, model, tables, sizes, reps=20) -> float:
+    """Wall time of `step` run back to back on the same tables, fresh caches (us): its GPU
+    time where the GPU is the bottleneck."""
+    caches = [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
+    caches = step(model, caches, tables, sizes)[0]
+    jax.block_until_ready(caches)
+    start = time.perf_counter()
+    for _ in range(reps):
+        caches = step(model, caches, tables, sizes)[0]
+    jax.block_until_ready(caches)
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def step_split(model) -> str:
+    """The latest decode step's time back to back, and the same step with its matmuls stubbed
+    (rtcinfer's ops on the step's shapes, and small XLA fusions)."""
+    tables, sizes = last_decode
+    whole = gpu_us(decode_step, model, tables, sizes)
+    ours = gpu_us(decode_step_stubbed, model, tables, sizes)
+    share = 100 * ours / whole
+    return (f"a decode step of {sizes[0]} requests back to back: {whole:.0f} us, {ours:.0f} us "
+            f"with its matmuls stubbed (rtcinfer's ops: {share:.0f}%), {whole - ours:.0f} us the "
+            "rest")  # fmt: skip
 
 
 def rope(x, pos):
@@ -281,7 +325,7 @@ def main():
     print(f"traces: {before} in the first pass, "
           f"{'new ones' if retraced else 'none'} in the second")  # fmt: skip
     print(f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
-          f"{decode_tokens / decode_s:.0f} tokens/s")  # fmt: skip
+          f"{decode_tokens / decode_s:.0f} tokens/s; {step_split(model)}")  # fmt: skip
     serve(model, rng(1), rng(2), plain_jax=True)  # the same loop, attention in plain JAX
     plain, plain_s, plain_tokens = serve(model, rng(1), rng(3), plain_jax=True)
     print(f"decode with plain-JAX attention (gathered pages, float32 softmax): {plain_tokens} "
