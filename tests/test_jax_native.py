@@ -64,3 +64,38 @@ def test_ops_on_their_own_arrays_are_launched_by_xla(jax_gpu):
     run = lambda q, cache, plan: decode.run(q, cache, plan_array=plan)  # noqa: E731
     assert _targets(jax, run, q, cache, plan) == {"rtcinfer_xla_launch"}
     assert _targets(jax, lambda q, cache: decode.run(q, cache), q, cache) == {"rtcinfer_cuda"}
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_append_into_a_slice_or_a_kept_cache_is_correct(jax_gpu, donate):
+    """In-place appends inside jax.jit wherever XLA places the output: into a slice of a larger
+    array (which XLA may give an output buffer of its own: the move kernel copies the slice
+    there first) and into a cache the caller keeps (not donated: XLA copies it), each checked
+    against float64, the caller's arrays left as they were."""
+    from tests.reference_attention import append_paged_kv_cache_ref
+
+    jax = jax_gpu
+    jnp = jax.numpy
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((12, 2, 16, 2, 64)).astype(np.float32).astype(jnp.bfloat16)
+    k = rng.standard_normal((5, 2, 64)).astype(np.float32).astype(jnp.bfloat16)
+    v = rng.standard_normal((5, 2, 64)).astype(np.float32).astype(jnp.bfloat16)
+    bidx, pos = np.array([0, 0, 1, 1, 1], np.int32), np.array([3, 20, 0, 1, 2], np.int32)
+    table = (np.array([4, 1, 7], np.int32), np.array([0, 2, 3], np.int32),
+             np.array([5, 3], np.int32))  # fmt: skip
+
+    def append(cache, k, v):
+        return rtcinfer.append_paged_kv_cache(k, v, jnp.asarray(bidx), jnp.asarray(pos), cache,
+                                              *map(jnp.asarray, table))  # fmt: skip
+
+    sliced = jax.jit(lambda big, k, v: append(big[2:10], k, v), donate_argnums=0 if donate else ())
+    whole = jax.jit(append, donate_argnums=0 if donate else ())
+    for fn, cache in ((sliced, big[2:10]), (whole, big[:8])):
+        arg = jnp.asarray(big if fn is sliced else big[:8])
+        want = append_paged_kv_cache_ref(k, v, bidx, pos, cache, *table)
+        got = np.asarray(fn(arg, jnp.asarray(k), jnp.asarray(v)))
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+        if not donate:  # the caller's array is unchanged
+            kept = big if fn is sliced else big[:8]
+            np.testing.assert_array_equal(np.asarray(arg).astype(np.float32),
+                                          kept.astype(np.float32))  # fmt: skip
