@@ -94,6 +94,8 @@ def paged(wrapper, plan=None):
         cache = rtcinfer.append_paged_kv_cache(k, v, bidx, pos, cache, indices, indptr, last)
         if wrapper is None:
             return paged_decode_jax(q, cache, indices, indptr, last), cache
+        if plan is None:  # the latest plan()
+            return wrapper.run(q, cache), cache
         return wrapper.run(q, cache, plan_array=plan), cache
 
     return attend
