@@ -169,9 +169,9 @@ def fake_gpu(monkeypatch, **runtime) -> FakeRuntime:
     monkeypatch.setattr(gpu, "runtime", checked_runtime)
     # the compile target, asked of the fake each time (jit caches the real one per device)
     from rtcinfer import jit
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill_launch
 
-    for module in (jit, prefill):
+    for module in (jit, prefill_launch):
         monkeypatch.setattr(module, "device_arch", gpu.compile_arch)
     return fake
 

@@ -375,11 +375,11 @@ def test_fp8_kv(kv_dtype, q_dtype, head_dim):
 def test_32_row_warps(monkeypatch, head_dim, variant):
     """The kernel with two 16-row MMA blocks a warp (warp_rows=32, 128-row tiles; plan()'s own
     choice at head_dim 128, forced at 64), ragged and paged, against the float64 reference."""
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill_launch as launches
 
-    spec_of = prefill.prefill_spec
-    monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(*a, **k, warp_rows=32))
-    monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
+    spec_of = launches.prefill_spec
+    monkeypatch.setattr(launches, "prefill_spec", lambda *a, **k: spec_of(*a, **k, warp_rows=32))
+    monkeypatch.setattr(launches, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
     rng = np.random.default_rng(zlib.crc32(repr((head_dim, variant)).encode()))
     qo, extra = [300, 1, 0, 129, 40], [0, 700, 9, 64, 1000]
     kv_dtype = "float8_e4m3fn" if variant == "fp8" else "bfloat16"

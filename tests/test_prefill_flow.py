@@ -164,6 +164,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     """The paged wrapper's real plan, packed plan and run() strides, read by prefill_flow as
     the kernel reads them, give float64 attention over each request's keys (group -32: MHA
     with the 32-row-warp kernel forced)."""
+    from rtcinfer.attention import prefill_launch
     from rtcinfer.attention.paged_kv import cache_views
 
     from . import reference_attention as aref
@@ -172,14 +173,14 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     rng = np.random.default_rng(len(qo) + abs(group))
     kw = dict(FLOWS[flow])
     if group < 0:  # warp_rows=-group where the kernel allows it
-        spec_of, warp_rows, group = prefill.prefill_spec, -group, 1
+        spec_of, warp_rows, group = prefill_launch.prefill_spec, -group, 1
         if "custom_mask" in kw:  # refused: the kernel would spill
             with pytest.raises(ValueError, match="up to head_dim 128 without a custom mask"):
                 spec_of("bfloat16", "bfloat16", 64, 128, custom_mask=True, warp_rows=warp_rows)
             return
-        monkeypatch.setattr(prefill, "prefill_spec", lambda *a, **k: spec_of(
+        monkeypatch.setattr(prefill_launch, "prefill_spec", lambda *a, **k: spec_of(
             *a, **k, warp_rows=warp_rows if a[3] == 128 else 16))  # fmt: skip
-        monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
+        monkeypatch.setattr(prefill_launch, "pick_tile_rows", lambda cfg, qo_indptr, **_: 128)
     qo = np.array(qo)
     kv = qo + np.array(extra)
     hkv, d, page = 2, 64, 16

@@ -39,10 +39,10 @@ def expect_wgmma(kernel: str) -> bool:
 @pytest.fixture
 def kernel_choice(monkeypatch, request):
     kernel, tile_rows = request.param
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill_launch
 
     monkeypatch.setenv("RTCINFER_PREFILL_WGMMA", "1" if kernel == "wgmma" else "0")
-    monkeypatch.setattr(prefill, "pick_tile_rows", lambda cfg, qo_indptr, **_: tile_rows)
+    monkeypatch.setattr(prefill_launch, "pick_tile_rows", lambda cfg, qo_indptr, **_: tile_rows)
     return kernel, tile_rows
 
 

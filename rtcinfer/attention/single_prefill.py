@@ -19,8 +19,8 @@ from ..interop.arrays import device_like, framework, torch_compiling
 from ..jit import device_limits
 from ..launch import zero_fill
 from .paged_kv import check_cache_view, check_layout, token_head
-from .prefill import make_prefill_config, plan_launch
-from .prefill_args import check_backend, io_fields
+from .prefill_args import check_backend, io_fields, make_prefill_config
+from .prefill_launch import plan_launch
 from .prefill_plan import ITEM_INTS, RAGGED_PAGE, items_at, pack_plan
 from .workspace import device_copy, split_scratch
 

@@ -1,0 +1,113 @@
+"""A batch prefill plan's kernel and launch: the tile rows for a batch, the kernel of a
+configuration and tile (warpgroup MMAs where the device has them), and plan_launch, which
+plans the work and fills every launch field the plan and configuration fix (attention/prefill.py
+adds the arrays' and the workspace's)."""
+
+from __future__ import annotations
+
+from ..jit import device_arch
+from ..launch import Launch
+from ..plan import prefill as planner
+from ..plan.prefill import PrefillPlan, TilePlan
+from .decode_kernel import fast_div
+from .prefill_args import PrefillConfig
+from .prefill_kernel import kernel, prefill_spec, use_wgmma
+from .prefill_plan import RAGGED_PAGE
+
+MAX_GRID_Y = 65535
+
+
+def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
+    """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on)."""
+    attn = cfg.attn
+    queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
+    return planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+
+
+def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
+    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
+    a = cfg.attn
+    return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
+
+
+def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool):
+    """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
+    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles."""
+    attn = cfg.attn
+    wgmma = wgmma and tile_rows in (64, 128)
+    spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
+                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
+                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
+                        wgmma=wgmma)  # fmt: skip
+    k = kernel(spec)
+    return k, max(1, k.occupancy(device, spec.threads))
+
+
+def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
+                  tile_rows: int | None = None):  # fmt: skip
+    """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
+    asked once per configuration: `kernels` is a wrapper's cache, emptied when its
+    configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
+    if None not in kernels:
+        kernels[None] = wgmma_on(cfg, device)
+    if tile_rows not in kernels:
+        kernels[tile_rows] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None])
+    return kernels[tile_rows]
+
+
+def plan_launch(
+    cfg: PrefillConfig, qo_indptr, kv_len, device: int, limits: tuple, fixed_split_size=None,
+    disable_split_kv=False, tile_rows=None, max_work=None, device_items=False, kernels=None,
+    keep=None,
+) -> tuple[Launch, PrefillPlan | TilePlan]:  # fmt: skip
+    """The kernel, the work plan of (qo_indptr, kv_len) and its launch with every field that
+    depends only on them and the configuration filled (the plan's regions and the arrays'
+    pointers and strides are the caller's). A CUDA-graph capacity fixes tile_rows and the
+    grid (max_work items; those past the plan's count exit at once). `device_items`: a plan
+    without split KV comes as a TilePlan, its items to be expanded on the device. `kernels`:
+    a wrapper's cache of the configuration's choices (chosen_kernel). `keep(kernel, grid)`: a
+    launch to keep instead of a new one, or None (PlannedWrapper._kept_launch)."""
+    attn = cfg.attn
+    num_sms, max_smem = limits
+    group = attn.group_size
+    kernels = {} if kernels is None else kernels
+    wgmma = chosen_kernel(kernels, cfg, device, max_smem)
+    if tile_rows is None:
+        tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
+    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows)
+    spec = k.spec
+    if fixed_split_size is not None and int(fixed_split_size) == -1:
+        fixed_split_size = None
+    tiles = plan = None
+    if device_items:
+        tiles = planner.tile_counts(qo_indptr, kv_len, group, tile_rows)
+        if planner.fills_gpu(tiles, attn.num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+                     max_work=max_work):  # fmt: skip
+            plan = tiles
+    plan = plan or planner.plan_prefill(
+        qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
+        ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
+        page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
+        tile_rows=tile_rows, fixed_split_size=fixed_split_size,
+        disable_split_kv=disable_split_kv, max_work=max_work, tiles=tiles,
+    )  # fmt: skip
+    items = plan.num_work if max_work is None else max_work
+    if items > MAX_GRID_Y:
+        raise ValueError(
+            f"{items} work items exceed the grid limit ({MAX_GRID_Y}): plan the batch in parts "
+            "or use a larger fixed_split_size"
+        )
+    grid = (attn.num_kv_heads, items, 1)
+    if keep is not None and (kept := keep(k, grid)) is not None:
+        return kept, plan
+    launch = Launch(k, grid, (spec.threads, 1, 1))
+    p = launch.params
+    p.num_qo_heads, p.group_size, p.page_size = attn.num_qo_heads, group, attn.page_size
+    p.div_magic, p.div_shift = fast_div(attn.page_size)
+    p.group_magic, p.group_shift = fast_div(group)
+    p.window_left, p.soft_cap = attn.window_left, attn.logits_soft_cap
+    return launch, plan
+
+
+__all__ = ["MAX_GRID_Y", "chosen_kernel", "kernel_for", "pick_tile_rows", "plan_launch", "wgmma_on"]
