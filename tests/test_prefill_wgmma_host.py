@@ -10,7 +10,7 @@ import pytest
 
 from rtcinfer.attention.prefill_kernel import prefill_spec, use_wgmma
 
-from .fakes import fake_gpu, planning_without_a_gpu
+from .fakes import fake_gpu, packing_upload, planning_without_a_gpu
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    planning_without_a_gpu(monkeypatch, regions, packing_upload)
     fake_gpu(monkeypatch, compute_capability=cc)
     monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
@@ -101,7 +101,7 @@ def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, lambda self, fill, stream: None)
+    planning_without_a_gpu(monkeypatch, regions, packing_upload)
     monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
     monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from .paged_kv import (
 from .planned import (
     PlannedWrapper,
     host_ints,
+    kept_fill,
     run_outputs,
     weak_hooks,
     write_run_arguments,
@@ -241,13 +243,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         partials = sizes[1] if self._graph or plan.split_kv else 0  # a graph may split later
         capacity = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
         packed = []
-
-        def fill(buf):
-            n = pack_plan(buf, plan, kv_indptr, kv_indices, cfg.head_dim, freq)
-            packed.append(buf[:n])
-            return n
-
-        regions = self._upload(capacity, fill)
+        fill = partial(pack_plan, plan=plan, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                       head_dim=cfg.head_dim, freq=freq)  # fmt: skip
+        regions = self._upload(capacity, kept_fill(fill, packed))
         pointers = tuple(regions[r] for r in ("plan", "o", "lse", "counters"))
         items = self._max_work if self._graph else plan.num_work
         variant = spec  # a graph keeps one kernel

@@ -61,6 +61,18 @@ def host_ints(name: str, x, widen: bool = True) -> np.ndarray:
     return as_int_array(name, x, widen=widen)
 
 
+def kept_fill(fill: Callable, kept: list) -> Callable:
+    """An upload's fill(buf) -> ints that also appends the ints it wrote (a view of the upload's
+    host buffer, valid until the next-but-one upload) to `kept`: what plan_array() copies."""
+
+    def fill_and_keep(buf):
+        n = fill(buf)
+        kept.append(buf[:n])
+        return n
+
+    return fill_and_keep
+
+
 def weak_hooks(wrapper) -> tuple[Callable, Callable]:
     """(on_trace, preload) of a prepared run() that holds its wrapper weakly: a JAX trace
     switches the wrapper to synchronized plans; preload loads the current launch's kernel."""

@@ -32,7 +32,14 @@ from ..plan.prefill import PrefillPlan, TilePlan
 from . import prefill_launch as launches
 from .decode_kernel import Config, kv_scales
 from .paged_kv import cache_views, check_cache_view, kv_pair, kv_storage, page_table_ids, token_head
-from .planned import PlannedWrapper, host_ints, run_outputs, weak_hooks, write_run_arguments
+from .planned import (
+    PlannedWrapper,
+    host_ints,
+    kept_fill,
+    run_outputs,
+    weak_hooks,
+    write_run_arguments,
+)
 from .prefill_args import (
     PrefillConfig,
     check_backend,
@@ -41,6 +48,7 @@ from .prefill_args import (
     mask_capacity_bytes,
     unsupported,
 )
+from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
@@ -53,9 +61,11 @@ class _Launch:
     nnz_q: int  # rows of q and o
     num_kv_rows: int  # ragged: keys the k and v arrays must hold; paged: largest page id + 1
     plan: PrefillPlan | TilePlan  # its lengths: cascade levels weigh their work by them
+    packed: np.ndarray  # what the upload wrote (a view of its host buffer: plan_array())
+    device_mask: bool  # a custom mask copied into the plan region on the device
 
 
-class _PrefillWrapper(PlannedWrapper):
+class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
     """What the ragged and paged prefill wrappers share: plan() from (qo_indptr, kv_len,
     page list) and run() on (q, K view, V view). A subclass gives _check_kv(cfg, k, v) and
     _kv_fields(k, v, attn) for its cache form.
@@ -67,7 +77,9 @@ class _PrefillWrapper(PlannedWrapper):
     its grid and the workspace layout stay fixed, so a graph captured around run() replays
     correctly after later plans. A custom mask travels in the workspace, at a fixed place:
     custom_mask_buf's size (bytes) is the room for it, else the first masked plan's
-    (FlashInfer's mask_indptr_buf is accepted and not needed: the offsets travel in the plan)."""
+    (FlashInfer's mask_indptr_buf is accepted and not needed: the offsets travel in the plan).
+    Such a wrapper also gives each plan as an array for run(plan_array=...)
+    (attention/prefill_array.py)."""
 
     RUN_SLOTS = ("q", "k", "v", "out", "lse")
     RUN_GIVEN = ("out", "lse")
@@ -79,6 +91,7 @@ class _PrefillWrapper(PlannedWrapper):
         self._mask = None  # what keeps the plan's packed custom mask alive
         self._mask_bytes = mask_capacity_bytes(custom_mask_buf)
         self._fixed: GraphCapacity | None = None
+        self._init_plan_arrays()
         if self._graph:
             if qo_indptr_buf is None:
                 raise ValueError(
@@ -127,7 +140,9 @@ class _PrefillWrapper(PlannedWrapper):
         in_plan = mask is not None and (mask.host is not None or self._graph)
         fill, after = plan_writers(plan, capacity, cfg, qo_indptr, first_page, page_ids, mask,
                                    in_plan, self._device)  # fmt: skip
-        regions = self._upload(capacity, fill, after)
+        self._check_array_rows(num_kv_rows)
+        packed = []
+        regions = self._upload(capacity, kept_fill(fill, packed), after)
         p = launch.params
         with launch.lock:  # a reused launch (the last plan's) may be launching in a run()
             p.plan, p.partial_o = regions["plan"], regions["o"]
@@ -135,7 +150,8 @@ class _PrefillWrapper(PlannedWrapper):
             if mask is not None:
                 p.mask = regions["plan"] + 4 * capacity.mask_at if in_plan else mask.device
                 self._mask = mask.keep  # a device mask read in place (or copied) stays alive
-        self._launch = _Launch(launch, cfg, rows, num_kv_rows, plan)
+        device_mask = mask is not None and mask.host is None
+        self._launch = _Launch(launch, cfg, rows, num_kv_rows, plan, packed[0], device_mask)
 
     def _graph_capacity(self, cfg, qo_indptr, num_pages: int, mask) -> GraphCapacity:
         """The fixed capacity of a CUDA-graph wrapper for this plan (set by the first plan of
@@ -177,7 +193,9 @@ class _PrefillWrapper(PlannedWrapper):
             )
         return fixed
 
-    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None):
+        if plan_array is not None:
+            return self._run_array(q, k, v, plan_array, out, lse, return_lse, k_scale, v_scale)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
@@ -292,9 +310,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                    int(kv[-1]))  # fmt: skip
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
-            enable_pdl=None):  # fmt: skip
-        """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse)."""
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+            enable_pdl=None, plan_array=None):  # fmt: skip
+        """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse); plan_array:
+        a plan_array() on the device, read instead of the latest plan (prefill_array.py)."""
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array)
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
@@ -367,11 +386,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                    fixed_split_size, disable_split_kv, max_page + 1)  # fmt: skip
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None):  # fmt: skip
+            return_lse=False, enable_pdl=None, plan_array=None):  # fmt: skip
         """o [nnz_q, Hq, D] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
-        batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND."""
+        batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND; plan_array: a
+        plan_array() on the device (prefill_array.py)."""
         k, v = kv_pair(paged_kv_cache)
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array)
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn

@@ -11,6 +11,13 @@ from .prefill_items import ItemsLayout, expand_items, pack_requests
 from .prefill_plan import Capacity, items_at, pack_plan
 
 
+def items_layout(plan: TilePlan, capacity: Capacity, cfg) -> ItemsLayout:
+    """What the expansion of a TilePlan's items needs besides its requests table."""
+    attn = cfg.attn
+    return ItemsLayout(plan.batch_size, plan.tile_rows, attn.group_size, items_at(attn.head_dim),
+                       capacity.requests_at, cfg.causal, attn.window_left)  # fmt: skip
+
+
 def plan_writers(plan, capacity: Capacity, cfg, qo_indptr, first_page, page_ids, mask,
                  mask_in_plan: bool, device: int) -> tuple:  # fmt: skip
     """(fill(buf) -> ints written, after(regions, stream) or None) for PlannedWrapper._upload:
@@ -36,9 +43,7 @@ def plan_writers(plan, capacity: Capacity, cfg, qo_indptr, first_page, page_ids,
 
         return fill, copy_mask
 
-    layout = ItemsLayout(plan.batch_size, plan.tile_rows, attn.group_size,
-                         items_at(attn.head_dim), capacity.requests_at, cfg.causal,
-                         attn.window_left)  # fmt: skip
+    layout = items_layout(plan, capacity, cfg)
 
     def fill(buf):
         return pack_requests(buf, plan, qo_indptr, first_page, page_ids, attn.head_dim,
@@ -53,4 +58,4 @@ def plan_writers(plan, capacity: Capacity, cfg, qo_indptr, first_page, page_ids,
     return fill, after
 
 
-__all__ = ["plan_writers"]
+__all__ = ["items_layout", "plan_writers"]
