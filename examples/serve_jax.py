@@ -1,11 +1,12 @@
 """serve_torch.py's serving loop in JAX (needs a CUDA GPU and jax[cuda13] or jax[cuda12]): the
 same Llama-style decoder and request stream, each model pass one jax.jit step with rtcinfer's
 norms, RoPE, append (the donated caches updated in place), paged prefill or batch decode, and
-greedy top_k_top_p_sampling_from_logits. plan() runs on host arrays before each step and
-reaches the compiled step as data: the decode plan as an array (plan_array(), sent with the
-step's other tables), so XLA launches every op of a decode step itself, with no Python and no
-host wait; a step is traced once per shape (batch size, prompt tokens), and a second pass over
-the same stream, with fresh page tables, traces nothing new.
+greedy top_k_top_p_sampling_from_logits. plan() runs on host arrays before each step and its
+plan reaches the compiled step as an array (plan_array(), sent with the step's other tables),
+so XLA launches every op of a step itself, with no Python and no host wait. A prefill step
+takes PREFILL_ROWS query rows, the prompts' tokens then padding (a request with no keys in the
+plan, batch index -1 for the append, which skips it); a step is traced once per batch size, and
+a second pass over the same stream, with fresh page tables, traces nothing new.
 
 The check: a pure-JAX dense version of the model (float32 attention, no cache, one jitted
 function over sequences padded to a fixed length) recomputes every emitted token's logits from
@@ -30,6 +31,7 @@ from serving import EPS, HIDDEN, HKV, HQ, INTER, LAYERS, PAGE, PAGES, THETA, VOC
 import rtcinfer  # noqa: E402
 
 MAX_LEN = 512  # the reference's padded sequence length
+PREFILL_ROWS = 512  # a prefill step's query rows: its prompts' tokens, then padding
 bf16 = jnp.bfloat16
 
 
@@ -42,7 +44,11 @@ def decode_wrapper(max_batch: int, max_pages: int):
     )  # fmt: skip
 
 
-prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()  # one per model, re-planned each step
+prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(  # fixed capacity: plans as arrays
+    use_cuda_graph=True,
+    qo_indptr_buf=np.zeros(len(serving.REQUESTS) + 2, np.int32),
+    paged_kv_indices_buf=np.zeros(PAGES, np.int32),
+)  # the prompts and the padding request
 decode = decode_wrapper(len(serving.REQUESTS), PAGES)
 traces = {"prefill": 0, "decode": 0}
 last_decode = []  # the latest decode step's tables and sizes (step_split)
@@ -153,7 +159,8 @@ def unpack(packed, sizes):
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def prefill_step(model, caches, tables, sizes):
     traces["prefill"] += 1  # runs when JAX traces, not when the compiled step runs
-    return forward(model, caches, *unpack(tables, sizes), paged(prefill))
+    *tables, plan = unpack(tables, sizes)  # the plan array last
+    return forward(model, caches, *tables, paged(prefill, plan))
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
@@ -182,8 +189,15 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     tables = (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last, st.ends)
     if phase == "prefill":
         step = prefill_step
-        prefill.plan(st.qo_indptr, st.indptr, st.indices, st.last, HQ, HKV, D, PAGE,
-                     causal=True, q_data_type=bf16)  # fmt: skip
+        pad = PREFILL_ROWS - len(st.tokens)
+        assert pad >= 0, f"{len(st.tokens)} prompt tokens in one step: raise PREFILL_ROWS"
+        fills = zip(tables[:3], (0, 0, -1), strict=True)  # tokens, positions, batch indices
+        tables = (*[np.pad(t, (0, pad), constant_values=c) for t, c in fills], *tables[3:])
+        # the padding rows: one more request, with no keys (its rows are not attended)
+        prefill.plan(np.append(st.qo_indptr, PREFILL_ROWS), np.append(st.indptr, st.indptr[-1]),
+                     st.indices, np.append(st.last, 0), HQ, HKV, D, PAGE, causal=True,
+                     q_data_type=bf16)  # fmt: skip
+        tables += (prefill.plan_array(),)
     elif plain_jax:
         step = decode_step_plain_jax
     else:
