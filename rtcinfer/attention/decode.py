@@ -159,7 +159,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
         self._launch: _Launch | None = None
-        self._init_plan_arrays()
         self._tc = None  # use_tensor_cores: the prefill wrapper that serves plan() and run()
         if use_tensor_cores:
             self._tc = BatchPrefillWithPagedKVCacheWrapper(
@@ -283,19 +282,18 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         plan_array: a plan_array() on the device, read instead of the wrapper's latest plan
         (which must have the same configuration); q may then have more rows than its batch.
         """
-        if plan_array is not None:
-            return self._run_array(q, paged_kv_cache, plan_array, q_scale, k_scale, v_scale,
-                                   out, lse, return_lse, window_left)  # fmt: skip
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+            if plan_array is not None:
+                raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
             from .. import torch_attention
 
             k, v = kv_pair(paged_kv_cache)
             return torch_attention.run(self, q, k, v, out, lse, return_lse, q_scale, k_scale,
                                        v_scale, window_left)  # fmt: skip
+        st = self._array_launch() if plan_array is not None else self._launch
         if self._tc is not None:
             return self._run_tensor_cores(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
                                           return_lse, window_left)  # fmt: skip
-        st = self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
         if window_left is not None and window_left != st.cfg.window_left:
@@ -307,7 +305,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         with_lse = return_lse or lse is not None
         qk, vs = kv_scales(k_scale, v_scale, q_scale)
         scalars = (st.cfg.sm_scale * qk, vs)
-        result = self._call((q, k, v, out, lse), (st.cfg, st.batch, with_lse), scalars)
+        if plan_array is None:
+            result = self._call((q, k, v, out, lse), (st.cfg, st.batch, with_lse), scalars)
+        else:
+            result = self._call_array((q, k, v, out, lse, plan_array), with_lse, scalars)
         if return_lse:
             return result
         return result[0] if with_lse else result

@@ -19,34 +19,26 @@ cannot refuse): rows of o past the plan's batch are not written.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
-from ..interop import Op, OutSlot, Prepared, call, release
-from ..interop.arrays import torch_compiling
+from ..interop import OutSlot, Prepared, call
 from ..interop.dtypes import itemsize
-from ..launch import Launch, zero_fill
-from .decode_kernel import THREADS, kernel, kv_scales
+from ..launch import Launch
+from .decode_kernel import THREADS, kernel
 from .decode_plan import Capacity
 from .decode_run import check_run_arrays, run_fields
-from .paged_kv import cache_views, kv_pair
-from .planned import run_outputs, weak_method
+from .paged_kv import cache_views
+from .planned import plan_array_of, plan_array_run, run_outputs
 
-SLOTS = ("q", "paged_kv_cache", "v_cache", "out", "lse", "plan_array")
-PLAN = SLOTS.index("plan_array")
+SLOTS = ("q", "paged_kv_cache", "v_cache", "out", "lse", "plan_array")  # planned.plan_array_run's
 
 
 class PlanArrays:
     """plan_array() and run(plan_array=...) of the batch decode wrapper (a mixin of
     BatchDecodeWithPagedKVCacheWrapper: its _graph, _tc, _launch, _ws, _kernel, _kv_layout)."""
 
-    def _init_plan_arrays(self) -> None:
-        self._array_pages = None  # the fewest cache pages a run(plan_array=) was prepared with
-        self._array_op = Op(f"{type(self).__name__}.run", SLOTS,
-                            weak_method(self, "_prepare_array_run"),
-                            given=("out", "lse"))  # fmt: skip
-        weakref.finalize(self, release, self._array_op)
+    ARRAY_SLOTS = SLOTS
+    _array_pages = None  # the fewest cache pages a run(plan_array=) was prepared with
 
     @property
     def plan_array_size(self) -> int:
@@ -57,19 +49,7 @@ class PlanArrays:
         """The latest plan as an int32 host array of plan_array_size ints (its packed plan, then
         zeros), written into `out` (a NumPy int32 array of that length) when given: what
         run(plan_array=...) reads, once on the device (attention/decode_array.py)."""
-        packed = self._array_launch().packed
-        size = self.plan_array_size
-        if out is None:
-            out = np.zeros(size, np.int32)
-        elif not isinstance(out, np.ndarray) or out.shape != (size,) or out.dtype != np.int32:
-            raise ValueError(
-                f"out: expected a NumPy int32 array of shape ({size},), got "
-                f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
-            )
-        else:
-            out[packed.shape[0] :] = 0
-        out[: packed.shape[0]] = packed
-        return out
+        return plan_array_of(self._array_launch().packed, self.plan_array_size, out)
 
     def _array_launch(self):
         if not self._graph or self._tc is not None:
@@ -86,25 +66,11 @@ class PlanArrays:
         self._array_launch()
         return self._ws.capacity
 
-    def _run_array(self, q, paged_kv_cache, plan_array, q_scale, k_scale, v_scale, out, lse,
-                   return_lse, window_left):  # fmt: skip
-        st = self._array_launch()
-        if torch_compiling(q):
-            raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
-        if window_left is not None and window_left != st.cfg.window_left:
-            raise ValueError(
-                f"run(window_left={window_left!r}) differs from the plan's window_left "
-                f"({st.cfg.window_left}): pass None or plan() again"
-            )
-        k, v = kv_pair(paged_kv_cache)
-        with_lse = return_lse or lse is not None
-        qk, vs = kv_scales(k_scale, v_scale, q_scale)
+    def _call_array(self, arrays: tuple, with_lse: bool, scalars: tuple):
+        """run(plan_array=...)'s call: arrays (q, k, v, out, lse, plan_array)."""
+        st = self._launch
         static = (st.cfg, self._kernel[0], self._ws.capacity, with_lse)
-        result = call(self._array_op, (q, k, v, out, lse, plan_array), static,
-                      (st.cfg.sm_scale * qk, vs))  # fmt: skip
-        if return_lse:
-            return result
-        return result[0] if with_lse else result
+        return call(self._array_op, arrays, static, scalars)
 
     def _prepare_array_run(self, infos, align, static) -> Prepared:
         """run(plan_array=...)'s launch (decode_array.py); the cache bounds later page ids."""
@@ -151,25 +117,15 @@ def prepare(infos, static, kv_layout: str) -> Prepared:
     empty = q.size == 0
     for name, value in ({} if empty else run_fields(q, k, v, out, lse, kv_layout, cfg)).items():
         setattr(p, name, value)
-    five_d = v is None
-    v_offset = cache_views(k, v, kv_layout, itemsize(k.dtype))[1].offset
-    first = len(SLOTS)  # o, then lse, then the scratch
-    at = first + len(outs)
-
-    def run(stream, device, ptrs, scalars):
-        if empty:
-            return
-        with launch.lock:
-            p.q, p.k_cache, p.o, p.plan = ptrs[0], ptrs[1], ptrs[first], ptrs[PLAN]
-            p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
-            p.lse = ptrs[first + 1] if with_lse else 0
-            p.counters, p.partial_o = ptrs[at], ptrs[at + 1]
-            p.partial_lse = ptrs[at + 1] + 4 * partial_rows * d
-            p.qk_scale, p.v_scale = scalars
-            zero_fill(p.counters, counters, stream)
-            launch(stream, device)
-
+    v_offset = cache_views(k, v, kv_layout, itemsize(k.dtype))[1].offset if v is None else None
+    run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * partial_rows * d, counters)
+    if empty:
+        run = _nothing
     return Prepared((*outs, *scratch), run, preload=launch.preload, scratch=len(scratch))
 
 
-__all__ = ["PLAN", "SLOTS", "PlanArrays", "prepare"]
+def _nothing(stream, device, ptrs, scalars) -> None:
+    """The run of an empty q: nothing to write."""
+
+
+__all__ = ["SLOTS", "PlanArrays", "prepare"]

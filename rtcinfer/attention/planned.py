@@ -36,7 +36,7 @@ import numpy as np
 from .. import gpu
 from ..interop import Op, OutSlot, as_cupy, call, release
 from ..interop.arrays import device_of, to_numpy
-from ..launch import is_capturing, record_event, wait_event
+from ..launch import is_capturing, record_event, wait_event, zero_fill
 from ..plan._checks import as_int_array
 from .paged_kv import check_layout
 from .workspace import Workspace
@@ -71,6 +71,48 @@ def kept_fill(fill: Callable, kept: list) -> Callable:
         return n
 
     return fill_and_keep
+
+
+def plan_array_of(packed: np.ndarray, size: int, out=None) -> np.ndarray:
+    """A plan array (attention/decode_array.py): the packed plan's ints, then zeros to `size`,
+    in `out` (a NumPy int32 array of that length) when given, else in a new array."""
+    if out is None:
+        out = np.zeros(size, np.int32)
+    elif not isinstance(out, np.ndarray) or out.shape != (size,) or out.dtype != np.int32:
+        raise ValueError(
+            f"out: expected a NumPy int32 array of shape ({size},), got "
+            f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
+        )
+    else:
+        out[packed.shape[0] :] = 0
+    out[: packed.shape[0]] = packed
+    return out
+
+
+def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse_at: int,
+                   counters: int, mask_at: int | None = None) -> Callable:  # fmt: skip
+    """run(stream, device, ptrs, scalars) of an attention launch on a plan array (decode and
+    prefill share the parameter fields): slots q, k, v, out, lse, plan_array, then the
+    outputs from `first`: o, lse (with_lse), int32 merge counters (`counters` of them, zeroed
+    first), float32 partials (o rows, then LSE at byte `lse_at`). V is K + v_offset bytes for
+    a 5-D cache (None: the v slot); the custom mask at byte `mask_at` of the plan, if any."""
+    p = launch.params
+    at = first + (2 if with_lse else 1)
+
+    def run(stream, device, ptrs, scalars):
+        with launch.lock:
+            p.q, p.k_cache, p.o, p.plan = ptrs[0], ptrs[1], ptrs[first], ptrs[5]
+            p.v_cache = ptrs[1] + v_offset if v_offset is not None else ptrs[2]
+            p.lse = ptrs[first + 1] if with_lse else 0
+            p.counters, p.partial_o = ptrs[at], ptrs[at + 1]
+            p.partial_lse = ptrs[at + 1] + lse_at
+            if mask_at is not None:
+                p.mask = ptrs[5] + mask_at
+            p.qk_scale, p.v_scale = scalars
+            zero_fill(p.counters, counters, stream)
+            launch(stream, device)
+
+    return run
 
 
 def weak_hooks(wrapper) -> tuple[Callable, Callable]:
@@ -150,11 +192,13 @@ def live_wrapper(number: int):
 
 class PlannedWrapper:
     """The shared plan()/run() machinery (module docstring). RUN_SLOTS and RUN_GIVEN are the
-    subclass's run() array slots and the ones that hold caller-given outputs. Each wrapper has
-    a registry number (live_wrapper) by which a torch.compile graph names it."""
+    subclass's run() array slots and the ones that hold caller-given outputs; ARRAY_SLOTS
+    those of its run(plan_array=...) (plan_array_run's order), if it has one. Each wrapper
+    has a registry number (live_wrapper) by which a torch.compile graph names it."""
 
     RUN_SLOTS: Sequence[str] = ()
     RUN_GIVEN: Sequence[str] = ()
+    ARRAY_SLOTS: Sequence[str] = ()  # run(plan_array=...)'s slots, where a subclass has it
 
     def __init__(self, workspace=None, kv_layout: str = "NHD", use_cuda_graph: bool = False):
         check_layout(kv_layout)
@@ -175,6 +219,11 @@ class PlannedWrapper:
         self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
                       weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
         weakref.finalize(self, release, self._op)
+        if self.ARRAY_SLOTS:  # run(plan_array=...)'s op (a subclass's _prepare_array_run)
+            self._array_op = Op(f"{type(self).__name__}.run", self.ARRAY_SLOTS,
+                                weak_method(self, "_prepare_array_run"),
+                                given=self.RUN_GIVEN)  # fmt: skip
+            weakref.finalize(self, release, self._array_op)
         self._number = next(_NUMBERS)
         _LIVE[self._number] = self
 

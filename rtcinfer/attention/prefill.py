@@ -43,6 +43,7 @@ from .planned import (
 from .prefill_args import (
     PrefillConfig,
     check_backend,
+    check_query,
     io_fields,
     make_prefill_config,
     mask_capacity_bytes,
@@ -91,7 +92,6 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         self._mask = None  # what keeps the plan's packed custom mask alive
         self._mask_bytes = mask_capacity_bytes(custom_mask_buf)
         self._fixed: GraphCapacity | None = None
-        self._init_plan_arrays()
         if self._graph:
             if qo_indptr_buf is None:
                 raise ValueError(
@@ -194,20 +194,23 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         return fixed
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None):
-        if plan_array is not None:
-            return self._run_array(q, k, v, plan_array, out, lse, return_lse, k_scale, v_scale)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+            if plan_array is not None:
+                raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
             from .. import torch_attention
 
             return torch_attention.run(self, q, k, v, out, lse, return_lse, None, k_scale,
                                        v_scale)  # fmt: skip
-        st = self._launch
+        st = self._array_launch() if plan_array is not None else self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
         with_lse = return_lse or lse is not None
         qk, vs = kv_scales(k_scale, v_scale)
         scalars = (st.cfg.attn.sm_scale * qk, vs)
-        result = self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
+        if plan_array is None:
+            result = self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
+        else:
+            result = self._call_array((q, k, v, out, lse, plan_array), with_lse, scalars)
         if return_lse:
             return result
         return result[0] if with_lse else result
@@ -226,12 +229,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         cfg, nnz_q, with_lse = static
         attn = cfg.attn
         q, k, v, out, lse = infos
-        o_shape = (nnz_q, attn.num_qo_heads, attn.head_dim)
-        if q.shape != o_shape or q.dtype != attn.q_dtype:
-            raise ValueError(
-                f"q: expected shape {o_shape} and dtype {attn.q_dtype} (the plan), "
-                f"got {q.shape} and {q.dtype}"
-            )
+        o_shape = check_query(q, nnz_q, attn)
         self._check_kv(cfg, k, v)
         outs = run_outputs(out, lse, o_shape, attn.o_dtype, with_lse)
         empty = q.size == 0

@@ -64,6 +64,17 @@ def mask_capacity_bytes(custom_mask_buf) -> int | None:
     return int(np.prod(custom_mask_buf.shape))
 
 
+def check_query(q, rows: int, attn) -> tuple:
+    """q [rows, Hq, D] of the plan's dtype; returns that shape (o's)."""
+    shape = (rows, attn.num_qo_heads, attn.head_dim)
+    if q.shape != shape or q.dtype != attn.q_dtype:
+        raise ValueError(
+            f"q: expected shape {shape} and dtype {attn.q_dtype} (the plan), "
+            f"got {q.shape} and {q.dtype}"
+        )
+    return shape
+
+
 def io_fields(q, out, lse, attn) -> dict:
     """Strides (elements) of q, o and lse, checked; out and lse may be None (dense outputs);
     attn: the plan's Config (head counts, head_dim)."""
@@ -89,4 +100,11 @@ def io_fields(q, out, lse, attn) -> dict:
                 o_stride_h=o_strides[1], lse_stride_n=lse_strides[0])  # fmt: skip
 
 
-__all__ = ["BACKENDS", "check_backend", "io_fields", "mask_capacity_bytes", "unsupported"]
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "check_query",
+    "io_fields",
+    "mask_capacity_bytes",
+    "unsupported",
+]

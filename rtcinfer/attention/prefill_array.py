@@ -18,22 +18,19 @@ with bound the key rows (ragged) or page ids (paged) later plans may read.
 from __future__ import annotations
 
 import ctypes
-import weakref
 
 import numpy as np
 
-from ..interop import Op, OutSlot, Prepared, call, release
-from ..interop.arrays import torch_compiling
-from ..launch import Launch, zero_fill
+from ..interop import OutSlot, Prepared, call
+from ..launch import Launch
 from ..plan.prefill import TilePlan
-from .decode_kernel import kv_scales
 from .paged_kv import cache_views
-from .planned import run_outputs, weak_method
+from .planned import plan_array_of, plan_array_run, run_outputs
+from .prefill_args import check_query
 from .prefill_items import expand_items_host
 from .prefill_upload import items_layout
 
-SLOTS = ("q", "k", "v", "out", "lse", "plan_array")
-PLAN = SLOTS.index("plan_array")
+SLOTS = ("q", "k", "v", "out", "lse", "plan_array")  # planned.plan_array_run's
 
 
 class PrefillPlanArrays:
@@ -41,12 +38,8 @@ class PrefillPlanArrays:
     attention/prefill.py's _PrefillWrapper: its _graph, _fixed, _launch, _kv_layout,
     _check_kv, _run_fields)."""
 
-    def _init_plan_arrays(self) -> None:
-        self._array_rows = None  # the fewest key rows / pages a run(plan_array=) was made for
-        self._array_op = Op(f"{type(self).__name__}.run", SLOTS,
-                            weak_method(self, "_prepare_array_run"),
-                            given=("out", "lse"))  # fmt: skip
-        weakref.finalize(self, release, self._array_op)
+    ARRAY_SLOTS = SLOTS
+    _array_rows = None  # the fewest key rows / pages a run(plan_array=) was made for
 
     @property
     def plan_array_size(self) -> int:
@@ -64,17 +57,7 @@ class PrefillPlanArrays:
                 "plan arrays carry a custom mask given to plan() as a host array; this plan's "
                 "mask is on the device"
             )
-        size = self.plan_array_size
-        if out is None:
-            out = np.zeros(size, np.int32)
-        elif not isinstance(out, np.ndarray) or out.shape != (size,) or out.dtype != np.int32:
-            raise ValueError(
-                f"out: expected a NumPy int32 array of shape ({size},), got "
-                f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
-            )
-        else:
-            out[st.packed.shape[0] :] = 0
-        out[: st.packed.shape[0]] = st.packed
+        out = plan_array_of(st.packed, self.plan_array_size, out)
         if isinstance(st.plan, TilePlan):  # the items plan() has the device expand
             expand_items_host(out, items_layout(st.plan, self._fixed.capacity, st.cfg))
         return out
@@ -97,18 +80,11 @@ class PrefillPlanArrays:
                 f"prepared with a cache of {self._array_rows}"
             )
 
-    def _run_array(self, q, k, v, plan_array, out, lse, return_lse, k_scale, v_scale):
-        st = self._array_launch()
-        if torch_compiling(q):
-            raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
-        with_lse = return_lse or lse is not None
-        qk, vs = kv_scales(k_scale, v_scale)
-        static = (st.cfg, st.nnz_q, self._fixed.capacity, with_lse)
-        result = call(self._array_op, (q, k, v, out, lse, plan_array), static,
-                      (st.cfg.attn.sm_scale * qk, vs))  # fmt: skip
-        if return_lse:
-            return result
-        return result[0] if with_lse else result
+    def _call_array(self, arrays: tuple, with_lse: bool, scalars: tuple):
+        """run(plan_array=...)'s call: arrays (q, k, v, out, lse, plan_array)."""
+        st = self._launch
+        return call(self._array_op, arrays, (st.cfg, st.nnz_q, self._fixed.capacity, with_lse),
+                    scalars)  # fmt: skip
 
     def _prepare_array_run(self, infos, align, static) -> Prepared:
         """run(plan_array=...)'s launch: the configuration's (a copy of the graph launch's
@@ -118,12 +94,7 @@ class PrefillPlanArrays:
         attn = cfg.attn
         q, k, v, out, lse, plan = infos
         st = self._launch
-        o_shape = (nnz_q, attn.num_qo_heads, attn.head_dim)
-        if q.shape != o_shape or q.dtype != attn.q_dtype:
-            raise ValueError(
-                f"q: expected shape {o_shape} and dtype {attn.q_dtype} (the plan), "
-                f"got {q.shape} and {q.dtype}"
-            )
+        o_shape = check_query(q, nnz_q, attn)
         self._check_kv(cfg, k, v)
         if plan.shape != (cap.plan_ints,) or plan.dtype != "int32":
             raise ValueError(
@@ -145,30 +116,20 @@ class PrefillPlanArrays:
         empty = q.size == 0
         for name, value in ({} if empty else self._run_fields(q, k, v, out, lse, attn)).items():
             setattr(p, name, value)
-        five_d = v is None
-        v_offset = cache_views(k, v, self._kv_layout, k.itemsize)[1].offset if five_d else 0
-        first = len(SLOTS)
-        at = first + len(outs)
+        v_offset = cache_views(k, v, self._kv_layout, k.itemsize)[1].offset if v is None else None
         mask_at = 4 * cap.mask_at if cfg.custom_mask else None
+        run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * rows * attn.head_dim,
+                             counters, mask_at)  # fmt: skip
+        if empty:
+            run = _nothing
         if self._array_rows is None or k.shape[0] < self._array_rows:
             self._array_rows = k.shape[0]
-
-        def run(stream, device, ptrs, scalars):
-            if empty:
-                return
-            with launch.lock:
-                p.q, p.k_cache, p.o, p.plan = ptrs[0], ptrs[1], ptrs[first], ptrs[PLAN]
-                p.v_cache = ptrs[1] + v_offset if five_d else ptrs[2]
-                p.lse = ptrs[first + 1] if with_lse else 0
-                p.counters, p.partial_o = ptrs[at], ptrs[at + 1]
-                p.partial_lse = ptrs[at + 1] + 4 * rows * attn.head_dim
-                if mask_at is not None:
-                    p.mask = ptrs[PLAN] + mask_at
-                p.qk_scale, p.v_scale = scalars
-                zero_fill(p.counters, counters, stream)
-                launch(stream, device)
 
         return Prepared((*outs, *scratch), run, preload=launch.preload, scratch=len(scratch))
 
 
-__all__ = ["PLAN", "SLOTS", "PrefillPlanArrays"]
+def _nothing(stream, device, ptrs, scalars) -> None:
+    """The run of an empty q: nothing to write."""
+
+
+__all__ = ["SLOTS", "PrefillPlanArrays"]
