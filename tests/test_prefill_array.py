@@ -115,3 +115,18 @@ def test_items_plan_expands_on_the_device_come_expanded(wrappers):
     a, region = w.plan_array(), packed["plan"]
     np.testing.assert_array_equal(a[: region.shape[0]], region)
     assert a[0] == w._launch.plan.num_work and a[: region.shape[0]].any()
+
+
+def test_a_padding_request_without_keys_fixes_the_rows(wrappers):
+    """serve_jax's prefill steps: each step's prompts, then a request of the padding rows with
+    no pages, so that every plan has the same query rows (the graph wrapper's first plan's)."""
+    prefill, _ = wrappers
+    w = _paged(prefill, batch=9, pages=512)
+    pages = np.arange(512, dtype=np.int32)
+    for prompts in ([37, 300], [5], [129, 64, 17]):
+        counts = [-(-n // 16) for n in prompts]
+        indptr = np.cumsum([0, *counts, 0])  # the padding request: no pages
+        last = [n - 16 * (c - 1) for n, c in zip(prompts, counts, strict=True)] + [0]
+        qo = np.append(np.cumsum([0, *prompts]), 512)
+        w.plan(qo, indptr, pages[: indptr[-1]], last, 8, 2, 128, 16, **KW)
+        assert w._launch.nnz_q == 512 and w.plan_array().shape == (w.plan_array_size,)
