@@ -38,7 +38,6 @@ class PlanArrays:
     BatchDecodeWithPagedKVCacheWrapper: its _graph, _tc, _launch, _ws, _kernel, _kv_layout)."""
 
     ARRAY_SLOTS = SLOTS
-    _array_pages = None  # the fewest cache pages a run(plan_array=) was prepared with
 
     @property
     def plan_array_size(self) -> int:
@@ -81,16 +80,15 @@ class PlanArrays:
                 f"indices holds page id {st.max_page}, but the cache has {num_pages} pages"
             )
         prep = prepare(infos, static, self._kv_layout)
-        if self._array_pages is None or num_pages < self._array_pages:
-            self._array_pages = num_pages
+        self._note_array_cache(num_pages)
         return prep
 
     def _check_array_pages(self, max_page: int) -> None:
         """plan(): page ids must lie in the caches run(plan_array=) was prepared with."""
-        if self._array_pages is not None and max_page >= self._array_pages:
+        if self._array_cache is not None and max_page >= self._array_cache:
             raise ValueError(
                 f"indices holds page id {max_page}, but run(plan_array=...) was prepared with a "
-                f"cache of {self._array_pages} pages"
+                f"cache of {self._array_cache} pages"
             )
 
 
@@ -118,14 +116,9 @@ def prepare(infos, static, kv_layout: str) -> Prepared:
     for name, value in ({} if empty else run_fields(q, k, v, out, lse, kv_layout, cfg)).items():
         setattr(p, name, value)
     v_offset = cache_views(k, v, kv_layout, itemsize(k.dtype))[1].offset if v is None else None
-    run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * partial_rows * d, counters)
-    if empty:
-        run = _nothing
+    run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * partial_rows * d, counters,
+                         empty=empty)  # fmt: skip
     return Prepared((*outs, *scratch), run, preload=launch.preload, scratch=len(scratch))
-
-
-def _nothing(stream, device, ptrs, scalars) -> None:
-    """The run of an empty q: nothing to write."""
 
 
 __all__ = ["SLOTS", "PlanArrays", "prepare"]

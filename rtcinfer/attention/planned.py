@@ -90,12 +90,16 @@ def plan_array_of(packed: np.ndarray, size: int, out=None) -> np.ndarray:
 
 
 def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse_at: int,
-                   counters: int, mask_at: int | None = None) -> Callable:  # fmt: skip
+                   counters: int, mask_at: int | None = None, empty: bool = False
+                   ) -> Callable:  # fmt: skip
     """run(stream, device, ptrs, scalars) of an attention launch on a plan array (decode and
     prefill share the parameter fields): slots q, k, v, out, lse, plan_array, then the
     outputs from `first`: o, lse (with_lse), int32 merge counters (`counters` of them, zeroed
     first), float32 partials (o rows, then LSE at byte `lse_at`). V is K + v_offset bytes for
-    a 5-D cache (None: the v slot); the custom mask at byte `mask_at` of the plan, if any."""
+    a 5-D cache (None: the v slot); the custom mask at byte `mask_at` of the plan, if any.
+    empty: q has no rows, and the run writes nothing."""
+    if empty:
+        return _write_nothing
     p = launch.params
     at = first + (2 if with_lse else 1)
 
@@ -113,6 +117,10 @@ def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse
             launch(stream, device)
 
     return run
+
+
+def _write_nothing(stream, device, ptrs, scalars) -> None:
+    """plan_array_run's run for an empty q."""
 
 
 def weak_hooks(wrapper) -> tuple[Callable, Callable]:
@@ -199,6 +207,7 @@ class PlannedWrapper:
     RUN_SLOTS: Sequence[str] = ()
     RUN_GIVEN: Sequence[str] = ()
     ARRAY_SLOTS: Sequence[str] = ()  # run(plan_array=...)'s slots, where a subclass has it
+    _array_cache = None  # the fewest key rows (pages) of a cache run(plan_array=) was made for
 
     def __init__(self, workspace=None, kv_layout: str = "NHD", use_cuda_graph: bool = False):
         check_layout(kv_layout)
@@ -278,6 +287,12 @@ class PlannedWrapper:
             if self._jax:
                 self._ws.last_upload().synchronize()
         return self._ws.pointers
+
+    def _note_array_cache(self, rows: int) -> None:
+        """A run(plan_array=...) prepared for a cache of `rows` key rows (pages): the plans it
+        reads come from arrays, which it cannot check, so later plan()s must stay within."""
+        if self._array_cache is None or rows < self._array_cache:
+            self._array_cache = rows
 
     def _kept_launch(self, cfg, kernel, grid: tuple):
         """The latest plan's launch (self._launch: a subclass's record of it, .launch and .cfg)

@@ -39,7 +39,6 @@ class PrefillPlanArrays:
     _check_kv, _run_fields)."""
 
     ARRAY_SLOTS = SLOTS
-    _array_rows = None  # the fewest key rows / pages a run(plan_array=) was made for
 
     @property
     def plan_array_size(self) -> int:
@@ -74,10 +73,10 @@ class PrefillPlanArrays:
 
     def _check_array_rows(self, num_kv_rows: int) -> None:
         """plan(): the keys it reads must lie in the caches run(plan_array=) was made for."""
-        if self._array_rows is not None and num_kv_rows > self._array_rows:
+        if self._array_cache is not None and num_kv_rows > self._array_cache:
             raise ValueError(
                 f"the plan reads {num_kv_rows} key rows (pages), but run(plan_array=...) was "
-                f"prepared with a cache of {self._array_rows}"
+                f"prepared with a cache of {self._array_cache}"
             )
 
     def _call_array(self, arrays: tuple, with_lse: bool, scalars: tuple):
@@ -119,17 +118,9 @@ class PrefillPlanArrays:
         v_offset = cache_views(k, v, self._kv_layout, k.itemsize)[1].offset if v is None else None
         mask_at = 4 * cap.mask_at if cfg.custom_mask else None
         run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * rows * attn.head_dim,
-                             counters, mask_at)  # fmt: skip
-        if empty:
-            run = _nothing
-        if self._array_rows is None or k.shape[0] < self._array_rows:
-            self._array_rows = k.shape[0]
-
+                             counters, mask_at, empty)  # fmt: skip
+        self._note_array_cache(k.shape[0])
         return Prepared((*outs, *scratch), run, preload=launch.preload, scratch=len(scratch))
-
-
-def _nothing(stream, device, ptrs, scalars) -> None:
-    """The run of an empty q: nothing to write."""
 
 
 __all__ = ["SLOTS", "PrefillPlanArrays"]
