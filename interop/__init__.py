@@ -2,7 +2,7 @@
 calls as XLA launches (xla_launch) or an FFI handler (jax_ffi)."""
 
 from .arrays import as_cupy, device_of, dtype_name, framework
-from .call import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, release
+from .call import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, no_launch, release
 
 __all__ = [
     "ArrayInfo",
@@ -15,5 +15,6 @@ __all__ = [
     "device_of",
     "dtype_name",
     "framework",
+    "no_launch",
     "release",
 ]

@@ -149,6 +149,10 @@ class Prepared:
     _handlers: list = field(default_factory=list)
 
 
+def no_launch(stream, device, ptrs, scalars) -> None:
+    """The run of a call with nothing to launch (no rows, no heads)."""
+
+
 class Op:
     """A public op: its input slot names and `prepare(infos, align, static) -> Prepared`,
     where `infos` are ArrayInfo (None for an absent slot) and `align` is the largest power of
@@ -490,6 +494,7 @@ __all__ = [
     "call",
     "caller_stream",
     "dense_strides",
+    "no_launch",
     "launching_on",
     "release",
 ]

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from . import errors, jit
 from .errors import BadIndex
-from .interop import Op, OutSlot, Prepared, call, dense_strides
+from .interop import Op, OutSlot, Prepared, call, dense_strides, no_launch
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .launch import Kernel, Launch
@@ -220,7 +220,7 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
     hq = q.size // (nnz * head_dim) if nnz else 0
     hk = k.size // (nnz * head_dim) if nnz else 0
     if hq + hk == 0:
-        return Prepared(outs, _nothing)
+        return Prepared(outs, no_launch)
     strides = [s for a in views for s in _head_strides(a, head_dim)]
     vec = fit_vec(spec.vec, itemsize(spec.dtype), 16, strides)
     batch = infos[3].shape[0] if spec.pos_from == "indptr" else 0  # offsets: [B]
@@ -239,10 +239,6 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
         rec = errors.record(q.device)
     return Prepared(outs, _step(launch, rec, errors.checking()), preload=launch.preload,
                     dense=dense)  # fmt: skip
-
-
-def _nothing(stream, device, ptrs, scalars) -> None:
-    """The run of a call without tokens or heads: nothing to launch."""
 
 
 def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,

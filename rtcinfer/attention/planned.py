@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .. import gpu
-from ..interop import Op, OutSlot, as_cupy, call, release
+from ..interop import Op, OutSlot, as_cupy, call, no_launch, release
 from ..interop.arrays import device_of, to_numpy
 from ..launch import is_capturing, record_event, wait_event, zero_fill
 from ..plan._checks import as_int_array
@@ -99,7 +99,7 @@ def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse
     a 5-D cache (None: the v slot); the custom mask at byte `mask_at` of the plan, if any.
     empty: q has no rows, and the run writes nothing."""
     if empty:
-        return _write_nothing
+        return no_launch
     p = launch.params
     at = first + (2 if with_lse else 1)
 
@@ -117,10 +117,6 @@ def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse
             launch(stream, device)
 
     return run
-
-
-def _write_nothing(stream, device, ptrs, scalars) -> None:
-    """plan_array_run's run for an empty q."""
 
 
 def weak_hooks(wrapper) -> tuple[Callable, Callable]:
