@@ -65,6 +65,7 @@ def planning_without_a_gpu(monkeypatch, regions: dict, upload, expand=None) -> t
             after(regions, stream)
 
     monkeypatch.setattr(Workspace, "upload", upload_then_after)
+    monkeypatch.setattr(Workspace, "fill_host", lambda ws, fill: packing_upload(ws, fill, None))
     monkeypatch.setattr(Workspace, "last_upload", lambda self: NullDevice())
     monkeypatch.setattr(prefill_upload, "expand_items",
                         lambda plan, stream, device, layout: expand and expand(layout))  # fmt: skip
@@ -303,6 +304,7 @@ class FakeDevice:
 
         monkeypatch.setattr(Workspace, "reserve", reserve)
         monkeypatch.setattr(Workspace, "upload", upload)
+        monkeypatch.setattr(Workspace, "fill_host", lambda ws, fill: packing_upload(ws, fill, 0))
         monkeypatch.setattr(Workspace, "last_upload", lambda ws: NullDevice())
         monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
 

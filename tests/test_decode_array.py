@@ -110,3 +110,36 @@ def test_plans_stay_inside_the_arrays_they_run_on(graph_wrapper):
     small = _info((4, 2, 16, 8, 128), "bfloat16")  # the plan (page ids 0-7) reads past it
     with pytest.raises(ValueError, match="page id 7, but the cache has 4 pages"):
         w._prepare_array_run([q, small, None, None, None, plan], 16, static)
+
+
+def test_plans_stay_on_the_host_until_a_run_reads_the_workspace(graph_wrapper, monkeypatch):
+    """While every run reads its plan from an array, plan() uploads nothing (plan_array()
+    still gives each plan); the first run on the workspace sends the latest plan, and later
+    plans upload at once again."""
+    from rtcinfer.attention import planned
+    from rtcinfer.attention.workspace import Workspace
+
+    sent = []
+
+    def upload(ws, fill, stream, after=None):
+        buf = np.zeros(ws.capacity.plan_ints, np.int32)
+        sent.append(buf[: fill(buf)])
+
+    monkeypatch.setattr(Workspace, "upload", upload)
+    w = graph_wrapper
+    pages = np.arange(MAX_PAGES, dtype=np.int32)
+    _plan(w, [100, 7], pages)  # no run on an array yet: uploaded
+    st = w._launch
+    infos = [_info((2, 32, 128), "bfloat16"), _info((MAX_PAGES, 2, 16, 8, 128), "bfloat16"),
+             None, None, None, _info((w.plan_array_size,), "int32")]  # fmt: skip
+    w._prepare_array_run(infos, 16, (st.cfg, w._kernel[0], w._ws.capacity, False))
+    _plan(w, [5, 9, 300], pages)
+    _plan(w, [40, 1], pages)
+    assert len(sent) == 1
+    latest = w.plan_array()
+    monkeypatch.setattr(planned, "call", lambda op, arrays, static, scalars: None)
+    w._call((), (), ())  # a run on the workspace's plan
+    assert len(sent) == 2
+    np.testing.assert_array_equal(sent[1], latest[: sent[1].shape[0]])
+    _plan(w, [5, 9], pages)
+    assert len(sent) == 3

@@ -23,6 +23,10 @@ refuses a plan larger than the batch a capture was made with.
 
 JAX: once a run() has been traced, every plan() waits on the host for its upload (XLA's
 stream is not ordered with ours).
+
+Plan arrays (attention/decode_array.py, prefill_array.py): a wrapper whose runs so far all
+read their plan from an array keeps each plan() on the host (for plan_array()) and uploads
+nothing; its first run on the workspace sends the latest plan, and later plans upload again.
 """
 
 from __future__ import annotations
@@ -220,6 +224,10 @@ class PlannedWrapper:
         self._run_events: dict[int, object] = {}
         self._unwaited: set[int] = set()
         self._captured = None  # the smallest batch a run() was captured into a CUDA graph with
+        # runs on plan arrays (attention/decode_array.py) and on the workspace's plan so far;
+        # while there are only the former, plan() keeps its plan on the host (_deferred)
+        self._array_runs = self._workspace_runs = False
+        self._deferred = None
         self._reserved = None  # the capacity of the latest reserve()
         self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
                       weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
@@ -275,6 +283,13 @@ class PlannedWrapper:
                 self._reserved = None
                 self._ws.reserve(capacity, stream, grow=not self._graph)
                 self._reserved = capacity
+            if self._array_runs and not self._workspace_runs:
+                # only runs on plan arrays so far: none reads the workspace; a first run on
+                # it sends this plan then (_call)
+                self._ws.fill_host(fill)
+                self._deferred = (capacity, fill, after)
+                return self._ws.pointers
+            self._deferred = None
             for ptr in self._unwaited:  # runs elsewhere may still read the plan
                 if ptr != stream.ptr:
                     stream.wait_event(self._run_events[ptr])
@@ -289,6 +304,7 @@ class PlannedWrapper:
         reads come from arrays, which it cannot check, so later plan()s must stay within."""
         if self._array_cache is None or rows < self._array_cache:
             self._array_cache = rows
+        self._array_runs = True  # plan() may keep its plans on the host (_upload)
 
     def _kept_launch(self, cfg, kernel, grid: tuple):
         """The latest plan's launch (self._launch: a subclass's record of it, .launch and .cfg)
@@ -301,7 +317,16 @@ class PlannedWrapper:
         return launch if launch.kernel is kernel and launch.grid == grid else None
 
     def _call(self, arrays: Sequence, static: tuple, scalars: tuple):
+        if not self._workspace_runs:  # the first run on the workspace's plan: plans upload
+            self._workspace_runs = True
+            if self._deferred is not None:
+                self._send_deferred()
         return call(self._op, arrays, static, scalars)
+
+    def _send_deferred(self) -> None:
+        """Upload the latest plan, which plan() kept on the host while only runs on plan
+        arrays were made (they do not read the workspace)."""
+        self._upload(*self._deferred)
 
     def _note_capture(self, stream: int, batch: int) -> None:
         """A run of `batch` rows captured into a CUDA graph: later plans must fit it."""

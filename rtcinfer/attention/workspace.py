@@ -176,6 +176,15 @@ class Workspace:
         self._pending[i] = True
         self.stream_ptr = stream.ptr
 
+    def fill_host(self, fill) -> None:
+        """fill(int32 host buffer) into the buffer the next upload would use, without sending
+        it (a plan no device run reads yet)."""
+        i = self._next
+        if self._pending[i]:
+            self._events[i].synchronize()  # the copy that last read this buffer is done
+            self._pending[i] = False
+        fill(self._host[i])
+
     def last_upload(self):
         """Event recorded after the most recent upload."""
         return self._events[self._next ^ 1]
