@@ -10,8 +10,9 @@ appending one token a request and decoding it. Three times per step:
     eager  a step run eagerly: plan(), the forward op by op, sample (wall time)
 
 "vs ideal" is ideal / the step's time (1.0: the step costs only its kernels). FlashInfer's
-functions and wrappers are swapped in by name when it imports, as in serve_torch.py (its
-greedy tokens by torch.argmax: its sampling module takes minutes to build).
+functions and wrappers are swapped in by name when it imports, as in serve_torch.py (both
+sample with rtcinfer's top_k_top_p_sampling_from_logits: FlashInfer's sampling module takes
+minutes to build).
 
     python -m bench.bench_serving [rtcinfer] [flashinfer]   (default: both)
 """
@@ -96,7 +97,7 @@ def _measure(lib, st, step, rng) -> tuple[float, float, float]:
 
     def eager():
         engine.decode.plan(*plan_args, *dims, q_data_type=st.bf16)
-        return st.greedy(lib, engine.forward(inputs, engine.decode), 1)
+        return st.greedy(engine.forward(inputs, engine.decode), 1)
 
     began = time.perf_counter()
     eager()  # compiles and loads the step's kernels
@@ -108,7 +109,7 @@ def _measure(lib, st, step, rng) -> tuple[float, float, float]:
         captured.wrapper.plan(*plan_args, *dims, q_data_type=st.bf16)
         inputs.copy_to(captured.inputs)
         captured.graph.replay()
-        return st.greedy(lib, captured.logits, 1)
+        return st.greedy(captured.logits, 1)
 
     return _replay_us(torch, captured.graph), _wall_us(torch, replayed), _wall_us(torch, eager)
 

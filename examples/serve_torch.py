@@ -13,7 +13,7 @@ they agree within bf16 tolerance, and every token is the reference's argmax (or 
 logits' error of it). Prints decode throughput and the share of the decode step spent in
 rtcinfer's kernels; exit code 1 on a mismatch. With FlashInfer installed, the same loop runs
 again with FlashInfer's functions and wrappers swapped in (the same names and arguments: the
-drop-in case), for its throughput beside ours."""
+drop-in case; the sampler stays rtcinfer's), for its throughput beside ours."""
 
 import sys
 import time
@@ -259,7 +259,7 @@ def serve(engine, rng):
             start = time.perf_counter()
             engine.time_kernels(True)
             logits = engine.step(running, [1] * len(running), engine.decode)
-            tokens = greedy(engine.lib, logits, step)
+            tokens = greedy(logits, step)
             engine.time_kernels(False)
             decode_s += time.perf_counter() - start
             decode_tokens += len(running)
@@ -267,7 +267,7 @@ def serve(engine, rng):
         if arrived:  # prefill the new prompts, which emit their first token
             lens = [len(r.tokens) for r in arrived]
             logits = engine.step(arrived, lens, engine.prefill)
-            tokens = greedy(engine.lib, logits)
+            tokens = greedy(logits)
             emit(arrived, tokens, logits, f"prefill of {len(arrived)}")
             running += arrived
         for r in [r for r in running if len(r.emitted) == r.max_new]:
@@ -278,14 +278,13 @@ def serve(engine, rng):
     return done, decode_s, decode_tokens
 
 
-def greedy(lib, logits, seed=None):
-    """Tokens by top_k_top_p_sampling_from_logits with top_k 1 (rtcinfer's takes a seed).
-    FlashInfer's loop takes them by torch.argmax: its sampling module takes minutes to build."""
-    if lib is not rtcinfer:
-        return logits.argmax(-1)
+def greedy(logits, seed=None):
+    """Tokens by rtcinfer's top_k_top_p_sampling_from_logits with top_k 1, in both loops:
+    FlashInfer's sampling module takes minutes to build, and with one sampler the comparison
+    is of the step's other ops."""
     if seed is not None:
-        return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=seed)
-    return lib.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
+        return rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=seed)
+    return rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0)
 
 
 def emit(requests, tokens, logits, where):
