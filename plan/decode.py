@@ -23,6 +23,17 @@ from ._checks import INT32_MAX, as_int, as_int_array, first_bad, indptr_counts
 # 512 chunks for a 128k-token request, which bounds the merge fan-in.
 MIN_CHUNK_TOKENS = 256
 
+# A batch that fills the GPU still splits when its longest request would stream on alone after
+# the rest: when it is at least STRAGGLER_SKEW times the mean request and at least
+# STRAGGLER_SHARE of an SM's share of the batch's pages, requests are cut into chunks of
+# 1 / STRAGGLER_CUTS of the longest. Measured on an H200 (32 / 8 heads, head_dim 128, page 16,
+# bf16; bench/tune_decode_split.py): 64 requests of 256-4096 tokens 155.3 -> 146.3 us (the
+# longest is 0.49 of an SM's share), 128 of 16-8192 554.0 -> 539.2 (0.26); 256 of 128-2048
+# (0.12) is 2% slower cut in 64 pages, and uniform batches are fastest whole.
+STRAGGLER_SKEW = 1.5
+STRAGGLER_SHARE = 0.2
+STRAGGLER_CUTS = 4
+
 # Longest request: the kernel indexes tokens in int32, including those of a last tile past the
 # end (a tile is at most 256 tokens) and a window's start, so lengths keep 2^16 of headroom.
 MAX_KV_LEN = INT32_MAX - (1 << 16)
@@ -155,6 +166,33 @@ def validate_page_table(
         )
 
 
+def _straggler_chunk(
+    pages, max_pages: int, num_kv_heads: int, num_sms: int, lo: int, max_work: int | None
+) -> int:
+    """The chunk of a batch that fills the GPU: max_pages (one item per request), or
+    1 / STRAGGLER_CUTS of the longest request (at least lo pages) when that request is a
+    straggler (see STRAGGLER_SKEW), raised to fit max_work. Not for a batch that leaves slots
+    free: its split already fills them, and more items would start a second wave (16 requests
+    of 1000-32000 tokens on an H200: 36 items 242.6 us, the fitting 33 227.4).
+
+        share = sum(pages) * num_kv_heads / num_sms          # pages an SM streams
+        straggler: max_pages >= STRAGGLER_SKEW * mean(pages) and >= STRAGGLER_SHARE * share
+        W(c) = B + sum((pages - 1) // c) <= B + sum(pages) / c, so c >= sum(pages) /
+        (max_work - B) fits max_work without a search (plan() runs every step)
+    """
+    batch = pages.shape[0]
+    total = int(pages.sum())
+    if max_pages * batch < STRAGGLER_SKEW * total:
+        return max_pages
+    if max_pages * num_sms < STRAGGLER_SHARE * total * num_kv_heads:
+        return max_pages
+    chunk = max(lo, -(-max_pages // STRAGGLER_CUTS))
+    if max_work is not None:
+        room = max_work - batch
+        chunk = max(chunk, -(-total // room)) if room > 0 else max_pages
+    return min(chunk, max_pages)
+
+
 def _search_chunk(pm1: np.ndarray, lo: int, hi: int, budget: int) -> int:
     """Smallest chunk c in [lo, hi] with W(c) = B + sum(pm1 // c) <= budget (pm1 = pages - 1).
 
@@ -215,7 +253,10 @@ def plan_decode(
         W(c) = sum_b max(1, ceil(pages_b / c))             # work items for chunk c
         disable_split_kv        -> c = max_b pages_b       (W == B)
         fixed_split_size        -> c = fixed_split_size    (per-request, batch invariant)
-        B * num_kv_heads >= slots -> c = max_b pages_b     (the batch fills the GPU)
+        B * num_kv_heads >= slots -> c = max_b pages_b     (the batch fills the GPU), or
+                                   ceil(max_b pages_b / STRAGGLER_CUTS) when its longest
+                                   request would run on alone after the rest
+                                   (_straggler_chunk)
         else c = min {c >= ceil(min_chunk_tokens / page_size) : W(c) * num_kv_heads <= slots}
 
     ``fixed_split_size`` is in pages, as in FlashInfer's decode ``plan`` (chunk tokens =
@@ -247,6 +288,7 @@ def plan_decode(
     # so with pm1 = max(p - 1, 0) every request needs 1 + pm1 // c work items.
     max_pages = max(max_pages, 1)  # = max(pm1) + 1
     slots = num_sms * ctas_per_sm
+    lo = min(-(-min_chunk_tokens // page_size), max_pages)
 
     if disable_split_kv:
         chunk = max_pages
@@ -259,10 +301,11 @@ def plan_decode(
                     f"fixed_split_size ({chunk} pages) gives {num_work} work items, more than "
                     f"max_work ({max_work})"
                 )
-    elif batch_size == 0 or batch_size * num_kv_heads >= slots:
+    elif batch_size == 0:
         chunk = max_pages
+    elif batch_size * num_kv_heads >= slots:  # the batch fills the GPU
+        chunk = _straggler_chunk(pages, max_pages, num_kv_heads, num_sms, lo, max_work)
     else:
-        lo = min(-(-min_chunk_tokens // page_size), max_pages)
         budget = slots // num_kv_heads
         if max_work is not None:
             budget = min(budget, max_work)

@@ -201,9 +201,9 @@ HALF_TILE_CASES = {  # kwargs of make_batch, lengths, feature, plan options
         dict(kv_dtype="float8_e5m2", head_dim=64, group_size=5, layout="HND", page_size=1),
         [300, 0, 257, 2, 1100], "alibi_cap_window", dict(disable_split_kv=True),
     ),
-    "e4m3_auto_40_requests": (  # 40 requests x 8 kv heads fill the GPU: no split
+    "e4m3_auto_40_requests": (  # 40 requests x 8 kv heads fill the GPU, none a straggler
         dict(kv_dtype="float8_e4m3fn", num_kv_heads=8, group_size=4, page_size=16),
-        [int(n) for n in np.random.default_rng(7).integers(0, 3000, 40)], "window", {},
+        [int(n) for n in np.random.default_rng(7).integers(1700, 3000, 40)], "window", {},
     ),
 }  # fmt: skip
 

@@ -39,7 +39,8 @@ FEATURES = {
 PLANS = {  # planner keyword arguments, and whether the plan must split
     "auto_split": (dict(num_sms=132, ctas_per_sm=2, min_chunk_tokens=16), True),
     "fixed_split": (dict(num_sms=1, ctas_per_sm=1, fixed_split_size=3), True),
-    "fills_gpu": (dict(num_sms=2, ctas_per_sm=2), False),
+    "fills_gpu": (dict(num_sms=2, ctas_per_sm=2, min_chunk_tokens=4096), False),
+    "straggler": (dict(num_sms=2, ctas_per_sm=2), True),  # fills the GPU, its longest cut
     "disabled": (dict(num_sms=132, ctas_per_sm=2, disable_split_kv=True), False),
 }
 

@@ -172,8 +172,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         spec = cfg.spec(max_smem)
         ctas = ctas_per_sm(spec, self._device)
         self._kernel = (spec, ctas, num_sms, cfg.freq())
-        if self._graph:  # the most work items an automatic split makes, or one per request
-            self._max_work = max(self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
+        if self._graph:  # the most work items an automatic split makes, or two per request
+            # (room to cut a straggler: plan/decode.py's _straggler_chunk fits its chunk to it)
+            self._max_work = max(2 * self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
 
     def plan(
         self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,

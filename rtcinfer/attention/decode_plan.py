@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import jit
 from ..params import record_dtype
+from ..plan._checks import INT32_MAX
 from .workspace import region_offsets
 
 WORK_ITEM = record_dtype(jit.source_layout("attention/decode.cu", "DecodeWorkItem"))
@@ -134,15 +135,21 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work["token_end"] = plan.kv_len
         work["kv_len"] = plan.kv_len
         first_page = kv_indptr[:-1]
-    else:
+    else:  # (plan.work_token_bounds, with the items' kv_len gathered once)
         req = plan.work_request
         work["request"] = req
-        plan.work_token_bounds(work["token_begin"], work["token_end"])
-        work["kv_len"] = plan.kv_len[req]
-        work["merge_begin"] = merge[:-1][req]
-        work["merge_count"] = (merge[1:] - merge[:-1])[req]
+        kv_len = work["kv_len"]
+        np.take(plan.kv_len, req, out=kv_len)
+        begin, chunk = work["token_begin"], min(plan.chunk_tokens, INT32_MAX)
+        np.multiply(plan.work_chunk, chunk, out=begin)
+        end = np.subtract(kv_len, begin)
+        np.minimum(end, chunk, out=end)
+        np.add(end, begin, out=work["token_end"])
+        begin_of = merge[req]
+        work["merge_begin"] = begin_of
+        np.subtract(merge[req + 1], begin_of, out=work["merge_count"])
         work["unused"] = 0
-        first_page = kv_indptr[:-1][req]
+        first_page = kv_indptr[req]
     np.add(first_page, pages_at, out=work["page_ids"], casting="unsafe")
     buf[pages_at:n] = kv_indices
     return n
