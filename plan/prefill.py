@@ -14,6 +14,7 @@ reduction order depends on its own request only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +217,7 @@ def plan_prefill(
     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     max_work: int | None = None,
     tiles: TilePlan | None = None,
+    kv_tile: int = 1,
 ) -> PrefillPlan:
     """Choose the query tile and the KV chunk; list the work items.
 
@@ -229,6 +231,9 @@ def plan_prefill(
     kv_len: int [B] keys of each request (paged: (pages - 1) * page_size + last page length);
     chunks are whole pages of page_size tokens. ``max_work`` caps W (CUDA-graph capacity).
     ``tiles``: tile_counts of this batch and tile_rows, computed already (not checked again).
+    ``kv_tile``: the kernel's keys per K/V tile; an automatic chunk is whole tiles as well as
+    whole pages (a chunk that starts inside a tile loads that tile twice: 1 x 32768 keys on
+    the tensor-core decode of an H200, chunks of 63 pages 45.3 us, of 64 pages 42.8).
     """
     group_size = as_int("group_size", group_size, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -238,6 +243,7 @@ def plan_prefill(
     page_size = as_int("page_size", page_size, minimum=1)
     window_left = as_int("window_left", window_left, minimum=-1)
     min_chunk_tokens = as_int("min_chunk_tokens", min_chunk_tokens, minimum=1)
+    kv_tile = as_int("kv_tile", kv_tile, minimum=1)
     if fixed_split_size is not None:
         fixed_split_size = as_int("fixed_split_size", fixed_split_size, minimum=1)
     if max_work is not None:
@@ -279,7 +285,8 @@ def plan_prefill(
     elif num_tiles >= budget:
         chunk = whole
     else:
-        chunk = _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget)
+        step = page_size * kv_tile // math.gcd(page_size, kv_tile)  # whole pages and tiles
+        chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
     items = np.ones_like(end) if chunk == whole else _items_per_tile(begin, end, chunk)
     num_work = int(items.sum())
@@ -292,19 +299,19 @@ def plan_prefill(
                   begin, end, items)  # fmt: skip
 
 
-def _search_chunk(begin, end, page_size, min_chunk_tokens, whole, budget) -> int:
-    """A chunk (whole pages, at least min_chunk_tokens) whose W(c) fits the budget: bisection
-    over pages; W is not monotone in c on a fixed grid, but the bisection only keeps chunks
-    that fit, and `whole` (one item per tile) always does."""
-    lo = min(-(-min_chunk_tokens // page_size), whole // page_size)
-    hi = whole // page_size
+def _search_chunk(begin, end, step, min_chunk_tokens, whole, budget) -> int:
+    """A chunk (whole steps of `step` tokens, at least min_chunk_tokens, at most `whole`) whose
+    W(c) fits the budget: bisection over steps; W is not monotone in c on a fixed grid, but the
+    bisection only keeps chunks that fit, and `whole` (one item per tile) always does."""
+    hi = -(-whole // step)
+    lo = min(-(-min_chunk_tokens // step), hi)
     while lo < hi:
         mid = (lo + hi) // 2
-        if int(_items_per_tile(begin, end, mid * page_size).sum()) <= budget:
+        if int(_items_per_tile(begin, end, min(mid * step, whole)).sum()) <= budget:
             hi = mid
         else:
             lo = mid + 1
-    return hi * page_size
+    return min(hi * step, whole)
 
 
 def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row, begin,

@@ -189,3 +189,22 @@ def test_bad_input_is_refused_by_name(kwargs, error, match):
 def test_an_empty_batch_plans_nothing():
     plan = plan_prefill([0], [], 4, 2, 128, num_sms=132, ctas_per_sm=2)
     assert plan.num_work == plan.num_tiles == 0 and not plan.split_kv
+
+
+@pytest.mark.parametrize("page_size, kv_tile", [(16, 64), (1, 64), (128, 64), (48, 64), (16, 1)])
+def test_automatic_chunks_are_whole_pages_and_whole_kv_tiles(page_size, kv_tile):
+    """A chunk starting inside a K/V tile would load that tile in two items: automatic chunks
+    are multiples of both the page and the tile, the smallest such that fits the GPU (one
+    decode-like request of 32768 keys: 63 pages of 16 without the tile, 64 with it)."""
+    kv = [32768]
+    plan = plan_prefill([0, 1], kv, 4, 8, 128, num_sms=132, ctas_per_sm=2, tile_rows=16,
+                        page_size=page_size, kv_tile=kv_tile)  # fmt: skip
+    step = page_size * kv_tile // np.gcd(page_size, kv_tile)
+    assert plan.split_kv and plan.chunk_tokens % step == 0
+    assert plan.num_work * 8 <= 264
+    smaller = plan.chunk_tokens - step
+    assert smaller < 256 or -(-32768 // smaller) * 8 > 264  # the smallest that fits
+    if (page_size, kv_tile) == (16, 64):
+        assert plan.chunk_tokens == 1024 and plan.num_work == 32
+    if kv_tile == 1 and page_size == 16:
+        assert plan.chunk_tokens == 1008  # 63 pages: 33 items

@@ -90,7 +90,7 @@ def plan_launch(
         ctas_per_sm=ctas, causal=cfg.causal, window_left=attn.window_left,
         page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
         tile_rows=tile_rows, fixed_split_size=fixed_split_size,
-        disable_split_kv=disable_split_kv, max_work=max_work, tiles=tiles,
+        disable_split_kv=disable_split_kv, max_work=max_work, tiles=tiles, kv_tile=spec.kv_tile,
     )  # fmt: skip
     items = plan.num_work if max_work is None else max_work
     if items > MAX_GRID_Y:
