@@ -131,9 +131,13 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
+    # fp8 in 16-row (decode) tiles: a 2-stage ring leaves room for three CTAs a SM beside the
+    # widened tiles (two with 3 stages): 64 x 4096 tokens at head_dim 128 on an H200 258 us
+    # against 261, 256 x 1024 239 against 281 (bench/tune_decode_split.py)
+    fp8_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
                     pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
-                    max_smem)  # fmt: skip
+                    max_smem, stage_choices=(2,) if fp8_decode else (3, 2))  # fmt: skip
 
 
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
