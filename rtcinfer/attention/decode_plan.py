@@ -138,8 +138,8 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     else:  # (plan.work_token_bounds, with the items' kv_len gathered once)
         req = plan.work_request
         work["request"] = req
-        kv_len = work["kv_len"]
-        np.take(plan.kv_len, req, out=kv_len)
+        kv_len = plan.kv_len[req]
+        work["kv_len"] = kv_len
         begin, chunk = work["token_begin"], min(plan.chunk_tokens, INT32_MAX)
         np.multiply(plan.work_chunk, chunk, out=begin)
         end = np.subtract(kv_len, begin)
