@@ -6,8 +6,7 @@ and prefill_kernel.py (the tensor-core decode's tile and split) come from these 
           one item per request ("whole"), fixed chunks of pages, and a CUDA-graph wrapper of
           the batch's capacity ("graph auto")
   tc      use_tensor_cores=True (the prefill kernel's 16-row tiles) beside the CUDA-core
-          decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV; fp8 with
-          the K/V tiles widened per warp (the kernel's default) or by the whole CTA
+          decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV
 
     python -m bench.tune_decode_split [chunks] [tc]
 """
@@ -23,7 +22,7 @@ import rtcinfer
 from bench.bench_decode import random_cache
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer.attention import prefill_launch
-from rtcinfer.attention.prefill_kernel import PrefillSpec, prefill_spec
+from rtcinfer.attention.prefill_kernel import prefill_spec
 from rtcinfer.interop.dtypes import numpy_dtype
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -84,31 +83,21 @@ def chunk_rows() -> Table:
     return table
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockWiden(PrefillSpec):
-    """The prefill kernel with fp8 tiles widened by the whole CTA between barriers."""
-
-    def prelude(self) -> str:
-        return "#define RTC_BLOCK_WIDEN 1\n" + super().prelude()
-
-
-def forced(kv_tile: int, stages: int, block_widen: bool):
+def forced(kv_tile: int, stages: int):
     """prefill_launch's spec choice replaced: 16-row tiles take (kv_tile, stages)."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, *args, **kw):
         chosen = prefill_spec(q_dtype, o_dtype, head_dim, rows, *args, **kw)
         if rows != 16:
             return chosen
-        kind = BlockWiden if block_widen else PrefillSpec
-        fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(PrefillSpec)}
-        return kind(**{**fields, "kv_tile": kv_tile, "stages": stages})
+        return dataclasses.replace(chosen, kv_tile=kv_tile, stages=stages)
 
     prefill_launch.prefill_spec = spec
 
 
 def tc_rows() -> Table:
     table = Table("tensor-core decode configurations (graph us)",
-                  ["batch", "KV", "CUDA-core", "KV tile", "stages", "widen", "smem KiB",
+                  ["batch", "KV", "CUDA-core", "KV tile", "stages", "smem KiB",
                    *(f"split {s or 'auto'}" for s in TC_SPLITS)])  # fmt: skip
     for label, lengths in TC_SHAPES.items():
         for dtype in ("bfloat16", "float8_e4m3fn"):
@@ -117,9 +106,8 @@ def tc_rows() -> Table:
             tables, q, cache, out = batch(lengths, dtype)
             core = timed(rtcinfer.BatchDecodeWithPagedKVCacheWrapper(), tables, q, cache, out,
                          dtype)  # fmt: skip
-            widens = (False, True) if dtype != "bfloat16" else (False,)
-            for (kv_tile, stages), block in ((c, b) for c in TC_CONFIGS for b in widens):
-                forced(kv_tile, stages, block)
+            for kv_tile, stages in TC_CONFIGS:
+                forced(kv_tile, stages)
                 times = []
                 for split in TC_SPLITS:
                     w = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
@@ -130,8 +118,7 @@ def tc_rows() -> Table:
                         print(f"# {label} {kv_tile}/{stages}: {type(e).__name__}: {e}"[:300])
                         times.append(None)
                 smem = w._tc._launch.launch.kernel.smem / 1024 if times[-1] else None
-                table.add(label, dtype, core, kv_tile, stages, "CTA" if block else "warp", smem,
-                          *times)  # fmt: skip
+                table.add(label, dtype, core, kv_tile, stages, smem, *times)
     prefill_launch.prefill_spec = prefill_spec
     return table
 

@@ -222,7 +222,7 @@ def test_warps_sharing_rows_split_the_keys_and_merge():
 
 @pytest.mark.parametrize("kind", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):
+def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):  # 64- and 128-row tiles
     """widen_rows: ring chunk c of an fp8 row (16 values, tile_offset of head_dim-byte rows)
     becomes chunks 2c, 2c + 1 of the 16-bit row: the staging tile is the swizzled 16-bit tile
     of the same values."""
@@ -244,6 +244,114 @@ def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):
                 dst = tile_offset(r, 2 * c + half, 2 * head_dim)
                 staging[dst : dst + 16] = values[16 * half : 16 * half + 16]
     np.testing.assert_array_equal(staging, swizzled(x.astype(np.float16)))
+
+
+def fp8_ring(x: np.ndarray) -> np.ndarray:
+    """A [rows, D] fp8 tile laid out in the ring (tile_offset of D-byte rows)."""
+    rows, d = x.shape
+    raw, ring = x.view(np.uint8), np.zeros(rows * d, np.uint8)
+    for r in range(rows):
+        for c in range(d // 16):
+            at = tile_offset(r, c, d)
+            ring[at : at + 16] = raw[r, 16 * c : 16 * c + 16]
+    return ring
+
+
+def to_pair(bits16, kind, dtype):
+    """fp8x2_to_pair: two fp8 values (low byte first) -> two `dtype` values."""
+    b = np.stack([bits16 & 0xFF, bits16 >> 8]).astype(np.uint8).view(kind)
+    return pack(b[0].astype(np.float32), b[1].astype(np.float32), dtype)
+
+
+def byte_perm(x, selector):
+    """__byte_perm(x, 0, selector) for selectors naming bytes of x only."""
+    out = np.zeros_like(x)
+    for i in range(4):
+        out |= ((x >> (8 * ((selector >> (4 * i)) & 0xF))) & 0xFF) << (8 * i)
+    return out
+
+
+def load_q_permuted(smem, row0, c, row_bytes):
+    """load_q with FP8_DIRECT: a[h], a[2 + h] = dims 4t..4t+1, 4t+2..4t+3 of row g + 8h."""
+    a = [None] * 4
+    for h in range(2):
+        at = [tile_offset(row0 + g + 8 * h, 2 * c + t // 2, row_bytes) + 8 * (t % 2)
+              for g, t in zip(G, T, strict=True)]  # fmt: skip
+        words = np.stack([smem[x : x + 8].view(np.uint32) for x in at])
+        a[h], a[2 + h] = words[:, 0], words[:, 1]
+    return a
+
+
+def load_k_pair_fp8(ring, key0, c, d, kind, dtype):
+    row = key0 + (LANES // 8 % 2) * 8 + LANES % 8
+    r = ldmatrix_x4(ring, tile_offset(row, c, d))[:2]  # x2: the matrices of lanes 0-15
+    return [[to_pair(r[n] & 0xFFFF, kind, dtype), to_pair(r[n] >> 16, kind, dtype)]
+            for n in range(2)]  # fmt: skip
+
+
+def load_v_pair_fp8(ring, j, c, d, kind, dtype):
+    row = 16 * j + (LANES // 8 % 2) * 8 + LANES % 8
+    r = ldmatrix_x4(ring, tile_offset(row, c, d), trans=True)[:2]
+    return [[to_pair(byte_perm(r[k], sel) & 0xFFFF, kind, dtype) for k in range(2)]
+            for sel in (0x0020, 0x0031)]  # fmt: skip
+
+
+def unpermute_dims(o):
+    """unpermute_dims on one row's o[2 D / 8][lane] (shuffles within each quad)."""
+    quad, odd = LANES - T, T % 2 == 1
+    lo, hi = quad + T // 2, quad + 2 + T // 2
+    out = [x.copy() for x in o]
+    for d in range(len(o) // 4):
+        src = o[4 * d : 4 * d + 4]
+        out[4 * d] = np.where(odd, src[1][lo], src[0][lo])
+        out[4 * d + 1] = np.where(odd, src[3][lo], src[2][lo])
+        out[4 * d + 2] = np.where(odd, src[1][hi], src[0][hi])
+        out[4 * d + 3] = np.where(odd, src[3][hi], src[2][hi])
+    return out
+
+
+@pytest.mark.parametrize("kind", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
+def test_fp8_read_from_the_ring_gives_s_and_o_exactly(kind, head_dim, dtype):
+    """FP8_DIRECT (16-row tiles): four warps take keys 16w.. of a 64-key tile; Q's permuted
+    fragments (load_q) against K's from the fp8 ring (load_k_pair_fp8) give S exactly, P V with
+    V's even- and odd-dim fragments (load_v_pair_fp8) into n-tiles 2c and 2c + 1, then
+    unpermute_dims, gives O in the standard layout (o[2n + e]: dims 8n + 2t + e)."""
+    rng = np.random.default_rng(head_dim)
+    keys, warp_keys = 64, 16
+    q = rng.standard_normal((16, head_dim)).astype(dtype)
+    k = (rng.standard_normal((keys, head_dim)) * 2).astype(kind)
+    v = (rng.standard_normal((keys, head_dim)) * 2).astype(kind)
+    q_s, k_ring, v_ring = swizzled(q), fp8_ring(k), fp8_ring(v)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for kv_warp in range(keys // warp_keys):
+        key_w = kv_warp * warp_keys
+        s = [np.zeros((4, 32)) for _ in range(warp_keys // 8)]
+        for c in range(head_dim // 16):
+            a = load_q_permuted(q_s, 0, c, 2 * head_dim)
+            b = load_k_pair_fp8(k_ring, key_w, c, head_dim, kind, dtype)
+            s[0], s[1] = mma(s[0], a, b[0], dtype), mma(s[1], a, b[1], dtype)
+        expect = q.astype(np.float64) @ k64[key_w : key_w + warp_keys].T
+        for n in range(2):
+            for r in range(4):
+                rows, cols = G + 8 * (r // 2), 8 * n + 2 * T + r % 2
+                np.testing.assert_allclose(s[n][r], expect[rows, cols], rtol=1e-12)
+        a = p_fragment(s[0], s[1], dtype)
+        o = [np.zeros((4, 32)) for _ in range(head_dim // 8)]
+        for c in range(head_dim // 16):
+            b = load_v_pair_fp8(v_ring, key_w // 16, c, head_dim, kind, dtype)
+            for h in range(2):
+                o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
+        p = expect.astype(dtype).astype(np.float64)
+        expect_o = p @ v64[key_w : key_w + warp_keys]
+        for i in range(2):  # the state of row g + 8i: registers 2i, 2i + 1 of every n-tile
+            row = unpermute_dims([o[n][2 * i + e] for n in range(head_dim // 8) for e in range(2)])
+            for n in range(head_dim // 8):
+                for e in range(2):
+                    dims = 8 * n + 2 * T + e
+                    np.testing.assert_allclose(row[2 * n + e], expect_o[G + 8 * i, dims],
+                                               rtol=1e-10, atol=1e-10)  # fmt: skip
 
 
 def rows_of_warp(tile_row, warp, group, qo_len, kv_len):

@@ -38,6 +38,18 @@ RTC_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+RTC_DEVICE void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {  // lanes 0-15 give the rows
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+
+RTC_DEVICE void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+
 RTC_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -108,4 +120,16 @@ template <__nv_fp8_interpretation_t KIND>
 RTC_DEVICE uint32_t fp8x2_to_half2_bits(uint32_t bits16) {
   __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits16), KIND);
   return *reinterpret_cast<uint32_t*>(&raw);
+}
+
+// Two fp8 values (low byte first) -> two T (half or bf16; exact: both hold every fp8 value).
+template <typename T, __nv_fp8_interpretation_t KIND>
+RTC_DEVICE uint32_t fp8x2_to_pair(uint32_t bits16) {
+  const uint32_t half2 = fp8x2_to_half2_bits<KIND>(bits16);
+  if constexpr (IsBf16<T>::value) {
+    const float2 f = unpack2<half>(half2);
+    return pack2<T>(f.x, f.y);
+  } else {
+    return half2;
+  }
 }

@@ -21,8 +21,9 @@
 // the ring, a flag; SMEM_BYTES in all.
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
-// fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly) into a
-// staging tile as each tile lands; k_scale folds into qk_scale, v_scale into the output.
+// fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly): in
+// registers as the MMAs load it in 16-row tiles (FP8_DIRECT), else into a staging tile as each
+// tile lands; k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
 // of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
@@ -51,15 +52,12 @@ constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a wa
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr bool FP8 = is_fp8<KVT>();
-// fp8 in a 16-row tile without RoPE: each warp widens the keys it alone reads (its quarter of
-// the tile), between its own MMAs, instead of the CTA widening whole tiles between barriers
-// (2-4% faster on an H200; RTC_BLOCK_WIDEN, defined ahead of the prelude, keeps the CTA's
-// pass for bench/tune_decode_split.py's comparison).
-#ifndef RTC_BLOCK_WIDEN
-constexpr bool WARP_WIDEN = FP8 && KV_WARPS > 1 && !ROPE;
-#else
-constexpr bool WARP_WIDEN = false;
-#endif
+constexpr __nv_fp8_interpretation_t FP8_KIND =
+    IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
+// fp8 in a 16-row tile without RoPE: the MMAs read K and V straight from the ring, widened in
+// registers (prefill_fragments.cuh's fp8 loaders); other fp8 tiles are widened into staging
+// tiles in shared memory first (widen_rows).
+constexpr bool FP8_DIRECT = FP8 && KV_WARPS > 1 && !ROPE;
 // A plain logit (no ALiBi, no soft cap) is x = s * scale: the scale folds into the exp2 (one
 // FFMA, exp2(s * scale - m)) and the row maxima are taken of the raw scores, with scale > 0
 // (a negative qk_scale negates the Q tile instead: see fold_scale()). Not at head_dim 64,
@@ -79,7 +77,7 @@ constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
 constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
 constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
 constexpr int RING_BYTES = STAGES * 2 * RING_TILE_BYTES;
-constexpr int STAGING_BYTES = FP8 ? 2 * TILE_BYTES : 0;  // the widened K and V of fp8
+constexpr int STAGING_BYTES = FP8 && !FP8_DIRECT ? 2 * TILE_BYTES : 0;  // widened K and V
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
 static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
@@ -119,6 +117,8 @@ static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES + 
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
 #include "prefill_fragments.cuh"
+
+#include "prefill_fp8_fragments.cuh"
 
 #include "prefill_item.cuh"
 
@@ -255,12 +255,15 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
       } else {
 #pragma unroll
         for (int b = 0; b < ROW_BLOCKS; ++b)
-          load_a_rows<ROW_BYTES>(a[b], q_tile, WARP_ROWS * row_warp + 16 * b, c, lane);
+          load_q(a[b], q_tile, WARP_ROWS * row_warp + 16 * b, c, lane);
       }
 #pragma unroll
       for (int n = 0; n < KEY_TILES; n += 2) {
         uint32_t kb[2][2];
-        load_k_pair<ROW_BYTES>(kb, k_tile, key_w + 8 * n, c, lane);
+        if constexpr (FP8_DIRECT)
+          load_k_pair_fp8(kb, k_tile, key_w + 8 * n, c, lane);
+        else
+          load_k_pair<ROW_BYTES>(kb, k_tile, key_w + 8 * n, c, lane);
 #pragma unroll
         for (int b = 0; b < ROW_BLOCKS; ++b) {
           mma_16816<MT>(s[b][n][0], s[b][n][1], s[b][n][2], s[b][n][3], a[b], kb[0][0], kb[0][1]);
@@ -356,7 +359,10 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
       for (int c = 0; c < HEAD_DIM / 16; ++c) {
         uint32_t vb[2][2];
-        load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
+        if constexpr (FP8_DIRECT)  // vb[0]: the chunk's even dims, vb[1]: its odd ones
+          load_v_pair_fp8(vb, v_tile, key_w / 16 + j, c, lane);
+        else
+          load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
         for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
@@ -434,8 +440,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
 #pragma unroll
-    for (int c = 0; c < K_STEPS; ++c)
-      load_a_rows<ROW_BYTES>(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
+    for (int c = 0; c < K_STEPS; ++c) load_q(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
   Rows rows;
   rows.init(w, p, kv_head, row_warp, g);
   State st[ROWS];
@@ -452,26 +457,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     cp_async_commit();
     // next + 1's offsets into the buffer next - 1 was issued from (before this barrier)
     if (next + 1 < num_tiles) kv.prepare(key_first + (next + 1) * KV_TILE, (next + 1) % 2, p);
-    // The 16-bit K and V the MMAs read: the ring's stage, or the staging tiles for fp8.
-    unsigned char* k_mma = FP8 ? staging : smem + Q_BYTES + (tile % STAGES) * 2 * TILE_BYTES;
-    if constexpr (FP8) {
-      const unsigned char* k_ring = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
-      if constexpr (WARP_WIDEN) {  // the warp's own keys: no other warp reads them
-        widen_rows<WARP_KEYS>(staging, k_ring, k_ring + RING_TILE_BYTES, kv_warp * WARP_KEYS,
-                              lane, 32);
-        __syncwarp();
-      } else {
-        // (The barrier at the top of this iteration: the previous MMAs are done with it.)
-        widen_rows<KV_TILE>(staging, k_ring, k_ring + RING_TILE_BYTES, 0, threadIdx.x, THREADS);
-        __syncthreads();
-      }
+    // The K and V the MMAs read: the ring's stage (16-bit, or fp8 read directly), or the
+    // staging tiles the other fp8 tiles are widened into.
+    unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
+    unsigned char* k_mma = FP8 && !FP8_DIRECT ? staging : ring_k;
+    constexpr int V_AT = FP8 && !FP8_DIRECT ? TILE_BYTES : RING_TILE_BYTES;  // V after K
+    if constexpr (FP8 && !FP8_DIRECT) {
+      // (The barrier at the top of this iteration: the previous MMAs are done with it.)
+      widen_rows<KV_TILE>(staging, ring_k, ring_k + RING_TILE_BYTES, 0, threadIdx.x, THREADS);
+      __syncthreads();
     }
     if constexpr (ROPE) {
       const int key0 = key_first + tile * KV_TILE;
       rope_tile<KV_TILE>(k_mma, freq_s, [&](int r) { return key0 + r; });
       __syncthreads();
     }
-    attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + TILE_BYTES),
+    attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
                 key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, row_warp,
                 kv_warp, lane, t);
   }
@@ -487,6 +488,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       return;
     }
   }
+  if constexpr (FP8_DIRECT)
+    if (kv_warp == 0) unpermute_dims(st, lane);
   if (kv_warp == 0) finish_rows(st, rows, w, p, kv_head, row_warp, g, t);
   if (w.slot < 0) return;
 

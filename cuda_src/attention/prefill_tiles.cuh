@@ -10,8 +10,6 @@ template <int N_ROWS>
 RTC_DEVICE void widen_rows(unsigned char* staging, const unsigned char* ring_k,
                            const unsigned char* ring_v, int row0, int first, int count) {
   constexpr int KV_CHUNKS = KV_ROW_BYTES / 16;
-  constexpr __nv_fp8_interpretation_t KIND =
-      IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
   for (int i = first; i < 2 * N_ROWS * KV_CHUNKS; i += count) {
     const int which = i / (N_ROWS * KV_CHUNKS), row = row0 + i / KV_CHUNKS % N_ROWS;
     const int chunk = i % KV_CHUNKS;
@@ -23,15 +21,8 @@ RTC_DEVICE void widen_rows(unsigned char* staging, const unsigned char* ring_k,
 #pragma unroll
     for (int w = 0; w < 4; ++w)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t half2 = fp8x2_to_half2_bits<KIND>(words[w] >> (16 * h) & 0xffff);
-        if constexpr (IsBf16<QT>::value) {
-          const float2 f = unpack2<half>(half2);
-          out[2 * w + h] = pack2<QT>(f.x, f.y);
-        } else {
-          out[2 * w + h] = half2;
-        }
-      }
+      for (int h = 0; h < 2; ++h)
+        out[2 * w + h] = fp8x2_to_pair<QT, FP8_KIND>(words[w] >> (16 * h) & 0xffff);
     *reinterpret_cast<uint4*>(dst + tile_offset<ROW_BYTES>(row, 2 * chunk)) =
         make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(dst + tile_offset<ROW_BYTES>(row, 2 * chunk + 1)) =

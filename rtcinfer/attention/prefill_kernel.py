@@ -55,14 +55,22 @@ class PrefillSpec:
         """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile."""
         return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
 
+    @property
+    def fp8_direct(self) -> bool:
+        """fp8 K/V read by the MMAs straight from the ring (16-row tiles without RoPE; the
+        kernel's FP8_DIRECT), else widened into staging tiles first."""
+        return (self.kv_dtype in FP8_DTYPES and self.tile_rows == 16
+                and self.pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
+
     @functools.cached_property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8, RoPE
-        frequencies, a paged cache's row-offset table (two tiles of K and V int64 offsets), a
-        flag."""
+        """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8 (but
+        fp8_direct's), RoPE frequencies, a paged cache's row-offset table (two tiles of K and V
+        int64 offsets), a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
         ring = self.stages * 2 * self.kv_tile * self.head_dim * itemsize(self.kv_dtype)
-        staging = 2 * self.kv_tile * row if self.kv_dtype in FP8_DTYPES else 0
+        widened = self.kv_dtype in FP8_DTYPES and not self.fp8_direct
+        staging = 2 * self.kv_tile * row if widened else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
         table = 0 if self.ragged else 2 * 2 * self.kv_tile * 8
         return self.tile_rows * row + ring + staging + freq + table + 16
@@ -131,13 +139,15 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
-    # fp8 in 16-row (decode) tiles: a 2-stage ring leaves room for three CTAs a SM beside the
-    # widened tiles (two with 3 stages): 64 x 4096 tokens at head_dim 128 on an H200 258 us
-    # against 261, 256 x 1024 239 against 281 (bench/tune_decode_split.py)
-    fp8_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES
+    # fp8 widened in 16-row (decode) tiles (with RoPE): a 2-stage ring leaves room for three
+    # CTAs a SM beside the staging tiles (two with 3 stages; without RoPE on an H200, 64 x 4096
+    # tokens at head_dim 128 258 us against 261, 256 x 1024 239 against 281)
+    widened_decode = (
+        tile_rows == 16 and kv_dtype in FP8_DTYPES and pos_encoding_mode == "ROPE_LLAMA"
+    )
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
                     pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
-                    max_smem, stage_choices=(2,) if fp8_decode else (3, 2))  # fmt: skip
+                    max_smem, stage_choices=(2,) if widened_decode else (3, 2))  # fmt: skip
 
 
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
