@@ -6,7 +6,8 @@ and prefill_kernel.py (the tensor-core decode's tile and split) come from these 
           one item per request ("whole"), fixed chunks of pages, and a CUDA-graph wrapper of
           the batch's capacity ("graph auto")
   tc      use_tensor_cores=True (the prefill kernel's 16-row tiles) beside the CUDA-core
-          decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV
+          decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV; fp8
+          widened into staging tiles (the default) or read from the ring (fp8_direct)
 
     python -m bench.tune_decode_split [chunks] [tc]
 """
@@ -83,11 +84,14 @@ def chunk_rows() -> Table:
     return table
 
 
-def forced(kv_tile: int, stages: int):
-    """prefill_launch's spec choice replaced: 16-row tiles take (kv_tile, stages)."""
+def forced(kv_tile: int, stages: int, direct: bool):
+    """prefill_launch's spec choice replaced: 16-row tiles take (kv_tile, stages), fp8 ones
+    read from the ring when `direct`."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, *args, **kw):
-        chosen = prefill_spec(q_dtype, o_dtype, head_dim, rows, *args, **kw)
+        chosen = prefill_spec(
+            q_dtype, o_dtype, head_dim, rows, *args, **kw, fp8_direct=direct and rows == 16
+        )
         if rows != 16:
             return chosen
         return dataclasses.replace(chosen, kv_tile=kv_tile, stages=stages)
@@ -97,7 +101,7 @@ def forced(kv_tile: int, stages: int):
 
 def tc_rows() -> Table:
     table = Table("tensor-core decode configurations (graph us)",
-                  ["batch", "KV", "CUDA-core", "KV tile", "stages", "smem KiB",
+                  ["batch", "KV", "CUDA-core", "KV tile", "stages", "fp8 read", "smem KiB",
                    *(f"split {s or 'auto'}" for s in TC_SPLITS)])  # fmt: skip
     for label, lengths in TC_SHAPES.items():
         for dtype in ("bfloat16", "float8_e4m3fn"):
@@ -106,8 +110,9 @@ def tc_rows() -> Table:
             tables, q, cache, out = batch(lengths, dtype)
             core = timed(rtcinfer.BatchDecodeWithPagedKVCacheWrapper(), tables, q, cache, out,
                          dtype)  # fmt: skip
-            for kv_tile, stages in TC_CONFIGS:
-                forced(kv_tile, stages)
+            reads = (False, True) if dtype != "bfloat16" else (False,)
+            for (kv_tile, stages), direct in ((c, d) for c in TC_CONFIGS for d in reads):
+                forced(kv_tile, stages, direct)
                 times = []
                 for split in TC_SPLITS:
                     w = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
@@ -118,7 +123,8 @@ def tc_rows() -> Table:
                         print(f"# {label} {kv_tile}/{stages}: {type(e).__name__}: {e}"[:300])
                         times.append(None)
                 smem = w._tc._launch.launch.kernel.smem / 1024 if times[-1] else None
-                table.add(label, dtype, core, kv_tile, stages, smem, *times)
+                read = ("ring" if direct else "staged") if dtype != "bfloat16" else ""
+                table.add(label, dtype, core, kv_tile, stages, read, smem, *times)
     prefill_launch.prefill_spec = prefill_spec
     return table
 

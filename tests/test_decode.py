@@ -431,6 +431,32 @@ def test_memcheck_subset():
         check_attention(o, lse, *batch.reference(**features), "bfloat16")
 
 
+@pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
+@pytest.mark.parametrize("case", ["group1", "group4", "group5_fp16", "d64", "d256",
+                                  "page1", "hnd_strided_tuple"])  # fmt: skip
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case, kv_dtype):
+    """The 16-row prefill kernel with fp8_direct (K and V widened in registers as the MMAs load
+    them, not yet plan()'s choice) gives the reference's results over fp8 KV."""
+    from rtcinfer.attention import prefill_launch
+    from rtcinfer.attention.prefill_kernel import prefill_spec
+
+    def direct(*args, **kw):
+        spec = prefill_spec(*args, **kw)
+        return prefill_spec(*args, **kw, fp8_direct=True) if spec.tile_rows == 16 else spec
+
+    monkeypatch.setattr(prefill_launch, "prefill_spec", direct)
+    rng = seeded("tc direct", feature, case, kv_dtype)
+    kwargs = {**BASE, **CASES[case], "kv_dtype": kv_dtype}
+    batch = make_batch(rng, standard_lengths(kwargs["page_size"], rng), **kwargs)
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout,
+                                                          use_tensor_cores=True)  # fmt: skip
+    o, lse = run_batch(batch, wrapper, k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
+    assert wrapper._tc._launch.launch.kernel.spec.fp8_direct
+    o_ref, lse_ref = batch.reference(k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
+    check_attention(o, lse, o_ref, lse_ref, batch.q_dtype, tensor_cores=True)
+
+
 @pytest.mark.parametrize("feature", ["plain", "rope", "alibi_cap_window", "window0"])
 @pytest.mark.parametrize("case", ["group1", "group4", "group5_fp16", "group32", "d64", "d256",
                                   "page1", "hnd_tuple_fp16", "hnd_strided_tuple"])  # fmt: skip

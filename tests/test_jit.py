@@ -48,6 +48,26 @@ def test_shipped_spec_compiles_without_spills(spec, arch):
         assert usage["stack"] == 0, (kernel, usage)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("q_dtype, kv_dtype, head_dim", [
+    ("bfloat16", "float8_e4m3fn", 128), ("float16", "float8_e5m2", 64),
+    ("bfloat16", "float8_e4m3fn", 256)])  # fmt: skip
+def test_prefill_reading_fp8_from_the_ring_compiles_without_spills(arch, q_dtype, kv_dtype,
+                                                                   head_dim):  # fmt: skip
+    """The 16-row prefill kernel with fp8_direct (not yet a shipped choice) builds, unspilled,
+    with no staging tiles in its shared memory."""
+    from rtcinfer.attention.prefill_kernel import prefill_spec
+
+    spec = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype, fp8_direct=True)
+    widened = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype)
+    assert spec.fp8_direct and spec.stages == 3 and widened.stages == 2
+    assert spec.smem_bytes < widened.smem_bytes
+    usage = jit.compile_spec(spec, arch).meta["resources"]["prefill_kernel"]
+    assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, usage
+    with pytest.raises(ValueError, match="fp8_direct with 64-row tiles"):
+        prefill_spec(q_dtype, q_dtype, head_dim, 64, kv_dtype=kv_dtype, fp8_direct=True)
+
+
 @dataclass(frozen=True)
 class ToySpec:
     value: int = 1

@@ -41,6 +41,10 @@ class PrefillSpec:
     warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
     wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
     min_ctas: int = 0  # CTAs per SM the registers must leave room for (launch bounds; 0: none)
+    # fp8 K/V read by the MMAs straight from the ring, widened in registers (16-row tiles
+    # without RoPE; prefill_fp8_fragments.cuh), instead of widened into staging tiles first.
+    # Not chosen by prefill_spec yet: its NumPy fragment model passes, the GPU has not run it.
+    fp8_direct: bool = False
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
@@ -54,13 +58,6 @@ class PrefillSpec:
     def threads(self) -> int:
         """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile."""
         return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
-
-    @property
-    def fp8_direct(self) -> bool:
-        """fp8 K/V read by the MMAs straight from the ring (16-row tiles without RoPE; the
-        kernel's FP8_DIRECT), else widened into staging tiles first."""
-        return (self.kv_dtype in FP8_DTYPES and self.tile_rows == 16
-                and self.pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -93,6 +90,7 @@ class PrefillSpec:
             WARP_ROWS=self.warp_rows,
             WGMMA=self.wgmma,
             MIN_CTAS=self.min_ctas,
+            FP8_DIRECT=self.fp8_direct,
         )
 
 
@@ -100,7 +98,7 @@ class PrefillSpec:
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=None,
-    wgmma=False,
+    wgmma=False, fp8_direct=False,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
     tile of 64 rows; 32 with two row blocks a warp), as deep a ring (3 or 2 stages) as fits
@@ -117,7 +115,14 @@ def prefill_spec(
     registers without spills on NVRTC 13.5, and tests/test_jit.py keeps any spill out of the
     loops), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
-    shape instead."""
+    shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
+    the ring (PrefillSpec.fp8_direct)."""
+    if fp8_direct and not (kv_dtype in FP8_DTYPES and tile_rows == 16
+                           and pos_encoding_mode != "ROPE_LLAMA"):  # fmt: skip
+        raise ValueError(
+            f"fp8_direct with {tile_rows}-row tiles, KV {kv_dtype}, {pos_encoding_mode}: fp8 KV "
+            "in 16-row tiles without in-kernel RoPE"
+        )
     if wgmma and warp_rows is None:
         if not wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype):
             raise ValueError(
@@ -139,15 +144,14 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
-    # fp8 widened in 16-row (decode) tiles (with RoPE): a 2-stage ring leaves room for three
-    # CTAs a SM beside the staging tiles (two with 3 stages; without RoPE on an H200, 64 x 4096
-    # tokens at head_dim 128 258 us against 261, 256 x 1024 239 against 281)
-    widened_decode = (
-        tile_rows == 16 and kv_dtype in FP8_DTYPES and pos_encoding_mode == "ROPE_LLAMA"
-    )
+    # fp8 widened in 16-row (decode) tiles: a 2-stage ring leaves room for three CTAs a SM
+    # beside the staging tiles (two with 3 stages): 64 x 4096 tokens at head_dim 128 on an H200
+    # 258 us against 261, 256 x 1024 239 against 281 (bench/tune_decode_split.py)
+    widened_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES and not fp8_direct
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
                     pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
-                    max_smem, stage_choices=(2,) if widened_decode else (3, 2))  # fmt: skip
+                    max_smem, stage_choices=(2,) if widened_decode else (3, 2),
+                    fp8_direct=fp8_direct)  # fmt: skip
 
 
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
@@ -168,13 +172,13 @@ def wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
 
 def _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
              pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, wgmma, max_smem,
-             stage_choices=(3, 2), min_ctas=0):  # fmt: skip
+             stage_choices=(3, 2), min_ctas=0, fp8_direct=False):  # fmt: skip
     """The first configuration of stage_choices whose ring fits in max_smem."""
     for stages in stage_choices:
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
                            kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma,
-                           min_ctas)  # fmt: skip
+                           min_ctas, bool(fp8_direct))  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
