@@ -446,15 +446,23 @@ def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case
         return prefill_spec(*args, **kw, fp8_direct=True) if spec.tile_rows == 16 else spec
 
     monkeypatch.setattr(prefill_launch, "prefill_spec", direct)
-    rng = seeded("tc direct", feature, case, kv_dtype)
+    spec = tensor_core_decode_checked(("tc direct", feature, case, kv_dtype))
+    assert spec.fp8_direct
+
+
+def tensor_core_decode_checked(seed: tuple):
+    """Decode with use_tensor_cores=True of the case `seed` = (tag, feature, case, kv_dtype)
+    against the reference; returns the prefill kernel's spec it ran."""
+    _, feature, case, kv_dtype = seed
+    rng = seeded(*seed)
     kwargs = {**BASE, **CASES[case], "kv_dtype": kv_dtype}
     batch = make_batch(rng, standard_lengths(kwargs["page_size"], rng), **kwargs)
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout,
                                                           use_tensor_cores=True)  # fmt: skip
     o, lse = run_batch(batch, wrapper, k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
-    assert wrapper._tc._launch.launch.kernel.spec.fp8_direct
     o_ref, lse_ref = batch.reference(k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
     check_attention(o, lse, o_ref, lse_ref, batch.q_dtype, tensor_cores=True)
+    return wrapper._tc._launch.launch.kernel.spec
 
 
 @pytest.mark.parametrize("feature", ["plain", "rope", "alibi_cap_window", "window0"])
@@ -464,13 +472,5 @@ def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case
 def test_tensor_core_decode_through_the_prefill_kernel(feature, case, kv_dtype):
     """use_tensor_cores=True (the prefill kernel, one query per request) gives the reference's
     results, as the decode kernel does: 16-row tiles up to 16 heads a group, 64 beyond."""
-    rng = seeded("tc", feature, case, kv_dtype)
-    kwargs = {**BASE, **CASES[case], "kv_dtype": kv_dtype}
-    batch = make_batch(rng, standard_lengths(kwargs["page_size"], rng), **kwargs)
-    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout=batch.layout,
-                                                          use_tensor_cores=True)  # fmt: skip
-    o, lse = run_batch(batch, wrapper, k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
-    tile_rows = wrapper._tc._launch.launch.kernel.spec.tile_rows
-    assert tile_rows == (16 if kwargs["group_size"] <= 16 else 64)
-    o_ref, lse_ref = batch.reference(k_scale=0.8, v_scale=1.25, **FEATURES.get(feature, {}))
-    check_attention(o, lse, o_ref, lse_ref, batch.q_dtype, tensor_cores=True)
+    spec = tensor_core_decode_checked(("tc", feature, case, kv_dtype))
+    assert spec.tile_rows == (16 if {**BASE, **CASES[case]}["group_size"] <= 16 else 64)
