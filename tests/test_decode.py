@@ -450,6 +450,27 @@ def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case
     assert spec.fp8_direct
 
 
+@pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
+@pytest.mark.parametrize("case", ["group4", "group5_fp16", "d64", "page1"])
+def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
+    """16-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: faster at batch 1
+    and 16 on an H200, bench/tune_decode_split.py; not yet plan()'s choice) give the
+    reference's results."""
+    from rtcinfer import jit
+    from rtcinfer.attention import prefill_launch
+    from rtcinfer.attention.prefill_kernel import prefill_spec
+
+    def wide(*args, **kw):
+        spec = prefill_spec(*args, **kw)
+        return replace(spec, kv_tile=128, stages=3) if spec.tile_rows == 16 else spec
+
+    if jit.device_limits(0)[1] < 200 * 1024:
+        pytest.skip("a 3-stage ring of 128-key tiles needs 200 KB of shared memory a CTA")
+    monkeypatch.setattr(prefill_launch, "prefill_spec", wide)
+    spec = tensor_core_decode_checked(("tc 128 keys", feature, case, None))
+    assert (spec.kv_tile, spec.stages) == (128, 3)
+
+
 def tensor_core_decode_checked(seed: tuple):
     """Decode with use_tensor_cores=True of the case `seed` = (tag, feature, case, kv_dtype)
     against the reference; returns the prefill kernel's spec it ran."""
