@@ -170,12 +170,13 @@ def test_the_p_fragment_is_the_a_layout_of_s():
         np.testing.assert_array_equal(hi, value(row, col + 1))
 
 
-def test_warps_sharing_rows_split_the_keys_and_merge():
-    """A 16-row tile: four warps take keys 16w..16w+15 of a 64-key tile (load_k_pair at
-    key_w + 8n, load_v_pair at block key_w / 16), keep online-softmax states, and
+@pytest.mark.parametrize("warp_keys", [16, 32])  # 64- and 128-key tiles
+def test_warps_sharing_rows_split_the_keys_and_merge(warp_keys):
+    """A 16-row tile: four warps take keys w * WARP_KEYS.. of a K/V tile (load_k_pair at
+    key_w + 8n, load_v_pair at blocks key_w / 16 + j), keep online-softmax states, and
     combine_warps merges them lane by lane before the quad reduction of d; the result is
     softmax(Q K^T * scale) V up to the 16-bit rounding of P."""
-    dtype, head_dim, kv_warps, warp_keys = np.float16, 128, 4, 16
+    dtype, head_dim, kv_warps = np.float16, 128, 4
     rng = np.random.default_rng(3)
     q = rng.standard_normal((16, head_dim)).astype(dtype)
     k = rng.standard_normal((kv_warps * warp_keys, head_dim)).astype(dtype)
@@ -188,8 +189,9 @@ def test_warps_sharing_rows_split_the_keys_and_merge():
         s = [np.zeros((4, 32)) for _ in range(warp_keys // 8)]
         for c in range(head_dim // 16):
             a = load_a_rows(q_s, 0, c, row_bytes)
-            b = load_k_pair(k_s, key_w, c, row_bytes)
-            s[0], s[1] = mma(s[0], a, b[0], dtype), mma(s[1], a, b[1], dtype)
+            for n in range(0, warp_keys // 8, 2):
+                b = load_k_pair(k_s, key_w + 8 * n, c, row_bytes)
+                s[n], s[n + 1] = mma(s[n], a, b[0], dtype), mma(s[n + 1], a, b[1], dtype)
         x = [sn * scale for sn in s]
         m, d = np.zeros((2, 32)), np.zeros((2, 32))
         for i in range(2):  # rows G + 8i: registers 2i, 2i + 1 of every n-tile
@@ -199,12 +201,13 @@ def test_warps_sharing_rows_split_the_keys_and_merge():
                 for e in range(2):
                     xn[2 * i + e] = np.exp2(xn[2 * i + e] - m[i])
                     d[i] += xn[2 * i + e]
-        a = p_fragment(x[0], x[1], dtype)
         o = [np.zeros((4, 32)) for _ in range(head_dim // 8)]
-        for c in range(head_dim // 16):
-            b = load_v_pair(v_s, key_w // 16, c, row_bytes)
-            for h in range(2):
-                o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
+        for j in range(warp_keys // 16):
+            a = p_fragment(x[2 * j], x[2 * j + 1], dtype)
+            for c in range(head_dim // 16):
+                b = load_v_pair(v_s, key_w // 16 + j, c, row_bytes)
+                for h in range(2):
+                    o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
         states.append((m, d, o))
     big_m = np.max([st[0] for st in states], axis=0)
     d = sum(st[1] * np.exp2(st[0] - big_m) for st in states)
