@@ -21,12 +21,13 @@ import numpy as np
 
 import rtcinfer
 from bench.bench_decode import random_cache
+from bench.bench_prefill import PAGE, page_table
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer.attention import prefill_launch
 from rtcinfer.attention.prefill_kernel import prefill_spec
 from rtcinfer.interop.dtypes import numpy_dtype
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128  # page: bench_prefill's PAGE (16)
 RNG = np.random.default_rng(0)
 MIXED = {  # label: token lengths
     "64 x 256-4096": RNG.integers(256, 4097, 64),
@@ -44,11 +45,8 @@ TC_SPLITS = (None, 64, 128)  # fixed_split_size in pages (None: the planner's)
 
 
 def batch(lengths, dtype="bfloat16"):
-    lengths = np.asarray(lengths, dtype=np.int64)
-    pages = -(-lengths // PAGE)
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = RNG.permutation(int(indptr[-1])).astype(np.int32)
-    last = (lengths - (pages - 1) * PAGE).astype(np.int32)
+    """(page table, q, cache, out) of requests of `lengths` tokens, pages scattered."""
+    indptr, indices, last = page_table(np.asarray(lengths, dtype=np.int64), RNG)
     cache = random_cache((int(indptr[-1]), 2, PAGE, HKV, D), dtype)
     q = random_cache((len(lengths), HQ, D), "bfloat16")
     out = cupy().empty(q.shape, dtype=numpy_dtype("bfloat16"))

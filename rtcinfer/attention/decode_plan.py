@@ -24,7 +24,6 @@ import numpy as np
 
 from .. import jit
 from ..params import record_dtype
-from ..plan._checks import INT32_MAX
 from .workspace import region_offsets
 
 WORK_ITEM = record_dtype(jit.source_layout("attention/decode.cu", "DecodeWorkItem"))
@@ -135,16 +134,11 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         work["token_end"] = plan.kv_len
         work["kv_len"] = plan.kv_len
         first_page = kv_indptr[:-1]
-    else:  # (plan.work_token_bounds, with the items' kv_len gathered once)
+    else:
         req = plan.work_request
         work["request"] = req
-        kv_len = plan.kv_len[req]
-        work["kv_len"] = kv_len
-        begin, chunk = work["token_begin"], min(plan.chunk_tokens, INT32_MAX)
-        np.multiply(plan.work_chunk, chunk, out=begin)
-        end = np.subtract(kv_len, begin)
-        np.minimum(end, chunk, out=end)
-        np.add(end, begin, out=work["token_end"])
+        plan.work_token_bounds(work["token_begin"], work["token_end"])
+        work["kv_len"] = plan.kv_len[req]
         begin_of = merge[req]
         work["merge_begin"] = begin_of
         np.subtract(merge[req + 1], begin_of, out=work["merge_count"])
