@@ -438,14 +438,7 @@ def test_memcheck_subset():
 def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case, kv_dtype):
     """The 16-row prefill kernel with fp8_direct (K and V widened in registers as the MMAs load
     them, not yet plan()'s choice) gives the reference's results over fp8 KV."""
-    from rtcinfer.attention import prefill_launch
-    from rtcinfer.attention.prefill_kernel import prefill_spec
-
-    def direct(*args, **kw):
-        spec = prefill_spec(*args, **kw)
-        return prefill_spec(*args, **kw, fp8_direct=True) if spec.tile_rows == 16 else spec
-
-    monkeypatch.setattr(prefill_launch, "prefill_spec", direct)
+    with_decode_tiles(monkeypatch, fp8_direct=True, stages=3)
     spec = tensor_core_decode_checked(("tc direct", feature, case, kv_dtype))
     assert spec.fp8_direct
 
@@ -457,18 +450,24 @@ def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
     and 16 on an H200, bench/tune_decode_split.py; not yet plan()'s choice) give the
     reference's results."""
     from rtcinfer import jit
-    from rtcinfer.attention import prefill_launch
-    from rtcinfer.attention.prefill_kernel import prefill_spec
-
-    def wide(*args, **kw):
-        spec = prefill_spec(*args, **kw)
-        return replace(spec, kv_tile=128, stages=3) if spec.tile_rows == 16 else spec
 
     if jit.device_limits(0)[1] < 200 * 1024:
         pytest.skip("a 3-stage ring of 128-key tiles needs 200 KB of shared memory a CTA")
-    monkeypatch.setattr(prefill_launch, "prefill_spec", wide)
+    with_decode_tiles(monkeypatch, kv_tile=128, stages=3)
     spec = tensor_core_decode_checked(("tc 128 keys", feature, case, None))
     assert (spec.kv_tile, spec.stages) == (128, 3)
+
+
+def with_decode_tiles(monkeypatch, **fields) -> None:
+    """plan()'s 16-row prefill kernels (the tensor-core decode's) with `fields` replaced."""
+    from rtcinfer.attention import prefill_launch
+    from rtcinfer.attention.prefill_kernel import prefill_spec
+
+    def spec(*args, **kw):
+        chosen = prefill_spec(*args, **kw)
+        return replace(chosen, **fields) if chosen.tile_rows == 16 else chosen
+
+    monkeypatch.setattr(prefill_launch, "prefill_spec", spec)
 
 
 def tensor_core_decode_checked(seed: tuple):

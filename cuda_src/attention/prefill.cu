@@ -54,15 +54,15 @@ constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr bool FP8 = is_fp8<KVT>();
 constexpr __nv_fp8_interpretation_t FP8_KIND =
     IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
-// FP8_DIRECT (fp8 in a 16-row tile without RoPE): the MMAs read K and V straight from the
-// ring, widened in registers (prefill_fp8_fragments.cuh); otherwise fp8 tiles are widened into
-// staging tiles in shared memory first (widen_rows).
-static_assert(!FP8_DIRECT || (FP8 && KV_WARPS > 1 && !ROPE),
-              "FP8_DIRECT: fp8 KV in 16-row tiles, RoPE outside the kernel");
-// Widened fp8 in a 16-row tile without RoPE: each warp widens the keys it alone reads (its
-// quarter of the tile) between its own MMAs, instead of the CTA widening whole tiles between
-// barriers (2-4% faster on an H200).
-constexpr bool WARP_WIDEN = FP8 && !FP8_DIRECT && KV_WARPS > 1 && !ROPE;
+// fp8 in a 16-row tile without RoPE, whose warps each read only their own keys: with
+// FP8_DIRECT the MMAs read K and V straight from the ring, widened in registers
+// (prefill_fp8_fragments.cuh); otherwise each warp widens its own keys into the staging tiles
+// between its own MMAs (WARP_WIDEN, 2-4% faster on an H200 than the CTA widening whole tiles
+// between barriers, which the other fp8 tiles do: STAGED).
+constexpr bool FP8_OWN_KEYS = FP8 && KV_WARPS > 1 && !ROPE;
+static_assert(!FP8_DIRECT || FP8_OWN_KEYS, "FP8_DIRECT: fp8 KV in 16-row tiles, no RoPE");
+constexpr bool STAGED = FP8 && !FP8_DIRECT;  // fp8 widened into staging tiles
+constexpr bool WARP_WIDEN = STAGED && FP8_OWN_KEYS;
 // A plain logit (no ALiBi, no soft cap) is x = s * scale: the scale folds into the exp2 (one
 // FFMA, exp2(s * scale - m)) and the row maxima are taken of the raw scores, with scale > 0
 // (a negative qk_scale negates the Q tile instead: see fold_scale()). Not at head_dim 64,
@@ -82,7 +82,7 @@ constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
 constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
 constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
 constexpr int RING_BYTES = STAGES * 2 * RING_TILE_BYTES;
-constexpr int STAGING_BYTES = FP8 && !FP8_DIRECT ? 2 * TILE_BYTES : 0;  // widened K and V
+constexpr int STAGING_BYTES = STAGED ? 2 * TILE_BYTES : 0;  // the widened K and V
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
 static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
@@ -403,13 +403,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     // The K and V the MMAs read: the ring's stage (16-bit, or fp8 read directly), or the
     // staging tiles the other fp8 tiles are widened into.
     unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
-    unsigned char* k_mma = FP8 && !FP8_DIRECT ? staging : ring_k;
-    constexpr int V_AT = FP8 && !FP8_DIRECT ? TILE_BYTES : RING_TILE_BYTES;  // V after K
+    unsigned char* k_mma = STAGED ? staging : ring_k;
+    constexpr int V_AT = STAGED ? TILE_BYTES : RING_TILE_BYTES;  // V after K
     if constexpr (WARP_WIDEN) {  // the warp's own keys: no other warp reads them
       widen_rows<WARP_KEYS>(staging, ring_k, ring_k + RING_TILE_BYTES, kv_warp * WARP_KEYS,
                             lane, 32);
       __syncwarp();
-    } else if constexpr (FP8 && !FP8_DIRECT) {
+    } else if constexpr (STAGED) {
       // (The barrier at the top of this iteration: the previous MMAs are done with it.)
       widen_rows<KV_TILE>(staging, ring_k, ring_k + RING_TILE_BYTES, 0, threadIdx.x, THREADS);
       __syncthreads();
