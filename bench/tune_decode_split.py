@@ -7,7 +7,7 @@ and prefill_kernel.py (the tensor-core decode's tile and split) come from these 
           the batch's capacity ("graph auto")
   tc      use_tensor_cores=True (the prefill kernel's 16-row tiles) beside the CUDA-core
           decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV; fp8
-          widened into staging tiles (the default) or read from the ring (fp8_direct)
+          read from the ring (fp8_direct, the default) or widened into staging tiles
 
     python -m bench.tune_decode_split [chunks] [tc]
 """

@@ -435,12 +435,14 @@ def test_memcheck_subset():
 @pytest.mark.parametrize("case", ["group1", "group4", "group5_fp16", "d64", "d256",
                                   "page1", "hnd_strided_tuple"])  # fmt: skip
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_tensor_core_decode_reading_fp8_from_the_ring(monkeypatch, feature, case, kv_dtype):
-    """The 16-row prefill kernel with fp8_direct (K and V widened in registers as the MMAs load
-    them, not yet plan()'s choice) gives the reference's results over fp8 KV."""
-    with_decode_tiles(monkeypatch, fp8_direct=True, stages=3)
-    spec = tensor_core_decode_checked(("tc direct", feature, case, kv_dtype))
-    assert spec.fp8_direct
+def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature, case,
+                                                            kv_dtype):  # fmt: skip
+    """The 16-row prefill kernel over fp8 KV the other way (fp8_direct=False: each warp widens
+    its keys into staging tiles, 64-key tiles, 3 stages) gives the reference's results; plan()
+    reads fp8 from the ring (test_tensor_core_decode_through_the_prefill_kernel)."""
+    with_decode_tiles(monkeypatch, fp8_direct=False, kv_tile=64, stages=3)
+    spec = tensor_core_decode_checked(("tc staged", feature, case, kv_dtype))
+    assert not spec.fp8_direct
 
 
 @pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
@@ -491,6 +493,9 @@ def tensor_core_decode_checked(seed: tuple):
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_tensor_core_decode_through_the_prefill_kernel(feature, case, kv_dtype):
     """use_tensor_cores=True (the prefill kernel, one query per request) gives the reference's
-    results, as the decode kernel does: 16-row tiles up to 16 heads a group, 64 beyond."""
+    results, as the decode kernel does: 16-row tiles up to 16 heads a group, 64 beyond; fp8
+    read from the ring by 16-row tiles without RoPE."""
     spec = tensor_core_decode_checked(("tc", feature, case, kv_dtype))
     assert spec.tile_rows == (16 if {**BASE, **CASES[case]}["group_size"] <= 16 else 64)
+    assert spec.fp8_direct == (kv_dtype is not None and spec.tile_rows == 16
+                               and feature != "rope")  # fmt: skip

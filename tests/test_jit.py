@@ -54,14 +54,19 @@ def test_shipped_spec_compiles_without_spills(spec, arch):
     ("bfloat16", "float8_e4m3fn", 256)])  # fmt: skip
 def test_prefill_reading_fp8_from_the_ring_compiles_without_spills(arch, q_dtype, kv_dtype,
                                                                    head_dim):  # fmt: skip
-    """The 16-row prefill kernel with fp8_direct (not yet a shipped choice) builds, unspilled,
-    with no staging tiles in its shared memory."""
+    """The 16-row prefill kernel over fp8 K/V reads it from the ring (fp8_direct, the default)
+    and builds unspilled, with no staging tiles in its shared memory; 128-key tiles up to
+    head_dim 128."""
     from rtcinfer.attention.prefill_kernel import prefill_spec
 
-    spec = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype, fp8_direct=True)
-    widened = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype)
-    assert spec.fp8_direct and spec.stages == 3 and widened.stages == 2
-    assert spec.smem_bytes < widened.smem_bytes
+    spec = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype)
+    assert spec == prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype,
+                                fp8_direct=True)  # fmt: skip
+    widened = prefill_spec(q_dtype, q_dtype, head_dim, 16, kv_dtype=kv_dtype, fp8_direct=False)
+    assert spec.fp8_direct and not widened.fp8_direct and spec.stages == widened.stages == 2
+    assert spec.kv_tile == (128 if head_dim <= 128 else 64) and widened.kv_tile == 64
+    ring, table = 2 * 2 * spec.kv_tile * head_dim, 2 * 2 * spec.kv_tile * 8  # no staging tiles
+    assert spec.smem_bytes == 16 * head_dim * 2 + ring + table + 16
     usage = jit.compile_spec(spec, arch).meta["resources"]["prefill_kernel"]
     assert usage["spill_stores"] == usage["spill_loads"] == usage["stack"] == 0, usage
     with pytest.raises(ValueError, match="fp8_direct with 64-row tiles"):

@@ -21,9 +21,9 @@
 // the ring, a flag; SMEM_BYTES in all.
 // A tile with several items writes fp32 partials (o, lse) to its slots; the last of its CTAs
 // (an atomic counter per (tile, kv head), reset by it) merges them in chunk order.
-// fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened to QT (exactly): into a
-// staging tile as each tile lands, or (FP8_DIRECT) in registers as the MMAs load it; k_scale
-// folds into qk_scale, v_scale into the output.
+// fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened exactly: to QT into a
+// staging tile as each tile lands, or (FP8_DIRECT) to fp16 in registers as the MMAs load it;
+// k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
 // of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
@@ -105,7 +105,10 @@ RTC_DEVICE uint32_t mma_tile_offset(int row, int chunk) {
     return tile_offset<ROW_BYTES>(row, chunk);
 }
 
-using MT = QT;
+// The MMAs' input type: QT, or fp16 where they read fp8 K/V from the ring (one cvt widens a
+// pair; a bf16 Q tile is made fp16 once an item: Q_HALF).
+using MT = Conditional<FP8_DIRECT, half, QT>;
+constexpr bool Q_HALF = FP8_DIRECT && IsBf16<QT>::value;
 // The K/V rows' stream: a table of row offsets over a paged cache, rows from one start ragged.
 template <bool R>
 struct KvRowsOf {
@@ -379,6 +382,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       if constexpr (WGMMA) fence_proxy_async();
       __syncthreads();
     }
+  }
+  if constexpr (Q_HALF) {  // (after the negation, whose words each thread converts itself)
+    q_tile_to_half(smem);
+    __syncthreads();
   }
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)

@@ -68,3 +68,19 @@ RTC_DEVICE float fold_scale(float qk_scale, unsigned char* q_tile) {
   }
   return fmaxf(fabsf(qk_scale) * LOG2E, 1.17549435e-38f);
 }
+
+// The Q tile's bf16 values as fp16, in place (Q_HALF: the MMAs over fp8 K/V take fp16, into
+// which fp8 widens in one cvt, as in decode.cu). Exact for |q| in fp16's normal range; beyond
+// 65504 a value becomes inf (bf16 reaches 3.4e38).
+RTC_DEVICE void q_tile_to_half(unsigned char* q_tile) {
+  for (int i = threadIdx.x; i < Q_BYTES / 16; i += THREADS) {
+    uint4* word = reinterpret_cast<uint4*>(q_tile) + i;
+    uint32_t x[4] = {word->x, word->y, word->z, word->w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = unpack2<__nv_bfloat16>(x[k]);
+      x[k] = pack2<half>(f.x, f.y);
+    }
+    *word = make_uint4(x[0], x[1], x[2], x[3]);
+  }
+}

@@ -41,9 +41,8 @@ class PrefillSpec:
     warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
     wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
     min_ctas: int = 0  # CTAs per SM the registers must leave room for (launch bounds; 0: none)
-    # fp8 K/V read by the MMAs straight from the ring, widened in registers (16-row tiles
-    # without RoPE; prefill_fp8_fragments.cuh), instead of widened into staging tiles first.
-    # Not chosen by prefill_spec yet: its NumPy fragment model passes, the GPU has not run it.
+    # fp8 K/V read by the MMAs straight from the ring, widened to fp16 in registers (16-row
+    # tiles without RoPE; prefill_fp8_fragments.cuh), instead of widened into staging tiles.
     fp8_direct: bool = False
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
@@ -98,7 +97,7 @@ class PrefillSpec:
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=None,
-    wgmma=False, fp8_direct=False,
+    wgmma=False, fp8_direct=None,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
     tile of 64 rows; 32 with two row blocks a warp), as deep a ring (3 or 2 stages) as fits
@@ -116,9 +115,14 @@ def prefill_spec(
     loops), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
     shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
-    the ring (PrefillSpec.fp8_direct)."""
-    if fp8_direct and not (kv_dtype in FP8_DTYPES and tile_rows == 16
-                           and pos_encoding_mode != "ROPE_LLAMA"):  # fmt: skip
+    the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256) and a 2-stage
+    ring; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
+    stages: room for three CTAs a SM beside the staging tiles)."""
+    direct_fits = (kv_dtype in FP8_DTYPES and tile_rows == 16
+                   and pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
+    if fp8_direct is None:
+        fp8_direct = direct_fits
+    elif fp8_direct and not direct_fits:
         raise ValueError(
             f"fp8_direct with {tile_rows}-row tiles, KV {kv_dtype}, {pos_encoding_mode}: fp8 KV "
             "in 16-row tiles without in-kernel RoPE"
@@ -144,13 +148,17 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
-    # fp8 widened in 16-row (decode) tiles: a 2-stage ring leaves room for three CTAs a SM
-    # beside the staging tiles (two with 3 stages): 64 x 4096 tokens at head_dim 128 on an H200
-    # 258 us against 261, 256 x 1024 239 against 281 (bench/tune_decode_split.py)
-    widened_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES and not fp8_direct
+    # fp8 in 16-row (decode) tiles, on an H200 at head_dim 128 (bench/tune_decode_split.py):
+    # read from the ring in 128-key tiles, 2 stages: 64 x 4096 tokens 152 us against 174 in
+    # 64-key tiles and 262 widened into staging tiles; 256 x 1024 155 against 169 and 240.
+    # Widened, a 2-stage ring leaves room for three CTAs a SM beside the staging tiles (two
+    # with 3 stages): 258 against 261 us, 239 against 281.
+    fp8_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES
+    if fp8_direct and head_dim <= 128:
+        kv_tile = 128
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
                     pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
-                    max_smem, stage_choices=(2,) if widened_decode else (3, 2),
+                    max_smem, stage_choices=(2,) if fp8_decode else (3, 2),
                     fp8_direct=fp8_direct)  # fmt: skip
 
 
