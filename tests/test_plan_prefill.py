@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtcinfer.plan.prefill import choose_tile_rows, plan_prefill
+from rtcinfer.plan.prefill import WAVE_GAIN, choose_tile_rows, plan_prefill
 
 from . import reference_attention as aref
 from .prefill_executor import execute_prefill_plan
@@ -130,6 +130,38 @@ def test_a_full_gpu_is_not_split():
     plan = plan_prefill(np.concatenate([[0], np.cumsum(qo)]), qo, 4, 8, 128, num_sms=132,
                         ctas_per_sm=2, causal=True)  # fmt: skip
     assert not plan.split_kv and plan.num_work == plan.num_tiles == 64 * 4
+
+
+@pytest.mark.parametrize("batch, ctas, chunk", [(64, 3, 1408), (48, 2, 2048), (64, 2, 4096),
+                                                 (256, 2, 1024)])  # fmt: skip
+def test_equal_tiles_past_the_slots_are_cut_to_fill_the_last_wave(batch, ctas, chunk):
+    """More equal tiles than slots: one item a tile leaves the last wave part empty (64 of 49
+    slots a head: two waves for 1.3 of work), so a chunk of 1/k of the keys is taken where
+    its waves cost less by WAVE_GAIN (64 on 33 slots: 1.94 waves, and 256 x 1024 on 33:
+    7.8 waves, stay whole)."""
+    kv = np.full(batch, 4096 if batch <= 64 else 1024)
+    plan = plan_prefill(np.arange(batch + 1), kv, 4, 8, 128, num_sms=132, ctas_per_sm=ctas,
+                        page_size=16, tile_rows=16, kv_tile=128)  # fmt: skip
+    assert plan.chunk_tokens == chunk and chunk % 128 == 0
+    slots = 132 * ctas // 8
+    whole = -(-batch // slots) * (kv[0] + 256)
+    cut = -(-plan.num_work // slots) * (min(chunk, kv[0]) + 256)
+    assert cut <= whole * (1 - WAVE_GAIN) or chunk == kv[0]
+
+
+def test_tiles_of_different_lengths_past_the_slots_stay_whole():
+    kv = np.full(64, 4096)
+    kv[0] = 4000
+    plan = plan_prefill(np.arange(65), kv, 4, 8, 128, num_sms=132, ctas_per_sm=3,
+                        page_size=16, tile_rows=16, kv_tile=128)  # fmt: skip
+    assert not plan.split_kv and plan.num_work == 64
+
+
+def test_a_wave_cut_stays_inside_max_work():
+    plan = plan_prefill(np.arange(65), np.full(64, 4096), 4, 8, 128, num_sms=132,
+                        ctas_per_sm=3, page_size=16, tile_rows=16, kv_tile=128,
+                        max_work=128)  # fmt: skip
+    assert plan.num_work == 128 and plan.chunk_tokens == 2048
 
 
 def test_a_skewed_batch_splits_the_long_prompt_only():

@@ -115,9 +115,9 @@ def prefill_spec(
     loops), else 3
     stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
     shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
-    the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256) and a 2-stage
-    ring; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
-    stages: room for three CTAs a SM beside the staging tiles)."""
+    the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256), 3 stages where
+    they fit; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
+    stages)."""
     direct_fits = (kv_dtype in FP8_DTYPES and tile_rows == 16
                    and pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
     if fp8_direct is None:
@@ -148,17 +148,17 @@ def prefill_spec(
             "in 128-row tiles up to head_dim 128 without a custom mask"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
-    # fp8 in 16-row (decode) tiles, on an H200 at head_dim 128 (bench/tune_decode_split.py):
-    # read from the ring in 128-key tiles, 2 stages: 64 x 4096 tokens 152 us against 174 in
-    # 64-key tiles and 262 widened into staging tiles; 256 x 1024 155 against 169 and 240.
-    # Widened, a 2-stage ring leaves room for three CTAs a SM beside the staging tiles (two
-    # with 3 stages): 258 against 261 us, 239 against 281.
-    fp8_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES
+    # fp8 in 16-row (decode) tiles, on an H200 at head_dim 128 with bf16 q (graph us,
+    # bench/tune_decode_split.py): read from the ring in 128-key tiles, 3 stages: 1 x 32768
+    # tokens 30.2, 64 x 4096 134.3, 256 x 1024 154.0 (2 stages 31.8 / 175.0 / 146.7; 64-key
+    # tiles 32.5 / 168.4 / 152.7); widened into staging tiles 45-55 / 239-360 / 241-392.
+    # Widened, a 2-stage ring leaves room for three CTAs a SM beside the staging tiles.
+    widened_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES and not fp8_direct
     if fp8_direct and head_dim <= 128:
         kv_tile = 128
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
                     pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, False,
-                    max_smem, stage_choices=(2,) if fp8_decode else (3, 2),
+                    max_smem, stage_choices=(2,) if widened_decode else (3, 2),
                     fp8_direct=fp8_direct)  # fmt: skip
 
 
