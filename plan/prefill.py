@@ -147,15 +147,31 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
               fixed_split_size: int | None = None, disable_split_kv: bool = False,
               max_work: int | None = None) -> bool:  # fmt: skip
     """Whether plan_prefill gives the batch one item per tile because the tiles alone fill the
-    GPU (num_tiles * num_kv_heads >= slots, or max_work), the split is disabled or there are
-    no tiles (and the tiles fit max_work; plan_prefill names the error where they do not)."""
+    GPU (num_tiles * num_kv_heads >= slots, or max_work) with a last wave full enough that no
+    cut may pay (_wave_chunk), the split is disabled or there are no tiles (and the tiles fit
+    max_work; plan_prefill names the error where they do not)."""
     num_tiles = tiles.num_tiles
     budget = num_sms * ctas_per_sm // num_kv_heads
     if max_work is not None:
         if num_tiles > max_work:
             return False
         budget = min(budget, max_work)
-    return disable_split_kv or num_tiles == 0 or (fixed_split_size is None and num_tiles >= budget)
+    if disable_split_kv or num_tiles == 0:
+        return True
+    if fixed_split_size is not None or num_tiles < budget:
+        return False
+    return not _wave_cut_may_pay(num_tiles, budget, tiles.qo_len, tiles.kv_len)
+
+
+def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
+    """Whether _wave_chunk may cut: requests alike (one query tile each, the same query and
+    key counts) whose tiles fill less than 1 - WAVE_GAIN of ceil(T / budget) waves."""
+    if budget < 1:  # fewer slots than kv heads: as many waves as tiles
+        return False
+    waves = -(-num_tiles // budget)
+    if num_tiles >= (1 - WAVE_GAIN) * waves * budget or num_tiles != qo_len.shape[0]:
+        return False
+    return qo_len.min() == qo_len.max() and kv_len.min() == kv_len.max()
 
 
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
@@ -230,8 +246,8 @@ def plan_prefill(
         W(c) = sum over tiles of the chunks of the grid c that its keys meet (at least 1)
         disable_split_kv         -> c = max kv_len        (one item per tile)
         fixed_split_size         -> c = fixed_split_size * page_size  (batch invariant)
-        tiles * num_kv_heads >= slots -> c = max kv_len, or (tiles of equal key ranges) the
-                                 chunk whose waves cost least (_wave_chunk)
+        tiles * num_kv_heads >= slots -> c = max kv_len, or (requests alike, a tile each)
+                                 the chunk whose waves cost least (_wave_chunk)
         else c = a chunk >= min_chunk_tokens (whole pages) with W(c) * num_kv_heads <= slots
 
     kv_len: int [B] keys of each request (paged: (pages - 1) * page_size + last page length);
@@ -292,7 +308,7 @@ def plan_prefill(
         step = page_size * kv_tile // math.gcd(page_size, kv_tile)  # whole pages and tiles
         if num_tiles >= budget:
             cap = num_tiles * WAVE_SPLITS if max_work is None else max_work
-            chunk = _wave_chunk(begin, end, step, whole, budget, cap, 2 * kv_tile)
+            chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, cap, 2 * kv_tile)
         else:
             chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
@@ -307,22 +323,22 @@ def plan_prefill(
                   begin, end, items)  # fmt: skip
 
 
-def _wave_chunk(begin, end, step, whole, budget, max_work, overhead) -> int:
+def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, overhead) -> int:
     """A chunk for more tiles than slots (`budget` a kv head). One item per tile runs in
     ceil(T / budget) waves of tiles, the last one maybe nearly empty: 64 requests of 4096 keys
-    on 49 slots a head run two waves for 1.3 waves of work. Where every tile sees the same
-    number of keys (uniform decode batches, non-causal prompts of one length) a chunk of 1/k
-    of them (k <= WAVE_SPLITS, whole steps) is taken when its waves cost less,
+    on 49 slots a head run two waves for 1.3 waves of work. Where the requests are alike (one
+    query tile each, the same query and key counts: a uniform decode batch) a chunk of 1/k of
+    their keys (k <= WAVE_SPLITS, whole steps) is taken when its waves cost less,
 
         cost(c) = ceil(W(c) / budget) * (min(c, keys) + overhead)
 
     by at least WAVE_GAIN (`overhead`: an item's fixed cost in keys: its prologue, partial
-    and merge); otherwise, and for tiles of different lengths, one item a tile (`whole`). On
+    and merge); otherwise one item a tile (`whole`). On
     an H200 (tensor-core decode, 64 x 4096 tokens, fp8 KV, three CTAs a SM) chunks of 2048
     keys took 148.4 us against 175.0 whole (bench/tune_decode_split.py)."""
     keys = end - begin
     longest = int(keys.max())
-    if longest == 0 or int(keys.min()) != longest:
+    if longest == 0 or not _wave_cut_may_pay(keys.shape[0], budget, qo_len, kv_len):
         return whole
     best, best_cost = whole, -(-keys.shape[0] // budget) * (longest + overhead)
     for k in range(2, WAVE_SPLITS + 1):

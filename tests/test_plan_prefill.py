@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtcinfer.plan.prefill import WAVE_GAIN, choose_tile_rows, plan_prefill
+from rtcinfer.plan.prefill import (
+    WAVE_GAIN,
+    choose_tile_rows,
+    fills_gpu,
+    plan_prefill,
+    tile_counts,
+)
 
 from . import reference_attention as aref
 from .prefill_executor import execute_prefill_plan
@@ -147,14 +153,21 @@ def test_equal_tiles_past_the_slots_are_cut_to_fill_the_last_wave(batch, ctas, c
     whole = -(-batch // slots) * (kv[0] + 256)
     cut = -(-plan.num_work // slots) * (min(chunk, kv[0]) + 256)
     assert cut <= whole * (1 - WAVE_GAIN) or chunk == kv[0]
+    tiles = tile_counts(np.arange(batch + 1), kv, 4, 16)  # the wrapper's device-items test
+    assert fills_gpu(tiles, 8, num_sms=132, ctas_per_sm=ctas) == (chunk == kv[0])
 
 
-def test_tiles_of_different_lengths_past_the_slots_stay_whole():
-    kv = np.full(64, 4096)
-    kv[0] = 4000
-    plan = plan_prefill(np.arange(65), kv, 4, 8, 128, num_sms=132, ctas_per_sm=3,
+@pytest.mark.parametrize(
+    "qo, kv",
+    [
+        ([1] * 64, [4000] + [4096] * 63),  # another length
+        ([5] * 64, [4096] * 64),
+    ],
+)  # two 16-row tiles a request
+def test_unlike_requests_past_the_slots_stay_whole(qo, kv):
+    plan = plan_prefill(np.cumsum([0, *qo]), kv, 4, 8, 128, num_sms=132, ctas_per_sm=3,
                         page_size=16, tile_rows=16, kv_tile=128)  # fmt: skip
-    assert not plan.split_kv and plan.num_work == 64
+    assert not plan.split_kv and plan.num_work == plan.num_tiles
 
 
 def test_a_wave_cut_stays_inside_max_work():
