@@ -145,11 +145,13 @@ def tile_counts(qo_indptr, kv_len, group_size: int, tile_rows: int) -> TilePlan:
 
 def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: int,
               fixed_split_size: int | None = None, disable_split_kv: bool = False,
-              max_work: int | None = None) -> bool:  # fmt: skip
+              max_work: int | None = None, causal: bool = False, window_left: int = -1,
+              page_size: int = 1, kv_tile: int = 1) -> bool:  # fmt: skip
     """Whether plan_prefill gives the batch one item per tile because the tiles alone fill the
-    GPU (num_tiles * num_kv_heads >= slots, or max_work) with a last wave full enough that no
-    cut may pay (_wave_chunk), the split is disabled or there are no tiles (and the tiles fit
-    max_work; plan_prefill names the error where they do not)."""
+    GPU (num_tiles * num_kv_heads >= slots, or max_work) and plan_prefill's wave cut keeps
+    them whole (_wave_chunk: causal, window_left, page_size and kv_tile as plan_prefill takes
+    them), the split is disabled or there are no tiles (and the tiles fit max_work;
+    plan_prefill names the error where they do not)."""
     num_tiles = tiles.num_tiles
     budget = num_sms * ctas_per_sm // num_kv_heads
     if max_work is not None:
@@ -160,7 +162,16 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
         return True
     if fixed_split_size is not None or num_tiles < budget:
         return False
-    return not _wave_cut_may_pay(num_tiles, budget, tiles.qo_len, tiles.kv_len)
+    qo_len, kv = tiles.qo_len, tiles.kv_len
+    if not _wave_cut_may_pay(num_tiles, budget, qo_len, kv):
+        return True
+    # requests alike, one tile each: plan_prefill's key ranges and wave cut, as it takes them
+    first = np.zeros(num_tiles, np.int64)
+    begin, end = key_ranges(qo_len, kv, np.arange(num_tiles), first, tiles.group_size,
+                            tiles.tile_rows, causal, window_left)  # fmt: skip
+    whole = -(-max(int(end.max()), 1) // page_size) * page_size
+    step = page_size * kv_tile // math.gcd(page_size, kv_tile)
+    return _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile) == whole
 
 
 def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
@@ -307,8 +318,7 @@ def plan_prefill(
     else:
         step = page_size * kv_tile // math.gcd(page_size, kv_tile)  # whole pages and tiles
         if num_tiles >= budget:
-            cap = num_tiles * WAVE_SPLITS if max_work is None else max_work
-            chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, cap, 2 * kv_tile)
+            chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile)
         else:
             chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
@@ -323,7 +333,7 @@ def plan_prefill(
                   begin, end, items)  # fmt: skip
 
 
-def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, overhead) -> int:
+def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, kv_tile) -> int:
     """A chunk for more tiles than slots (`budget` a kv head). One item per tile runs in
     ceil(T / budget) waves of tiles, the last one maybe nearly empty: 64 requests of 4096 keys
     on 49 slots a head run two waves for 1.3 waves of work. Where the requests are alike (one
@@ -332,14 +342,18 @@ def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, overh
 
         cost(c) = ceil(W(c) / budget) * (min(c, keys) + overhead)
 
-    by at least WAVE_GAIN (`overhead`: an item's fixed cost in keys: its prologue, partial
-    and merge); otherwise one item a tile (`whole`). On
+    by at least WAVE_GAIN (overhead: an item's fixed cost in keys, its prologue, partial and
+    merge, taken as two K/V tiles) and W(c) <= max_work; otherwise one item a tile (`whole`).
+    On
     an H200 (tensor-core decode, 64 x 4096 tokens, fp8 KV, three CTAs a SM) chunks of 2048
     keys took 148.4 us against 175.0 whole (bench/tune_decode_split.py)."""
     keys = end - begin
     longest = int(keys.max())
     if longest == 0 or not _wave_cut_may_pay(keys.shape[0], budget, qo_len, kv_len):
         return whole
+    overhead = 2 * kv_tile
+    if max_work is None:
+        max_work = keys.shape[0] * WAVE_SPLITS
     best, best_cost = whole, -(-keys.shape[0] // budget) * (longest + overhead)
     for k in range(2, WAVE_SPLITS + 1):
         chunk = -(-longest // (k * step)) * step

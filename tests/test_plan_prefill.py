@@ -154,7 +154,8 @@ def test_equal_tiles_past_the_slots_are_cut_to_fill_the_last_wave(batch, ctas, c
     cut = -(-plan.num_work // slots) * (min(chunk, kv[0]) + 256)
     assert cut <= whole * (1 - WAVE_GAIN) or chunk == kv[0]
     tiles = tile_counts(np.arange(batch + 1), kv, 4, 16)  # the wrapper's device-items test
-    assert fills_gpu(tiles, 8, num_sms=132, ctas_per_sm=ctas) == (chunk == kv[0])
+    assert fills_gpu(tiles, 8, num_sms=132, ctas_per_sm=ctas, page_size=16,
+                     kv_tile=128) == (chunk == kv[0])  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -168,6 +169,21 @@ def test_unlike_requests_past_the_slots_stay_whole(qo, kv):
     plan = plan_prefill(np.cumsum([0, *qo]), kv, 4, 8, 128, num_sms=132, ctas_per_sm=3,
                         page_size=16, tile_rows=16, kv_tile=128)  # fmt: skip
     assert not plan.split_kv and plan.num_work == plan.num_tiles
+
+
+@pytest.mark.parametrize("qo, kv, causal, window_left", [(16, 16, True, -1), (1, 4096, False, 100),
+                                                        (1, 4096, False, -1)])  # fmt: skip
+def test_fills_gpu_agrees_with_the_wave_cut(qo, kv, causal, window_left):
+    """The wrapper expands one item a tile on the device only where plan_prefill would give one
+    item a tile: short causal prompts (no chunk shorter than their keys) and a window of 101
+    keys stay whole, 4096 keys are cut."""
+    indptr, kv_len = np.arange(65) * qo, np.full(64, kv)
+    gpu = dict(num_sms=132, ctas_per_sm=3)
+    shape = dict(causal=causal, window_left=window_left, page_size=16, kv_tile=128)
+    plan = plan_prefill(indptr, kv_len, 4, 8, 128, tile_rows=16, **gpu, **shape)
+    tiles = tile_counts(indptr, kv_len, 4, 16)
+    assert fills_gpu(tiles, 8, **gpu, **shape) == (not plan.split_kv)
+    assert plan.split_kv == (window_left < 0 and kv == 4096)
 
 
 def test_a_wave_cut_stays_inside_max_work():

@@ -83,7 +83,9 @@ def plan_launch(
         tiles = planner.tile_counts(qo_indptr, kv_len, group, tile_rows)
         if planner.fills_gpu(tiles, attn.num_kv_heads, num_sms=num_sms, ctas_per_sm=ctas,
                      fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                     max_work=max_work):  # fmt: skip
+                     max_work=max_work, causal=cfg.causal, window_left=attn.window_left,
+                     page_size=1 if attn.page_size == RAGGED_PAGE else attn.page_size,
+                     kv_tile=spec.kv_tile):  # fmt: skip
             plan = tiles
     plan = plan or planner.plan_prefill(
         qo_indptr, kv_len, group, attn.num_kv_heads, attn.head_dim, num_sms=num_sms,
