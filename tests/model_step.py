@@ -3,9 +3,10 @@
 A decode step: the layer's norms (and Qwen3's q/k norm), RoPE in every position form FlashInfer
 offers, the MLP activation, the KV append with its device index ops, batch decode (plain
 wrapper on short requests, on long ones in pages of 64, the CUDA-graph and the tensor-core
-wrappers), then softmax, every sampler and renorm at batch sizes that take every block and
-cluster size. A prefill step: paged and ragged causal prefill in each query tile, their
-merges, and a batch whose tiles fill the GPU (its work items expanded on the device).
+wrappers, the latter also over a batch that fills the GPU), then softmax, every sampler and
+renorm at batch sizes that take every block and cluster size. A prefill step: paged and ragged
+causal prefill in each query tile, their merges, and a batch whose tiles fill the GPU (its work
+items expanded on the device).
 
 `run(model, dtype, kv_dtype, arrays)` makes its arrays with `arrays` (zeros of a shape and
 dtype, and device copies of host ints), so that one step serves two tests
@@ -32,6 +33,7 @@ from .paged_batch import page_table_for
 SAMPLING_BATCHES = (1, 20, 100, 200, 600)
 PAGE = 16
 DECODE_LENGTHS = [1, 15, 16, 17, 300, 1000]  # after the append of one token each
+FULL_DECODE_LENGTHS = [64] * 40  # use_tensor_cores: enough requests to give every SM a CTA
 LONG_PAGE, LONG_LENGTHS = 128, [8192] * 4  # long rows in large pages: one tile in flight ahead
 
 
@@ -125,6 +127,10 @@ def _decode(m, dtype: str, kv_dtype: str, arrays) -> None:
         for plan in plans:  # split or not; a plan of whole requests picks half tiles for fp8
             wrapper.plan(*table, *heads, PAGE, **plan, **kinds)
             wrapper.run(q, cache)
+    # use_tensor_cores over a batch that fills the GPU: 64-key tiles (the small one above: 128)
+    full_cache, full_table = _paged(m, kv_dtype, arrays, FULL_DECODE_LENGTHS, PAGE)
+    wrapper.plan(*full_table, *heads, PAGE, **kinds)
+    wrapper.run(arrays.zeros((len(FULL_DECODE_LENGTHS), hq, d), dtype), full_cache)
     long_cache, long_table = _paged(m, kv_dtype, arrays, LONG_LENGTHS, LONG_PAGE)
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
     wrapper.plan(*long_table, *heads, LONG_PAGE, disable_split_kv=True, **kinds)

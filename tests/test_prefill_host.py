@@ -439,6 +439,35 @@ def test_tensor_core_decode_plans_one_query_per_request(wrappers):
         wrapper.run(None, None, window_left=3)
 
 
+@pytest.mark.parametrize("q_dtype, kv_dtype, batch, graph, keys", [
+    ("bfloat16", None, 16, False, 128),  # 16 tiles x 8 heads <= 132 SMs: 128-key tiles
+    ("bfloat16", None, 17, False, 64),  # 136 CTAs: two a SM in 64-key tiles
+    ("bfloat16", None, 4, True, 64),  # a fixed capacity fixes the kernel
+    ("float16", "float8_e4m3fn", 4, False, 128),  # fp8 read from the ring: 128-key tiles always
+])  # fmt: skip
+def test_tensor_core_decode_of_a_small_batch_takes_128_key_tiles(wrappers, q_dtype, kv_dtype,
+                                                                 batch, graph, keys):  # fmt: skip
+    """A decode batch too small to give every SM a CTA runs 16-row tiles over 128-key K/V tiles
+    in a 3-stage ring (wide_decode_spec); one that fills the GPU, or a CUDA-graph wrapper's,
+    64-key tiles."""
+    from rtcinfer.attention.decode import BatchDecodeWithPagedKVCacheWrapper
+
+    kw = {}
+    if graph:
+        kw = dict(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=Buf(batch + 1),
+            paged_kv_indices_buffer=Buf(batch),
+            paged_kv_last_page_len_buffer=Buf(batch),
+        )
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, **kw)
+    wrapper.plan(np.arange(batch + 1), np.arange(batch), np.full(batch, 5), 32, 8, 128, 16,
+                 q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
+    spec = wrapper._tc._launch.launch.kernel.spec
+    assert (spec.tile_rows, spec.kv_tile) == (16, keys)
+    assert spec.stages == (3 if keys == 128 or kv_dtype is None else 2)
+
+
 @pytest.mark.parametrize(("tile_rows", "head_dim", "custom_mask", "warp_rows"), [
     (128, 128, False, 32), (128, 64, False, 16), (128, 128, True, 16), (64, 128, False, 16),
     (16, 128, False, 16), (64, 256, False, 16),

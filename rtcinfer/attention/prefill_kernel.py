@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -162,6 +162,23 @@ def prefill_spec(
                     fp8_direct=fp8_direct)  # fmt: skip
 
 
+def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
+    """The 16-row tile over 128-key K/V tiles in a 3-stage ring, for a decode-shaped batch too
+    small to give every SM a CTA (plan_launch): not causal, 16-bit KV, head_dim <= 128, no
+    in-kernel RoPE or custom mask, where the ring fits max_smem (one CTA a SM); None
+    elsewhere. On an H200
+    (bf16, 32 / 8 heads, head_dim 128, graph us; bench/tune_decode_split.py): 1 x 32768 tokens
+    41.2 against 43.5 in 64-key tiles, 16 x 4096 68.7 against 71.0; batches that fill the GPU
+    are faster in 64-key tiles with two CTAs a SM (64 x 4096 251.7 against 257.9, 256 x 1024
+    255.0 against 271.7)."""
+    if (spec.tile_rows != 16 or spec.causal or spec.kv_dtype != spec.q_dtype
+            or spec.head_dim > 128 or spec.pos_encoding_mode == "ROPE_LLAMA"
+            or spec.custom_mask):  # fmt: skip
+        return None
+    wide = replace(spec, kv_tile=128, stages=3)
+    return wide if wide.smem_bytes <= max_smem else None
+
+
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
     """Whether prefill on `arch` takes the warpgroup-MMA kernel: on sm_90a where it covers the
     configuration, unless RTCINFER_PREFILL_WGMMA=0 (the mma.sync kernel everywhere)."""
@@ -200,16 +217,20 @@ def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem,
     """The prefill kernels a model's serving loop may launch (warmup) on a GPU of `arch` with
     max_smem bytes of shared memory per block: causal prefill in every query tile plan() may
     choose, over the paged cache (kv_dtype) and over ragged new keys (q's dtype), and the tile
-    of decode with use_tensor_cores=True (one query per request, not causal)."""
+    of decode with use_tensor_cores=True (one query per request, not causal; also over
+    128-key K/V tiles where wide_decode_spec gives them)."""
     group = num_qo_heads // num_kv_heads
     wide = use_wgmma(arch, 128, "NONE", q_dtype, q_dtype)  # 128 rows at head_dim 256 too
     tiles = [rows for rows in TILE_ROWS if rows < 128 or head_dim < 256 or wide]
     decode_rows = choose_tile_rows(np.ones(1, np.int64), group, head_dim, wide)
     calls = [(rows, True, kv, ragged) for kv, ragged in ((kv_dtype, False), (q_dtype, True))
              for rows in tiles] + [(decode_rows, False, kv_dtype, False)]  # fmt: skip
-    return [prefill_spec(q_dtype, q_dtype, head_dim, rows, causal, max_smem=max_smem, kv_dtype=kv,
-                         ragged=ragged, wgmma=use_wgmma(arch, rows, "NONE", q_dtype, kv))
-            for rows, causal, kv, ragged in calls]  # fmt: skip
+    specs = [prefill_spec(q_dtype, q_dtype, head_dim, rows, causal, max_smem=max_smem,
+                          kv_dtype=kv, ragged=ragged,
+                          wgmma=use_wgmma(arch, rows, "NONE", q_dtype, kv))
+             for rows, causal, kv, ragged in calls]  # fmt: skip
+    wide = wide_decode_spec(specs[-1], max_smem)  # a batch too small to fill the GPU
+    return specs + ([wide] if wide is not None else [])
 
 
 @functools.cache
@@ -226,4 +247,5 @@ __all__ = [
     "specs_for",
     "use_wgmma",
     "wgmma_supported",
+    "wide_decode_spec",
 ]

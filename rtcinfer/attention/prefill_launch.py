@@ -5,13 +5,15 @@ adds the arrays' and the workspace's)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..jit import device_arch
 from ..launch import Launch
 from ..plan import prefill as planner
 from ..plan.prefill import PrefillPlan, TilePlan
 from .decode_kernel import fast_div
 from .prefill_args import PrefillConfig
-from .prefill_kernel import kernel, prefill_spec, use_wgmma
+from .prefill_kernel import kernel, prefill_spec, use_wgmma, wide_decode_spec
 from .prefill_plan import RAGGED_PAGE
 
 MAX_GRID_Y = 65535
@@ -30,29 +32,41 @@ def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
     return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
 
 
-def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool):
+def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool,
+               wide: bool = False):  # fmt: skip
     """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
-    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles."""
+    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; wide: 128-key K/V
+    tiles for a decode-shaped batch that leaves SMs idle, where wide_decode_spec has them."""
     attn = cfg.attn
     wgmma = wgmma and tile_rows in (64, 128)
     spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
                         cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
                         wgmma=wgmma)  # fmt: skip
+    if wide:
+        spec = wide_decode_spec(spec, max_smem) or spec
     k = kernel(spec)
     return k, max(1, k.occupancy(device, spec.threads))
 
 
 def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
-                  tile_rows: int | None = None):  # fmt: skip
+                  tile_rows: int | None = None, wide: bool = False):  # fmt: skip
     """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
     asked once per configuration: `kernels` is a wrapper's cache, emptied when its
     configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
     if None not in kernels:
         kernels[None] = wgmma_on(cfg, device)
-    if tile_rows not in kernels:
-        kernels[tile_rows] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None])
-    return kernels[tile_rows]
+    key = (tile_rows, True) if wide else tile_rows
+    if key not in kernels:
+        kernels[key] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None], wide)
+    return kernels[key]
+
+
+def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a batch of 16-row tiles gives fewer CTAs than SMs (tiles x kv heads <= SMs):
+    a decode batch of up to num_sms / num_kv_heads requests."""
+    qo_len = np.diff(np.asarray(qo_indptr, dtype=np.int64))
+    return int((-(-qo_len * group_size // 16)).sum()) * num_kv_heads <= num_sms
 
 
 def plan_launch(
@@ -74,7 +88,11 @@ def plan_launch(
     wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
         tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
-    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows)
+    # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
+    # (a CUDA graph, a plan array) fixes the kernel
+    wide = (max_work is None and tile_rows == 16
+            and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms))  # fmt: skip
+    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, wide)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
@@ -112,4 +130,12 @@ def plan_launch(
     return launch, plan
 
 
-__all__ = ["MAX_GRID_Y", "chosen_kernel", "kernel_for", "pick_tile_rows", "plan_launch", "wgmma_on"]
+__all__ = [
+    "MAX_GRID_Y",
+    "chosen_kernel",
+    "kernel_for",
+    "leaves_sms_idle",
+    "pick_tile_rows",
+    "plan_launch",
+    "wgmma_on",
+]
