@@ -24,7 +24,7 @@ from bench.bench_decode import random_cache
 from bench.bench_prefill import PAGE, page_table
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer.attention import prefill_launch
-from rtcinfer.attention.prefill_kernel import prefill_spec
+from rtcinfer.attention.prefill_kernel import prefill_spec, wide_decode_spec
 from rtcinfer.interop.dtypes import numpy_dtype
 
 HQ, HKV, D = 32, 8, 128  # page: bench_prefill's PAGE (16)
@@ -38,9 +38,9 @@ MIXED = {  # label: token lengths
     "128 x 2048": np.full(128, 2048),
 }
 FIXED = (16, 32, 48, 64, 96, 128)
-TC_SHAPES = {"1 x 32768": [32768], "16 x 4096": [4096] * 16, "64 x 4096": [4096] * 64,
-             "256 x 1024": [1024] * 256}  # fmt: skip
-TC_CONFIGS = ((64, 3), (64, 2), (128, 2), (128, 3))  # (KV tile keys, stages)
+TC_SHAPES = {"1 x 32768": [32768], "16 x 4096": [4096] * 16, "48 x 4096": [4096] * 48,
+             "64 x 4096": [4096] * 64, "256 x 1024": [1024] * 256}  # fmt: skip
+TC_CONFIGS = ((64, 3), (128, 2), (128, 3))  # (KV tile keys, stages)
 TC_SPLITS = (None, 64, 128)  # fixed_split_size in pages (None: the planner's)
 
 
@@ -84,7 +84,8 @@ def chunk_rows() -> Table:
 
 def forced(kv_tile: int, stages: int, direct: bool):
     """prefill_launch's spec choice replaced: 16-row tiles take (kv_tile, stages), fp8 ones
-    read from the ring when `direct`."""
+    read from the ring when `direct` (and a small batch keeps them: no wide_decode_spec)."""
+    prefill_launch.wide_decode_spec = lambda spec, max_smem: None
 
     def spec(q_dtype, o_dtype, head_dim, rows, *args, **kw):
         chosen = prefill_spec(
@@ -124,6 +125,7 @@ def tc_rows() -> Table:
                 read = ("ring" if direct else "staged") if dtype != "bfloat16" else ""
                 table.add(label, dtype, core, kv_tile, stages, read, smem, *times)
     prefill_launch.prefill_spec = prefill_spec
+    prefill_launch.wide_decode_spec = wide_decode_spec
     return table
 
 
