@@ -162,15 +162,15 @@ def prefill_spec(
                     fp8_direct=fp8_direct)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)  # plan() asks on every call
 def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
     """The 16-row tile over 128-key K/V tiles in a 3-stage ring, for a decode-shaped batch too
     small to give every SM a CTA (plan_launch): not causal, 16-bit KV, head_dim <= 128, no
     in-kernel RoPE or custom mask, where the ring fits max_smem (one CTA a SM); None
-    elsewhere. On an H200
-    (bf16, 32 / 8 heads, head_dim 128, graph us; bench/tune_decode_split.py): 1 x 32768 tokens
-    41.2 against 43.5 in 64-key tiles, 16 x 4096 68.7 against 71.0; batches that fill the GPU
-    are faster in 64-key tiles with two CTAs a SM (64 x 4096 251.7 against 257.9, 256 x 1024
-    255.0 against 271.7)."""
+    elsewhere. On an H200 (bf16, 32 / 8 heads, head_dim 128, graph us;
+    bench/tune_decode_split.py): 1 x 32768 tokens 41.2 against 43.5 in 64-key tiles, 16 x 4096
+    68.7 against 71.0; batches that fill the GPU are faster in 64-key tiles with two CTAs a SM
+    (64 x 4096 251.7 against 257.9, 256 x 1024 255.0 against 271.7)."""
     if (spec.tile_rows != 16 or spec.causal or spec.kv_dtype != spec.q_dtype
             or spec.head_dim > 128 or spec.pos_encoding_mode == "ROPE_LLAMA"
             or spec.custom_mask):  # fmt: skip

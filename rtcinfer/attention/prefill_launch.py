@@ -32,17 +32,22 @@ def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
     return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
 
 
+def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
+    """prefill_spec's kernel of a configuration and tile (warpgroup MMAs for 64- and 128-row
+    tiles where wgmma)."""
+    attn = cfg.attn
+    return prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
+                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
+                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
+                        wgmma=wgmma and tile_rows in (64, 128))  # fmt: skip
+
+
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool,
                wide: bool = False):  # fmt: skip
     """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
     wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; wide: 128-key K/V
     tiles for a decode-shaped batch that leaves SMs idle, where wide_decode_spec has them."""
-    attn = cfg.attn
-    wgmma = wgmma and tile_rows in (64, 128)
-    spec = prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
-                        attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
-                        cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
-                        wgmma=wgmma)  # fmt: skip
+    spec = spec_for(cfg, tile_rows, max_smem, wgmma)
     if wide:
         spec = wide_decode_spec(spec, max_smem) or spec
     k = kernel(spec)
@@ -91,6 +96,7 @@ def plan_launch(
     # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
     # (a CUDA graph, a plan array) fixes the kernel
     wide = (max_work is None and tile_rows == 16
+            and wide_decode_spec(spec_for(cfg, 16, max_smem, False), max_smem) is not None
             and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms))  # fmt: skip
     k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, wide)
     spec = k.spec
@@ -137,5 +143,6 @@ __all__ = [
     "leaves_sms_idle",
     "pick_tile_rows",
     "plan_launch",
+    "spec_for",
     "wgmma_on",
 ]
