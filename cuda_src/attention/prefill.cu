@@ -257,14 +257,11 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
     scores(Bool<true>{});
   // A row slot i whose rows (one per lane group: 8 rows of the warp) keep their running max
   // skips its rescale (by exactly 1): decided per slot for the whole warp, so the branch is
-  // uniform, and far more often than for all the warp's rows at once. A slot without a valid
-  // row (Rows::live: rows 8-15 of a 16-row decode tile of up to 8 heads) skips its softmax:
-  // P 0, its state untouched (empty rows, never written).
+  // uniform, and far more often than for all the warp's rows at once.
   float row_max[ROWS];
   bool same[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
-    if (!rows.live[i]) continue;
     row_max[i] = part_max[i][0];
 #pragma unroll
     for (int k = 1; k < PARTS; ++k) row_max[i] = fmaxf(row_max[i], part_max[i][k]);
@@ -276,11 +273,6 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     const int b = i / 2, h = i % 2;
-    if (!rows.live[i]) {
-#pragma unroll
-      for (int n = 0; n < KEY_TILES; ++n) s[b][n][2 * h] = s[b][n][2 * h + 1] = 0.f;
-      continue;
-    }
     const float base = same[i] ? st[i].offset() : st[i].rescale(row_max[i]);
     float part_sum[PARTS];
 #pragma unroll

@@ -21,10 +21,6 @@ RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }
 // rows past the request are inert.
 struct Rows {
   bool valid[ROWS];
-  // 16-row tiles (decode): whether the warp's rows of slot i (one per lane group) hold any
-  // valid row, the same in every lane, so a dead slot's softmax is skipped uniformly (rows
-  // 8-15 of up to 8 heads a group). Other tiles: true (their registers are at the limit).
-  bool live[ROWS];
   int query[ROWS], head[ROWS], pos[ROWS];
   float slope[ROWS];
   int64_t mask_bit[ROWS];  // CUSTOM_MASK: the bit of (the row's query, key 0)
@@ -45,8 +41,6 @@ struct Rows {
                     static_cast<int64_t>(query[i]) * w.kv_len;
     }
     const int first = w.tile_row + WARP_ROWS * warp, rows_in = w.qo_len * p.group_size;
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) live[i] = TILE_ROWS > 16 || first + warp_row(i, 0) < rows_in;
     const int last = min(first + WARP_ROWS - 1, max(rows_in - 1, first));
     pos_first = unpack_row(first, p).query + w.kv_len - w.qo_len;
     pos_last = unpack_row(last, p).query + w.kv_len - w.qo_len;
