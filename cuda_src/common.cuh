@@ -55,6 +55,10 @@ template <typename T>
 constexpr bool is_fp8() {
   return IsSame<T, __nv_fp8_e4m3>::value || IsSame<T, __nv_fp8_e5m2>::value;
 }
+template <typename T>
+constexpr __nv_fp8_interpretation_t fp8_kind() {
+  return IsSame<T, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
+}
 
 // ---------------------------------------------------------------------------------------------
 // dtype conversions (compute is fp32)

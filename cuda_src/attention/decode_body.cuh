@@ -30,8 +30,7 @@ constexpr int HEADS = 8 * HEAD_TILES;  // query heads per CTA, padded
 constexpr int Q_STRIDE = HEAD_DIM + 16;  // q row in shared memory (elements): conflict-free reads
 constexpr int HEADER_INTS = 4 + HEAD_DIM;  // plan: num_work, 3 spare, RoPE frequencies (hi, lo)
 constexpr int VECS = HEAD_DIM / 4;  // float4 pieces of an output row
-constexpr __nv_fp8_interpretation_t FP8_KIND =
-    IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
+constexpr __nv_fp8_interpretation_t FP8_KIND = fp8_kind<KVT>();
 using MT = Conditional<FP8, half, KVT>;  // tensor-core input type
 
 constexpr int TILE_BYTES = TILE * ROW_BYTES;

@@ -52,8 +52,7 @@ constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a wa
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
 constexpr bool ROPE = POS_ENCODING == PosEncoding::ROPE_LLAMA;
 constexpr bool FP8 = is_fp8<KVT>();
-constexpr __nv_fp8_interpretation_t FP8_KIND =
-    IsSame<KVT, __nv_fp8_e5m2>::value ? __NV_E5M2 : __NV_E4M3;
+constexpr __nv_fp8_interpretation_t FP8_KIND = fp8_kind<KVT>();
 // fp8 in a 16-row tile without RoPE, whose warps each read only their own keys: with
 // FP8_DIRECT the MMAs read K and V straight from the ring, widened in registers
 // (prefill_fp8_fragments.cuh); otherwise each warp widens its own keys into the staging tiles
