@@ -436,8 +436,8 @@ def test_memcheck_subset():
                                   "page1", "hnd_strided_tuple"])  # fmt: skip
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature, case, kv_dtype):
-    """The 16-row prefill kernel over fp8 KV the other way (fp8_direct=False: each warp widens
-    its keys into staging tiles, 64-key tiles, 3 stages) gives the reference's results."""
+    """The 16-row prefill kernel over fp8 KV the other way (fp8_direct=False: the tiles are
+    widened into staging tiles, 64-key tiles, 3 stages) gives the reference's results."""
     with_decode_tiles(monkeypatch, fp8_direct=False, kv_tile=64, stages=3)
     spec = tensor_core_decode_checked(("tc staged", feature, case, kv_dtype))
     assert not spec.fp8_direct

@@ -226,7 +226,7 @@ def test_warps_sharing_rows_split_the_keys_and_merge(warp_keys):
 @pytest.mark.parametrize("kind", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fp8_tiles_widen_into_the_16_bit_swizzle(kind, head_dim):  # 64- and 128-row tiles
-    """widen_rows: ring chunk c of an fp8 row (16 values, tile_offset of head_dim-byte rows)
+    """widen_tiles: ring chunk c of an fp8 row (16 values, tile_offset of head_dim-byte rows)
     becomes chunks 2c, 2c + 1 of the 16-bit row: the staging tile is the swizzled 16-bit tile
     of the same values."""
     rng = np.random.default_rng(head_dim)

@@ -55,13 +55,11 @@ constexpr bool FP8 = is_fp8<KVT>();
 constexpr __nv_fp8_interpretation_t FP8_KIND = fp8_kind<KVT>();
 // fp8 in a 16-row tile without RoPE, whose warps each read only their own keys: with
 // FP8_DIRECT the MMAs read K and V straight from the ring, widened in registers
-// (prefill_fp8_fragments.cuh); otherwise each warp widens its own keys into the staging tiles
-// between its own MMAs (WARP_WIDEN, 2-4% faster on an H200 than the CTA widening whole tiles
-// between barriers, which the other fp8 tiles do: STAGED).
-constexpr bool FP8_OWN_KEYS = FP8 && KV_WARPS > 1 && !ROPE;
-static_assert(!FP8_DIRECT || FP8_OWN_KEYS, "FP8_DIRECT: fp8 KV in 16-row tiles, no RoPE");
-constexpr bool STAGED = FP8 && !FP8_DIRECT;  // fp8 widened into staging tiles
-constexpr bool WARP_WIDEN = STAGED && FP8_OWN_KEYS;
+// (prefill_fp8_fragments.cuh); the other fp8 tiles are widened whole into staging tiles
+// between barriers (STAGED).
+static_assert(!FP8_DIRECT || (FP8 && KV_WARPS > 1 && !ROPE),
+              "FP8_DIRECT: fp8 KV in 16-row tiles, no RoPE");
+constexpr bool STAGED = FP8 && !FP8_DIRECT;
 // A plain logit (no ALiBi, no soft cap) is x = s * scale: the scale folds into the exp2 (one
 // FFMA, exp2(s * scale - m)) and the row maxima are taken of the raw scores, with scale > 0
 // (a negative qk_scale negates the Q tile instead: see fold_scale()). Not at head_dim 64,
@@ -411,13 +409,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
     unsigned char* k_mma = STAGED ? staging : ring_k;
     constexpr int V_AT = STAGED ? TILE_BYTES : RING_TILE_BYTES;  // V after K
-    if constexpr (WARP_WIDEN) {  // the warp's own keys: no other warp reads them
-      widen_rows<WARP_KEYS>(staging, ring_k, ring_k + RING_TILE_BYTES, kv_warp * WARP_KEYS,
-                            lane, 32);
-      __syncwarp();
-    } else if constexpr (STAGED) {
+    if constexpr (STAGED) {
       // (The barrier at the top of this iteration: the previous MMAs are done with it.)
-      widen_rows<KV_TILE>(staging, ring_k, ring_k + RING_TILE_BYTES, 0, threadIdx.x, THREADS);
+      widen_tiles(staging, ring_k, ring_k + RING_TILE_BYTES);
       __syncthreads();
     }
     if constexpr (ROPE) {

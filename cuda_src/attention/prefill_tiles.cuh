@@ -1,17 +1,15 @@
 // The prefill kernel's transforms of whole tiles in shared memory (included by prefill.cu
-// after its constants): fp8 K/V rows widened to the 16-bit type, RoPE on a tile's rows, and the
+// after its constants): fp8 K/V widened to the 16-bit type, RoPE on a tile's rows, and the
 // Q tile negated for a negative softmax scale (fold_scale).
 #pragma once
 
-// Rows [row0, row0 + N_ROWS) of the fp8 K and V tiles of the ring widened to QT into the
-// staging tiles (same swizzle, 16-bit rows) by `count` threads, this one `first` among them:
-// a thread converts 16 values (one ring chunk, two staging chunks) at a time.
-template <int N_ROWS>
-RTC_DEVICE void widen_rows(unsigned char* staging, const unsigned char* ring_k,
-                           const unsigned char* ring_v, int row0, int first, int count) {
+// fp8 K and V tiles of the ring widened to QT into the staging tiles (same swizzle, 16-bit
+// rows): a thread converts 16 values (one ring chunk, two staging chunks) at a time.
+RTC_DEVICE void widen_tiles(unsigned char* staging, const unsigned char* ring_k,
+                            const unsigned char* ring_v) {
   constexpr int KV_CHUNKS = KV_ROW_BYTES / 16;
-  for (int i = first; i < 2 * N_ROWS * KV_CHUNKS; i += count) {
-    const int which = i / (N_ROWS * KV_CHUNKS), row = row0 + i / KV_CHUNKS % N_ROWS;
+  for (int i = threadIdx.x; i < 2 * KV_TILE * KV_CHUNKS; i += THREADS) {
+    const int which = i / (KV_TILE * KV_CHUNKS), row = i / KV_CHUNKS % KV_TILE;
     const int chunk = i % KV_CHUNKS;
     const unsigned char* src = (which ? ring_v : ring_k) + tile_offset<KV_ROW_BYTES>(row, chunk);
     unsigned char* dst = staging + which * TILE_BYTES;

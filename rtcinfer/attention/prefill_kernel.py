@@ -151,8 +151,9 @@ def prefill_spec(
     # fp8 in 16-row (decode) tiles, on an H200 at head_dim 128 with bf16 q (graph us,
     # bench/tune_decode_split.py): read from the ring in 128-key tiles, 3 stages: 1 x 32768
     # tokens 30.2, 64 x 4096 134.3, 256 x 1024 154.0 (2 stages 31.8 / 175.0 / 146.7; 64-key
-    # tiles 32.5 / 168.4 / 152.7); widened into staging tiles 45-55 / 239-360 / 241-392.
-    # Widened, a 2-stage ring leaves room for three CTAs a SM beside the staging tiles.
+    # tiles 32.5 / 168.4 / 152.7); widened into staging tiles (each warp its own keys, a
+    # variant since dropped) 45-55 / 239-360 / 241-392. Widened (RoPE, fp8_direct=False), a
+    # 2-stage ring leaves room for three CTAs a SM beside the staging tiles.
     widened_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES and not fp8_direct
     if fp8_direct and head_dim <= 128:
         kv_tile = 128
