@@ -169,8 +169,7 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
     first = np.zeros(num_tiles, np.int64)
     begin, end = key_ranges(qo_len, kv, np.arange(num_tiles), first, tiles.group_size,
                             tiles.tile_rows, causal, window_left)  # fmt: skip
-    whole = -(-max(int(end.max()), 1) // page_size) * page_size
-    step = page_size * kv_tile // math.gcd(page_size, kv_tile)
+    whole, step = _chunk_grid(end, page_size, kv_tile)
     return _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile) == whole
 
 
@@ -301,8 +300,7 @@ def plan_prefill(
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
     begin, end = key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
                              causal, window_left)  # fmt: skip
-    max_end = max(int(end.max()) if num_tiles else 0, 1)
-    whole = -(-max_end // page_size) * page_size  # one chunk covers every tile's keys
+    whole, step = _chunk_grid(end, page_size, kv_tile)
     slots = num_sms * ctas_per_sm
     budget = slots // num_kv_heads if max_work is None else min(slots // num_kv_heads, max_work)
     if max_work is not None and num_tiles > max_work:
@@ -315,12 +313,10 @@ def plan_prefill(
         chunk = whole
     elif fixed_split_size is not None:
         chunk = fixed_split_size * page_size
+    elif num_tiles >= budget:
+        chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile)
     else:
-        step = page_size * kv_tile // math.gcd(page_size, kv_tile)  # whole pages and tiles
-        if num_tiles >= budget:
-            chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile)
-        else:
-            chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
+        chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
     items = np.ones_like(end) if chunk == whole else _items_per_tile(begin, end, chunk)
     num_work = int(items.sum())
@@ -331,6 +327,13 @@ def plan_prefill(
         )
     return _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row,
                   begin, end, items)  # fmt: skip
+
+
+def _chunk_grid(end: np.ndarray, page_size: int, kv_tile: int) -> tuple[int, int]:
+    """(whole, step): the chunk that covers every tile's keys (whole pages), and the unit an
+    automatic chunk is made of (whole pages and whole K/V tiles)."""
+    max_end = max(int(end.max()) if end.shape[0] else 0, 1)
+    return -(-max_end // page_size) * page_size, page_size * kv_tile // math.gcd(page_size, kv_tile)
 
 
 def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, kv_tile) -> int:
