@@ -145,6 +145,7 @@ class Prepared:
     command_buffer: bool = True
     on_trace: Callable[[], None] | None = None
     keep: object = None  # what the launch reads that it owns (device memory of its own)
+    one_device: bool = False  # the process sees one GPU: it is current (set by call)
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
 
@@ -216,9 +217,10 @@ def _align(bits: int) -> int:
     return 16 if bits == 0 else bits & -bits
 
 
-def _prepare(op: Op, key: tuple, arrays, info, bits: int, static: tuple) -> Prepared:
-    """The prepared launch of a new signature: `info(array, name)` describes each array; host
-    memory and mixed devices are refused by name before the op's own checks."""
+def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -> Prepared:
+    """The prepared launch of a new signature: `info(array, name)` describes each array and
+    `ptrs` holds their addresses (0 for absent slots); host memory and mixed devices are
+    refused by name before the op's own checks."""
     infos = [info(x, name) for x, name in zip(arrays, op.slots, strict=True)]
     for name, seen in zip(op.slots, infos, strict=True):
         if seen is not None and seen.device < 0:
@@ -229,9 +231,13 @@ def _prepare(op: Op, key: tuple, arrays, info, bits: int, static: tuple) -> Prep
     devices = {n: i.device for n, i in zip(op.slots, infos, strict=True) if i is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"arrays are on different devices: {devices}")
-    gpu.runtime()  # a missing driver or CUDA extra is named before the op touches the device
+    runtime = gpu.runtime()  # a missing driver or CUDA extra is named before the op runs
+    bits = 0
+    for p in ptrs:
+        bits |= p
     prep = op.prepare(infos, _align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
+    prep.one_device = runtime.getDeviceCount() == 1
     with op._lock:
         return op.cache.setdefault(key, prep)
 
@@ -278,7 +284,7 @@ def _torch_info(x, name: str) -> ArrayInfo | None:
 
 def _call_torch(op: Op, arrays, static, scalars):
     torch, tensor, raw_stream, empty_like = _torch()
-    key, ptrs, bits = [op, static], [], 0
+    key, ptrs = [op, static], []
     for x in arrays:
         if x is None:
             key.append(None)
@@ -287,17 +293,15 @@ def _call_torch(op: Op, arrays, static, scalars):
             p = x.data_ptr()
             key.append((x.shape, x.stride(), x.dtype, x.get_device(), p & 15))
             ptrs.append(p)
-            bits |= p
         else:
             return _mixed(op, arrays, static, scalars)
-    key.append(bits & 15)
     key = tuple(key)
-    prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, bits, static)
+    prep = op.cache.get(key) or _prepare(op, key, arrays, _torch_info, ptrs, static)
     stream = _LOCAL.stream
     if prep.dense:
         arrays, ptrs = _densify_torch(op, prep, arrays, ptrs, stream)
     first = arrays[0]
-    device = first.get_device()
+    device = key[2][3]  # the first slot's (never absent)
     results = []
     for slot in prep.outs:
         if slot.source is not None:
@@ -308,16 +312,20 @@ def _call_torch(op: Op, arrays, static, scalars):
             raise _unallocated(op)
         if slot.like is not None:
             t = empty_like(arrays[slot.like])
+        elif slot.shape:  # the sizes as arguments: PyTorch parses them faster than a tuple
+            t = torch.empty(*slot.shape, dtype=_torch_dtype(slot.dtype), device=first.device)
         else:
-            t = torch.empty(slot.shape, dtype=_torch_dtype(slot.dtype), device=first.device)
+            t = torch.empty((), dtype=_torch_dtype(slot.dtype), device=first.device)
         ptrs.append(t.data_ptr())
         results.append(t)
-    if gpu.runtime().getDevice() == device:
+    if prep.one_device or gpu.runtime().getDevice() == device:
         prep.run(stream or raw_stream(device), device, ptrs, scalars)
     else:
         with _on_device(device):
             prep.run(stream or raw_stream(device), device, ptrs, scalars)
-    return returned(results, prep.scratch)
+    if prep.scratch:
+        del results[-prep.scratch :]
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _densify_torch(op: Op, prep: Prepared, arrays, ptrs, stream: int):
@@ -352,8 +360,8 @@ def _cupy_info(x, name: str) -> ArrayInfo | None:
 
 
 def _call_cupy(op: Op, arrays, static, scalars):
-    cupy, ndarray, current_stream = _cupy()
-    key, ptrs, bits = [op, static], [], 0
+    ndarray = _cupy()[1]
+    key, ptrs = [op, static], []
     for x in arrays:
         if x is None:
             key.append(None)
@@ -363,33 +371,39 @@ def _call_cupy(op: Op, arrays, static, scalars):
             p = data.ptr
             key.append((x.shape, x.strides, x.dtype, data.device_id, p & 15))
             ptrs.append(p)
-            bits |= p
         else:
             return _mixed(op, arrays, static, scalars)
-    key.append(bits & 15)
     key = tuple(key)
-    prep = op.cache.get(key) or _prepare(op, key, arrays, _cupy_info, bits, static)
-    device = arrays[0].data.device_id
-    stream = _LOCAL.stream
+    prep = op.cache.get(key) or _prepare(op, key, arrays, _cupy_info, ptrs, static)
+    device = key[2][3]  # the first slot's (never absent)
+    if prep.one_device:
+        return _run_cupy(op, prep, arrays, ptrs, device, scalars)
     with _on_device(device):
-        if prep.dense:
-            arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs, stream)
-        results = []
-        for slot in prep.outs:
-            if slot.source is not None:
-                ptrs.append(ptrs[slot.source])
-                results.append(arrays[slot.source])
-                continue
-            if stream:
-                raise _unallocated(op)
-            if slot.like is not None:  # a C-contiguous array of its shape and dtype, as empty_like
-                like = arrays[slot.like]  # makes of one but without its layout logic
-                a = ndarray(like.shape, like.dtype)
-            else:
-                a = ndarray(slot.shape, numpy_dtype(_storage(slot.dtype)))
-            ptrs.append(a.data.ptr)
-            results.append(a)
-        prep.run(stream or current_stream().ptr, device, ptrs, scalars)
+        return _run_cupy(op, prep, arrays, ptrs, device, scalars)
+
+
+def _run_cupy(op: Op, prep: Prepared, arrays, ptrs: list[int], device: int, scalars):
+    """The launch of a CuPy call, `device` current: outputs allocated there, then the run."""
+    ndarray, current_stream = _cupy()[1:]
+    stream = _LOCAL.stream
+    if prep.dense:
+        arrays, ptrs = _densify_cupy(op, prep, arrays, ptrs, stream)
+    results = []
+    for slot in prep.outs:
+        if slot.source is not None:
+            ptrs.append(ptrs[slot.source])
+            results.append(arrays[slot.source])
+            continue
+        if stream:
+            raise _unallocated(op)
+        if slot.like is not None:  # a C-contiguous array of its shape and dtype, as empty_like
+            like = arrays[slot.like]  # makes of one but without its layout logic
+            a = ndarray(like.shape, like.dtype)
+        else:
+            a = ndarray(slot.shape, numpy_dtype(_storage(slot.dtype)))
+        ptrs.append(a.data.ptr)
+        results.append(a)
+    prep.run(stream or current_stream().ptr, device, ptrs, scalars)
     return returned(results, prep.scratch)
 
 

@@ -42,7 +42,7 @@ def call_jax(op: Op, arrays, static, scalars):
     prep = op.cache.get(key)
     if prep is None or isinstance(arrays[0], _tracer()):
         _check_on_gpu(op, arrays)
-        prep = prep or _prepare(op, key, arrays, _jax_info, 0, static)
+        prep = prep or _prepare(op, key, arrays, _jax_info, (), static)
     fn = prep._jax.get(scalars)
     if fn is None:
         present = [x is not None for x in arrays]

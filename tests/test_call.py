@@ -250,3 +250,18 @@ def test_arrays_on_two_devices_in_one_call_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="arrays are on different devices: {'x': 0, 'w': 1}"):
         call(op, (x, w))
     assert runs == []
+
+
+def test_with_one_gpu_a_call_does_not_ask_for_the_current_device(monkeypatch):
+    """A process that sees one GPU launches there without asking which device is current (a
+    thread without a context is handled by the launch's retry, rtcinfer/launch.py)."""
+    x, w = torch.zeros(4, 8), torch.zeros(8)
+    op, runs, _ = _two_device_op(monkeypatch, {id(x): 0, id(w): 0})
+    fake = path.gpu.runtime()
+    fake.devices = 1
+    asked = []
+    monkeypatch.setattr(fake, "getDevice", lambda: asked.append(1) or 0, raising=False)
+    call(op, (x, w))
+    call(op, (x, w))
+    assert runs == [(100, 0, 0), (100, 0, 0)] and asked == []
+    assert all(prep.one_device for prep in op.cache.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,25 @@ def test_generator_advances_and_resolve_rules():
         resolve(None, None, 4)
     with pytest.raises(TypeError, match="generator"):
         resolve(object(), None, None)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_calls_without_a_seed_draw_fresh_ones_also_in_forked_children():
+    """Without seed= or generator=, each call draws a new 64-bit seed (offset 0); a forked
+    child (a serving engine's worker) draws its own, not the parent's next ones."""
+    seeds = [resolve(None, None, None) for _ in range(64)]
+    assert all(offset == 0 and 0 <= seed < 2**64 for seed, offset in seeds)
+    assert len({seed for seed, _ in seeds}) == 64
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next seed, to the parent
+        os.write(write, resolve(None, None, None)[0].to_bytes(8, "little"))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = int.from_bytes(os.read(read, 8), "little")
+    os.close(read)
+    os.close(write)
+    assert child != resolve(None, None, None)[0]
 
 
 # --- references --------------------------------------------------------------------------------
