@@ -3,8 +3,10 @@
 Each row is the wall time of N back-to-back calls on tiny shapes, divided by N, after a warmup
 (the GPU finishes each kernel in a few microseconds, so the host is the bottleneck): rtcinfer
 with PyTorch tensors, CuPy arrays, JAX arrays eagerly and inside a one-op `jax.jit`, beside
-FlashInfer (PyTorch tensors) and PyTorch's own op where one exists. Floors: `torch.add`, a
-CuPy elementwise add, and a jitted `x + 1`.
+FlashInfer (PyTorch tensors) and PyTorch's own op where one exists; a row's cells are timed
+in turn in each round (the host's speed drifts between rows). Floors: `torch.add`, a CuPy
+elementwise add, a jitted `x + 1`, and per row a jitted no-op of the row's own JAX arrays
+(`x + 1` of each): what XLA's dispatch of that many buffers costs.
 
     python -m bench.bench_overhead            # every op
     python -m bench.bench_overhead rmsnorm    # rows whose name contains "rmsnorm"
@@ -25,29 +27,48 @@ from bench.overhead_cases import CASES, Case
 N = 1000
 
 
-def per_call_us(fn: Callable[[], object], sync: Callable[[], object], n: int = N) -> float:
+def per_call_us(fn: Callable[[], object], sync: Callable[[], object], n: int = N) -> float | None:
     """The least over 5 rounds of (wall time of n calls) / n, in microseconds (the host's
     other work only ever adds time)."""
-    for _ in range(20):
-        fn()
-    sync()
-    rounds = []
+    return interleaved({"": (fn, sync)}, n=n).get("")
+
+
+def interleaved(cells: dict[str, tuple[Callable, Callable]], label: str = "",
+                n: int = N) -> dict[str, float]:  # fmt: skip
+    """per_call_us of each cell, the cells measured in turn within each of 5 rounds: a row's
+    cells (rtcinfer, FlashInfer, PyTorch, ...) see the same host, whose speed drifts between
+    rows by tens of percent. A cell whose warmup raises is left out (a blank cell)."""
+    working = {}
+    for name, (fn, sync) in cells.items():
+        try:
+            for _ in range(20):
+                fn()
+            sync()
+            working[name] = (fn, sync)
+        except Exception as e:  # noqa: BLE001 - reported, the row goes on
+            print(f"# {label} {name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+    best = dict.fromkeys(working, float("inf"))
     for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        rounds.append((time.perf_counter() - start) / n * 1e6)
-    return float(min(rounds))
+        for name, (fn, sync) in working.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - start) / n * 1e6)
+    return best
 
 
-def _try(label: str, make: Callable[[], tuple[Callable, Callable] | None]) -> float | None:
+def _made(label: str, make: Callable[[], tuple[Callable, Callable] | None]):
     try:
-        made = make()
-        return None if made is None else per_call_us(*made)
+        return make()
     except Exception as e:  # noqa: BLE001 - a missing peer or framework leaves a blank cell
         print(f"# {label}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         return None
+
+
+def _try(label: str, make: Callable[[], tuple[Callable, Callable] | None]) -> float | None:
+    made = _made(label, make)
+    return None if made is None else per_call_us(*made)
 
 
 def floors() -> dict[str, float | None]:
@@ -79,29 +100,33 @@ def floors() -> dict[str, float | None]:
 
 def run_case(case: Case, table: Table) -> None:
     torch, jax = peer("torch"), peer("jax")
-    cells = {}
+    makers = {}
     if torch is not None:
-        cells["torch"] = _try(f"{case.name} torch", lambda: case.torch(torch))
+        makers["torch"] = lambda: case.torch(torch)
         fi = peer("flashinfer")
         if fi is not None and case.flashinfer is not None:
-            cells["flashinfer"] = _try(
-                f"{case.name} flashinfer", lambda: case.flashinfer(fi, torch)
-            )
+            makers["flashinfer"] = lambda: case.flashinfer(fi, torch)
         if case.pytorch is not None:
-            cells["pytorch"] = _try(f"{case.name} pytorch", lambda: case.pytorch(torch))
-    cells["cupy"] = _try(f"{case.name} cupy", lambda: case.cupy(cupy()))
+            makers["pytorch"] = lambda: case.pytorch(torch)
+    makers["cupy"] = lambda: case.cupy(cupy())
     if jax is not None and case.jax is not None:
-        cells["jax eager"] = _try(f"{case.name} jax eager", lambda: case.jax(jax, False))
-        cells["jax jit"] = _try(f"{case.name} jax jit", lambda: case.jax(jax, True))
-    table.add(case.name, cells.get("torch"), cells.get("flashinfer"), cells.get("pytorch"),
-              cells.get("cupy"), cells.get("jax eager"), cells.get("jax jit"))  # fmt: skip
+        makers["jax eager"] = lambda: case.jax(jax, False)
+        makers["jax jit"] = lambda: case.jax(jax, True)
+        makers["jax floor"] = lambda: case.jax_floor(jax)
+    made = {name: _made(f"{case.name} {name}", make) for name, make in makers.items()}
+    cells = interleaved({name: m for name, m in made.items() if m is not None}, case.name)
+    table.add(case.name, *(cells.get(name) for name in _CELLS))
+
+
+_CELLS = ("torch", "flashinfer", "pytorch", "cupy", "jax eager", "jax jit", "jax floor")
 
 
 def main(pattern: str = "") -> Table:
     print(header())
     print("floors (us per call):", {k: round(v, 1) for k, v in floors().items() if v})
     columns = ["call", "rtcinfer torch us", "FlashInfer us", "PyTorch us", "rtcinfer CuPy us",
-               "rtcinfer JAX eager us", "rtcinfer jax.jit us"]  # fmt: skip
+               "rtcinfer JAX eager us", "rtcinfer jax.jit us",
+               "jitted no-op, same arrays us"]  # fmt: skip
     table = Table(f"host time per call (wall time of {N} calls / {N})", columns)
     for case in CASES:
         if pattern in case.name:
