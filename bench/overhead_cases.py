@@ -130,6 +130,25 @@ def _decode_arrays(rng):
     return {"q": _bf16(rng, 1, 32, 128), "cache": _bf16(rng, 4, 2, 16, 8, 128)}
 
 
+@functools.cache
+def _decode_array_wrapper():
+    """The JAX form: a wrapper of fixed capacity whose plan reaches the call as an array
+    (run(plan_array=...): launched by XLA itself; on a plain wrapper's plan the call keeps the
+    Python handler, which reads the latest plan at every execution)."""
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(2, np.int32),
+        paged_kv_indices_buffer=np.zeros(4, np.int32))  # fmt: skip
+    wrapper.plan(*DECODE_TABLE, *DECODE_SHAPE, q_data_type="bfloat16")
+    import jax.numpy as jnp
+
+    return wrapper, jnp.asarray(wrapper.plan_array())
+
+
+def _jax_decode(q, cache):
+    wrapper, plan = _decode_array_wrapper()
+    return wrapper.run(q, cache, plan_array=plan)
+
+
 def _fi_plan(fi, torch):
     wrapper = _fi_decode_wrapper(fi, torch)
     host = [torch.from_numpy(a) for a in DECODE_TABLE]
@@ -274,7 +293,8 @@ CASES = [
          fi.append_paged_kv_cache(key, value, bi, pos, cache, indices, indptr, last)),
     Case("decode run() 1 x 64 tokens", _decode_arrays,
          lambda q, cache: _decode_wrapper().run(q, cache),
-         lambda fi, q, cache: _fi_decode_wrapper(fi, _torch()).run(q, cache)),
+         lambda fi, q, cache: _fi_decode_wrapper(fi, _torch()).run(q, cache),
+         jax_op=_jax_decode),
     Case("decode plan() 1 x 64 tokens (host)", lambda rng: {},
          lambda: _decode_wrapper().plan(*DECODE_TABLE, *DECODE_SHAPE, q_data_type="bfloat16"),
          lambda fi: _fi_plan(fi, _torch())(), host_only=True),
