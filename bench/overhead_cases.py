@@ -169,6 +169,23 @@ def _prefill_wrapper():
 
 
 @functools.cache
+def _prefill_array_wrapper():
+    """The JAX form, as for decode: a fixed-capacity wrapper, its plan passed as an array."""
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=np.zeros(2, np.int32),
+        kv_indptr_buf=np.zeros(2, np.int32))  # fmt: skip
+    wrapper.plan(*PREFILL_TABLE, *PREFILL_SHAPE, causal=True, q_data_type="bfloat16")
+    import jax.numpy as jnp
+
+    return wrapper, jnp.asarray(wrapper.plan_array())
+
+
+def _jax_prefill(q, k, v):
+    wrapper, plan = _prefill_array_wrapper()
+    return wrapper.run(q, k, v, plan_array=plan)
+
+
+@functools.cache
 def _fi_prefill_wrapper(fi, torch):
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
@@ -300,7 +317,8 @@ CASES = [
          lambda fi: _fi_plan(fi, _torch())(), host_only=True),
     Case("prefill run() 16 x 64 tokens (ragged)", _prefill_arrays,
          lambda q, k, v: _prefill_wrapper().run(q, k, v),
-         lambda fi, q, k, v: _fi_prefill_wrapper(fi, _torch()).run(q, k, v)),
+         lambda fi, q, k, v: _fi_prefill_wrapper(fi, _torch()).run(q, k, v),
+         jax_op=_jax_prefill),
     Case("prefill plan() 16 x 64 tokens (host)", lambda rng: {},
          lambda: _prefill_wrapper().plan(*PREFILL_TABLE, *PREFILL_SHAPE, causal=True,
                                          q_data_type="bfloat16"),
