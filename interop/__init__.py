@@ -2,7 +2,8 @@
 calls as XLA launches (xla_launch) or an FFI handler (jax_ffi)."""
 
 from .arrays import as_cupy, device_of, dtype_name, framework
-from .call import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, no_launch, release
+from .call import call, release
+from .prepared import ArrayInfo, Op, OutSlot, Prepared, dense_strides, no_launch
 
 __all__ = [
     "ArrayInfo",

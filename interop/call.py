@@ -22,13 +22,13 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import replace
 
 from .. import gpu
 from .arrays import as_cupy, framework
 from .dtypes import normalize, numpy_dtype
+from .prepared import ArrayInfo, Op, OutSlot, Prepared, common_align, dense_strides, no_launch
 
 
 class _Local(threading.local):
@@ -66,116 +66,6 @@ def _unallocated(op: Op) -> RuntimeError:
     )
 
 
-class ArrayInfo(NamedTuple):
-    """One argument as a prepare function sees it."""
-
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements
-    dtype: str  # canonical name; fp8 may arrive as its uint8 storage
-    device: int  # CUDA ordinal; -1 for host memory
-    offset: int = 0  # its address modulo 16
-
-    @property
-    def align(self) -> int:
-        """The largest power of two, at most 16, dividing its address (bytes)."""
-        return _align(self.offset)
-
-    @property
-    def itemsize(self) -> int:
-        return numpy_dtype(self.dtype).itemsize
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def contiguous(self) -> bool:
-        return self.strides == dense_strides(self.shape) or self.size <= 1
-
-
-def dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides (elements) of a dense array of `shape`."""
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(out))
-
-
-@dataclass(frozen=True)
-class OutSlot:
-    """An output: allocated (`source` None), or the array in input slot `source` (an `out=`
-    given by the caller, or an input updated in place: `alias`). `like`: a contiguous input
-    slot of the same shape and dtype, if any (allocating "like" it is cheaper; set by call)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    source: int | None = None
-    alias: bool = False
-    like: int | None = None
-
-
-@dataclass(eq=False)
-class Prepared:
-    """A validated call signature: its outputs and how to launch it.
-
-    run(stream, device, pointers, scalars): `pointers` holds one address per input slot (0
-    for absent ones) followed by one per output; `device` is current. `dense`: input slots
-    that must be contiguous, copied first when they are not (index arrays read as bare
-    pointers). `preload(device)` loads the kernels (before a CUDA-graph capture).
-
-    JAX: `command_buffer=False` when `run` reads state that may change between executions of
-    a compiled computation (XLA must then call it every time instead of replaying a recorded
-    launch); `on_trace()` is called when a JAX computation is built on it. `scratch`: how many
-    of the last outputs are per-call scratch (partials, an intermediate), allocated for the
-    launch and not returned: a call returns its other outputs, one bare, several as a tuple."""
-
-    outs: tuple[OutSlot, ...]
-    run: Callable[[int, int, list, tuple], None]
-    preload: Callable[[int], None] = lambda device: None
-    dense: tuple[int, ...] = ()
-    scratch: int = 0
-    command_buffer: bool = True
-    on_trace: Callable[[], None] | None = None
-    keep: object = None  # what the launch reads that it owns (device memory of its own)
-    one_device: bool = False  # the process sees one GPU: it is current (set by call)
-    _jax: dict = field(default_factory=dict)
-    _handlers: list = field(default_factory=list)
-
-
-def no_launch(stream, device, ptrs, scalars) -> None:
-    """The run of a call with nothing to launch (no rows, no heads)."""
-
-
-class Op:
-    """A public op: its input slot names and `prepare(infos, align, static) -> Prepared`,
-    where `infos` are ArrayInfo (None for an absent slot) and `align` is the largest power of
-    two, at most 16, dividing every pointer (in bytes). `given`: the slots that hold outputs
-    given by the caller (`out=`), which JAX arrays cannot be. `jax_static(static)`: the static
-    arguments a call on JAX arrays is prepared with, where they differ (an op that updates
-    inputs in place writes new arrays for JAX, whose arrays are immutable: no output aliases
-    an input, so XLA can launch it itself, interop/xla_launch.py)."""
-
-    def __init__(self, name: str, slots: Sequence[str], prepare: Callable[..., Prepared],
-                 given: Sequence[str] = (),
-                 jax_static: Callable[[tuple], tuple] | None = None):  # fmt: skip
-        self.name, self.slots, self.prepare = name, tuple(slots), prepare
-        self.given = tuple(self.slots.index(g) for g in given)
-        self.jax_static = jax_static
-        self.cache: dict[tuple, Prepared] = {}
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"Op({self.name})"
-
-
 def call(op: Op, arrays: Sequence, static: tuple = (), scalars: tuple = ()):
     """Launch `op` on `arrays` (one per slot; None for absent ones); returns the outputs (one
     or a tuple) in the caller's array type. `static` is part of the launch's key; `scalars`
@@ -211,12 +101,6 @@ def _kind(x) -> str:
     return kind
 
 
-def _align(bits: int) -> int:
-    """The largest power of two <= 16 dividing every pointer whose bits were OR-ed together."""
-    bits &= 15
-    return 16 if bits == 0 else bits & -bits
-
-
 def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -> Prepared:
     """The prepared launch of a new signature: `info(array, name)` describes each array and
     `ptrs` holds their addresses (0 for absent slots); host memory and mixed devices are
@@ -235,7 +119,7 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
     bits = 0
     for p in ptrs:
         bits |= p
-    prep = op.prepare(infos, _align(bits), static)
+    prep = op.prepare(infos, common_align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     prep.one_device = runtime.getDeviceCount() == 1
     with op._lock:

@@ -11,8 +11,9 @@ import math
 
 from .. import gpu, jit
 from .arrays import check_device_array
-from .call import _KINDS, ArrayInfo, Op, Prepared, _kind, _prepare, dense_strides, returned
+from .call import _KINDS, _kind, _prepare, returned
 from .dtypes import normalize, numpy_dtype
+from .prepared import ArrayInfo, Op, Prepared, dense_strides
 
 
 def _jax_info(x, name: str) -> ArrayInfo | None:
