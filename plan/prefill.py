@@ -170,7 +170,7 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
     begin, end = key_ranges(qo_len, kv, np.arange(num_tiles), first, tiles.group_size,
                             tiles.tile_rows, causal, window_left)  # fmt: skip
     whole, step = _chunk_grid(end, page_size, kv_tile)
-    return _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile) == whole
+    return _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile) == whole
 
 
 def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
@@ -314,7 +314,9 @@ def plan_prefill(
     elif fixed_split_size is not None:
         chunk = fixed_split_size * page_size
     elif num_tiles >= budget:
-        chunk = _wave_chunk(begin, end, qo_len, kv, step, whole, budget, max_work, kv_tile)
+        chunk = whole
+        if _wave_cut_may_pay(num_tiles, budget, qo_len, kv):
+            chunk = _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile)
     else:
         chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
@@ -336,12 +338,13 @@ def _chunk_grid(end: np.ndarray, page_size: int, kv_tile: int) -> tuple[int, int
     return -(-max_end // page_size) * page_size, page_size * kv_tile // math.gcd(page_size, kv_tile)
 
 
-def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, kv_tile) -> int:
+def _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile) -> int:
     """A chunk for more tiles than slots (`budget` a kv head). One item per tile runs in
     ceil(T / budget) waves of tiles, the last one maybe nearly empty: 64 requests of 4096 keys
-    on 49 slots a head run two waves for 1.3 waves of work. Where the requests are alike (one
-    query tile each, the same query and key counts: a uniform decode batch) a chunk of 1/k of
-    their keys (k <= WAVE_SPLITS, whole steps) is taken when its waves cost less,
+    on 49 slots a head run two waves for 1.3 waves of work. For requests alike (one query tile
+    each, the same query and key counts: a uniform decode batch; the caller asks
+    _wave_cut_may_pay) a chunk of 1/k of their keys (k <= WAVE_SPLITS, whole steps) is taken
+    when its waves cost less,
 
         cost(c) = ceil(W(c) / budget) * (min(c, keys) + overhead)
 
@@ -352,12 +355,13 @@ def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, kv_ti
     118.2 against 126.4 (bench/tune_decode_split.py)."""
     keys = end - begin
     longest = int(keys.max())
-    if longest == 0 or not _wave_cut_may_pay(keys.shape[0], budget, qo_len, kv_len):
+    if longest == 0:
         return whole
     overhead = 2 * kv_tile
     if max_work is None:
         max_work = keys.shape[0] * WAVE_SPLITS
-    best, best_cost = whole, -(-keys.shape[0] // budget) * (longest + overhead)
+    whole_cost = -(-keys.shape[0] // budget) * (longest + overhead)
+    best, best_cost = whole, whole_cost
     for k in range(2, WAVE_SPLITS + 1):
         chunk = -(-longest // (k * step)) * step
         if chunk >= longest:
@@ -366,8 +370,7 @@ def _wave_chunk(begin, end, qo_len, kv_len, step, whole, budget, max_work, kv_ti
         cost = -(-items // budget) * (chunk + overhead)
         if items <= max_work and cost < best_cost:
             best, best_cost = chunk, cost
-    gain = best_cost / (-(-keys.shape[0] // budget) * (longest + overhead))
-    return best if gain <= 1 - WAVE_GAIN else whole
+    return best if best_cost / whole_cost <= 1 - WAVE_GAIN else whole
 
 
 def _search_chunk(begin, end, step, min_chunk_tokens, whole, budget) -> int:
