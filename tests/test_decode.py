@@ -446,8 +446,8 @@ def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature
 @pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
 @pytest.mark.parametrize("case", ["group4", "group5_fp16", "d64", "page1"])
 def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
-    """16-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: faster at batch 1
-    and 16 on an H200, bench/tune_decode_split.py; not yet plan()'s choice) give the
+    """16-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: plan()'s choice
+    for a batch that leaves SMs idle, wide_decode_spec; forced here on every batch) give the
     reference's results."""
     from rtcinfer import jit
 
