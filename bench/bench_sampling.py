@@ -9,11 +9,19 @@ NVRTC only).
 Probabilities: softmax(3 * N(0, 1)) rows in fp32 (top-p 0.9 keeps ~3-7% of a 128K vocabulary).
 Rejection sampling takes a random number of rounds, so one (seed, offset) times one outcome; at
 batch 1, where a round is a visible part of the time, the mean over 16 offsets is shown too.
+
+A second table times the exact-threshold ops (top_k_renorm_probs, top_p_renorm_probs,
+top_k_mask_logits), softmax and the samplers from logits in three views, on softmax(3 N(0, 1))
+rows and on U(0, 1)^8 rows (flat: top-p 0.9 keeps most of the vocabulary, so the threshold is
+found over the whole row, not over a short candidate list).
+
+Usage: python -m bench.bench_sampling [vocab ...]   (default: 32000 128256 151936)
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
@@ -21,14 +29,18 @@ import numpy as np
 
 import rtcinfer
 from bench.common import (
+    PEER_COLUMNS,
     VIEW_COLUMNS,
     Table,
+    Tables,
     callers,
     copy_tbps,
     cupy,
     graph_time_us,
     header,
     peer,
+    peer_cells,
+    peer_views,
     ratio,
     run_peer,
     time_us,
@@ -111,7 +123,7 @@ def cold_compile_seconds(arch: str) -> tuple[float, int]:
                 os.environ["RTCINFER_CACHE_DIR"] = previous
 
 
-def main() -> Table:
+def main(vocabs: tuple[int, ...] = VOCABS) -> Tables:
     cp, fi, torch = cupy(), peer("flashinfer"), peer("torch")
     print(header())
     arch = gpu.compile_arch(cp.cuda.Device().id)
@@ -121,7 +133,7 @@ def main() -> Table:
                "TB/s", "% copy", "CuPy sort us (eager)"]  # fmt: skip
     columns += ["vs CuPy sort", "torch sort us", "vs torch sort", "FlashInfer us", "vs FlashInfer"]
     table = Table("sorting-free sampling (fp32 probs, softmax(3 N(0,1)))", columns)
-    for vocab in VOCABS:
+    for vocab in vocabs:
         for batch in BATCHES:
             logits = cp.random.standard_normal((batch, vocab), dtype=np.float32) * 3
             probs = rtcinfer.softmax(logits)
@@ -151,6 +163,49 @@ def main() -> Table:
                           100 * tbps / copy_tbps(),
                           sort_us, ratio(ours, sort_us), torch_us, ratio(ours, torch_us),
                           fi_us, ratio(ours, fi_us))  # fmt: skip
+    return Tables([table, threshold_ops(vocabs, fi)])
+
+
+THRESHOLD_OPS = {  # name -> (rtcinfer function, FlashInfer's name, its input, kwargs)
+    "top_k_renorm_probs": (rtcinfer.top_k_renorm_probs, "probs", {"top_k": TOP_K}),
+    "top_p_renorm_probs": (rtcinfer.top_p_renorm_probs, "probs", {"top_p": TOP_P}),
+    "top_k_mask_logits": (rtcinfer.top_k_mask_logits, "logits", {"top_k": TOP_K}),
+    "softmax": (rtcinfer.softmax, "logits", {}),
+    "sampling_from_logits": (rtcinfer.sampling_from_logits, "logits", {}),
+    "top_k_top_p_sampling_from_logits": (
+        rtcinfer.top_k_top_p_sampling_from_logits,
+        "logits",
+        {"top_k": TOP_K, "top_p": TOP_P},
+    ),  # fmt: skip
+}
+
+
+def threshold_ops(vocabs: tuple[int, ...], fi) -> Table:
+    """The exact-threshold ops, softmax and the samplers from logits: three views, ours and
+    FlashInfer's, on two kinds of rows."""
+    cp = cupy()
+    table = Table("exact thresholds, softmax and sampling from logits (fp32)",
+                  ["op", "rows", "batch x vocab", *VIEW_COLUMNS, *PEER_COLUMNS])  # fmt: skip
+    rng = cp.random.default_rng(0)
+    for vocab in vocabs:
+        for batch in (1, 128):
+            logits = rng.standard_normal((batch, vocab), dtype=np.float32) * 3
+            rows = {"softmax(3 N)": (logits, rtcinfer.softmax(logits))}
+            flat = rng.random((batch, vocab), dtype=np.float32) ** 8
+            rows["U^8"] = (cp.log(flat), flat / flat.sum(axis=1, keepdims=True))
+            for kind, (lg, pr) in rows.items():
+                (t_logits, t_probs), is_torch = callers(lg, pr)
+                for name, (fn, given, kwargs) in THRESHOLD_OPS.items():
+                    x = t_logits if given == "logits" else t_probs
+                    extra = {"seed": 1, "offset": 2} if "sampling" in name else {}
+                    ours = views(lambda: fn(x, **kwargs, **extra), torch_graph=is_torch)
+                    theirs = None
+                    if fi is not None and is_torch:
+                        theirs = peer_views(
+                            "flashinfer " + name, lambda: getattr(fi.sampling, name)(x, **kwargs)
+                        )
+                    table.add(name, kind, f"{batch} x {vocab}", *ours.cells(),
+                              *peer_cells(ours, theirs))  # fmt: skip
     return table
 
 
@@ -167,4 +222,4 @@ def flashinfer_call(fi, name, probs):
 
 
 if __name__ == "__main__":
-    print(main().markdown())
+    print(main(tuple(int(v) for v in sys.argv[1:]) or VOCABS).markdown())

@@ -162,12 +162,28 @@ struct RowShared {
   float seg_max[WARPS];  // pass-0 maximum of each segment
   float scan[WARPS + 1];
   uint32_t hist_cnt[256];
-  unsigned long long hist_mass[256];
+  uint32_t hist_lo[256], hist_hi[256];  // fixed-point masses as two words (add_mass)
   float f[4];
   int i[4];
   unsigned long long u[2];
+  uint32_t kept_lo, kept_hi;  // a fixed-point mass as two words (add_mass)
   int hit, last, first;
 };
+
+// Adds the fixed-point mass m to the 64-bit sum held in the words *lo, *hi. A 64-bit atomic
+// add on shared memory compiles to a compare-and-swap spin (sm_80, sm_90), which the few hot
+// bins of a histogram turn into long waits; these are two native 32-bit adds, the low word's
+// returning its old value so that exactly the add that wraps it carries into the high word.
+// The sum is exact and independent of the order of the adds.
+RTC_DEVICE void add_mass(uint32_t* lo, uint32_t* hi, unsigned long long m) {
+  const uint32_t a = uint32_t(m), old = atomicAdd(lo, a);
+  const uint32_t up = uint32_t(m >> 32) + (old + a < old ? 1u : 0u);
+  if (up) atomicAdd(hi, up);
+}
+
+RTC_DEVICE unsigned long long words(uint32_t lo, uint32_t hi) {
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Warp helpers

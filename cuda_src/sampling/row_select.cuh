@@ -240,7 +240,7 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
     const int shift = 24 - 8 * level;
     for (int i = threadIdx.x; i < 256; i += THREADS) {
       sh.hist_cnt[i] = 0;
-      if (NEED_MASS) sh.hist_mass[i] = 0;
+      if (NEED_MASS) sh.hist_lo[i] = sh.hist_hi[i] = 0;
     }
     __syncthreads();
     for (int pos = lane * V; pos < size; pos += STEP) {
@@ -253,20 +253,20 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
         if (c > low && (level == 0 || (key >> (shift + 8)) == prefix)) {
           const uint32_t digit = (key >> shift) & 255u;
           atomicAdd(&sh.hist_cnt[digit], 1u);
-          if (NEED_MASS) atomicAdd(&sh.hist_mass[digit], fixed_mass(c, scale));
+          if (NEED_MASS) add_mass(&sh.hist_lo[digit], &sh.hist_hi[digit], fixed_mass(c, scale));
         }
       }
     }
     __syncthreads();
     if (w == 0) {  // the digit: lane l looks after bins 8l .. 8l + 7
       const uint32_t* hc = sh.hist_cnt + 8 * lane;
-      const unsigned long long* hm = sh.hist_mass + 8 * lane;
+      const uint32_t *hl = sh.hist_lo + 8 * lane, *hh = sh.hist_hi + 8 * lane;
       int lane_cnt = 0;
       unsigned long long lane_mass = 0;
 #pragma unroll
       for (int b = 0; b < 8; ++b) {
         lane_cnt += int(hc[b]);
-        if (NEED_MASS) lane_mass += hm[b];
+        if (NEED_MASS) lane_mass += words(hl[b], hh[b]);
       }
       int suf_cnt = lane_cnt;  // lanes >= this one
       unsigned long long suf_mass = lane_mass;
@@ -289,7 +289,7 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
 #pragma unroll 1
           for (int b = 7; b >= 0 && pick < 0; --b) {
             const int c = int(hc[b]);
-            const unsigned long long m = NEED_MASS ? hm[b] : 0ull;
+            const unsigned long long m = NEED_MASS ? words(hl[b], hh[b]) : 0ull;
             if (run + c >= k) {
               pick = 8 * lane + b;
               pick_run = run;
@@ -304,7 +304,7 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
 #pragma unroll 1
         for (int b = 7; b >= 0; --b) {
           const int c = int(hc[b]);
-          const unsigned long long m = hm[b];
+          const unsigned long long m = words(hl[b], hh[b]);
           if (c > 0 && (above < p_fixed || above == 0)) {
             pick = 8 * lane + b;
             pick_run = run;

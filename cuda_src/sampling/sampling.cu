@@ -51,8 +51,8 @@ RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, in
   int n = 0;
   for (int s = 0; s < WARPS; ++s) n += sh.list_n[s];
   if (n > THREADS) return false;
-  __syncthreads();  // earlier readers of sh.i / sh.u are done
-  if (threadIdx.x == 0) sh.i[0] = -1, sh.u[0] = 0ull;
+  __syncthreads();  // earlier readers of sh.i are done
+  if (threadIdx.x == 0) sh.i[0] = -1, sh.kept_lo = sh.kept_hi = 0u;
   int s = 0, pos = threadIdx.x;  // this thread's entry: region s, position pos
   while (s < WARPS && pos >= sh.list_n[s]) pos -= sh.list_n[s++];
   const float v = threadIdx.x < n ? list.value(s, pos) : 0.f;
@@ -75,9 +75,9 @@ RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, in
   unsigned long long m = kept ? fixed_mass(v, scale) : 0ull;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL, m, o);
-  if (lane_id() == 0 && m) atomicAdd(&sh.u[0], m);
+  if (lane_id() == 0 && m) add_mass(&sh.kept_lo, &sh.kept_hi, m);
   __syncthreads();
-  th.kept = sh.u[0];
+  th.kept = words(sh.kept_lo, sh.kept_hi);
   __syncthreads();
   return true;
 }
