@@ -14,9 +14,9 @@
 // Angles are exact to fp32 rounding for positions below 2^24 (a position is taken as a float,
 // as in FlashInfer): the frequency in turns per position is a double-float (hi, lo) computed in
 // fp64 on the host (rtcinfer/rope_table.py) and passed in the parameter block, copied to shared
-// memory once per CTA (pairs past the table's 128, of heads wider than 256, are computed here in
-// fp64); the product pos * f is split with an FMA and reduced to [-1/2, 1/2] turns before
-// sincospif.
+// memory once per CTA while its first item's position and rows are loading (pairs past the
+// table's 128, of heads wider than 256, are computed here in fp64); the product pos * f is split
+// with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE, the BadIndex enum.
 #include "bad_index.cuh"
@@ -133,16 +133,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int items = nnz * chunks;
 
   __shared__ float2 freq[MODE == RopeMode::COS_SIN_CACHE ? 1 : HALF];
-  if constexpr (MODE != RopeMode::COS_SIN_CACHE) {
-    for (int i = threadIdx.x; i < HALF; i += THREADS) {
-      if (HALF <= TABLE_PAIRS || i < TABLE_PAIRS) {
-        freq[i] = make_float2(p.freq[2 * i], p.freq[2 * i + 1]);
-      } else {
-        freq[i] = turns_per_position(i, p);
-      }
-    }
-    __syncthreads();
-  } else {  // note the positions outside the table, apart from the rotation loop
+  bool table_built = MODE == RopeMode::COS_SIN_CACHE;
+  if constexpr (MODE == RopeMode::COS_SIN_CACHE) {  // note the positions outside the table
     for (int t = blockIdx.x * THREADS + threadIdx.x; t < nnz; t += gridDim.x * THREADS) {
       const int64_t pos = int64_t(pos_ids[t]);
       if (pos < 0 || pos >= p.max_pos) {
@@ -158,9 +150,34 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int t = item / chunks;
     const int row_begin = (item % chunks) * rows_per_item;
     const int row_end = min(rows, row_begin + rows_per_item);
+    // Rows [row_begin + r0, + UNROLL) of token t: loaded, then rotated and stored.
+    auto load_rows = [&](TVec (&x)[UNROLL], int r0) {
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int r = row_begin + r0 + u;
+        const T* src = r < num_q_heads ? q + t * q_tok + r * q_head
+                                       : k + t * k_tok + (r - num_q_heads) * k_head;
+        if (active && r < row_end) x[u].load(src + e0);
+      }
+    };
+    // The position and the first rows are in flight while the CTA builds its table.
+    const int64_t pos = active && rotary
+                            ? token_position(t, pos_ids, indptr, offsets, batch_size) : 0;
+    TVec x[UNROLL];
+    load_rows(x, 0);
+    if (!table_built) {  // the CTA's first item (block-uniform)
+      for (int i = threadIdx.x; i < HALF; i += THREADS) {
+        if (HALF <= TABLE_PAIRS || i < TABLE_PAIRS) {
+          freq[i] = make_float2(p.freq[2 * i], p.freq[2 * i + 1]);
+        } else {
+          freq[i] = turns_per_position(i, p);
+        }
+      }
+      __syncthreads();
+      table_built = true;
+    }
     float2 cs[PAIRS];
     if (active && rotary) {
-      const int64_t pos = token_position(t, pos_ids, indptr, offsets, batch_size);
       const bool in_cache = MODE != RopeMode::COS_SIN_CACHE || (pos >= 0 && pos < p.max_pos);
 #pragma unroll
       for (int j = 0; j < PAIRS; ++j) {
@@ -178,14 +195,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       }
     }
     for (int r0 = 0; r0 < rows_per_item; r0 += UNROLL) {  // uniform: every lane shuffles
-      TVec x[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int r = row_begin + r0 + u;
-        const T* src = r < num_q_heads ? q + t * q_tok + r * q_head
-                                       : k + t * k_tok + (r - num_q_heads) * k_head;
-        if (active && r < row_end) x[u].load(src + e0);
-      }
+      if (r0 > 0) load_rows(x, r0);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int r = row_begin + r0 + u;

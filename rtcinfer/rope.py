@@ -244,12 +244,17 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
 def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
             strides: list[int]) -> Launch:  # fmt: skip
     """A persistent launch (each CTA builds the frequency table once); a token's head rows are
-    split into chunks only when the tokens alone are too few to fill the GPU twice over."""
+    split into chunks, down to one row an item, only when the tokens alone are too few to fill
+    the GPU twice over (a few tokens' rows then spread over many warps, whose cos/sin and
+    rotations are the latency of the call); an item longer than a batch of loads takes whole
+    batches."""
     kernel = Kernel(spec, "rope_kernel", "RopeParams")
     sms = jit.sm_count(device)
     rows, unroll = hq + hk, spec.unroll
-    chunks = min(-(-rows // unroll), max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
-    rows_per_item = -(-rows // chunks // unroll) * unroll  # a multiple of unroll
+    chunks = min(rows, max(1, -(-sms * 2 * spec.tokens_per_cta // nnz)))
+    rows_per_item = -(-rows // chunks)
+    if rows_per_item > unroll:
+        rows_per_item = -(-rows_per_item // unroll) * unroll
     items = nnz * -(-rows // rows_per_item)
     resident = kernel.occupancy(device, spec.threads) * sms
     grid = min(-(-items // spec.tokens_per_cta), resident)

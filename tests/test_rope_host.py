@@ -127,8 +127,8 @@ def test_pos_ids_in_place(prepare, monkeypatch):
     assert (p["q_tok"], p["q_head"], p["k_tok"], p["k_head"]) == (8192, 256, 1024, 128)
     assert (p["qo_tok"], p["qo_head"], p["ko_tok"], p["ko_head"]) == (8192, 256, 1024, 128)
     assert (p["nnz"], p["num_q_heads"], p["num_k_heads"], p["batch_size"]) == (4, 32, 8, 0)
-    # 4 tokens are too few: each token's 40 rows split into 5 items of 8 rows; 16 items a CTA.
-    assert p["rows_per_item"] == 8 and launch.grid == (2, 1, 1)
+    # 4 tokens are too few: each token's 40 rows are 40 items of one row; 16 items a CTA.
+    assert p["rows_per_item"] == 1 and launch.grid == (10, 1, 1)
 
 
 def test_ragged_llama31_into_given_outs(prepare, monkeypatch):
