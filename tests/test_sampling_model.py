@@ -434,7 +434,11 @@ def test_cluster_path_selection():
     assert cluster_size(1, 128256, 4, 132, 90) == 8
     assert cluster_size(16, 151936, 4, 132, 90) == 8
     assert cluster_size(17, 32000, 4, 132, 90) == 4 and cluster_size(33, 32000, 4, 132, 90) == 4
-    assert cluster_size(34, 32000, 4, 132, 90) == 2 and cluster_size(67, 32000, 4, 132, 90) == 0
+    assert cluster_size(34, 32000, 4, 132, 90) == 2 and cluster_size(66, 32000, 4, 132, 90) == 2
+    # up to the SM count, two CTAs a row in two waves at most, where two slices fit one SM
+    assert cluster_size(67, 32000, 4, 132, 90) == 2 and cluster_size(132, 32000, 4, 132, 90) == 2
+    assert cluster_size(133, 32000, 4, 132, 90) == 0
+    assert cluster_size(100, 32000, 4, 132, 90, 150 * 1024) == 0  # two slices do not fit
     assert cluster_size(40, 128256, 4, 132, 90) == 0  # a slice of 64128 floats does not fit
     for vocab, cluster, vec in [(1, 8, 1), (111, 8, 1), (128256, 8, 4), (50000, 4, 8)]:
         seg = slice_elements(vocab, cluster, vec)

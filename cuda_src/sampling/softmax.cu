@@ -3,11 +3,14 @@
 // One pass keeps an online (max, sum) state per thread in the log2 domain (y = x * log2(e) / t),
 // the states merge across the block, and a second pass writes. Rows of -inf give zeros; a NaN
 // logit makes its row NaN.
-// Grid: blockIdx.x = row. Block: THREADS; thread i holds vectors i, i + THREADS, ...
+// Grid: blockIdx.x = row. Block: THREADS; thread i holds vectors i, i + THREADS, ..., and
+// loads UNROLL of them before using the first (a lone row is latency-bound, not byte-bound).
 // Prelude: T, VEC, THREADS.
 
 static_assert(VEC * sizeof(T) <= 16 && THREADS % 32 == 0, "one 16-byte load per vector");
 constexpr int SOFTMAX_WARPS = THREADS / 32;
+constexpr int STRIDE = THREADS * VEC;  // elements between a thread's vectors
+constexpr int UNROLL = VEC >= 8 ? 4 : 8;  // vectors a thread loads before using them
 
 struct Softmax {
   float m = -__int_as_float(0x7f800000);  // running max (log2 domain)
@@ -46,21 +49,28 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
   Softmax s;
   int nan = 0;
-  for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
-    Vec<T, VEC> x;
-    x.load(x_row + i);
-    float y[VEC], vmax = -__int_as_float(0x7f800000);
+  for (int base = int(threadIdx.x) * VEC; base < vocab; base += UNROLL * STRIDE) {
+    Vec<T, VEC> x[UNROLL];  // UNROLL loads in flight before the first is used
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      y[j] = to_float(x[j]) * scale;
-      vmax = fmaxf(vmax, y[j]);  // ignores NaN
-      nan |= isnan(y[j]);
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + u * STRIDE < vocab) x[u].load(x_row + base + u * STRIDE);
     }
-    if (vmax == -__int_as_float(0x7f800000)) continue;  // nothing but -inf (or NaN)
-    float vsum = 0.f;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) vsum += exp2f(y[j] - vmax);
-    s.merge(vmax, vsum);
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + u * STRIDE >= vocab) break;
+      float y[VEC], vmax = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        y[j] = to_float(x[u][j]) * scale;
+        vmax = fmaxf(vmax, y[j]);  // ignores NaN
+        nan |= isnan(y[j]);
+      }
+      if (vmax == -__int_as_float(0x7f800000)) continue;  // nothing but -inf (or NaN)
+      float vsum = 0.f;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) vsum += exp2f(y[j] - vmax);
+      s.merge(vmax, vsum);
+    }
   }
   nan = __syncthreads_or(nan);
 #pragma unroll
@@ -81,12 +91,21 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const bool empty = total.m == -__int_as_float(0x7f800000);
   const float inv = nan ? __int_as_float(0x7fffffff) : empty ? 0.f : 1.f / total.d;
   float* p_row = probs + r * out_stride;
-  for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
-    Vec<T, VEC> x;
-    x.load(x_row + i);
-    Vec<float, VEC> p;
+  for (int base = int(threadIdx.x) * VEC; base < vocab; base += UNROLL * STRIDE) {
+    Vec<T, VEC> x[UNROLL];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) p[j] = empty && !nan ? 0.f : exp2f(to_float(x[j]) * scale - total.m) * inv;
-    p.store(p_row + i);
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + u * STRIDE < vocab) x[u].load(x_row + base + u * STRIDE);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + u * STRIDE >= vocab) break;
+      Vec<float, VEC> p;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        p[j] = empty && !nan ? 0.f : exp2f(to_float(x[u][j]) * scale - total.m) * inv;
+      }
+      p.store(p_row + base + u * STRIDE);
+    }
   }
 }
