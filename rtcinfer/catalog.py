@@ -15,7 +15,8 @@ from .sampling.renorm import RenormSpec
 from .sampling.renorm import specs_for as renorm_specs
 from .sampling.samplers import SampleSpec
 from .sampling.samplers import specs_for as sampler_specs
-from .sampling.softmax import softmax_spec
+from .sampling.softmax import cluster_choices as softmax_clusters
+from .sampling.softmax import cluster_softmax_spec, softmax_spec
 from .sampling.softmax import specs_for as softmax_specs
 from .sampling.speculative import SpeculativeSpec
 
@@ -89,7 +90,7 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
     specs += prefill_kernel.specs_for(*attention, on.arch) + [PrefillItemsSpec()]
     specs += cascade.specs_for(m.head_dim, dtype)
     logits = tuple(dict.fromkeys(("float32", dtype)))
-    specs += softmax_specs(m.vocab, logits)
+    specs += softmax_specs(m.vocab, logits, softmax_clusters(m.vocab, on.compute_capability))
     clusters = cluster_choices(m.vocab, 4, on.compute_capability, on.max_smem)  # float32 probs
     specs += sampler_specs(m.vocab, clusters)
     specs += renorm_specs(m.vocab, logits)
@@ -213,5 +214,8 @@ def sampling_specs() -> list:
     specs += [RenormSpec("top_k_mask", "bfloat16", 8, 256)]
     specs += [RenormSpec("top_p_renorm", "float16", 1, 32)]
     specs += [softmax_spec("float32", 128256), softmax_spec("bfloat16", 111)]
+    specs += [cluster_softmax_spec("float32", 32000, 8),
+              cluster_softmax_spec("bfloat16", 151936, 2),
+              cluster_softmax_spec("float16", 4098, 2)]  # fmt: skip
     specs += [SpeculativeSpec("float32", 4, 1024), SpeculativeSpec("float16", 1, 32)]
     return specs

@@ -28,9 +28,9 @@ from rtcinfer.attention.prefill_kernel import TILE_ROWS
 
 from .paged_batch import page_table_for
 
-# With 132 SMs (an H100 or H200): clusters of 8 and 4 CTAs per row (sm_90), then one CTA per
-# row of 1024, 512 and 256 threads.
-SAMPLING_BATCHES = (1, 20, 100, 200, 600)
+# With 132 SMs (an H100 or H200): clusters of 8, 4 and 2 CTAs per row (sm_90; softmax's 2 at
+# 40), then one CTA per row of 1024, 512 and 256 threads.
+SAMPLING_BATCHES = (1, 20, 40, 100, 200, 600)
 PAGE = 16
 DECODE_LENGTHS = [1, 15, 16, 17, 300, 1000]  # after the append of one token each
 FULL_DECODE_LENGTHS = [64] * 40  # use_tensor_cores: enough requests to give every SM a CTA

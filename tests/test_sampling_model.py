@@ -426,6 +426,27 @@ def test_cluster_candidate_list_is_taken_for_typical_rows_only(rng):
     assert not cluster_model.on_list(np.full(128256, 1e-5, np.float32), 50, 8, 4)
 
 
+def test_softmax_path_selection():
+    from rtcinfer.sampling.softmax import (
+        cluster_choices,
+        cluster_softmax_spec,
+        softmax_cluster,
+        specs_for,
+    )
+
+    assert softmax_cluster(1, 32000, 132, 80) == 0  # no clusters before sm_90
+    assert softmax_cluster(1, 32000, 132, 90) == 8 and softmax_cluster(16, 32000, 132, 90) == 8
+    assert softmax_cluster(17, 32000, 132, 90) == 4 and softmax_cluster(34, 32000, 132, 90) == 2
+    assert softmax_cluster(67, 32000, 132, 90) == 0  # one CTA a row fills the GPU
+    assert softmax_cluster(1, 8192, 132, 90) == 4  # slices of at least MIN_SLICE elements
+    assert softmax_cluster(1, 4095, 132, 90) == 0 and softmax_cluster(1, 4096, 132, 90) == 2
+    assert cluster_choices(32000, 90) == (8, 4, 2) and cluster_choices(6000, 90) == (2,)
+    assert cluster_choices(32000, 89) == ()
+    spec = cluster_softmax_spec("float32", 32000, 8)  # slices of 4000: 128 threads
+    assert (spec.vec, spec.threads, spec.cluster, spec.min_sm) == (4, 128, 8, 90)
+    assert len(specs_for(32000, ("float32", "bfloat16"), (8, 2))) == 6
+
+
 def test_cluster_path_selection():
     from rtcinfer.sampling.cluster import SLICE_BYTES, cluster_size, slice_elements
 

@@ -147,6 +147,30 @@ def test_softmax_nan_row_is_nan(rng):
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
 
 
+@pytest.mark.parametrize("batch", [1, 20, 40, 100, 200])
+@pytest.mark.parametrize("vocab,dtype", [(32000, "float32"), (4098, "float16"),
+                                         (50000, "bfloat16")])  # fmt: skip
+def test_softmax_on_every_path(rng, batch, vocab, dtype):
+    """Clusters of 8, 4 and 2 CTAs a row (sm_90+: softmax_cluster) and one CTA a row, at
+    vocabularies whose slices are uneven; a row of -inf gives zeros, a NaN makes its row NaN."""
+    from rtcinfer.sampling.softmax import softmax_cluster
+
+    cp = cupy()
+    dev = cp.cuda.Device()
+    cluster = softmax_cluster(batch, vocab, jit.sm_count(dev.id), int(dev.compute_capability))
+    x = (rng.standard_normal((batch, vocab)) * 4).astype(numpy_dtype(dtype))
+    x[rng.random(x.shape) < 0.05] = -np.inf
+    rows = slice(None)
+    if batch > 1:
+        x[0, -1] = np.nan
+        x[-1] = -np.inf
+        rows = slice(1, None)
+    t = rng.uniform(0.5, 1.5, batch).astype(np.float32)
+    out = rtcinfer.softmax(cp.asarray(x), cp.asarray(t)).get()
+    assert batch == 1 or np.isnan(out[0]).all(), f"cluster {cluster}"
+    assert_close(out[rows], sref.softmax_ref(x[rows], t[rows]), "float32", tol=3e-5)
+
+
 # --- chain speculative sampling -----------------------------------------------------------------
 
 

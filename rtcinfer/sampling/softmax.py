@@ -1,4 +1,6 @@
-"""Softmax with temperature (FlashInfer's `flashinfer.sampling.softmax`)."""
+"""Softmax with temperature (FlashInfer's `flashinfer.sampling.softmax`): one CTA per row
+(cuda_src/sampling/softmax.cu), or on sm_90+ for a batch too small to fill the GPU a cluster of
+CTAs per row, each taking a slice (softmax_cluster.cu)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,64 @@ class SoftmaxSpec:
         )
 
 
-def softmax_spec(dtype: str, vocab: int, vec: int | None = None) -> SoftmaxSpec:
+@dataclass(frozen=True)
+class ClusterSoftmaxSpec:
+    dtype: str
+    vec: int
+    threads: int
+    cluster: int  # CTAs per row
+    source: ClassVar[str] = "sampling/softmax_cluster.cu"
+    kernels: ClassVar[tuple[str, ...]] = ("cluster_softmax_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("SoftmaxParams",)  # crossing the seam
+    min_sm: ClassVar[int] = 90  # thread-block clusters
+
+    def prelude(self) -> str:
+        return jit.prelude(T=self.dtype, VEC=self.vec, THREADS=self.threads, CLUSTER=self.cluster)
+
+
+CLUSTERS = (8, 4, 2)
+MIN_SLICE = 2048  # elements a CTA of a cluster takes at the least
+
+
+def _threads(elements: int, vec: int) -> int:
     """About 8 vectors per thread, 32 to 1024 threads."""
-    vec = vec or widest_vec(vocab, itemsize(dtype))
     threads = 32
-    while threads < 1024 and threads * vec * 8 < vocab:
+    while threads < 1024 and threads * vec * 8 < elements:
         threads *= 2
-    return SoftmaxSpec(dtype, vec, threads)
+    return threads
+
+
+def softmax_spec(dtype: str, vocab: int, vec: int | None = None) -> SoftmaxSpec:
+    """One CTA per row: about 8 vectors per thread, 32 to 1024 threads."""
+    vec = vec or widest_vec(vocab, itemsize(dtype))
+    return SoftmaxSpec(dtype, vec, _threads(vocab, vec))
+
+
+def cluster_softmax_spec(dtype: str, vocab: int, cluster: int,
+                         vec: int | None = None) -> ClusterSoftmaxSpec:  # fmt: skip
+    """`cluster` CTAs per row, each sized for its slice as softmax_spec sizes a row."""
+    vec = vec or widest_vec(vocab, itemsize(dtype))
+    return ClusterSoftmaxSpec(dtype, vec, _threads(-(-vocab // cluster), vec), cluster)
+
+
+def softmax_cluster(rows: int, vocab: int, sm_count: int, compute_capability: int) -> int:
+    """CTAs per row: the largest of 8, 4, 2 whose grid fits the SMs at one CTA each and whose
+    slices keep MIN_SLICE elements; 0 (one CTA per row) when none does or before sm_90. A lone
+    row read by one SM is latency-bound (1 x 32000 fp32: 12.8 us on an H200)."""
+    if compute_capability < 90:
+        return 0
+    for cluster in CLUSTERS:
+        if rows * cluster <= sm_count and vocab >= cluster * MIN_SLICE:
+            return cluster
+    return 0
+
+
+def cluster_choices(vocab: int, compute_capability: int) -> tuple[int, ...]:
+    """Every cluster size softmax_cluster may give rows of `vocab` (the batch and the SM count
+    choose among them), largest first; () before sm_90."""
+    if compute_capability < 90:
+        return ()
+    return tuple(c for c in CLUSTERS if vocab >= c * MIN_SLICE)
 
 
 def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
@@ -57,12 +110,8 @@ def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
             f"got {temperature.dtype} of shape {temperature.shape}"
         )
     _, _, stride, _ = leading_rows(logits, "logits")  # the vocabulary axis must be contiguous
-    spec = softmax_spec(dtype, vocab)
-    vec = fit_vec(spec.vec, itemsize(dtype), logits.align, [stride])
-    if vec != spec.vec:
-        spec = softmax_spec(dtype, vocab, vec)
-    launch = Launch(Kernel(spec, "softmax_kernel", "SoftmaxParams"), (rows, 1, 1),
-                    (spec.threads, 1, 1))  # fmt: skip
+    vec = fit_vec(widest_vec(vocab, itemsize(dtype)), itemsize(dtype), logits.align, [stride])
+    launch = _launch(dtype, rows, vocab, vec, logits.device)
     p = launch.params
     p.in_stride, p.out_stride, p.vocab = stride, vocab, vocab  # the output is allocated dense
 
@@ -74,6 +123,20 @@ def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
 
     dense = () if temperature is None else (1,)
     return Prepared((OutSlot(shape, "float32"),), run, preload=launch.preload, dense=dense)
+
+
+def _launch(dtype: str, rows: int, vocab: int, vec: int, device: int) -> Launch:
+    import cupy
+
+    cc = int(cupy.cuda.Device(device).compute_capability)
+    cluster = softmax_cluster(rows, vocab, jit.sm_count(device), cc)
+    if cluster:
+        spec = cluster_softmax_spec(dtype, vocab, cluster, vec)
+        kernel = Kernel(spec, "cluster_softmax_kernel", "SoftmaxParams")
+        return Launch(kernel, (rows * cluster, 1, 1), (spec.threads, 1, 1))
+    spec = softmax_spec(dtype, vocab, vec)
+    return Launch(Kernel(spec, "softmax_kernel", "SoftmaxParams"), (rows, 1, 1),
+                  (spec.threads, 1, 1))  # fmt: skip
 
 
 _OP = Op("softmax", ("logits", "temperature"), prepare_softmax)
@@ -99,9 +162,22 @@ def softmax(logits, temperature=None, enable_pdl=None):
     return call(_OP, (logits, temperature), (), (1.0,))
 
 
-def specs_for(vocab: int, dtypes=("float32",)) -> list[SoftmaxSpec]:
-    """What a serving loop may launch (warmup): softmax of logits of each dtype, aligned rows."""
-    return [softmax_spec(d, vocab) for d in dtypes]
+def specs_for(vocab: int, dtypes=("float32",), clusters: tuple[int, ...] = ()) -> list:
+    """What a serving loop may launch (warmup): softmax of logits of each dtype, aligned rows,
+    one CTA per row and at each cluster size `clusters` (cluster_choices)."""
+    return [softmax_spec(d, vocab) for d in dtypes] + [
+        cluster_softmax_spec(d, vocab, c) for d in dtypes for c in clusters
+    ]
 
 
-__all__ = ["SoftmaxSpec", "prepare_softmax", "softmax", "softmax_spec", "specs_for"]
+__all__ = [
+    "ClusterSoftmaxSpec",
+    "SoftmaxSpec",
+    "cluster_choices",
+    "cluster_softmax_spec",
+    "prepare_softmax",
+    "softmax",
+    "softmax_cluster",
+    "softmax_spec",
+    "specs_for",
+]
