@@ -30,6 +30,16 @@ struct SoftmaxParams {
   float temperature_val;
 };
 
+// Vectors base, base + STRIDE, ... (UNROLL of them, those before `end`) of row x: all loads in
+// flight before the first is used.
+RTC_DEVICE void load_vectors(Vec<T, VEC> (&x)[UNROLL], const T* __restrict__ x_row, int base,
+                             int end) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    if (base + u * STRIDE < end) x[u].load(x_row + base + u * STRIDE);
+  }
+}
+
 // The block's (max, sum) state of row elements [begin, end) (multiples of VEC), in the log2
 // domain (y = x * scale), and whether any of them is NaN. Thread i reads vectors i, i + THREADS,
 // ..., UNROLL of them before using the first. Contains block barriers.
@@ -41,10 +51,7 @@ RTC_DEVICE Softmax block_softmax(const T* __restrict__ x_row, int begin, int end
   int nan = 0;
   for (int base = begin + int(threadIdx.x) * VEC; base < end; base += UNROLL * STRIDE) {
     Vec<T, VEC> x[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (base + u * STRIDE < end) x[u].load(x_row + base + u * STRIDE);
-    }
+    load_vectors(x, x_row, base, end);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (base + u * STRIDE >= end) break;
@@ -88,10 +95,7 @@ RTC_DEVICE void write_probs(const T* __restrict__ x_row, float* __restrict__ p_r
   const float inv = nan ? __int_as_float(0x7fffffff) : empty ? 0.f : 1.f / total.d;
   for (int base = begin + int(threadIdx.x) * VEC; base < end; base += UNROLL * STRIDE) {
     Vec<T, VEC> x[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (base + u * STRIDE < end) x[u].load(x_row + base + u * STRIDE);
-    }
+    load_vectors(x, x_row, base, end);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (base + u * STRIDE >= end) break;
