@@ -48,6 +48,13 @@ class ClusterSampleSpec:
         )
 
 
+def compute_capability(device: int) -> int:
+    """The device's compute capability as one int (90 for sm_90): clusters need 90 or more."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
 def slice_elements(vocab: int, cluster: int, vec: int) -> int:
     """Elements per CTA: ceil(vocab / cluster) rounded up to a multiple of max(4, vec)."""
     align = max(4, vec)
@@ -91,4 +98,4 @@ def cluster_launch(spec: ClusterSampleSpec, batch: int, vocab: int) -> Launch:
 
 
 __all__ = ["ClusterSampleSpec", "cluster_choices", "cluster_launch", "cluster_size",
-           "slice_elements"]  # fmt: skip
+           "compute_capability", "slice_elements"]  # fmt: skip

@@ -37,7 +37,7 @@ from ..layout import (
     row_threads,
     widest_vec,
 )
-from .cluster import ClusterSampleSpec, cluster_launch, cluster_size
+from .cluster import ClusterSampleSpec, cluster_launch, cluster_size, compute_capability
 from .philox import Generator, check_array, kernel_inputs
 from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
 from .softmax import prepare_softmax, softmax
@@ -133,12 +133,10 @@ def _sample_launch(op: str, dtype: str, out_dtype: str, batch: int, vocab: int, 
                    align: int, device: int) -> Launch:  # fmt: skip
     """sample_kernel, one CTA per row; or, for a batch too small to fill the GPU on sm_90+,
     cluster_sample_kernel, a cluster of CTAs per row. Both take SampleParams."""
-    import cupy
-
     sms, smem_per_block = jit.device_limits(device)
     spec = sample_spec(op, dtype, vocab, batch, out_dtype, sms)
     spec = replace(spec, vec=fit_vec(spec.vec, itemsize(dtype), align, [stride]))
-    cc = int(cupy.cuda.Device(device).compute_capability)
+    cc = compute_capability(device)
     cluster = cluster_size(batch, vocab, spec.vec, sms, cc, smem_per_block)
     if cluster:
         cspec = ClusterSampleSpec(op, dtype, out_dtype, spec.vec, cluster)

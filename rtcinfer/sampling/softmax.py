@@ -15,6 +15,7 @@ from ..interop.arrays import torch_compiling
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, leading_rows, widest_vec
+from .cluster import compute_capability
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,8 @@ def softmax_cluster(rows: int, vocab: int, sm_count: int, compute_capability: in
     """CTAs per row: the largest of 8, 4, 2 whose grid fits the SMs at one CTA each and whose
     slices keep MIN_SLICE elements; 0 (one CTA per row) when none does or before sm_90. A lone
     row read by one SM is latency-bound (1 x 32000 fp32: 12.8 us on an H200)."""
-    if compute_capability < 90:
-        return 0
-    for cluster in CLUSTERS:
-        if rows * cluster <= sm_count and vocab >= cluster * MIN_SLICE:
-            return cluster
-    return 0
+    fitting = (c for c in cluster_choices(vocab, compute_capability) if rows * c <= sm_count)
+    return next(fitting, 0)
 
 
 def cluster_choices(vocab: int, compute_capability: int) -> tuple[int, ...]:
@@ -126,9 +123,7 @@ def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
 
 
 def _launch(dtype: str, rows: int, vocab: int, vec: int, device: int) -> Launch:
-    import cupy
-
-    cc = int(cupy.cuda.Device(device).compute_capability)
+    cc = compute_capability(device)
     cluster = softmax_cluster(rows, vocab, jit.sm_count(device), cc)
     if cluster:
         spec = cluster_softmax_spec(dtype, vocab, cluster, vec)
