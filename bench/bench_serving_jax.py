@@ -4,7 +4,11 @@ step appending one token a request and decoding it in one jax.jit step, with thr
 back ends (everything else, norms, RoPE, activation and greedy sampling, is rtcinfer's):
 
     rtcinfer  append_paged_kv_cache into the paged cache [pages, 2, 16, Hkv, D], then the batch
-              decode wrapper over it, its plan passed as an array: serve_jax.py's step
+              decode wrapper over it, its plan made by plan() on the host and passed as an
+              array with the step's tables
+    rtcinfer, device plan
+              the same, the plan built inside the step from its page table
+              (device_plan_array: serve_jax.py's step); no plan() in the loop
     pallas    JAX's Pallas GPU paged_attention over a paged cache in its layout (k and v
               [Hkv, pages, 16, D], each request's page table padded to a multiple of 128
               pages, as its 16 splits of 8-page blocks need; q scaled before the call, as it
@@ -27,7 +31,7 @@ Three times per step (a step's sampled tokens are the next step's input, on the 
 Every back end reads the same cached keys and values (random, written into each layout); its
 greedy tokens and logits are compared with rtcinfer's.
 
-    python -m bench.bench_serving_jax [rtcinfer] [pallas] [cudnn]   (default: all three)
+    python -m bench.bench_serving_jax [rtcinfer] [device] [pallas] [cudnn]   (default: all)
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from bench.common import Table, Tables, header
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the caches are large
 STEPS = 30
-BACKENDS = ("rtcinfer", "pallas", "cudnn")
+BACKENDS = ("rtcinfer", "device", "pallas", "cudnn")
+LABELS = {"device": "rtcinfer, device plan"}
 
 
 def _examples():
@@ -90,7 +95,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
     def lengths(indptr, last):
         return ((indptr[1:] - indptr[:-1] - 1) * page + last).astype(jnp.int32)
 
-    if name == "rtcinfer":
+    if name in ("rtcinfer", "device"):
 
         def fill(kv):
             cache = jnp.zeros((batch.pages, 2, page, hkv, d), kv.dtype)
@@ -139,23 +144,29 @@ def _measure(name: str, sj, batch: Batch, model, kv):
     import jax
     import jax.numpy as jnp
 
-    wrapper = sj.decode_wrapper(BATCH, batch.pages) if name == "rtcinfer" else None
+    ours = name in ("rtcinfer", "device")
+    wrapper = sj.decode_wrapper(BATCH, batch.pages) if ours else None
     attend, fill = _attention(name, sj, batch, wrapper)
     caches = [fill(layer) for layer in kv]
     host = batch.inputs()
+    st = batch.step
+    if name == "device":  # the configuration: plans are built inside the step
+        wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
+                     q_data_type=sj.bf16)  # fmt: skip
 
     @functools.partial(jax.jit, donate_argnums=1, static_argnums=(4, 5))
     def step(model, caches, tokens, tables, sizes, stubbed=False):
         *tables, plan = sj.unpack(tables, sizes)  # the plan array last (rtcinfer's)
+        if name == "device":  # from the padded indices, indptr and last page lengths
+            plan = wrapper.device_plan_array(tables[3], tables[2], tables[4], batch.pages)
         mm = sj.stub_matmul if stubbed else jnp.matmul
         return sj.forward(model, caches, tokens, *tables, attend(plan), mm=mm)
 
-    st = batch.step
     none = np.zeros(4, np.int32)
 
     def plan():
         """plan() and the step's tables, the plan array last (other back ends: zeros)."""
-        if wrapper is None:
+        if name != "rtcinfer":
             return host[1:] + (none,)
         wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
                      q_data_type=sj.bf16)  # fmt: skip
@@ -246,8 +257,8 @@ def main() -> Tables:
             speedup = f"{loop / ours[1]:.2f}"
             same = f"{int((tokens == ours[4]).sum())}/{BATCH}"
             diff = float(np.abs(logits - ours[5]).max())
-        table.add(name, device, loop, fetching, stubbed, BATCH / loop * 1e6, speedup, same,
-                  diff)  # fmt: skip
+        table.add(LABELS.get(name, name), device, loop, fetching, stubbed, BATCH / loop * 1e6,
+                  speedup, same, diff)  # fmt: skip
     return tables
 
 

@@ -1,9 +1,11 @@
 """serve_torch.py's serving loop in JAX (needs a CUDA GPU and jax[cuda13] or jax[cuda12]): the
 same Llama-style decoder and request stream, each model pass one jax.jit step with rtcinfer's
 norms, RoPE, append (the donated caches updated in place), paged prefill or batch decode, and
-greedy top_k_top_p_sampling_from_logits. plan() runs on host arrays before each step and its
-plan reaches the compiled step as an array (plan_array(), sent with the step's other tables),
-so XLA launches every op of a step itself, with no Python and no host wait. A prefill step
+greedy top_k_top_p_sampling_from_logits. A prefill step's plan() runs on host arrays and its
+plan reaches the compiled step as an array (plan_array(), sent with the step's other tables);
+a decode step plans itself on the device from the page table it is given
+(device_plan_array: one plan() on the host, before the first step, fixes the configuration).
+XLA launches every op of a step itself, with no Python and no host wait. A prefill step
 takes PREFILL_ROWS query rows, the prompts' tokens then padding (a request with no keys in the
 plan, batch index -1 for the append, which skips it); a step is traced once per batch size, and
 a second pass over the same stream, with fresh page tables, traces nothing new.
@@ -50,6 +52,7 @@ prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(  # fixed capacity: plans
     paged_kv_indices_buf=np.zeros(PAGES, np.int32),
 )  # the prompts and the padding request
 decode = decode_wrapper(len(serving.REQUESTS), PAGES)
+decode.plan([0, 1], [0], [1], HQ, HKV, D, PAGE, q_data_type=bf16)  # the configuration only
 traces = {"prefill": 0, "decode": 0}
 last_decode = []  # the latest decode step's tables and sizes (step_split)
 
@@ -166,15 +169,21 @@ def prefill_step(model, caches, tables, sizes):
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step(model, caches, tables, sizes):
     traces["decode"] += 1
-    *tables, plan = unpack(tables, sizes)  # the plan array last
-    return forward(model, caches, *tables, paged(decode, plan))
+    tables = unpack(tables, sizes)
+    return forward(model, caches, *tables, paged(decode, device_plan(tables)))
+
+
+def device_plan(tables):
+    """The decode plan of a step's tables (tokens, positions, batch indices, padded indices,
+    indptr, last page lengths, ends), built on the device."""
+    return decode.device_plan_array(tables[4], tables[3], tables[5], PAGES)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step_stubbed(model, caches, tables, sizes):
     """decode_step with stub_matmul: the step's rtcinfer ops and little else."""
-    *tables, plan = unpack(tables, sizes)
-    return forward(model, caches, *tables, paged(decode, plan), mm=stub_matmul)
+    tables = unpack(tables, sizes)
+    return forward(model, caches, *tables, paged(decode, device_plan(tables)), mm=stub_matmul)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
@@ -201,9 +210,7 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     elif plain_jax:
         step = decode_step_plain_jax
     else:
-        step = decode_step
-        decode.plan(st.indptr, st.indices, st.last, HQ, HKV, D, PAGE, q_data_type=bf16)
-        tables += (decode.plan_array(),)
+        step = decode_step  # planned inside the step, on the device
     packed = pack(tables)
     if step is decode_step:
         last_decode[:] = packed

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, replace
 
 from . import activation, bitpack, move, norm, rope
-from .attention import cascade, decode_kernel, page, prefill_kernel
+from .attention import cascade, decode_device_plan, decode_kernel, page, prefill_kernel
 from .attention.prefill_items import PrefillItemsSpec
 from .sampling.cluster import ClusterSampleSpec, cluster_choices
 from .sampling.renorm import RenormSpec
@@ -119,7 +119,7 @@ def shipped_specs() -> list:
                             dtype, "int64", 128, 64, interleave, mode, pos_from, inplace, vec
                         )  # fmt: skip
                     )
-    specs += decode_specs()
+    specs += decode_specs() + [decode_device_plan.SPEC]
     specs += prefill_specs() + [PrefillItemsSpec()]
     specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
               for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),

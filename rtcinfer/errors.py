@@ -2,7 +2,7 @@
 
 An op that reads page ids or positions from device arrays (append_paged_kv_cache,
 apply_rope_with_cos_sin_cache for the rows of its table, the samplers for the rows of probs
-their `indices` name) checks every entry it uses on the
+their `indices` name, the decode planner on the device) checks every entry it uses on the
 device against its valid range, does not follow a bad one (no memory is touched through it),
 and counts it in its device's record (cuda_src/bad_index.cuh, BadIndexRecord: in device
 memory, counted with atomics, allocated once per device and kept for the process). The first
@@ -27,7 +27,9 @@ keeps the Python handler, which checks at every call.)
 
 Decode and prefill (attention/decode.py, prefill.py) take page ids from their plan, which is
 checked on the host: their run() refuses a plan whose largest page id is not a page of the
-cache, before launching.
+cache, before launching. A decode plan built on the device (the wrapper's device_plan_array)
+is checked there instead: a bad table is reported and planned as no work, a page id outside
+the cache reported and page 0 read in its place.
 """
 
 from __future__ import annotations
@@ -55,12 +57,20 @@ class BadIndex(enum.IntEnum):
     KV_INDICES = 4
     COS_SIN_POSITIONS = 5  # apply_rope_with_cos_sin_cache's positions
     SAMPLE_INDICES = 6  # the samplers' indices (rows of probs)
+    PLAN_INDPTR = 7  # a decode plan built on the device (attention/decode_device_plan.py)
+    PLAN_PAGES = 8
+    PLAN_LAST_PAGE_LEN = 9
+    PLAN_KV_LEN = 10
+    PLAN_WORK = 11
+    PLAN_INDICES = 12
 
 
 RECORD = record_dtype(jit.source_layout("bad_index.cuh", "BadIndexRecord"))
 _MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
 _SKIPPED = "its row was skipped, nothing written"
+_PLANNER = "device_plan_array"
+_NO_WORK = "the plan holds no work (run() with it writes nothing)"
 # Each code: (the op, its entry with index, value and limit, what the op did instead, whether
 # its kernel counts bad entries: the RoPE kernel only notes them, bad_index.cuh).
 _ENTRIES = {
@@ -78,6 +88,20 @@ _ENTRIES = {
                                  "its token passed through unrotated, no row read", False),
     BadIndex.SAMPLE_INDICES: ("a sampler", "indices[{index}] = {value} is not a row of probs "
                               "(0 <= row < {limit})", "its sample is -1, no row read", True),
+    BadIndex.PLAN_INDPTR: (_PLANNER, "kv_indptr[{index}] = {value}: the table must start at 0 "
+                           "and never decrease (the entry before it holds {limit})", _NO_WORK,
+                           True),
+    BadIndex.PLAN_PAGES: (_PLANNER, "kv_indptr[{index}] = {value} pages exceed {limit}, the "
+                          "entries of kv_indices or the plan's page capacity", _NO_WORK, True),
+    BadIndex.PLAN_LAST_PAGE_LEN: (_PLANNER, "kv_last_page_len[{index}] = {value} is out of range "
+                                  "for a request of {limit} pages (1 to page_size with pages, 0 "
+                                  "without)", _NO_WORK, True),
+    BadIndex.PLAN_KV_LEN: (_PLANNER, "request {index} has {value} tokens; at most {limit} are "
+                           "supported", _NO_WORK, True),
+    BadIndex.PLAN_WORK: (_PLANNER, "fixed_split_size makes {value} work items, more than the "
+                         "capacity's {limit}", _NO_WORK, True),
+    BadIndex.PLAN_INDICES: (_PLANNER, "kv_indices[{index}] = {value} is not a page of the cache "
+                            "(0 <= page < {limit})", "page 0 was read in its place", True),
 }  # fmt: skip
 
 

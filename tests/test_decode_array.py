@@ -53,6 +53,7 @@ def test_plan_array_is_the_packed_plan_at_one_size(graph_wrapper):
         assert a.dtype == np.int32 and a.shape == (w.plan_array_size,)
         assert (a[: packed.shape[0]] == packed).all() and not a[packed.shape[0] :].any()
         assert a[0] >= len(lengths)  # the work items: at least one a request
+        assert not a[1 : 4 + 128].any()  # no RoPE: zeros, whatever the reused buffer held
         out = np.full(w.plan_array_size, 7, np.int32)  # written in place, the rest zeroed
         assert w.plan_array(out=out) is out and (out == a).all()
     assert sizes == {(w.plan_array_size,)}

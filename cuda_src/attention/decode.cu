@@ -19,18 +19,7 @@ static_assert(RING_BYTES + Q_BYTES + FREQ_BYTES + STATE_BYTES == SMEM_BYTES, "ho
 constexpr int LOOK = LOOKAHEAD > 0 ? LOOKAHEAD : STAGES - 1;
 static_assert(LOOK >= 1 && LOOK <= STAGES - 1, "the ring holds the tiles in flight");
 
-// A work item of the plan (rtcinfer/attention/workspace.py writes them by these names): a chunk
-// of one request's tokens and the request's merge group.
-struct alignas(16) DecodeWorkItem {
-  int request;      // batch row
-  int token_begin;  // the chunk: tokens [token_begin, token_end) of the request
-  int token_end;
-  int kv_len;       // the request's length (its query sits at position kv_len - 1)
-  int page_ids;     // where the request's page ids start in the plan (ints)
-  int merge_begin;  // the request's first item (its partials are merged in item order)
-  int merge_count;  // items of the request; 1: the chunk is the whole request, written directly
-  int unused;
-};
+#include "decode_item.cuh"
 
 struct DecodeParams {
   const QT* q;             // [B, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)

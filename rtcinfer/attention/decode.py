@@ -255,6 +255,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
             variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
         launch = self._launch_of(variant, items, cfg, pointers)
         self._launch = _Launch(launch, cfg, plan.batch_size, max_page, packed[0])
+        self._split_args = (fixed_split_size, bool(disable_split_kv))
 
     def _launch_of(self, spec, items: int, cfg: Config, pointers: tuple) -> Launch:
         """The launch of `spec` over `items` work items with the current workspace: the

@@ -22,10 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..interop import OutSlot, Prepared, call
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..launch import Launch
+from ..plan._checks import as_int
+from .decode_device_plan import PlanRule, device_plan, plan_rule
 from .decode_kernel import THREADS, kernel
-from .decode_plan import Capacity
+from .decode_plan import Capacity, header_ints
 from .decode_run import check_run_arrays, run_fields
 from .paged_kv import cache_views
 from .planned import plan_array_of, plan_array_run, run_outputs
@@ -34,10 +37,13 @@ SLOTS = ("q", "paged_kv_cache", "v_cache", "out", "lse", "plan_array")  # planne
 
 
 class PlanArrays:
-    """plan_array() and run(plan_array=...) of the batch decode wrapper (a mixin of
-    BatchDecodeWithPagedKVCacheWrapper: its _graph, _tc, _launch, _ws, _kernel, _kv_layout)."""
+    """plan_array(), device_plan_array() and run(plan_array=...) of the batch decode wrapper (a
+    mixin of BatchDecodeWithPagedKVCacheWrapper: its _graph, _tc, _launch, _ws, _kernel,
+    _kv_layout, _split_args: the latest plan()'s (fixed_split_size, disable_split_kv))."""
 
     ARRAY_SLOTS = SLOTS
+    _device_pages = 0  # the most pages a device_plan_array call named
+    _rule = None  # (what the latest plan rule was made from, the rule)
 
     @property
     def plan_array_size(self) -> int:
@@ -49,6 +55,39 @@ class PlanArrays:
         zeros), written into `out` (a NumPy int32 array of that length) when given: what
         run(plan_array=...) reads, once on the device (attention/decode_array.py)."""
         return plan_array_of(self._array_launch().packed, self.plan_array_size, out)
+
+    def device_plan_array(self, indptr, indices, last_page_len, num_pages: int):
+        """plan_array() of plan(indptr, indices, last_page_len, ...) with the latest plan()'s
+        configuration and split arguments, built on the device from the page table where it
+        lies (attention/decode_device_plan.py): no host work, no transfer, and inside jax.jit
+        or a CUDA graph a plan that follows each step's table.
+
+        indptr [B + 1], indices, last_page_len [B]: int32 device arrays of one framework
+        (B at most the capacity's batch); num_pages: the cache's pages, which every page id must
+        name (run(plan_array=...) refuses a smaller cache). Returns an int32 array of
+        plan_array_size in the caller's array type, written on its current stream. Bad entries
+        are reported, not raised (BadIndexError from the next call or check_errors()): a bad
+        table plans no work, a page id outside the cache is read as page 0.
+        """
+        if torch_compiling(indptr):
+            raise NotImplementedError("device_plan_array is not a torch.compile custom op")
+        self._array_launch()
+        num_pages = as_int("num_pages", num_pages, minimum=1)
+        self._check_array_pages(num_pages - 1)
+        self._device_pages = max(self._device_pages, num_pages)
+        return device_plan(self._plan_rule(), indptr, indices, last_page_len, num_pages)
+
+    def _plan_rule(self) -> PlanRule:
+        """The latest plan()'s rule (kept until a plan() changes it)."""
+        spec, ctas, num_sms, freq = self._kernel
+        cfg, capacity = self._launch.cfg, self._ws.capacity
+        fixed, whole = self._split_args
+        key = (cfg, ctas, num_sms, capacity, fixed, whole)
+        if self._rule is None or self._rule[0] != key:
+            rule = plan_rule(cfg, num_sms, ctas, freq, capacity, fixed, whole,
+                             header_ints(cfg.head_dim))  # fmt: skip
+            self._rule = (key, rule)
+        return self._rule[1]
 
     def _array_launch(self):
         if not self._graph or self._tc is not None:
@@ -78,6 +117,11 @@ class PlanArrays:
         if st.max_page >= num_pages:
             raise ValueError(
                 f"indices holds page id {st.max_page}, but the cache has {num_pages} pages"
+            )
+        if self._device_pages > num_pages:
+            raise ValueError(
+                f"device_plan_array was given num_pages={self._device_pages}, but the cache "
+                f"has {num_pages} pages"
             )
         prep = prepare(infos, static, self._kv_layout)
         self._note_array_cache(num_pages)

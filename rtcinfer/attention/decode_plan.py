@@ -10,10 +10,11 @@ Device layout (each region 256-byte aligned, the plan first):
 partial_work is at least the grid's item count when a plan splits (decode.cu strides the
 partial rows by it) and may be 0 for a plan of whole requests, which writes no partials.
 
-The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs]; the work
-items are the kernel's DecodeWorkItem structs (cuda_src/attention/decode.cu), written here by
-field name through a NumPy record of the same layout; their `page_ids` index the page ids
-inside the plan region.
+The plan header is [num_work, 0, 0, 0, RoPE frequencies as (hi, lo) float32 pairs or zeros];
+the work items are the kernel's DecodeWorkItem structs (cuda_src/attention/decode_item.cuh),
+written here by field name through a NumPy record of the same layout; their `page_ids` index
+the page ids inside the plan region. attention/decode_device_plan.py builds the same plan on
+the device.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .. import jit
 from ..params import record_dtype
 from .workspace import region_offsets
 
-WORK_ITEM = record_dtype(jit.source_layout("attention/decode.cu", "DecodeWorkItem"))
+WORK_ITEM = record_dtype(jit.source_layout("attention/decode_item.cuh", "DecodeWorkItem"))
 ITEM_INTS = WORK_ITEM.itemsize // 4
 
 
@@ -127,6 +128,8 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
     buf[1:4] = 0
     if freq is not None:
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
+    else:  # zeros, not what the reused buffer held: a plan array is the same for the same plan
+        buf[4:hdr] = 0
     work = buf[hdr:pages_at].view(WORK_ITEM)
     merge = plan.merge_indptr
     if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
