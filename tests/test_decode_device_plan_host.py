@@ -59,9 +59,9 @@ def test_the_rule_is_the_latest_plans(graph_wrapper):  # noqa: F811
     assert rope.header_ints == 4 + 64 and freq.shape == (64,) and freq.any()
 
 
-def test_two_launches_that_xla_can_launch_itself(graph_wrapper, monkeypatch):  # noqa: F811
-    """One planning CTA then the page copy, both addressing only the three table slots and the
-    plan output; the record's addresses are constants (one GPU)."""
+def test_one_launch_that_xla_can_launch_itself(graph_wrapper, monkeypatch):  # noqa: F811
+    """The planning CTA and the page copy's in one launch, addressing only the three table
+    slots and the plan output; the record's addresses are constants (one GPU)."""
     monkeypatch.setattr(xla_launch, "resident", lambda ptr: True)  # the record (host memory)
     w = graph_wrapper
     _plan(w, [100, 7, 300], np.arange(MAX_PAGES, dtype=np.int32))
@@ -70,17 +70,14 @@ def test_two_launches_that_xla_can_launch_itself(graph_wrapper, monkeypatch):  #
     (out,) = prep.outs
     assert out.shape == (rule.plan_ints,) and out.dtype == "int32"
     present = [True, True, True]
-    steps = xla_launch.record(prep, present, (), 0)
-    assert [s.kernel.name for s in steps] == ["decode_plan_kernel", "plan_pages_kernel"]
-    plan, pages = xla_launch.plan(prep, present, steps, constants=True)
-    assert plan.grid == (1, 1, 1) and plan.operands == (0, 2) and plan.results == (3,)
-    assert pages.operands == (0, 1, 3) and pages.results == (3,)
-    blob = steps[0].params
-    p = ddp.Kernel(ddp.SPEC, "decode_plan_kernel", "DecodePlanParams").params_type.from_buffer_copy(
-        blob
-    )
-    assert (p.batch, p.num_indices, p.max_work, p.slots) == (3, MAX_PAGES, rule.max_work, 264)
-    assert steps[1].grid[0] == -(-(rule.plan_ints - rule.header_ints) // ddp.PAGE_THREADS)
+    (step,) = xla_launch.record(prep, present, (), 0)
+    assert step.kernel.name == "decode_plan_kernel"
+    assert step.grid == (1 + -(-MAX_PAGES // ddp.PLAN_THREADS), 1, 1)
+    (native,) = xla_launch.plan(prep, present, [step], constants=True)
+    assert native.operands == (0, 1, 2) and native.results == (3,)
+    p = step.kernel.params_type.from_buffer_copy(step.params)
+    assert (p.batch, p.num_indices, p.num_pages, p.max_work, p.slots) == (
+        3, MAX_PAGES, 50, rule.max_work, 264)  # fmt: skip
 
 
 def test_the_kernels_share_the_work_item_with_decode():

@@ -1,19 +1,20 @@
 // The batch decode plan built on the device from the page table: the ints that plan() and then
 // plan_array() give on the host for the same table (plan/decode.py's plan_decode chooses the
-// chunk, attention/decode_plan.py's pack_plan lays the plan out), for a wrapper of fixed
-// capacity. A step captured in a CUDA graph or compiled by jax.jit then plans itself from the
-// tables it already holds: nothing is computed or copied on the host.
-//   decode_plan_kernel (one CTA): checks the table, chooses the chunk of pages by plan_decode's
-//     rule (its integer and float64 arithmetic, operation for operation), writes the header
-//     and the work items.
-//   plan_pages_kernel (a grid, after it): copies the page ids behind the items, each checked
-//     against the cache, and zeros the rest of the plan.
+// chunk, attention/decode_plan.py's pack_plan lays the plan out: header | work items, room for
+// max_work | page ids | zeros), for a wrapper of fixed capacity. A step captured in a CUDA graph
+// or compiled by jax.jit then plans itself from the tables it already holds: nothing is
+// computed or copied on the host. One launch:
+//   CTA 0 checks the table, chooses the chunk of pages by plan_decode's rule (its integer and
+//     float64 arithmetic, operation for operation), writes the header and the work items and
+//     zeros the items' room past them;
+//   CTAs 1.. copy the page ids (their place in the plan does not depend on the items), each
+//     checked against the cache, and zero the rest.
 // A bad table (kv_indptr not starting at 0, decreasing, or past kv_indices or the page
 // capacity; a kv_last_page_len out of range; a request past MAX_KV_LEN tokens; a fixed split
 // needing more work items than the capacity) is reported (bad_index.cuh) and planned as no work
 // (num_work 0: run() writes nothing). A page id outside the cache is reported and page 0 read
 // in its place.
-// Prelude: PLAN_THREADS, PAGE_THREADS, the BadIndex and PlanSplit enums.
+// Prelude: PLAN_THREADS, the BadIndex and PlanSplit enums.
 #include "bad_index.cuh"
 #include "decode_item.cuh"
 
@@ -23,12 +24,14 @@ constexpr int INT32_MAX_ = 0x7fffffff;
 
 struct DecodePlanParams {
   const int* kv_indptr;         // [batch + 1]
+  const int* kv_indices;        // [num_indices]
   const int* kv_last_page_len;  // [batch]
-  int* plan;                    // [plan_ints]: header | DecodeWorkItem[num_work] | page ids
+  int* plan;                    // [header_ints + ITEM_INTS * max_work + max_pages]
   BadIndexRecord* bad;          // the device's record and its pinned host copy
   BadIndexRecord* bad_host;
   int batch;                    // requests (at most the capacity's)
   int num_indices;              // entries of kv_indices
+  int num_pages;                // the cache's: page ids lie in [0, num_pages)
   int max_work, max_pages;      // the capacity: work items, page ids
   int page_size;
   int kv_blocks;                // CTAs of one work item (plan_decode's num_kv_heads)
@@ -38,18 +41,6 @@ struct DecodePlanParams {
   int fixed_chunk;              // pages of a chunk under PlanSplit::FIXED
   int header_ints;              // 4 + head_dim
   int freq[256];                // header ints 4 .. header_ints (RoPE frequencies or zeros)
-};
-
-struct PlanPagesParams {
-  const int* kv_indptr;   // [batch + 1]
-  const int* kv_indices;  // [num_indices]
-  int* plan;              // [plan_ints], header and items written by decode_plan_kernel
-  BadIndexRecord* bad;
-  BadIndexRecord* bad_host;
-  int batch;
-  int num_pages;          // the cache's: page ids lie in [0, num_pages)
-  int header_ints;
-  int plan_ints;
 };
 
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
@@ -116,16 +107,37 @@ RTC_DEVICE int64_t quotient(int64_t a, int64_t b) {
   return static_cast<unsigned>(a) / static_cast<unsigned>(b);
 }
 
-// Pages of request b less one where it has any (plan_decode's pm1): its items are 1 + pm1 / c.
-RTC_DEVICE int64_t pages_less_one(const int* indptr, int b) {
-  const int64_t pages = int64_t(indptr[b + 1]) - indptr[b];
-  return pages > 1 ? pages - 1 : 0;
+// What the plan needs of request b: its first page and pages less one where it has any
+// (plan_decode's pm1: its items are 1 + pm1 / chunk), read from the (checked) table.
+struct Request {
+  int first_page;
+  int64_t pm1;
+  int64_t kv_len;
+};
+
+RTC_DEVICE Request read_request(const int* indptr, const int* last, int b, int page_size) {
+  const int begin = indptr[b], end = indptr[b + 1];
+  const int64_t pm1 = end > begin ? int64_t(end) - begin - 1 : 0;
+  return {begin, pm1, pm1 * page_size + last[b]};
 }
 
+// A thread's requests: b = threadIdx.x + k PLAN_THREADS; the first one's fields are kept in
+// registers (every request of a batch of at most PLAN_THREADS), the others read again.
+struct Requests {
+  const int* indptr;
+  const int* last;
+  int batch, page_size;
+  Request first;
+
+  RTC_DEVICE Request at(int b) const {
+    return b == int(threadIdx.x) ? first : read_request(indptr, last, b, page_size);
+  }
+};
+
 // The work items of chunk c beyond one a request: sum_b pm1_b / c, over the block.
-RTC_DEVICE int64_t extra_items(const int* indptr, int batch, int64_t chunk, int64_t* scratch) {
+RTC_DEVICE int64_t extra_items(const Requests& r, int64_t chunk, int64_t* scratch) {
   int64_t n = 0;
-  for (int b = threadIdx.x; b < batch; b += PLAN_THREADS) n += quotient(pages_less_one(indptr, b), chunk);
+  for (int b = threadIdx.x; b < r.batch; b += PLAN_THREADS) n += quotient(r.at(b).pm1, chunk);
   return block_total(n, scratch);
 }
 
@@ -146,14 +158,14 @@ RTC_DEVICE int64_t straggler_chunk(const DecodePlanParams& p, int64_t total, int
 
 // plan_decode's _search_chunk: the smallest chunk c in [lo, hi] with
 // W(c) = batch + sum_b pm1_b / c <= budget, bisected over the range that must hold it.
-RTC_DEVICE int64_t search_chunk(const DecodePlanParams& p, int64_t pm1_total, int64_t lo,
-                                int64_t hi, int64_t budget, int64_t* scratch) {
-  const int64_t batch = p.batch;
+RTC_DEVICE int64_t search_chunk(const Requests& r, int64_t pm1_total, int64_t lo, int64_t hi,
+                                int64_t budget, int64_t* scratch) {
+  const int64_t batch = r.batch;
   lo = min(max(lo, quotient(pm1_total, budget) + 1), hi);
   if (budget > batch) hi = max(lo, min(hi, quotient(pm1_total + budget - batch - 1, budget - batch)));
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (batch + extra_items(p.kv_indptr, p.batch, mid, scratch) <= budget) {
+    if (batch + extra_items(r, mid, scratch) <= budget) {
       hi = mid;
     } else {
       lo = mid + 1;
@@ -162,8 +174,8 @@ RTC_DEVICE int64_t search_chunk(const DecodePlanParams& p, int64_t pm1_total, in
   return lo;
 }
 
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
-    decode_plan_kernel(const __grid_constant__ DecodePlanParams p) {
+// CTA 0: the header and the work items.
+RTC_DEVICE void plan_items(const DecodePlanParams& p) {
   __shared__ int64_t scratch[PLAN_WARPS];
   __shared__ int scan[PLAN_WARPS];
   const int* __restrict__ indptr = p.kv_indptr;
@@ -176,9 +188,16 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
   // The table: request b has pages = indptr[b + 1] - indptr[b] and kv_len tokens.
   bool bad = false;
   int64_t total = 0, pm1_total = 0, max_pages = 0;
-  if (threadIdx.x == 0 && indptr[0] != 0) {
-    report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_INDPTR, 0, indptr[0], 0);
-    bad = true;
+  Request first{0, 0, 0};
+  if (threadIdx.x == 0) {
+    const int start = indptr[0], end = indptr[batch], limit = min(p.num_indices, p.max_pages);
+    if (start != 0) {
+      report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_INDPTR, 0, start, 0);
+      bad = true;
+    } else if (end > limit) {
+      report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_PAGES, batch, end, limit);
+      bad = true;
+    }
   }
   for (int b = threadIdx.x; b < batch; b += PLAN_THREADS) {
     const int begin = indptr[b], end = indptr[b + 1], tail = last[b];
@@ -201,38 +220,34 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
                        static_cast<int>(MAX_KV_LEN));
       bad = true;
     }
+    if (b == int(threadIdx.x)) first = {begin, pm1, kv_len};
     total += pages;
     pm1_total += pm1;
     max_pages = max(max_pages, pages);
   }
-  if (threadIdx.x == 0) {
-    const int end = indptr[batch], limit = min(p.num_indices, p.max_pages);
-    if (end > limit) {
-      report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_PAGES, batch, end, limit);
-      bad = true;
-    }
-  }
+  const int pages_at = p.header_ints + ITEM_INTS * p.max_work;
   bad = __syncthreads_or(bad);
+  if (bad) {  // no work: zeros in the items' room
+    for (int i = p.header_ints + threadIdx.x; i < pages_at; i += PLAN_THREADS) plan[i] = 0;
+    return;
+  }
   total = block_total(total, scratch);
   pm1_total = block_total(pm1_total, scratch);
   max_pages = max(block_largest(max_pages, scratch), int64_t(1));
-  if (bad) {
-    if (threadIdx.x == 0) plan[0] = 0;
-    return;
-  }
+  const Requests requests{indptr, last, batch, page_size, first};
 
   // The chunk of pages (plan_decode).
   const int64_t lo = min(static_cast<int64_t>(p.min_chunk), max_pages);
   int64_t chunk = max_pages;
   if (p.split == static_cast<int>(PlanSplit::FIXED)) {
     chunk = p.fixed_chunk;
-    const int64_t work = batch + extra_items(indptr, batch, chunk, scratch);
+    const int64_t work = batch + extra_items(requests, chunk, scratch);
     if (work > p.max_work) {
       if (threadIdx.x == 0) {
         report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_WORK, 0, saturate_int(work),
                          p.max_work);
-        plan[0] = 0;
       }
+      for (int i = p.header_ints + threadIdx.x; i < pages_at; i += PLAN_THREADS) plan[i] = 0;
       return;
     }
   } else if (p.split == static_cast<int>(PlanSplit::AUTO) && batch > 0) {
@@ -241,26 +256,22 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     } else {
       const int64_t budget = min(static_cast<int64_t>(p.slots / p.kv_blocks),
                                  static_cast<int64_t>(p.max_work));
-      chunk = search_chunk(p, pm1_total, lo, max_pages, budget, scratch);
+      chunk = search_chunk(requests, pm1_total, lo, max_pages, budget, scratch);
     }
   }
 
-  // The work items, request by request in order; their page ids follow them.
+  // The work items, request by request in order, then zeros to the items' room.
   const bool whole = chunk >= max_pages;
-  const int64_t num_work = whole ? batch : batch + extra_items(indptr, batch, chunk, scratch);
-  const int pages_at = p.header_ints + ITEM_INTS * static_cast<int>(num_work);
   const int64_t chunk_tokens = min(chunk * page_size, static_cast<int64_t>(INT32_MAX_));
   DecodeWorkItem* items = reinterpret_cast<DecodeWorkItem*>(plan + p.header_ints);
   int carry = 0;
   for (int round = 0; round < batch; round += PLAN_THREADS) {
     const int b = round + threadIdx.x;
-    int64_t pm1 = 0, kv_len = 0;
-    int n = 0, first_page = 0;
+    Request r{0, 0, 0};
+    int n = 0;
     if (b < batch) {
-      first_page = indptr[b];
-      pm1 = pages_less_one(indptr, b);
-      kv_len = pm1 * page_size + last[b];
-      n = whole ? 1 : static_cast<int>(quotient(pm1, chunk)) + 1;
+      r = requests.at(b);
+      n = whole ? 1 : static_cast<int>(quotient(r.pm1, chunk)) + 1;
     }
     int round_total;
     const int merge_begin = carry + block_exclusive(n, scan, &round_total);
@@ -270,28 +281,28 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
       const int64_t begin = whole ? 0 : j * chunk_tokens;
       w.request = b;
       w.token_begin = static_cast<int>(begin);
-      w.token_end = static_cast<int>(begin + min(kv_len - begin, chunk_tokens));
-      w.kv_len = static_cast<int>(kv_len);
-      w.page_ids = first_page + pages_at;
+      w.token_end = static_cast<int>(begin + min(r.kv_len - begin, chunk_tokens));
+      w.kv_len = static_cast<int>(r.kv_len);
+      w.page_ids = r.first_page + pages_at;
       w.merge_begin = merge_begin;
       w.merge_count = n;
       w.unused = 0;
       items[merge_begin + j] = w;
     }
   }
-  if (threadIdx.x == 0) plan[0] = static_cast<int>(num_work);
+  for (int i = p.header_ints + ITEM_INTS * carry + threadIdx.x; i < pages_at; i += PLAN_THREADS)
+    plan[i] = 0;
+  if (threadIdx.x == 0) plan[0] = carry;
 }
 
-extern "C" __global__ void __launch_bounds__(PAGE_THREADS)
-    plan_pages_kernel(const __grid_constant__ PlanPagesParams p) {
-  const int num_work = p.plan[0];  // decode_plan_kernel's, before this launch
-  const int64_t pages_at = p.header_ints + int64_t(ITEM_INTS) * num_work;
-  // A bad table was planned as no work (and a batch without requests has no pages).
-  const int64_t pages = num_work > 0 ? p.kv_indptr[p.batch] : 0;
-  const int64_t stride = int64_t(gridDim.x) * PAGE_THREADS;
-  for (int64_t i = pages_at + blockIdx.x * PAGE_THREADS + threadIdx.x; i < p.plan_ints;
-       i += stride) {
-    const int64_t j = i - pages_at;
+// CTAs 1..: the page ids behind the items' room, checked against the cache, then zeros.
+RTC_DEVICE void copy_pages(const DecodePlanParams& p) {
+  const int64_t pages_at = p.header_ints + int64_t(ITEM_INTS) * p.max_work;
+  // CTA 0 reports a table whose kv_indptr leads outside kv_indices or the capacity.
+  const int64_t pages = min(max(p.kv_indptr[p.batch], 0), min(p.num_indices, p.max_pages));
+  const int64_t stride = int64_t(gridDim.x - 1) * PLAN_THREADS;
+  for (int64_t j = (blockIdx.x - 1) * int64_t(PLAN_THREADS) + threadIdx.x; j < p.max_pages;
+       j += stride) {
     int id = 0;
     if (j < pages) {
       id = p.kv_indices[j];
@@ -301,6 +312,15 @@ extern "C" __global__ void __launch_bounds__(PAGE_THREADS)
         id = 0;
       }
     }
-    p.plan[i] = id;
+    p.plan[pages_at + j] = id;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
+    decode_plan_kernel(const __grid_constant__ DecodePlanParams p) {
+  if (blockIdx.x == 0) {
+    plan_items(p);
+  } else {
+    copy_pages(p);
   }
 }

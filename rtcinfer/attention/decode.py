@@ -244,7 +244,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         capacity = Capacity(*sizes, cfg.num_qo_heads, cfg.kv_blocks, cfg.head_dim, partials)
         packed = []
         fill = partial(pack_plan, plan=plan, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                       head_dim=cfg.head_dim, freq=freq)  # fmt: skip
+                       head_dim=cfg.head_dim, freq=freq,
+                       items_room=self._max_work if self._graph else None)  # fmt: skip
         regions = self._upload(capacity, kept_fill(fill, packed))
         pointers = tuple(regions[r] for r in ("plan", "o", "lse", "counters"))
         items = self._max_work if self._graph else plan.num_work

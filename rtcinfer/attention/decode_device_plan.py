@@ -6,11 +6,11 @@ A wrapper of fixed capacity (use_cuda_graph=True) gives, for a page table on the
         == plan_array() after plan(indptr, indices, last_page_len, <the latest plan's arguments>)
 
 int for int (the chunk rule of plan/decode.py's plan_decode, the layout of decode_plan.py's
-pack_plan), computed by two kernels on the caller's stream: one CTA checks the table, chooses
-the chunk and writes the header and the work items; a grid copies the page ids behind them,
-each checked against the cache's num_pages, and zeros the rest. A step that is compiled once
-(jax.jit) or captured once (a CUDA graph) then plans itself from the page table it holds, so
-a serving loop does no planning and no plan transfer on the host.
+pack_plan), computed by one launch on the caller's stream: its first CTA checks the table,
+chooses the chunk and writes the header and the work items; the others copy the page ids
+(after the capacity's room for items), each checked against the cache's num_pages. A step
+that is compiled once (jax.jit) or captured once (a CUDA graph) then plans itself from the
+page table it holds, so a serving loop does no planning and no plan transfer on the host.
 
 Bad entries cannot raise where they are found: they are reported (rtcinfer/errors.py, raised
 by the next call of this op or check_errors()). A bad table is planned as no work (run() with
@@ -31,8 +31,7 @@ from ..interop import Op, OutSlot, Prepared, call
 from ..launch import Kernel, Launch
 from ..plan.decode import MIN_CHUNK_TOKENS
 
-PLAN_THREADS = 1024  # the one CTA that plans
-PAGE_THREADS = 256  # a CTA of the page copy
+PLAN_THREADS = 256  # a CTA: the one that plans, and each of the page copy's
 MAX_PAGE_BLOCKS = 1024
 MAX_FREQ_INTS = 256  # DecodePlanParams.freq: RoPE frequencies of head_dim 256
 
@@ -49,12 +48,11 @@ class PlanSplit(enum.IntEnum):
 @dataclass(frozen=True)
 class DevicePlanSpec:
     source: ClassVar[str] = "attention/decode_device_plan.cu"
-    kernels: ClassVar[tuple[str, ...]] = ("decode_plan_kernel", "plan_pages_kernel")
-    structs: ClassVar[tuple[str, ...]] = ("DecodePlanParams", "PlanPagesParams", "DecodeWorkItem")
+    kernels: ClassVar[tuple[str, ...]] = ("decode_plan_kernel",)
+    structs: ClassVar[tuple[str, ...]] = ("DecodePlanParams", "DecodeWorkItem")
 
     def prelude(self) -> str:
-        return jit.prelude(PLAN_THREADS=PLAN_THREADS, PAGE_THREADS=PAGE_THREADS,
-                           BadIndex=BadIndex, PlanSplit=PlanSplit)  # fmt: skip
+        return jit.prelude(PLAN_THREADS=PLAN_THREADS, BadIndex=BadIndex, PlanSplit=PlanSplit)
 
 
 SPEC = DevicePlanSpec()
@@ -124,23 +122,17 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         raise ValueError(
             f"a batch of {batch} requests exceeds the wrapper's capacity ({rule.max_batch})"
         )
-    plan = Launch(Kernel(SPEC, "decode_plan_kernel", "DecodePlanParams"), (1, 1, 1),
-                  (PLAN_THREADS, 1, 1))  # fmt: skip
-    p = plan.params
-    p.batch, p.num_indices = batch, infos[1].shape[0]
+    blocks = min(-(-rule.max_pages // PLAN_THREADS), MAX_PAGE_BLOCKS)  # the page copy's
+    launch = Launch(Kernel(SPEC, "decode_plan_kernel", "DecodePlanParams"), (1 + blocks, 1, 1),
+                    (PLAN_THREADS, 1, 1))  # fmt: skip
+    p = launch.params
+    p.batch, p.num_indices, p.num_pages = batch, infos[1].shape[0], num_pages
     p.max_work, p.max_pages = rule.max_work, rule.max_pages
     p.page_size, p.kv_blocks = rule.page_size, rule.kv_blocks
     p.num_sms, p.slots, p.min_chunk = rule.num_sms, rule.slots, rule.min_chunk
     p.split, p.fixed_chunk, p.header_ints = int(rule.split), rule.fixed_chunk, rule.header_ints
     freq = np.frombuffer(rule.freq, np.int32)
     p.freq[: freq.shape[0]] = freq.tolist()
-    tail = rule.plan_ints - rule.header_ints  # at most this many ints follow the header
-    blocks = max(1, min(-(-tail // PAGE_THREADS), MAX_PAGE_BLOCKS))
-    pages = Launch(Kernel(SPEC, "plan_pages_kernel", "PlanPagesParams"), (blocks, 1, 1),
-                   (PAGE_THREADS, 1, 1))  # fmt: skip
-    q = pages.params
-    q.batch, q.num_pages = batch, num_pages
-    q.header_ints, q.plan_ints = rule.header_ints, rule.plan_ints
     rec = errors.record(infos[0].device)
     check = errors.checking()
 
@@ -148,24 +140,16 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         found = rec if device == rec.device else errors.record(device)
         if found.reported.value:
             errors.raise_reported(found, stream)
-        with plan.lock, pages.lock:
-            p.kv_indptr = q.kv_indptr = ptrs[0]
-            q.kv_indices = ptrs[1]
-            p.kv_last_page_len = ptrs[2]
-            p.plan = q.plan = ptrs[3]
-            p.bad = q.bad = found.device_ptr
-            p.bad_host = q.bad_host = found.host_ptr
-            plan(stream, device)
-            pages(stream, device)
+        with launch.lock:
+            p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.plan = ptrs[:4]
+            p.bad, p.bad_host = found.device_ptr, found.host_ptr
+            launch(stream, device)
         if check:
             errors.check_launch(found, stream)
 
-    def preload(device: int) -> None:
-        plan.preload(device)
-        pages.preload(device)
-
     dense = tuple(i for i in range(3) if not infos[i].contiguous)
-    return Prepared((OutSlot((rule.plan_ints,), "int32"),), run, preload=preload, dense=dense)
+    return Prepared((OutSlot((rule.plan_ints,), "int32"),), run, preload=launch.preload,
+                    dense=dense)  # fmt: skip
 
 
 _SLOTS = ("indptr", "indices", "last_page_len")

@@ -3,6 +3,7 @@
 Device layout (each region 256-byte aligned, the plan first):
 
     plan       int32[HEADER + 8 * max_work + max_pages]       header | work items | page ids
+               (a fixed capacity's page ids start after room for max_work items)
     counters   int32[max_batch * kv_blocks]                    split-merge arrivals, zero at rest
     lse        float32[num_qo_heads * partial_work]            partial LSE of split work items
     o          float32[num_qo_heads * partial_work, head_dim]  partial outputs (rows: decode.cu)
@@ -114,15 +115,20 @@ def _whole_requests(batch: int) -> np.ndarray:
     return _WHOLE[:batch]
 
 
-def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq):
+def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim: int, freq,
+              items_room: int | None = None):  # fmt: skip
     """Write a DecodePlan into the int32 host buffer `buf` (layout above); returns ints used.
 
     kv_indptr: int64[B + 1] (validated); kv_indices: ints [kv_indptr[-1]]; freq: float32
-    [head_dim / 2, 2] RoPE frequencies (hi, lo) or None.
+    [head_dim / 2, 2] RoPE frequencies (hi, lo) or None. items_room: the work items the page
+    ids follow (a capacity's max_work: where they lie then does not depend on the plan, as in
+    the plan built on the device; zeros fill the room past the plan's items), None: the plan's.
     """
     hdr = header_ints(head_dim)
     w = plan.num_work
-    pages_at = hdr + ITEM_INTS * w
+    items_end = hdr + ITEM_INTS * w
+    pages_at = items_end if items_room is None else hdr + ITEM_INTS * items_room
+    buf[items_end:pages_at] = 0
     n = pages_at + kv_indices.shape[0]
     buf[0] = w
     buf[1:4] = 0
@@ -130,7 +136,7 @@ def pack_plan(buf: np.ndarray, plan, kv_indptr: np.ndarray, kv_indices, head_dim
         buf[4:hdr] = freq.view(np.int32).reshape(-1)
     else:  # zeros, not what the reused buffer held: a plan array is the same for the same plan
         buf[4:hdr] = 0
-    work = buf[hdr:pages_at].view(WORK_ITEM)
+    work = buf[hdr:items_end].view(WORK_ITEM)
     merge = plan.merge_indptr
     if w == plan.batch_size:  # one item per request: no gathers, token range [0, kv_len)
         work[:] = _whole_requests(w)
