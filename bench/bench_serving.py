@@ -5,8 +5,10 @@ appending one token a request and decoding it. Three times per step:
 
     ideal  the step's forward captured in one CUDA graph and replayed back to back: its kernels'
            time with nothing between them
-    graph  a step as serve_torch's graph loop runs it: plan() the use_cuda_graph decode wrapper,
-           copy the step's inputs into the graph's, replay, sample (wall time, host included)
+    graph  a step as serve_torch's graph loop runs it: copy the step's inputs into the graph's,
+           replay, sample (wall time, host included); rtcinfer's graph builds its decode plan
+           itself, from its page table (device_plan_array), FlashInfer's use_cuda_graph
+           wrapper is plan()-ed on the host first
     eager  a step run eagerly: plan(), the forward op by op, sample (wall time)
 
 "vs ideal" is ideal / the step's time (1.0: the step costs only its kernels). FlashInfer's
@@ -106,7 +108,8 @@ def _measure(lib, st, step, rng) -> tuple[float, float, float]:
     captured = st.DecodeGraph(engine, st.Inputs(step), plan_args)
 
     def replayed():
-        captured.wrapper.plan(*plan_args, *dims, q_data_type=st.bf16)
+        if not captured.device_plan:  # rtcinfer's graph plans itself (device_plan_array)
+            captured.wrapper.plan(*plan_args, *dims, q_data_type=st.bf16)
         inputs.copy_to(captured.inputs)
         captured.graph.replay()
         return st.greedy(captured.logits, 1)

@@ -28,8 +28,10 @@ Three times per step (a step's sampled tokens are the next step's input, on the 
               attention, norms, RoPE, activation and sampling on the step's shapes, and small
               XLA fusions; device minus stubbed is mostly the matmuls
 
-Every back end reads the same cached keys and values (random, written into each layout); its
-greedy tokens and logits are compared with rtcinfer's.
+Each time is the least of ROUNDS rounds, in which every back end is timed in turn (the host's
+speed drifts between runs and within one). Every back end reads the same cached keys and
+values (random, written into each layout); its greedy tokens and logits are compared with
+rtcinfer's.
 
     python -m bench.bench_serving_jax [rtcinfer] [device] [pallas] [cudnn]   (default: all)
 """
@@ -48,6 +50,7 @@ from bench.common import Table, Tables, header
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the caches are large
 STEPS = 30
+ROUNDS = 5  # each timing: the least of ROUNDS, the back ends in turn within a round
 BACKENDS = ("rtcinfer", "device", "pallas", "cudnn")
 LABELS = {"device": "rtcinfer, device plan"}
 
@@ -137,82 +140,107 @@ def _attention(name: str, sj, batch: Batch, wrapper):
     return lambda plan: attend, fill
 
 
-def _measure(name: str, sj, batch: Batch, model, kv):
-    """(device us, loop us, fetching loop us, tokens, logits) of back end `name`."""
-    import functools
+class Backend:
+    """One back end's jitted step, its caches and the four timings (us), each timed by a call:
+    main() calls each back end's in turn, round after round (the host's speed drifts by tens
+    of percent between runs and within one: back ends timed one after the other would
+    compare hosts, not loops), and keeps each one's least."""
 
-    import jax
-    import jax.numpy as jnp
+    def __init__(self, name: str, sj, batch: Batch, model, kv):
+        import functools
 
-    ours = name in ("rtcinfer", "device")
-    wrapper = sj.decode_wrapper(BATCH, batch.pages) if ours else None
-    attend, fill = _attention(name, sj, batch, wrapper)
-    caches = [fill(layer) for layer in kv]
-    host = batch.inputs()
-    st = batch.step
-    if name == "device":  # the configuration: plans are built inside the step
-        wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
-                     q_data_type=sj.bf16)  # fmt: skip
+        import jax
+        import jax.numpy as jnp
 
-    @functools.partial(jax.jit, donate_argnums=1, static_argnums=(4, 5))
-    def step(model, caches, tokens, tables, sizes, stubbed=False):
-        *tables, plan = sj.unpack(tables, sizes)  # the plan array last (rtcinfer's)
-        if name == "device":  # from the padded indices, indptr and last page lengths
-            plan = wrapper.device_plan_array(tables[3], tables[2], tables[4], batch.pages)
-        mm = sj.stub_matmul if stubbed else jnp.matmul
-        return sj.forward(model, caches, tokens, *tables, attend(plan), mm=mm)
+        self.name, self.sj, self.model, self.jax = name, sj, model, jax
+        ours = name in ("rtcinfer", "device")
+        wrapper = sj.decode_wrapper(BATCH, batch.pages) if ours else None
+        attend, fill = _attention(name, sj, batch, wrapper)
+        self.caches = [fill(layer) for layer in kv]
+        host = batch.inputs()
+        st = batch.step
+        if name == "device":  # the configuration: plans are built inside the step
+            wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
+                         q_data_type=sj.bf16)  # fmt: skip
 
-    none = np.zeros(4, np.int32)
+        @functools.partial(jax.jit, donate_argnums=1, static_argnums=(4, 5))
+        def step(model, caches, tokens, tables, sizes, stubbed=False):
+            *tables, plan = sj.unpack(tables, sizes)  # the plan array last (rtcinfer's)
+            if name == "device":  # from the padded indices, indptr and last page lengths
+                plan = wrapper.device_plan_array(tables[3], tables[2], tables[4], batch.pages)
+            mm = sj.stub_matmul if stubbed else jnp.matmul
+            return sj.forward(model, caches, tokens, *tables, attend(plan), mm=mm)
 
-    def plan():
-        """plan() and the step's tables, the plan array last (other back ends: zeros)."""
-        if name != "rtcinfer":
-            return host[1:] + (none,)
-        wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
-                     q_data_type=sj.bf16)  # fmt: skip
-        return host[1:] + (wrapper.plan_array(),)
+        none = np.zeros(4, np.int32)
 
-    on_device, sizes = sj.pack(plan())  # one transfer a step
-    began = time.perf_counter()
-    caches, out, logits = step(model, caches, jnp.asarray(host[0]), on_device, sizes)
-    tokens, logits = np.asarray(out), np.asarray(logits)
-    print(f"# {name}: first step {time.perf_counter() - began:.1f} s", flush=True)
-    for _ in range(3):
-        caches, out, _ = step(model, caches, out, on_device, sizes)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        caches, out, _ = step(model, caches, out, on_device, sizes)
-    jax.block_until_ready((caches, out))
-    device = (time.perf_counter() - start) / STEPS * 1e6
-    parts = np.zeros(3)  # plan, the tables to the device, the step's dispatch (host time)
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        tables = plan()
-        t1 = time.perf_counter()
-        on_device, _ = sj.pack(tables)
-        t2 = time.perf_counter()
-        caches, out, _ = step(model, caches, out, on_device, sizes)
-        parts += np.diff([t0, t1, t2, time.perf_counter()])
-    jax.block_until_ready((caches, out))
-    loop = (time.perf_counter() - start) / STEPS * 1e6
-    parts *= 1e6 / STEPS
-    print(f"# {name}: a loop step's host parts: plan {parts[0]:.1f} us, tables to the device "
-          f"{parts[1]:.1f}, dispatch {parts[2]:.1f}", flush=True)  # fmt: skip
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        caches, out, _ = step(model, caches, out, sj.pack(plan())[0], sizes)
-        np.asarray(out)
-    fetching = (time.perf_counter() - start) / STEPS * 1e6
-    for i in range(STEPS + 3):  # the caches' values no longer matter
-        if i == 3:
-            jax.block_until_ready(out)
-            start = time.perf_counter()
-        caches, out, _ = step(model, caches, out, on_device, sizes, True)
-    jax.block_until_ready((caches, out))
-    stubbed = (time.perf_counter() - start) / STEPS * 1e6
-    return device, loop, fetching, stubbed, tokens, logits
+        def plan():
+            """plan() and the step's tables, the plan array last (other back ends: zeros)."""
+            if name != "rtcinfer":
+                return host[1:] + (none,)
+            wrapper.plan(st.indptr, st.padded, st.last, sj.HQ, sj.HKV, sj.D, sj.PAGE,
+                         q_data_type=sj.bf16)  # fmt: skip
+            return host[1:] + (wrapper.plan_array(),)
+
+        self.step, self.plan = step, plan
+        self.on_device, self.sizes = sj.pack(plan())  # one transfer a step
+        began = time.perf_counter()
+        self.caches, self.out, logits = step(model, self.caches, jnp.asarray(host[0]),
+                                             self.on_device, self.sizes)  # fmt: skip
+        self.tokens, self.logits = np.asarray(self.out), np.asarray(logits)
+        print(f"# {name}: first step {time.perf_counter() - began:.1f} s", flush=True)
+        for stubbed in (False, True):  # compiled before any timing
+            self._steps(3, stubbed=stubbed)
+        self.parts = np.zeros(3)
+
+    def _steps(self, n: int, tables=None, stubbed: bool = False) -> float:
+        """n steps back to back (us a step)."""
+        self.jax.block_until_ready(self.out)
+        start = time.perf_counter()
+        for _ in range(n):
+            self.caches, self.out, _ = self.step(
+                self.model, self.caches, self.out, tables or self.on_device, self.sizes, stubbed
+            )
+        self.jax.block_until_ready((self.caches, self.out))
+        return (time.perf_counter() - start) / n * 1e6
+
+    def device(self) -> float:
+        """The step back to back on the same device tables: its GPU time."""
+        return self._steps(STEPS)
+
+    def stubbed(self) -> float:
+        return self._steps(STEPS, stubbed=True)
+
+    def loop(self) -> float:
+        """plan(), the tables in one transfer, the dispatch; no wait (keeps the host parts of
+        its fastest round in self.parts)."""
+        parts = np.zeros(3)  # plan, the tables to the device, the step's dispatch (host time)
+        self.jax.block_until_ready(self.out)
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            t0 = time.perf_counter()
+            tables = self.plan()
+            t1 = time.perf_counter()
+            on_device, _ = self.sj.pack(tables)
+            t2 = time.perf_counter()
+            self.caches, self.out, _ = self.step(self.model, self.caches, self.out, on_device,
+                                                 self.sizes)  # fmt: skip
+            parts += np.diff([t0, t1, t2, time.perf_counter()])
+        self.jax.block_until_ready((self.caches, self.out))
+        loop = (time.perf_counter() - start) / STEPS * 1e6
+        parts *= 1e6 / STEPS
+        if not self.parts.any() or parts.sum() < self.parts.sum():
+            self.parts = parts
+        return loop
+
+    def fetching(self) -> float:
+        """The loop with each step's tokens fetched to the host before the next step."""
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            self.caches, self.out, _ = self.step(
+                self.model, self.caches, self.out, self.sj.pack(self.plan())[0], self.sizes
+            )
+            np.asarray(self.out)
+        return (time.perf_counter() - start) / STEPS * 1e6
 
 
 def main() -> Tables:
@@ -242,14 +270,29 @@ def main() -> Tables:
     keys = jax.random.split(jax.random.PRNGKey(1), serving.LAYERS)
     kv = [jax.random.normal(k, (batch.tokens, 2, sj.HKV, sj.D), sj.bf16) for k in keys]
     names = [n for n in BACKENDS if n in (sys.argv[1:] or BACKENDS)]
-    results = {}
+    backends = {}
     for name in names:
         try:
-            results[name] = _measure(name, sj, batch, model, kv)
+            backends[name] = Backend(name, sj, batch, model, kv)
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
-            if name == "rtcinfer":
+            if name in ("rtcinfer", "device"):
                 raise
             print(f"# {name} failed: {type(e).__name__}: {str(e)[:300]}")
+    timings = ("device", "loop", "fetching", "stubbed")
+    best = {name: dict.fromkeys(timings, float("inf")) for name in backends}
+    for _ in range(ROUNDS):
+        for what in timings:
+            for name, b in backends.items():
+                best[name][what] = min(best[name][what], getattr(b, what)())
+    for name, b in backends.items():
+        plan, tables, dispatch = b.parts
+        print(
+            f"# {name}: a loop step's host parts (its fastest round): plan {plan:.1f} us, "
+            f"tables to the device {tables:.1f}, dispatch {dispatch:.1f}",
+            flush=True,
+        )
+    results = {name: (*(best[name][w] for w in timings), b.tokens, b.logits)
+               for name, b in backends.items()}  # fmt: skip
     ours = results.get("rtcinfer")
     for name, (device, loop, fetching, stubbed, tokens, logits) in results.items():
         same = diff = speedup = None

@@ -4,8 +4,9 @@ continuous batching. Each step prefills the prompts that arrived (paged prefill,
 keys appended to the paged cache first) and decodes one token for every running request (batch
 decode); a request that has its tokens leaves and frees its pages. Tokens are greedy
 (top_k_top_p_sampling_from_logits with top_k 1). The loop runs twice: eagerly, then with each
-batch size's decode step captured in a CUDA graph (a use_cuda_graph decode wrapper, re-planned
-before every replay).
+batch size's decode step captured in a CUDA graph (a use_cuda_graph decode wrapper whose plan is
+built inside the graph from the step's page table: device_plan_array; FlashInfer's wrapper is
+re-planned on the host before every replay).
 
 The check: a dense PyTorch version of the same model (float32 attention over each request's
 whole sequence, no cache) recomputes every emitted token's logits from the same token history:
@@ -88,8 +89,10 @@ class Inputs:
 
 class DecodeGraph:
     """The decode forward of one batch size captured in a CUDA graph: a use_cuda_graph decode
-    wrapper (its plan in a fixed workspace layout, re-planned every step), static inputs the
-    step copies its own into, and the static logits the replay writes."""
+    wrapper, static inputs the step copies its own into, and the static logits the replay
+    writes. rtcinfer's graph plans each replay itself, on the device, from the static page
+    table (`device_plan`: plan() ran once, for the configuration); FlashInfer's wrapper keeps
+    its plan in a fixed workspace layout, re-planned on the host before every replay."""
 
     def __init__(self, engine, inputs, plan_args):
         batch = len(plan_args[0]) - 1
@@ -101,14 +104,23 @@ class DecodeGraph:
         )  # fmt: skip
         self.wrapper.plan(*plan_args, HQ, HKV, D, PAGE, q_data_type=bf16)
         self.inputs = inputs
+        self.device_plan = lib is rtcinfer
+
+        def forward():
+            plan = None
+            if self.device_plan:
+                indices, indptr, last = inputs.table
+                plan = self.wrapper.device_plan_array(indptr, indices, last, PAGES)
+            return engine.forward(inputs, self.wrapper, plan)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: kernels loaded, plan uploaded
-            engine.forward(inputs, self.wrapper)
+            forward()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = engine.forward(inputs, self.wrapper)
+            self.logits = forward()
 
 
 class Engine:
@@ -147,7 +159,8 @@ class Engine:
                 graph = self.graphs[len(requests)] = DecodeGraph(
                     self, inputs, (indptr, indices, last)
                 )
-            graph.wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+            if not graph.device_plan:
+                graph.wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
             inputs.copy_to(graph.inputs)
             graph.graph.replay()
             return graph.logits.clone()  # the next replay rewrites the static logits
@@ -155,8 +168,9 @@ class Engine:
             wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
         return self.forward(inputs, wrapper)
 
-    def forward(self, inputs, wrapper):
-        """The model over the inputs' tokens with `wrapper`'s current plan (capturable)."""
+    def forward(self, inputs, wrapper, plan=None):
+        """The model over the inputs' tokens with `wrapper`'s current plan, or the plan array
+        `plan` (capturable)."""
         tokens, pos, bidx, indices, indptr, last, ends = inputs.tensors()
         table = (indices, indptr, last)
         lib = self.lib
@@ -173,7 +187,9 @@ class Engine:
             v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D).contiguous()
             self._op(lib.apply_rope_pos_ids_inplace, q, k, pos, rope_theta=THETA)
             self._op(lib.append_paged_kv_cache, k, v, bidx, pos, self.cache[i], *table)
-            o = self._op(wrapper.run, q, self.cache[i])
+            o = self._op(
+                wrapper.run, q, self.cache[i], **({} if plan is None else {"plan_array": plan})
+            )
             h = o.reshape(n, HQ * D) @ layer["o"]
             self._op(lib.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
             h = self._op(lib.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
