@@ -285,12 +285,10 @@ def main() -> Tables:
             for name, b in backends.items():
                 best[name][what] = min(best[name][what], getattr(b, what)())
     for name, b in backends.items():
-        plan, tables, dispatch = b.parts
-        print(
-            f"# {name}: a loop step's host parts (its fastest round): plan {plan:.1f} us, "
-            f"tables to the device {tables:.1f}, dispatch {dispatch:.1f}",
-            flush=True,
-        )
+        plan_us, tables_us, dispatch_us = b.parts
+        print(f"# {name}: a loop step's host parts (its fastest round): plan {plan_us:.1f} us, "
+              f"tables to the device {tables_us:.1f}, dispatch {dispatch_us:.1f}",
+              flush=True)  # fmt: skip
     results = {name: (*(best[name][w] for w in timings), b.tokens, b.logits)
                for name, b in backends.items()}  # fmt: skip
     ours = results.get("rtcinfer")

@@ -190,7 +190,7 @@ def test_bad_tables_are_reported_and_plan_no_work():
     short[3] = 200  # past kv_indices and the capacity's 100 pages
     _reported(
         w,
-        (short, np.arange(200, dtype=np.int32), last),
+        (short, np.arange(200, dtype=np.int32) % num_pages, last),  # only kv_indptr is bad
         num_pages,
         r"kv_indptr\[3\] = 200 pages exceed",
     )
