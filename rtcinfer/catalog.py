@@ -86,7 +86,7 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
     specs += activation.specs_for(m.intermediate, (dtype,))
     specs += rope.specs_for(m.head_dim, (dtype,))
     specs += page.specs_for(m.head_dim, kv_dtype)
-    specs += decode_kernel.specs_for(*attention)
+    specs += decode_kernel.specs_for(*attention) + [decode_device_plan.SPEC]
     specs += prefill_kernel.specs_for(*attention, on.arch) + [PrefillItemsSpec()]
     specs += cascade.specs_for(m.head_dim, dtype)
     logits = tuple(dict.fromkeys(("float32", dtype)))

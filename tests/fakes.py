@@ -307,6 +307,7 @@ class FakeDevice:
         monkeypatch.setattr(Workspace, "fill_host", lambda ws, fill: packing_upload(ws, fill, 0))
         monkeypatch.setattr(Workspace, "last_upload", lambda ws: NullDevice())
         monkeypatch.setattr(planned, "is_capturing", lambda stream: False)
+        monkeypatch.setattr(planned, "zero_fill", lambda ptr, count, stream: None)  # a memset
 
         def info(x, name):  # a meta tensor as a CUDA array of device 0, 16-byte aligned
             if x is None:

@@ -2,11 +2,11 @@
 
 A decode step: the layer's norms (and Qwen3's q/k norm), RoPE in every position form FlashInfer
 offers, the MLP activation, the KV append with its device index ops, batch decode (plain
-wrapper on short requests, on long ones in pages of 64, the CUDA-graph and the tensor-core
-wrappers, the latter also over a batch that fills the GPU), then softmax, every sampler and
-renorm at batch sizes that take every block and cluster size. A prefill step: paged and ragged
-causal prefill in each query tile, their merges, and a batch whose tiles fill the GPU (its work
-items expanded on the device).
+wrapper on short requests, on long ones in pages of 64, the CUDA-graph wrapper (also over a
+plan built on the device) and the tensor-core wrappers, the latter also over a batch that
+fills the GPU), then softmax, every sampler and renorm at batch sizes that take every block
+and cluster size. A prefill step: paged and ragged causal prefill in each query tile, their
+merges, and a batch whose tiles fill the GPU (its work items expanded on the device).
 
 `run(model, dtype, kv_dtype, arrays)` makes its arrays with `arrays` (zeros of a shape and
 dtype, and device copies of host ints), so that one step serves two tests
@@ -127,6 +127,10 @@ def _decode(m, dtype: str, kv_dtype: str, arrays) -> None:
         for plan in plans:  # split or not; a plan of whole requests picks half tiles for fp8
             wrapper.plan(*table, *heads, PAGE, **plan, **kinds)
             wrapper.run(q, cache)
+        if options is graph:  # the plan built on the device, and the run that reads it
+            device_table = [arrays.ints(x) for x in table]
+            plan_array = wrapper.device_plan_array(*device_table, cache.shape[0])
+            wrapper.run(q, cache, plan_array=plan_array)
     # use_tensor_cores over a batch that fills the GPU: 64-key tiles (the small one above: 128)
     full_cache, full_table = _paged(m, kv_dtype, arrays, FULL_DECODE_LENGTHS, PAGE)
     wrapper.plan(*full_table, *heads, PAGE, **kinds)
