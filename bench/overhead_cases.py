@@ -135,13 +135,26 @@ def _decode_array_wrapper():
     """The JAX form: a wrapper of fixed capacity whose plan reaches the call as an array
     (run(plan_array=...): launched by XLA itself; on a plain wrapper's plan the call keeps the
     Python handler, which reads the latest plan at every execution)."""
+    import jax.numpy as jnp
+
+    wrapper = _graph_decode_wrapper()
+    return wrapper, jnp.asarray(wrapper.plan_array())
+
+
+@functools.cache
+def _graph_decode_wrapper():
+    """A decode wrapper of fixed capacity planned for DECODE_TABLE."""
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
         use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(2, np.int32),
         paged_kv_indices_buffer=np.zeros(4, np.int32))  # fmt: skip
     wrapper.plan(*DECODE_TABLE, *DECODE_SHAPE, q_data_type="bfloat16")
-    import jax.numpy as jnp
+    return wrapper
 
-    return wrapper, jnp.asarray(wrapper.plan_array())
+
+def _decode_table_arrays(rng):
+    """The decode table as device arrays (int32), for the plan built on the device."""
+    return dict(zip(("indptr", "indices", "last"), (np.asarray(a, np.int32) for a in DECODE_TABLE),
+                    strict=True))  # fmt: skip
 
 
 def _jax_decode(q, cache):
@@ -315,6 +328,9 @@ CASES = [
     Case("decode plan() 1 x 64 tokens (host)", lambda rng: {},
          lambda: _decode_wrapper().plan(*DECODE_TABLE, *DECODE_SHAPE, q_data_type="bfloat16"),
          lambda fi: _fi_plan(fi, _torch())(), host_only=True),
+    Case("decode device_plan_array() 1 x 64 tokens", _decode_table_arrays,
+         lambda indptr, indices, last: _graph_decode_wrapper().device_plan_array(
+             indptr, indices, last, 4)),
     Case("prefill run() 16 x 64 tokens (ragged)", _prefill_arrays,
          lambda q, k, v: _prefill_wrapper().run(q, k, v),
          lambda fi, q, k, v: _fi_prefill_wrapper(fi, _torch()).run(q, k, v),
