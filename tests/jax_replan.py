@@ -1,10 +1,12 @@
 """A jitted serving step (norm, activation, batch decode) re-planned between calls with the
 same batch size and very different lengths, checked against float64 after every call.
 
-Three wrappers: a plain one, a CUDA-graph one (fixed capacity) and that one with each plan
-passed to the step as an array (plan_array: no Python at execution, the step traced once).
+Four wrappers: a plain one, a CUDA-graph one (fixed capacity), that one with each plan passed
+to the step as an array (plan_array: no Python at execution, the step traced once), and that
+one planning inside the step from the page table it is passed (device_plan_array: plan() once,
+before the first step, for the configuration).
 Run by tests/test_jax_replan.py in-process (XLA's default flags) and in a subprocess with XLA
-command buffers forced on for custom calls (`python -m tests.jax_replan plain|graph|array`),
+command buffers forced on for custom calls (`python -m tests.jax_replan plain|graph|array|device`),
 where XLA records the launches once and replays them without calling Python.
 """
 
@@ -38,7 +40,7 @@ ROUNDS = [  # lengths per plan: split plans (a long request among short ones) an
 MAX_PAGES = 2 * 15000 // PAGE + 8
 
 
-MODES = ("plain", "graph", "array")
+MODES = ("plain", "graph", "array", "device")
 
 
 def run(mode: str, rounds=ROUNDS) -> int:
@@ -69,12 +71,15 @@ def run(mode: str, rounds=ROUNDS) -> int:
     traces = []
 
     @jax.jit
-    def step(x, res, w, gate, q, cache, plan):
+    def step(x, res, w, gate, q, cache, plan, table):
         traces.append(1)
         h, res = rtcinfer.fused_add_rmsnorm(x, res, w)
         a = rtcinfer.silu_and_mul(gate)
+        if mode == "device":
+            indptr, indices, last = table
+            plan = wrapper.device_plan_array(indptr, indices, last, MAX_PAGES)
         o, lse = wrapper.run(q, cache, return_lse=True,
-                             plan_array=plan if mode == "array" else None)  # fmt: skip
+                             plan_array=plan if mode in ("array", "device") else None)  # fmt: skip
         return h, res, a, o, lse
 
     expect_h, expect_res = ref.fused_add_rmsnorm_ref(x, res, w, dtype="bfloat16")
@@ -82,10 +87,14 @@ def run(mode: str, rounds=ROUNDS) -> int:
     for i, lengths in enumerate(rounds):
         indptr, _, last, _ = page_table_for(lengths, PAGE, rng, spare_pages=0)
         indices = rng.permutation(MAX_PAGES)[: indptr[-1]].astype(np.int32)
-        wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
+        if mode != "device" or i == 0:
+            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type="bfloat16")
         plan = jnp.asarray(wrapper.plan_array() if mode == "array" else np.zeros(4, np.int32))
+        padded = np.zeros(MAX_PAGES, np.int32)  # one shape for every table
+        padded[: indices.shape[0]] = indices
+        table = tuple(jnp.asarray(t) for t in (indptr, padded, last))
         h, res2, a, o, lse = step(dev["x"], dev["res"], dev["w"], dev["gate"], dev["q"],
-                                  dev["cache"], plan)  # fmt: skip
+                                  dev["cache"], plan, table)  # fmt: skip
         o_ref, lse_ref = aref.batch_decode_paged_ref(q, cache, indptr, indices, last,
                                                     kv_layout="NHD", return_lse=True)  # fmt: skip
         try:
@@ -97,7 +106,7 @@ def run(mode: str, rounds=ROUNDS) -> int:
         except AssertionError as e:
             raise AssertionError(f"step {i} (lengths {lengths}, {mode}): {e}") from e
     assert len(traces) == 1, f"{len(traces)} traces"
-    if mode == "array":  # nothing waited on the host: the wrapper never learned of JAX
+    if mode in ("array", "device"):  # nothing waited on the host: the wrapper never learned of JAX
         assert not wrapper._jax
     return len(rounds)
 

@@ -119,6 +119,44 @@ def test_torch_decode_over_a_device_plan():
     check_attention(o, lse, *table.reference(), "bfloat16")
 
 
+def test_a_torch_graph_plans_itself_at_every_replay():
+    """device_plan_array and run(plan_array=...) captured in one CUDA graph over static table
+    tensors: each replay plans the table copied in before it."""
+    torch = pytest.importorskip("torch")
+    rng, batch = _cupy_pool(6)
+    w = _wrapper(6, 1000)
+    batch.plan(w)
+    q, cache = torch.from_dlpack(batch.q_dev), torch.from_dlpack(batch.cache_dev)
+    static = [torch.zeros(n, dtype=torch.int32, device="cuda") for n in (7, 1000, 6)]
+
+    def load(table):
+        for dst, src in zip(static, (table.indptr, table.indices, table.last), strict=True):
+            dst.zero_()
+            dst[: len(src)].copy_(torch.from_numpy(np.asarray(src, np.int32)))
+
+    def step():
+        indptr, indices, last = static
+        plan = w.device_plan_array(indptr, indices, last, batch.cache.shape[0])
+        return w.run(q, cache, return_lse=True, plan_array=plan)
+
+    load(batch)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels loaded outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step()
+    for lengths in REPLANS:
+        table = batch.with_table(lengths, rng)
+        load(table)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_attention(o, lse, *table.reference(), "bfloat16")
+    rtcinfer.check_errors()
+
+
 def test_jax_step_plans_itself_inside_jit():
     """The page table is the jitted step's input: the plan is built inside the computation,
     traced once for every later table of the same shapes."""
