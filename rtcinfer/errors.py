@@ -154,6 +154,15 @@ def record(device: int) -> Record:
     return found
 
 
+def before_launch(rec: Record, device: int, stream: int) -> Record:
+    """The record a call on `device` reports to (`rec`, a prepared call's, when it is that
+    device's), after raising what an earlier call reported there (raise_reported)."""
+    found = rec if device == rec.device else record(device)
+    if found.reported.value:
+        raise_reported(found, stream)
+    return found
+
+
 def checking() -> bool:
     """Whether RTCINFER_CHECK=1 asks every call to synchronize and raise at once."""
     return os.environ.get("RTCINFER_CHECK") == "1"

@@ -279,9 +279,7 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
     def run(stream, device, ptrs, scalars):
         found = None
         if cache:
-            found = rec if device == rec.device else errors.record(device)
-            if found.reported.value:
-                errors.raise_reported(found, stream)
+            found = errors.before_launch(rec, device, stream)
         with launch.lock:
             if inplace:  # the outputs: q and k (their XLA copies for JAX)
                 p.q = p.q_out = ptrs[-2]

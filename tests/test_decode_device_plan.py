@@ -201,49 +201,37 @@ def _reported(w, table, num_pages, match):
     return plan.get()
 
 
+def _broken(table, which: int, at: int, value: int, size: int | None = None):
+    """The table with entry `at` of its array `which` (0 indptr, 1 indices, 2 last) set to
+    `value` (the array first resized to `size`)."""
+    arrays = [np.array(a, np.int32) for a in table]
+    if size is not None:
+        arrays[which] = np.resize(arrays[which], size)
+    arrays[which][at] = value
+    return arrays
+
+
 def test_bad_tables_are_reported_and_plan_no_work():
     indptr, indices, last, num_pages = page_table_for([700, 3, 40], 16, np.random.default_rng(0))
     w = _wrapper(3, 100)
     w.plan(indptr, indices, last, HQ, HKV, 128, 16, q_data_type="bfloat16")
-    bad_last = last.copy()
-    bad_last[1] = 0
-    plan = _reported(
-        w,
-        (indptr, indices, bad_last),
-        num_pages,
-        r"device_plan_array: kv_last_page_len\[1\] = 0 is out of range",
-    )
     items_end = 4 + 128 + 8 * w._ws.capacity.max_work  # the page ids follow (copied)
-    assert plan[0] == 0 and not plan[1:items_end].any()
-    falling = indptr.copy()
-    falling[2] = 1
-    plan = _reported(
-        w,
-        (falling, indices, last),
-        num_pages,
-        r"kv_indptr\[2\] = 1: the table must start at 0 and never decrease",
-    )
-    assert plan[0] == 0
-    short = indptr.copy()
-    short[3] = 200  # past kv_indices and the capacity's 100 pages
-    _reported(
-        w,
-        (short, np.arange(200, dtype=np.int32) % num_pages, last),  # only kv_indptr is bad
-        num_pages,
-        r"kv_indptr\[3\] = 200 pages exceed",
-    )
+    table = (indptr, indices, last)
+    long_ids = np.arange(200, dtype=np.int32) % num_pages  # valid: only kv_indptr is bad
+    cases = [
+        (_broken(table, 2, 1, 0), r"device_plan_array: kv_last_page_len\[1\] = 0 is out of range"),
+        (_broken(table, 0, 2, 1), r"kv_indptr\[2\] = 1: the table must start at 0 and never"),
+        ((_broken(table, 0, 3, 200)[0], long_ids, last), r"kv_indptr\[3\] = 200 pages exceed"),
+    ]  # fmt: skip
+    for bad, match in cases:
+        plan = _reported(w, bad, num_pages, match)
+        assert plan[0] == 0 and not plan[1:items_end].any()
     # A page id outside the cache: reported, page 0 in its place, the plan otherwise whole.
-    w.plan(indptr, indices, last, HQ, HKV, 128, 16, q_data_type="bfloat16")
     expect = w.plan_array()
-    wrong = indices.copy()
-    wrong[4] = num_pages + 5
-    plan = _reported(
-        w,
-        (indptr, wrong, last),
-        num_pages,
-        rf"kv_indices\[4\] = {num_pages + 5} is not a page of the cache",
-    )
-    at = 4 + 128 + 8 * w._ws.capacity.max_work + 4  # the header, the items' room, page ids
+    wrong = _broken(table, 1, 4, num_pages + 5)
+    match = rf"kv_indices\[4\] = {num_pages + 5} is not a page of the cache"
+    plan = _reported(w, wrong, num_pages, match)
+    at = items_end + 4  # the header, the items' room, page ids
     assert plan[at] == 0 and (np.delete(plan, at) == np.delete(expect, at)).all()
 
 

@@ -137,9 +137,7 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     check = errors.checking()
 
     def run(stream, device, ptrs, scalars):
-        found = rec if device == rec.device else errors.record(device)
-        if found.reported.value:
-            errors.raise_reported(found, stream)
+        found = errors.before_launch(rec, device, stream)
         with launch.lock:
             p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.plan = ptrs[:4]
             p.bad, p.bad_host = found.device_ptr, found.host_ptr

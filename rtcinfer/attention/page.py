@@ -168,9 +168,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     check = errors.checking()
 
     def run(stream, device, ptrs, scalars):
-        found = rec if device == rec.device else errors.record(device)
-        if found.reported.value:
-            errors.raise_reported(found, stream)
+        found = errors.before_launch(rec, device, stream)
         with launch.lock:
             p.key, p.value = ptrs[0], ptrs[1]
             p.batch_indices, p.positions = ptrs[2], ptrs[3]

@@ -188,9 +188,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     def run(stream, device, ptrs, scalars):
         found = None
         if rec is not None:  # indices are read on the device: raise what a call reported
-            found = rec if device == rec.device else errors.record(device)
-            if found.reported.value:
-                errors.raise_reported(found, stream)
+            found = errors.before_launch(rec, device, stream)
         if check_nan:
             zero_fill(ptrs[_FLAG], 1, stream)
         with launch.lock:
