@@ -5,6 +5,10 @@ level) as two more, each returning (o, lse) whatever return_lse says.
 
     rtcinfer::attention_run(int wrapper, Tensor q, Tensor k, Tensor? v, float k_scale,
                             float v_scale, int? window_left) -> (o, lse)
+    rtcinfer::attention_run_plan_array(int wrapper, Tensor q, Tensor k, Tensor? v,
+                                       Tensor plan_array, ...) -> (o, lse)   (run(plan_array=))
+    rtcinfer::decode_device_plan(int wrapper, Tensor indptr, Tensor indices,
+                                 Tensor last_page_len, int num_pages) -> plan_array
 
 `wrapper` is the wrapper's registry number (attention/planned.py: live_wrapper), a constant of
 the compiled graph: at run time the op calls that wrapper's run() with its current plan, so
@@ -47,13 +51,54 @@ def _(wrapper, q, k, v, k_scale, v_scale, window_left):
     return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@torch.library.custom_op(
+    "rtcinfer::attention_run_plan_array", mutates_args=(),
+    schema="(int wrapper, Tensor q, Tensor k, Tensor? v, Tensor plan_array, float k_scale, "
+           "float v_scale, int? window_left) -> (Tensor, Tensor)",
+)  # fmt: skip
+def attention_run_plan_array(wrapper, q, k, v, plan_array, k_scale, v_scale, window_left):
+    return tuple(_wrapper(wrapper)._compiled_run(q, k, v, k_scale, v_scale, window_left,
+                                                 plan_array))  # fmt: skip
+
+
+@attention_run_plan_array.register_fake
+def _(wrapper, q, k, v, plan_array, k_scale, v_scale, window_left):
+    o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())
+    return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "rtcinfer::decode_device_plan", mutates_args=(),
+    schema="(int wrapper, Tensor indptr, Tensor indices, Tensor last_page_len, int num_pages) "
+           "-> Tensor",
+)  # fmt: skip
+def decode_device_plan(wrapper, indptr, indices, last_page_len, num_pages):
+    return _wrapper(wrapper).device_plan_array(indptr, indices, last_page_len, num_pages)
+
+
+@decode_device_plan.register_fake
+def _(wrapper, indptr, indices, last_page_len, num_pages):
+    return indptr.new_empty((_wrapper(wrapper).plan_array_size,), dtype=torch.int32)
+
+
+def device_plan(wrapper, indptr, indices, last_page_len, num_pages: int):
+    """A decode wrapper's device_plan_array() while PyTorch compiles: one node."""
+    return torch.ops.rtcinfer.decode_device_plan(wrapper._number, indptr, indices,
+                                                 last_page_len, num_pages)  # fmt: skip
+
+
 def run(wrapper, q, k, v, out, lse, return_lse, q_scale=None, k_scale=None, v_scale=None,
-        window_left=None):  # fmt: skip
-    """A wrapper's run() while PyTorch compiles: one attention_run node (the scales as run()
-    combines them: q_scale * k_scale, v_scale), then the caller's out= / lse= filled, and the
-    result shaped as run() returns it."""
+        window_left=None, plan_array=None):  # fmt: skip
+    """A wrapper's run() while PyTorch compiles: one attention_run node (with a plan array:
+    one attention_run_plan_array node; the scales as run() combines them: q_scale * k_scale,
+    v_scale), then the caller's out= / lse= filled, and the result shaped as run() returns
+    it."""
     qk, vs = kv_scales(k_scale, v_scale, q_scale)
-    o, s = torch.ops.rtcinfer.attention_run(wrapper._number, q, k, v, qk, vs, window_left)
+    ops, number = torch.ops.rtcinfer, wrapper._number
+    if plan_array is None:
+        o, s = ops.attention_run(number, q, k, v, qk, vs, window_left)
+    else:
+        o, s = ops.attention_run_plan_array(number, q, k, v, plan_array, qk, vs, window_left)
     if out is not None:
         out.copy_(o)
         o = out
@@ -129,4 +174,13 @@ def torch_dtype(dtype):
     return getattr(torch, normalize(dtype))
 
 
-__all__ = ["attention_run", "run", "single", "single_decode_op", "single_prefill_op"]
+__all__ = [
+    "attention_run",
+    "attention_run_plan_array",
+    "decode_device_plan",
+    "device_plan",
+    "run",
+    "single",
+    "single_decode_op",
+    "single_prefill_op",
+]

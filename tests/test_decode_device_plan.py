@@ -157,6 +157,32 @@ def test_a_torch_graph_plans_itself_at_every_replay():
     rtcinfer.check_errors()
 
 
+def test_a_compiled_torch_step_plans_itself():
+    """torch.compile(fullgraph=True) of a step that plans on the device and decodes over that
+    plan (one node each): the eager bits for every table, compiled once."""
+    torch = pytest.importorskip("torch")
+    rng, batch = _cupy_pool(8)
+    w = _wrapper(6, 1000)
+    batch.plan(w)
+    q, cache = torch.from_dlpack(batch.q_dev), torch.from_dlpack(batch.cache_dev)
+    num_pages = batch.cache.shape[0]
+
+    def step(q, cache, indptr, indices, last):
+        plan = w.device_plan_array(indptr, indices, last, num_pages)
+        return w.run(q, cache, return_lse=True, plan_array=plan)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for lengths in REPLANS:
+        table = batch.with_table(lengths, rng)
+        indices = np.zeros(1000, np.int32)
+        indices[: table.indices.shape[0]] = table.indices
+        args = [torch.as_tensor(a, device="cuda") for a in (table.indptr, indices, table.last)]
+        want, got = step(q, cache, *args), compiled(q, cache, *args)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        check_attention(*got, *table.reference(), "bfloat16")
+
+
 def test_jax_step_plans_itself_inside_jit():
     """The page table is the jitted step's input: the plan is built inside the computation,
     traced once for every later table of the same shapes."""

@@ -157,3 +157,47 @@ def test_single_requests_and_the_shared_prefix_wrapper_compile(planned):
         "rtcinfer.single_decode", "rtcinfer.single_prefill", "rtcinfer.single_prefill",
         "rtcinfer.attention_run", "rtcinfer.merge_state_in_place",
     ]  # fmt: skip
+
+
+def test_plans_on_the_device_and_plan_arrays_are_one_node_each(planned):
+    """A decode step that plans on the device (device_plan_array) and runs over that plan, and
+    a prefill run over a plan array: one node each; new plans do not recompile."""
+    decode, prefill = planned
+    dec = decode.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(4, np.int32),
+        paged_kv_indices_buffer=np.zeros(16, np.int32))  # fmt: skip
+    dec.plan(*decode_tables([40, 3, 17]), 8, 2, 64, 16, q_data_type="bfloat16",
+             o_data_type="float16")  # fmt: skip
+    pre = prefill.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=np.zeros(3, np.int32),
+        kv_indptr_buf=np.zeros(3, np.int32))  # fmt: skip
+    qo = np.array([0, 5, 12], np.int32)
+    pre.plan(qo, np.array([0, 9, 30], np.int32), 8, 2, 64, causal=True, q_data_type="bfloat16")
+    graphs, seen = [], []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q_dec, cache, indptr, indices, last, q, k, v, prefill_plan):
+        plan = dec.device_plan_array(indptr, indices, last, 10)
+        o_dec, lse_dec = dec.run(q_dec, cache, return_lse=True, plan_array=plan)
+        o_pre = pre.run(q, k, v, plan_array=prefill_plan)
+        return plan, o_dec, lse_dec, o_pre
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    ints = lambda n: meta(n, dtype=torch.int32)  # noqa: E731
+    args = (meta(3, 8, 64), meta(10, 2, 16, 2, 64), ints(4), ints(16), ints(3), meta(12, 8, 64),
+            meta(30, 2, 64), meta(30, 2, 64), ints(pre.plan_array_size))  # fmt: skip
+    plan, o_dec, lse_dec, o_pre = compiled(*args)
+    assert plan.shape == (dec.plan_array_size,) and plan.dtype == torch.int32
+    assert (o_dec.shape, o_dec.dtype, lse_dec.shape) == ((3, 8, 64), torch.float16, (3, 8))
+    assert o_pre.shape == (12, 8, 64)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.decode_device_plan", "rtcinfer.attention_run_plan_array",
+        "rtcinfer.attention_run_plan_array"]  # fmt: skip
+    dec.plan(*decode_tables([1, 33, 100]), 8, 2, 64, 16, q_data_type="bfloat16",
+             o_data_type="float16")  # fmt: skip
+    compiled(*args)
+    assert len(graphs) == 1

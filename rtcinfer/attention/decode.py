@@ -286,13 +286,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         (which must have the same configuration); q may then have more rows than its batch.
         """
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
-            if plan_array is not None:
-                raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
             from .. import torch_attention
 
             k, v = kv_pair(paged_kv_cache)
             return torch_attention.run(self, q, k, v, out, lse, return_lse, q_scale, k_scale,
-                                       v_scale, window_left)  # fmt: skip
+                                       v_scale, window_left, plan_array)  # fmt: skip
         st = self._array_launch() if plan_array is not None else self._launch
         if self._tc is not None:
             return self._run_tensor_cores(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
@@ -316,10 +314,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
             return result
         return result[0] if with_lse else result
 
-    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left) -> tuple:
-        """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
+    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left, plan_array=None) -> tuple:
+        """(o, lse) of run() with the current plan, or `plan_array` (torch_attention's ops at
+        run time)."""
         return self.run(q, k if v is None else (k, v), k_scale=k_scale, v_scale=v_scale,
-                        return_lse=True, window_left=window_left)  # fmt: skip
+                        return_lse=True, window_left=window_left,
+                        plan_array=plan_array)  # fmt: skip
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""

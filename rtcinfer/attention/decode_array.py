@@ -69,8 +69,10 @@ class PlanArrays:
         are reported, not raised (BadIndexError from the next call or check_errors()): a bad
         table plans no work, a page id outside the cache is read as page 0.
         """
-        if torch_compiling(indptr):
-            raise NotImplementedError("device_plan_array is not a torch.compile custom op")
+        if torch_compiling(indptr):  # one custom op node (rtcinfer/torch_attention.py)
+            from .. import torch_attention
+
+            return torch_attention.device_plan(self, indptr, indices, last_page_len, num_pages)
         self._array_launch()
         num_pages = as_int("num_pages", num_pages, minimum=1)
         self._check_array_pages(num_pages - 1)

@@ -195,12 +195,10 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None):
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
-            if plan_array is not None:
-                raise NotImplementedError("run(plan_array=...) is not a torch.compile custom op")
             from .. import torch_attention
 
             return torch_attention.run(self, q, k, v, out, lse, return_lse, None, k_scale,
-                                       v_scale)  # fmt: skip
+                                       v_scale, plan_array=plan_array)  # fmt: skip
         st = self._array_launch() if plan_array is not None else self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
@@ -215,9 +213,10 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             return result
         return result[0] if with_lse else result
 
-    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left) -> tuple:
-        """(o, lse) of run() with the current plan (torch_attention's op at run time)."""
-        return self._run(q, k, v, None, None, True, k_scale, v_scale)
+    def _compiled_run(self, q, k, v, k_scale, v_scale, window_left, plan_array=None) -> tuple:
+        """(o, lse) of run() with the current plan, or `plan_array` (torch_attention's ops at
+        run time)."""
+        return self._run(q, k, v, None, None, True, k_scale, v_scale, plan_array)
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""
