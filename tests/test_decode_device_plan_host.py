@@ -99,6 +99,8 @@ def test_bad_arguments_are_refused_by_name(graph_wrapper):  # noqa: F811
         ddp._prepare(_table(MAX_BATCH + 1), 16, (rule, 50))
     with pytest.raises(ValueError, match="num_pages must be"):
         w.device_plan_array(None, None, None, 0)
+    with pytest.raises(ValueError, match=r"num_pages \(2147483648\) exceeds"):
+        w.device_plan_array(None, None, None, 2**31)
 
 
 def test_device_plans_and_plan_array_runs_agree_on_the_cache(graph_wrapper):  # noqa: F811

@@ -25,7 +25,7 @@ from ..interop import OutSlot, Prepared, call
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..launch import Launch
-from ..plan._checks import as_int
+from ..plan._checks import INT32_MAX, as_int
 from .decode_device_plan import PlanRule, device_plan, plan_rule
 from .decode_kernel import THREADS, kernel
 from .decode_plan import Capacity, header_ints
@@ -75,6 +75,8 @@ class PlanArrays:
             return torch_attention.device_plan(self, indptr, indices, last_page_len, num_pages)
         self._array_launch()
         num_pages = as_int("num_pages", num_pages, minimum=1)
+        if num_pages > INT32_MAX:
+            raise ValueError(f"num_pages ({num_pages}) exceeds {INT32_MAX} (int32 tables)")
         self._check_array_pages(num_pages - 1)
         self._device_pages = max(self._device_pages, num_pages)
         return device_plan(self._plan_rule(), indptr, indices, last_page_len, num_pages)
