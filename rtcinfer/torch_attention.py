@@ -45,10 +45,15 @@ def attention_run(wrapper, q, k, v, k_scale, v_scale, window_left):
     return tuple(_wrapper(wrapper)._compiled_run(q, k, v, k_scale, v_scale, window_left))
 
 
-@attention_run.register_fake
-def _(wrapper, q, k, v, k_scale, v_scale, window_left):
+def _fake_outputs(wrapper: int, q):
+    """(o, lse) as a run gives them: q's shape in the plan's output dtype, [rows, Hq] float32."""
     o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())  # a canonical dtype name
     return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@attention_run.register_fake
+def _(wrapper, q, k, v, k_scale, v_scale, window_left):
+    return _fake_outputs(wrapper, q)
 
 
 @torch.library.custom_op(
@@ -63,8 +68,7 @@ def attention_run_plan_array(wrapper, q, k, v, plan_array, k_scale, v_scale, win
 
 @attention_run_plan_array.register_fake
 def _(wrapper, q, k, v, plan_array, k_scale, v_scale, window_left):
-    o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())
-    return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return _fake_outputs(wrapper, q)
 
 
 @torch.library.custom_op(
