@@ -1,6 +1,6 @@
 """The decode plan built on the device (attention/decode_device_plan.py) without a GPU: the rule
 it is given is the host plan's, its one launch reads only the call's arrays (so XLA launches
-them itself), the parameter block matches its C declaration, and bad arguments are refused by
+it itself), the parameter block matches its C declaration, and bad arguments are refused by
 name before anything launches."""
 
 from __future__ import annotations
