@@ -14,6 +14,7 @@ from rtcinfer.attention.decode_plan import WORK_ITEM
 from rtcinfer.errors import BadIndex, BadIndexError
 from rtcinfer.interop import xla_launch
 from rtcinfer.interop.call import ArrayInfo, dense_strides
+from rtcinfer.plan import decode as pd
 from rtcinfer.plan.decode import MIN_CHUNK_TOKENS
 
 from .fakes import FakeRecords
@@ -76,6 +77,11 @@ def test_one_launch_that_xla_can_launch_itself(graph_wrapper, monkeypatch):  # n
     (native,) = xla_launch.plan(prep, present, [step], constants=True)
     assert native.operands == (0, 1, 2) and native.results == (3,)
     p = step.kernel.params_type.from_buffer_copy(step.params)
+    # the host planner's constants, not copies of them
+    assert (p.straggler_skew, p.straggler_share) == (pd.STRAGGLER_SKEW, pd.STRAGGLER_SHARE)
+    prelude = ddp.SPEC.prelude()
+    assert f"STRAGGLER_CUTS = {pd.STRAGGLER_CUTS};" in prelude
+    assert f"MAX_KV_LEN = {pd.MAX_KV_LEN};" in prelude
     assert (p.batch, p.num_indices, p.num_pages, p.max_work, p.slots) == (
         3, MAX_PAGES, 50, rule.max_work, 264)  # fmt: skip
 

@@ -14,12 +14,12 @@
 // needing more work items than the capacity) is reported (bad_index.cuh) and planned as no work
 // (num_work 0: run() writes nothing). A page id outside the cache is reported and page 0 read
 // in its place.
-// Prelude: PLAN_THREADS, the BadIndex and PlanSplit enums.
+// Prelude: PLAN_THREADS, MAX_KV_LEN and STRAGGLER_CUTS (plan/decode.py's), the BadIndex and
+// PlanSplit enums.
 #include "bad_index.cuh"
 #include "decode_item.cuh"
 
 constexpr int ITEM_INTS = sizeof(DecodeWorkItem) / 4;
-constexpr int64_t MAX_KV_LEN = 0x7fffffffLL - (1 << 16);  // plan/decode.py's
 constexpr int INT32_MAX_ = 0x7fffffff;
 
 struct DecodePlanParams {
@@ -39,6 +39,8 @@ struct DecodePlanParams {
   int min_chunk;                // pages: ceil(min_chunk_tokens / page_size)
   int split;                    // a PlanSplit
   int fixed_chunk;              // pages of a chunk under PlanSplit::FIXED
+  double straggler_skew;        // plan/decode.py's STRAGGLER_SKEW and STRAGGLER_SHARE
+  double straggler_share;
   int header_ints;              // 4 + head_dim
   int freq[256];                // header ints 4 .. header_ints (RoPE frequencies or zeros)
 };
@@ -145,12 +147,12 @@ RTC_DEVICE int64_t extra_items(const Requests& r, int64_t chunk, int64_t* scratc
 RTC_DEVICE int64_t straggler_chunk(const DecodePlanParams& p, int64_t total, int64_t max_pages,
                                    int64_t lo) {
   const int64_t batch = p.batch;
-  if (static_cast<double>(max_pages * batch) < __dmul_rn(1.5, static_cast<double>(total)))
-    return max_pages;
-  const double share = __dmul_rn(__dmul_rn(0.2, static_cast<double>(total)),
+  const double skewed = __dmul_rn(p.straggler_skew, static_cast<double>(total));
+  if (static_cast<double>(max_pages * batch) < skewed) return max_pages;
+  const double share = __dmul_rn(__dmul_rn(p.straggler_share, static_cast<double>(total)),
                                  static_cast<double>(p.kv_blocks));
   if (static_cast<double>(max_pages * p.num_sms) < share) return max_pages;
-  int64_t chunk = max(lo, (max_pages + 3) / 4);
+  int64_t chunk = max(lo, (max_pages + STRAGGLER_CUTS - 1) / STRAGGLER_CUTS);
   const int64_t room = p.max_work - batch;
   chunk = room > 0 ? max(chunk, quotient(total + room - 1, room)) : max_pages;
   return min(chunk, max_pages);
@@ -217,7 +219,7 @@ RTC_DEVICE void plan_items(const DecodePlanParams& p) {
     const int64_t kv_len = pm1 * page_size + tail;
     if (kv_len > MAX_KV_LEN) {
       report_bad_index(p.bad, p.bad_host, BadIndex::PLAN_KV_LEN, b, saturate_int(kv_len),
-                       static_cast<int>(MAX_KV_LEN));
+                       MAX_KV_LEN);
       bad = true;
     }
     if (b == int(threadIdx.x)) first = {begin, pm1, kv_len};

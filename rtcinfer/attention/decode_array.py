@@ -28,7 +28,7 @@ from ..launch import Launch
 from ..plan._checks import INT32_MAX, as_int
 from .decode_device_plan import PlanRule, device_plan, plan_rule
 from .decode_kernel import THREADS, kernel
-from .decode_plan import Capacity, header_ints
+from .decode_plan import Capacity
 from .decode_run import check_run_arrays, run_fields
 from .paged_kv import cache_views
 from .planned import plan_array_of, plan_array_run, run_outputs
@@ -43,7 +43,7 @@ class PlanArrays:
 
     ARRAY_SLOTS = SLOTS
     _device_pages = 0  # the most pages a device_plan_array call named
-    _rule = None  # (what the latest plan rule was made from, the rule)
+    _rule = None  # (the plan's _launch the rule was made for, the rule)
 
     @property
     def plan_array_size(self) -> int:
@@ -82,15 +82,13 @@ class PlanArrays:
         return device_plan(self._plan_rule(), indptr, indices, last_page_len, num_pages)
 
     def _plan_rule(self) -> PlanRule:
-        """The latest plan()'s rule (kept until a plan() changes it)."""
-        spec, ctas, num_sms, freq = self._kernel
-        cfg, capacity = self._launch.cfg, self._ws.capacity
-        fixed, whole = self._split_args
-        key = (cfg, ctas, num_sms, capacity, fixed, whole)
-        if self._rule is None or self._rule[0] != key:
-            rule = plan_rule(cfg, num_sms, ctas, freq, capacity, fixed, whole,
-                             header_ints(cfg.head_dim))  # fmt: skip
-            self._rule = (key, rule)
+        """The latest plan()'s rule, made once per plan() (each makes a new _launch)."""
+        if self._rule is None or self._rule[0] is not self._launch:
+            spec, ctas, num_sms, freq = self._kernel
+            fixed, whole = self._split_args
+            rule = plan_rule(self._launch.cfg, num_sms, ctas, freq, self._ws.capacity, fixed,
+                             whole)  # fmt: skip
+            self._rule = (self._launch, rule)
         return self._rule[1]
 
     def _array_launch(self):

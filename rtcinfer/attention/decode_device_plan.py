@@ -29,7 +29,9 @@ from .. import errors, jit
 from ..errors import BadIndex
 from ..interop import Op, OutSlot, Prepared, call
 from ..launch import Kernel, Launch
+from ..plan import decode as plan_decode
 from ..plan.decode import MIN_CHUNK_TOKENS
+from .decode_plan import Capacity, header_ints
 
 PLAN_THREADS = 256  # a CTA: the one that plans, and each of the page copy's
 MAX_PAGE_BLOCKS = 1024
@@ -52,7 +54,9 @@ class DevicePlanSpec:
     structs: ClassVar[tuple[str, ...]] = ("DecodePlanParams", "DecodeWorkItem")
 
     def prelude(self) -> str:
-        return jit.prelude(PLAN_THREADS=PLAN_THREADS, BadIndex=BadIndex, PlanSplit=PlanSplit)
+        return jit.prelude(PLAN_THREADS=PLAN_THREADS, MAX_KV_LEN=plan_decode.MAX_KV_LEN,
+                           STRAGGLER_CUTS=plan_decode.STRAGGLER_CUTS, BadIndex=BadIndex,
+                           PlanSplit=PlanSplit)  # fmt: skip
 
 
 SPEC = DevicePlanSpec()
@@ -60,26 +64,50 @@ SPEC = DevicePlanSpec()
 
 @dataclass(frozen=True)
 class PlanRule:
-    """What a wrapper's configuration and capacity fix of its plans (hashable, cheap to hash:
-    the RoPE frequencies are bytes)."""
+    """What a wrapper's configuration and capacity fix of its plans (hashable: the RoPE
+    frequencies are bytes)."""
 
+    capacity: Capacity  # the plan array's layout: heads, head_dim, the most requests, items, pages
     page_size: int
-    kv_blocks: int  # CTAs a work item: plan_decode's num_kv_heads
     num_sms: int
     slots: int  # CTAs resident at once: num_sms * ctas_per_sm
-    min_chunk: int  # pages: ceil(MIN_CHUNK_TOKENS / page_size)
     split: PlanSplit
     fixed_chunk: int  # pages (PlanSplit.FIXED), else 0
-    header_ints: int
     freq: bytes  # the header's ints 4 .. header_ints (int32), empty without RoPE
-    max_batch: int
-    max_work: int
-    max_pages: int
-    plan_ints: int
+
+    @property
+    def kv_blocks(self) -> int:
+        """CTAs a work item: plan_decode's num_kv_heads."""
+        return self.capacity.kv_blocks
+
+    @property
+    def min_chunk(self) -> int:
+        """Pages: ceil(MIN_CHUNK_TOKENS / page_size)."""
+        return -(-MIN_CHUNK_TOKENS // self.page_size)
+
+    @property
+    def header_ints(self) -> int:
+        return header_ints(self.capacity.head_dim)
+
+    @property
+    def max_batch(self) -> int:
+        return self.capacity.max_batch
+
+    @property
+    def max_work(self) -> int:
+        return self.capacity.max_work
+
+    @property
+    def max_pages(self) -> int:
+        return self.capacity.max_pages
+
+    @property
+    def plan_ints(self) -> int:
+        return self.capacity.plan_ints
 
 
-def plan_rule(cfg, num_sms: int, ctas: int, freq, capacity, fixed_split_size, disable_split_kv,
-              header_ints: int) -> PlanRule:  # fmt: skip
+def plan_rule(cfg, num_sms: int, ctas: int, freq, capacity: Capacity, fixed_split_size,
+              disable_split_kv) -> PlanRule:  # fmt: skip
     """The rule of a wrapper's latest plan(): its configuration, the planner's view of the GPU,
     its capacity and split arguments."""
     if disable_split_kv:
@@ -89,11 +117,7 @@ def plan_rule(cfg, num_sms: int, ctas: int, freq, capacity, fixed_split_size, di
     else:
         split, fixed = PlanSplit.AUTO, 0
     ints = b"" if freq is None else np.ascontiguousarray(freq, np.float32).view(np.int32).tobytes()
-    return PlanRule(
-        cfg.page_size, cfg.kv_blocks, num_sms, num_sms * ctas,
-        -(-MIN_CHUNK_TOKENS // cfg.page_size), split, fixed, header_ints, ints,
-        capacity.max_batch, capacity.max_work, capacity.max_pages, capacity.plan_ints,
-    )  # fmt: skip
+    return PlanRule(capacity, cfg.page_size, num_sms, num_sms * ctas, split, fixed, ints)
 
 
 def _check_table(infos) -> int:
@@ -131,6 +155,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     p.page_size, p.kv_blocks = rule.page_size, rule.kv_blocks
     p.num_sms, p.slots, p.min_chunk = rule.num_sms, rule.slots, rule.min_chunk
     p.split, p.fixed_chunk, p.header_ints = int(rule.split), rule.fixed_chunk, rule.header_ints
+    p.straggler_skew = plan_decode.STRAGGLER_SKEW
+    p.straggler_share = plan_decode.STRAGGLER_SHARE
     freq = np.frombuffer(rule.freq, np.int32)
     p.freq[: freq.shape[0]] = freq.tolist()
     rec = errors.record(infos[0].device)
