@@ -9,7 +9,7 @@ import pytest
 
 import rtcinfer
 
-from .gpu_decode import check_attention, make_batch
+from .gpu_decode import check_attention, make_batch, to_gpu
 from .paged_batch import page_table_for
 
 pytestmark = pytest.mark.gpu
@@ -24,10 +24,9 @@ def _wrapper(max_batch: int, max_pages: int):
     )  # fmt: skip
 
 
-def _device_table(indptr, indices, last):
-    import cupy
-
-    return cupy.asarray(indptr), cupy.asarray(indices), cupy.asarray(last)
+def _device_table(*arrays):
+    """The page table's arrays as int32 CuPy arrays."""
+    return [to_gpu(np.asarray(a, np.int32)) for a in arrays]
 
 
 RNG = np.random.default_rng(7)
