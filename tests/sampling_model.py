@@ -220,6 +220,7 @@ class Draw:
     token: int
     rounds: int  # draws used (0 for the fallback)
     on_list: bool
+    part: bool = False  # round 0 drew from a list whose mass did not prove the top-p floor
 
 
 def _fixed_scale(M) -> np.float64:
@@ -257,12 +258,21 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
     use_min = op == "min_p" and min_p > 0
     t = np.float32(min(min_p, 1.0)) * M
     floor, need_mass = sample_floor(scan, op, use_k, top_k, use_p, P, use_min, t)
-    ids = None
+    ids = part = None
     if op != "plain" and (floor > 0 or vocab <= 8 * block.threads):
         ids = gather(scan, block, floor)
         if ids is not None and need_mass and not values[ids].astype(np.float64).sum() >= P:
-            ids = None  # the floor is not proved: stream the row
+            part, ids = ids, None  # the floor is not proved: stream the row, list first
     on_list = ids is not None
+    first = None
+    if part is not None:  # round 0 over the listed values (all kept), then those below the floor
+        order = np.concatenate([part, np.flatnonzero((values > 0) & (values < floor))])
+        cum = np.cumsum(values[order].astype(np.float64))
+        hit = np.flatnonzero(cum > float(uniform(seed, offset, b, 0)) * cum[-1])
+        j = hit[0] if len(hit) else len(order) - 1
+        if j < len(part):
+            return Draw(int(order[j]), 1, False, part=True)
+        first = int(order[j]), np.float32(values[order[j]])
     if not on_list:
         ids = np.arange(vocab)
     low = below(floor) if on_list else np.float32(0)
@@ -280,14 +290,17 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
         return (not use_k or c < top_k) and (not use_p or c == 0 or m < P)
 
     for r in range(MAX_ROUNDS):
-        cand = src > low
-        if not cand.any():
-            break
-        cv, cid = src[cand], ids[cand]
-        cum = np.cumsum(cv.astype(np.float64))
-        hit = np.flatnonzero(cum > float(uniform(seed, offset, b, r)) * cum[-1])
-        j = hit[0] if len(hit) else len(cv) - 1
-        token, x1 = int(cid[j]), np.float32(cv[j])
+        if r == 0 and first is not None:
+            token, x1 = first
+        else:
+            cand = src > low
+            if not cand.any():
+                break
+            cv, cid = src[cand], ids[cand]
+            cum = np.cumsum(cv.astype(np.float64))
+            hit = np.flatnonzero(cum > float(uniform(seed, offset, b, r)) * cum[-1])
+            j = hit[0] if len(hit) else len(cv) - 1
+            token, x1 = int(cid[j]), np.float32(cv[j])
         if not rejecting:
             return Draw(token, r + 1, on_list)
         x2 = np.float32(np.float32(x1 + high) * np.float32(0.5))
@@ -295,7 +308,7 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
             (np.count_nonzero(src > x), src[src > x].astype(np.float64).sum()) for x in (x1, x2)
         ]
         if kept(*above[0]):
-            return Draw(token, r + 1, on_list)
+            return Draw(token, r + 1, on_list, part=first is not None)
         if kept(*above[1]):
             low, high = x1, x2
         else:

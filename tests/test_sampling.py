@@ -429,3 +429,21 @@ def test_tokens_match_the_model(rng, op, params, vocab, scale):
     # the model sums in float64 where the kernel sums fp32: a draw within rounding of a
     # boundary may land on the neighbouring token
     assert match > 0.97, f"{op}: {match:.3f} of the tokens match the model"
+
+
+def test_top_p_tokens_match_the_model_where_the_list_does_not_prove_the_floor(rng):
+    """The batch of bench_sampling's top-p rows: on many rows the values >= the floor carry
+    less than P, and round 0 draws with that list first (sampling.cu, sample_from_part)."""
+    cp = cupy()
+    rows, vocab = 512, 32000
+    host = probs_rows(rng, rows, vocab, 3.0)
+    tokens = sample("top_p", cp.asarray(host), None, {"top_p": 0.9}, seed=4, offset=9).get()
+    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id))
+    draws = [model.sample_row(host[b], "top_p", top_p=0.9, seed=4, offset=9, b=b, block=block)
+             for b in range(rows)]  # fmt: skip
+    part = np.array([d.part for d in draws])
+    assert 0.2 < part.mean() < 0.8, part.mean()  # both kinds of row
+    match = (tokens == np.array([d.token for d in draws])).mean()
+    assert match > 0.97, f"{match:.3f} of the tokens match the model"
+    keep = sref.sampling_keep_ref(host, "top_p", top_p=0.9)
+    assert keep[np.arange(rows), tokens].all()

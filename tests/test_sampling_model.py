@@ -278,6 +278,26 @@ def test_model_sampler_on_a_large_row(rng, op, params, scale):
     assert max(d.rounds for d in draws) <= 24
 
 
+def test_model_sampler_draws_from_an_unproved_list_first(rng):
+    """A top-p floor whose listed values carry less than P: round 0 draws the list first (all of
+    it kept), then the values below the floor; the tokens still follow the kept distribution."""
+    block = model.Block(64, 1)
+    while True:  # a row whose floor the list's mass does not prove (most rows of this kind)
+        row = probs_row(rng, 3000, 2.0, zeros=0.2)
+        scan = model.scan_row(row, block)
+        P = np.float32(0.9) * np.float32(scan.S)
+        floor, _ = model.sample_floor(scan, "top_p", False, 0, True, P, False, 0)
+        ids = model.gather(scan, block, floor)
+        if ids is not None and row[ids].astype(np.float64).sum() < P:
+            break
+    draws = [model.sample_row(row, "top_p", top_p=0.9, seed=5, offset=i, block=block, scan=scan)
+             for i in range(20000)]  # fmt: skip
+    assert all(d.part and not d.on_list for d in draws)  # hundreds kept: cos > 0.99 needs 20K
+    tokens = np.array([d.token for d in draws])
+    assert 0 < np.count_nonzero(row[tokens] < floor) < len(tokens) // 2  # both parts drawn
+    check_model_draws(row, tokens, "top_p", {"top_p": 0.9})
+
+
 def test_model_sampler_edge_rows():
     zero = np.zeros(50, np.float32)
     assert model.sample_row(zero, "top_p", top_p=0.5).token == 0

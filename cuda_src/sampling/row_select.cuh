@@ -105,19 +105,17 @@ struct Drawn {
   float value;  // its (cleaned) value
 };
 
-// Inverse-transform draw among the values above `low`, in token order: the first value whose
-// running sum exceeds u * Z, Z = the sum of seg[] (the segment masses above low). The segment is
-// found from seg[], then one segment is scanned by the whole block. The running sums are
-// floating point and need not be monotone, so a scan that never passes u * Z falls back to the
-// last value above low of that segment; a value that is not above low is never returned.
-template <class Src>
-RTC_DEVICE Drawn draw(const Src& src, float low, const float* seg, float u, RowShared& sh) {
+// Inverse-transform draw among the values above `low` (and below `ceil` when CEILED), in token
+// order: the first value whose running sum exceeds `target` (u * Z for a draw of uniform u,
+// Z = the sum of seg[], the segment masses of those values). The segment is found from seg[],
+// then one segment is scanned by the whole block. The running sums are floating point and need
+// not be monotone, so a scan that never passes the target falls back to the last such value of
+// that segment; a value outside (low, ceil) is never returned.
+template <class Src, bool CEILED = false>
+RTC_DEVICE Drawn draw_at(const Src& src, float low, const float* seg, float target, RowShared& sh,
+                         float ceil = 0.f) {
   using P = typename Src::Policy;
   constexpr int V = Src::VEC, TILE = THREADS * V;
-  float z = 0.f;
-#pragma unroll 1
-  for (int s = 0; s < WARPS; ++s) z += seg[s];
-  const float target = u * z;
   int pick = -1, last = -1;
   float cum = 0.f, before = 0.f, before_last = 0.f;
 #pragma unroll 1
@@ -154,7 +152,7 @@ RTC_DEVICE Drawn draw(const Src& src, float low, const float* seg, float u, RowS
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       v[j] = P::clean(v[j]);
-      v[j] = v[j] > low ? v[j] : 0.f;
+      v[j] = v[j] > low && (!CEILED || v[j] < ceil) ? v[j] : 0.f;
       part += v[j];
     }
     float excl, total;
@@ -183,6 +181,15 @@ RTC_DEVICE Drawn draw(const Src& src, float low, const float* seg, float u, RowS
   __syncthreads();  // all have read hit/last before the next draw resets them
   if (at < 0) return {-1, 0.f};
   return {src.token(pick, at), src.value(pick, at)};
+}
+
+// A draw of uniform u among the values above `low` (seg[]: their segment masses).
+template <class Src>
+RTC_DEVICE Drawn draw(const Src& src, float low, const float* seg, float u, RowShared& sh) {
+  float z = 0.f;
+#pragma unroll 1
+  for (int s = 0; s < WARPS; ++s) z += seg[s];
+  return draw_at(src, low, seg, u * z, sh);
 }
 
 // Smallest token whose cleaned value equals `target` (NONE when none).

@@ -16,6 +16,9 @@
 // Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below every kept value
 // comes from the block maxima, and when the values >= floor fit the candidate list
 // (row_scan.cuh) the rounds run in shared memory, else they stream the row again (from L2).
+// A top-p floor that the list's mass does not prove (mass < P) still helps: every value on the
+// list is then kept, so round 0 draws with the list first (sample_from_part) and streams the
+// row only when the draw falls below the floor.
 // Grid: blockIdx.x = output row b, reading probability row indices[b] (or b). Block: THREADS.
 // Shared memory: list_memory (dynamic, 96 bytes per thread) + RowShared.
 // Prelude: OP (SampleOp), T, OUT_T, VEC, THREADS, CAP.
@@ -84,10 +87,13 @@ RTC_DEVICE bool small_list_kth(const ListSource<ProbPolicy>& list, float low, in
 
 // The token of output row b, drawn from `src` (all kept values lie above `low`; sh.seg[cur]
 // holds the segment masses above low). The filter and the generator live in shared memory, so
-// the rounds keep few registers.
+// the rounds keep few registers. `round0`, when its token is not NOT_DRAWN, is round 0's draw,
+// made by the caller.
+constexpr int NOT_DRAWN = -2;
+
 template <class Src>
 RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float M,
-                            const Philox& rng, RowShared& sh) {
+                            const Philox& rng, RowShared& sh, Drawn round0 = {NOT_DRAWN, 0.f}) {
   if constexpr (OP == SampleOp::MIN_P) {
     if (f.use_min_p && below(f.t) > low) {  // streaming: restrict to values >= t
       low = below(f.t);
@@ -112,7 +118,9 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
   const bool rejecting = (f.use_k && OP != SampleOp::TOP_K_FIRST) || f.use_p;
   float high = M;
   for (int round = 0; round < MAX_ROUNDS; ++round) {
-    const Drawn d = draw(src, low, sh.seg[cur], rng.uniform(round), sh);
+    const Drawn d = round == 0 && round0.token != NOT_DRAWN
+                        ? round0
+                        : draw(src, low, sh.seg[cur], rng.uniform(round), sh);
     if (d.token < 0) break;  // no value above low: an empty row
     if (!rejecting) return d.token;
     const int s1 = (cur + 1) % 3, s2 = (cur + 2) % 3;
@@ -131,6 +139,32 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
   if (!(M > 0.f)) return 0;
   const int first = first_index_of(src, M, sh);
   return first == NONE ? 0 : first;
+}
+
+// Top-p with a list of every value >= floor whose mass L is below P (the floor is not proved).
+// Each listed value has less than L < P above it, so all of them are kept. Round 0 draws among
+// all the values with the list first: target u * S (S = the row's mass, sh.seg[0]); below L it
+// lands on a listed token, accepted at once; else it lands on a value below the floor (target
+// u * S - L, the row's segment masses less the list's), and the rounds go on over the row. Each
+// round still draws in proportion to p among the values above its `low`, so the token follows
+// the kept distribution exactly; only round 0's map from u to tokens differs from token order.
+template <class Rows>
+RTC_DEVICE int sample_from_part(const Rows& rows, const ListSource<ProbPolicy>& list,
+                                float floor, Filter& f, float M, const Philox& rng,
+                                RowShared& sh) {
+  float S = 0.f, L = 0.f;
+#pragma unroll 1
+  for (int s = 0; s < WARPS; ++s) {
+    S += sh.seg[0][s];
+    L += sh.seg[1][s];
+  }
+  const float target = rng.uniform(0) * S;
+  if (target < L) return max(draw_at(list, below(floor), sh.seg[1], target, sh).token, 0);
+  const int t = threadIdx.x;
+  if (t < WARPS) sh.seg[2][t] = fmaxf(sh.seg[0][t] - sh.seg[1][t], 0.f);  // below the floor
+  __syncthreads();
+  const Drawn d = draw_at<Rows, true>(rows, 0.f, sh.seg[2], target - L, sh, floor);
+  return select_token(rows, 0.f, 0, f, M, rng, sh, d);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
@@ -209,15 +243,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     if (!th.all) floor = __uint_as_float(th.key);
     need_mass = true;
   }
-  bool on_list = false;
+  bool on_list = false, part = false;
   if (OP != SampleOp::PLAIN && (floor > 0.f || vocab <= CAP)) {
     float list_mass;
     on_list = gather_list(rows, g, mem.bmax, floor, mem, sh, list_mass);
     // mass(p >= floor) >= P: every value below the floor has at least P above it
-    if (need_mass) on_list &= list_mass >= f.P;
+    if (need_mass && !(list_mass >= f.P)) {
+      part = on_list;
+      on_list = false;
+    }
   }
   const ListSource<ProbPolicy> list{mem.vals, mem.ids, sh.list_n};
   const int token = on_list ? select_token(list, below(floor), 1, f, M, rng, sh)
+                    : part  ? sample_from_part(rows, list, floor, f, M, rng, sh)
                             : select_token(rows, 0.f, 0, f, M, rng, sh);
   if (threadIdx.x == 0) out[b] = OUT_T(token);
 }
