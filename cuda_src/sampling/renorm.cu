@@ -83,9 +83,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     // The floor: at or below the threshold, chosen from the block maxima (row_scan.cuh); a
     // top-p floor is proved by the mass of the values >= it.
     const BlockMaxSource<Policy> blocks{mem.bmax, g.blocks};
-    const Threshold bt = radix_select<BlockMaxSource<Policy>, BY_MASS, BY_MASS>(
-        blocks, Policy::lowest(), k, p_fixed, scale, sh);
-    const float floor = bt.all ? Policy::lowest() : Policy::from_key(bt.key);
+    float floor;
+    if (!BY_MASS || !light_block_maxima(blocks, scale, p_fixed, sh, floor)) {
+      const Threshold bt = radix_select<BlockMaxSource<Policy>, BY_MASS, BY_MASS>(
+          blocks, Policy::lowest(), k, p_fixed, scale, sh);
+      floor = bt.all ? Policy::lowest() : Policy::from_key(bt.key);
+    }
     bool on_list = false;
     if (floor > Policy::lowest() || vocab <= CAP) {
       float list_mass;

@@ -216,6 +216,11 @@ RTC_DEVICE int warp_exclusive_sum(int x) {
   return incl - x;
 }
 
+template <int V>
+struct LoadUnroll {
+  static constexpr int U = V >= 4 ? 16 / V : 4;  // vectors each lane loads before using them
+};
+
 // Row geometry of the warp-level passes: steps of 32 * V elements per segment, grouped into at
 // most BLOCKS_W blocks of `group` steps.
 struct Steps {
@@ -254,7 +259,7 @@ struct RowScan {
 template <class Src>
 RTC_DEVICE RowScan scan_row(const Src& src, const Steps& g, float* bmax, bool check) {
   using P = typename Src::Policy;
-  constexpr int V = Src::VEC, STEP = 32 * V, U = V >= 4 ? 16 / V : 4;
+  constexpr int V = Src::VEC, STEP = 32 * V, U = LoadUnroll<V>::U;
   const int lane = lane_id(), w = warp_id();
   float* wb = bmax + w * BLOCKS_W;
   float sum = 0.f, m_lane = P::lowest();

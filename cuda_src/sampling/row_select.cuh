@@ -4,11 +4,6 @@
 #pragma once
 #include "row_scan.cuh"
 
-template <int V>
-struct LoadUnroll {
-  static constexpr int U = V >= 4 ? 16 / V : 4;  // vectors each lane loads before using them
-};
-
 // Exclusive prefix of x over the block, and the block total. Uses sh.scan.
 RTC_DEVICE void block_exclusive_sum(float x, float& excl, float& total, RowShared& sh) {
   const int lane = lane_id(), w = warp_id();
@@ -343,4 +338,41 @@ RTC_DEVICE Threshold radix_select(const Src& src, float low, int k, unsigned lon
     __syncthreads();  // all have read before the next level writes
   }
   return {prefix, kept, false};
+}
+
+// radix_select<BlockMaxSource, true, ...>'s key when the block maxima's whole fixed-point mass
+// is below p_fixed: each of them then has less than p_fixed above it, so the cut is the smallest
+// (valid) one. One block reduction instead of four histogram passes: true and `smallest` set
+// when the mass is below p_fixed, false (nothing decided) otherwise. Contains barriers.
+template <class P>
+RTC_DEVICE bool light_block_maxima(const BlockMaxSource<P>& blocks, double scale,
+                                   unsigned long long p_fixed, RowShared& sh, float& smallest) {
+  if (threadIdx.x == 0) {
+    sh.kept_lo = sh.kept_hi = 0u;
+    sh.i[0] = NONE;
+  }
+  __syncthreads();
+  unsigned long long m = 0;
+  int low = NONE;  // smallest valid block maximum, as a key (non-negative: int order)
+  for (int i = threadIdx.x; i < WARPS * BLOCKS_W; i += THREADS) {
+    const int s = i / BLOCKS_W, pos = i % BLOCKS_W;
+    const float v = pos < blocks.blocks ? blocks.value(s, pos) : P::lowest();
+    if (v > P::lowest()) {
+      m += fixed_mass(v, scale);
+      low = min(low, int(P::key(v)));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(FULL, m, o);
+  low = warp_min_int(low);
+  if (lane_id() == 0) {
+    if (m) add_mass(&sh.kept_lo, &sh.kept_hi, m);
+    if (low != NONE) atomicMin(&sh.i[0], low);
+  }
+  __syncthreads();
+  const unsigned long long total = words(sh.kept_lo, sh.kept_hi);
+  const int key = sh.i[0];
+  __syncthreads();  // all have read before the words are used again
+  smallest = P::from_key(uint32_t(key));
+  return key != NONE && total < p_fixed;
 }

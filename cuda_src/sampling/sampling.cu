@@ -238,9 +238,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   } else if (HAS_P && f.use_p && M > 0.f) {
     const double scale = 1099511627776.0 / double(M);  // 2^40 / max: fixed-point masses
     const unsigned long long p_fixed = __double2ull_rn(double(fmaxf(f.P, 0.f)) * scale);
-    const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, true, true>(
-        blocks, 0.f, 0, p_fixed, scale, sh);  // the top-p cut of the block maxima alone
-    if (!th.all) floor = __uint_as_float(th.key);
+    float smallest;  // the top-p cut of the block maxima alone
+    if (light_block_maxima(blocks, scale, p_fixed, sh, smallest)) {
+      floor = smallest;
+    } else {
+      const Threshold th = radix_select<BlockMaxSource<ProbPolicy>, true, true>(
+          blocks, 0.f, 0, p_fixed, scale, sh);
+      if (!th.all) floor = __uint_as_float(th.key);
+    }
     need_mass = true;
   }
   bool on_list = false, part = false;
