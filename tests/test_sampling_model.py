@@ -225,6 +225,20 @@ def test_radix_select_by_mass_is_the_top_p_cut(rng, top_p):
     assert kept == fixed[vals >= v].sum()
 
 
+def test_radix_select_by_mass_of_values_lighter_than_p_is_their_smallest(rng):
+    """What light_block_maxima (row_select.cuh) relies on: when the fixed-point masses of all
+    the values add up to less than p_fixed, the top-p cut is the smallest value."""
+    vals = probs_row(rng, 256, 3.0)
+    M = np.float32(8 * vals.max())  # the row's maximum: the block maxima are a part of the row
+    total = model.fixed_mass(vals, M).sum()
+    for p_fixed in (total + np.uint64(1), 2 * total):
+        v, _ = model.radix_select(vals, model.Probs, p_fixed=p_fixed, M=M)
+        assert v == vals.min()
+    heavy = total - model.fixed_mass(vals.min(), M)  # the mass above the smallest value
+    v, _ = model.radix_select(vals, model.Probs, p_fixed=heavy, M=M)
+    assert v > vals.min()
+
+
 # --- the sampler model against the references --------------------------------------------------
 
 CASES = [
