@@ -2,8 +2,10 @@
 sampling.cu, renorm.cu), with the same loop structure:
 
 - Philox4x32-10 and the uniform of (seed, offset, row, draw): bit-exact;
-- pass 0's candidate list (per-warp regions, rising bars, binary-searched bar steps), the list
-  floor low0 and the list-or-row decision: bit-exact (comparisons and power-of-two products);
+- pass 0's block maxima, the floor taken from them (the k-th largest, min-p's threshold, the
+  top-p cut), the gather of the values >= floor into per-warp regions and the list-or-row
+  decision (a top-p list that does not prove its floor serving round 0 first): bit-exact, but
+  for the list's mass against P (float64 here, fp32 in the kernel);
 - the radix select (count or fixed-point mass, 8-bit digits): bit-exact (integers);
 - the dual-pivot rejection rounds: the same pivots and decisions, with float64 sums where the
   kernel sums fp32 in a fixed order, so a token can differ from the kernel's only when a draw
