@@ -225,6 +225,14 @@ class Draw:
     part: bool = False  # round 0 drew from a list whose mass did not prove the top-p floor
 
 
+def _inverse_transform(values, u) -> int:
+    """The draw among `values` (in the order given) for uniform u: the first whose running sum
+    (float64) exceeds u times their total; the last when rounding keeps every sum below it."""
+    cum = np.cumsum(values.astype(np.float64))
+    hit = np.flatnonzero(cum > float(u) * cum[-1])
+    return int(hit[0]) if len(hit) else len(values) - 1
+
+
 def _fixed_scale(M) -> np.float64:
     return np.float64(2.0**40) / np.float64(M)
 
@@ -269,9 +277,7 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
     first = None
     if part is not None:  # round 0 over the listed values (all kept), then those below the floor
         order = np.concatenate([part, np.flatnonzero((values > 0) & (values < floor))])
-        cum = np.cumsum(values[order].astype(np.float64))
-        hit = np.flatnonzero(cum > float(uniform(seed, offset, b, 0)) * cum[-1])
-        j = hit[0] if len(hit) else len(order) - 1
+        j = _inverse_transform(values[order], uniform(seed, offset, b, 0))
         if j < len(part):
             return Draw(int(order[j]), 1, False, part=True)
         first = int(order[j]), np.float32(values[order[j]])
@@ -299,9 +305,7 @@ def sample_row(row, op: str, *, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0,
             if not cand.any():
                 break
             cv, cid = src[cand], ids[cand]
-            cum = np.cumsum(cv.astype(np.float64))
-            hit = np.flatnonzero(cum > float(uniform(seed, offset, b, r)) * cum[-1])
-            j = hit[0] if len(hit) else len(cv) - 1
+            j = _inverse_transform(cv, uniform(seed, offset, b, r))
             token, x1 = int(cid[j]), np.float32(cv[j])
         if not rejecting:
             return Draw(token, r + 1, on_list)
