@@ -23,7 +23,15 @@ Three times per step (a step's sampled tokens are the next step's input, on the 
     loop      a decode step as an engine pipelines it: plan() (rtcinfer), the step's host tables
               to the device in one transfer (a JAX transfer costs ~50-100 us of host time, so
               not one per table), the step's dispatch; no wait (wall time of 30 steps / 30)
-    fetching  the same, each step's tokens fetched to the host before the next step
+    resident  the loop as an engine that keeps its tables on the device runs it: each step
+              takes the last step's tokens and positions (both on the device) and the block
+              table (each request's pages in order, the pages of its next STEPS tokens
+              reserved ahead; the host uploads it every PAGE steps, as an engine would after
+              reserving more), builds the step's tables on the device (serving.decode_tables)
+              and returns the next positions; no plan(), no other transfer. Back ends with a
+              device plan only (not rtcinfer with plan() on the host). The contexts grow by a
+              token a step (by 30 at most, from 141,739 tokens)
+    fetching  the loop with each step's tokens fetched to the host before the next step
     stubbed   `device` for the step with its matmuls stubbed (serve_jax.stub_matmul): the
               attention, norms, RoPE, activation and sampling on the step's shapes, and small
               XLA fusions; device minus stubbed is mostly the matmuls
@@ -31,7 +39,7 @@ Three times per step (a step's sampled tokens are the next step's input, on the 
 Each time is the least of ROUNDS rounds, in which every back end is timed in turn (the host's
 speed drifts between runs and within one). Every back end reads the same cached keys and
 values (random, written into each layout); its greedy tokens and logits are compared with
-rtcinfer's.
+the first back end's; the speedups are rtcinfer's with the device plan over each.
 
     python -m bench.bench_serving_jax [rtcinfer] [device] [pallas] [cudnn]   (default: all)
 """
@@ -66,7 +74,9 @@ def _examples():
 
 class Batch:
     """The step's host tables (decode_batch) and where each cached token lives: request
-    `owner[t]`, position `position[t]`, page `page[t]`, slot `slot[t]` of token t."""
+    `owner[t]`, position `position[t]`, page `page[t]`, slot `slot[t]` of token t; the block
+    table [BATCH, width] with each request's pages and the pages it takes in the resident
+    loop's STEPS steps (new ones, after the batch's `pages`: `pool` pages in all)."""
 
     def __init__(self, serving, rng):
         self.step, self.pages, self.tokens = decode_batch(serving, rng)
@@ -76,8 +86,17 @@ class Batch:
         self.position = np.concatenate([np.arange(n) for n in self.lengths])
         self.page = st.padded[st.indptr[self.owner] + self.position // page]
         self.slot = self.position % page
-        self.table_pages = -(-int(np.diff(st.indptr).max()) // 128) * 128
-        self.dense_len = -(-int(self.lengths.max()) // 128) * 128
+        held = np.diff(st.indptr)
+        grown = -(-(self.lengths + STEPS) // page)  # pages after STEPS more tokens
+        self.pool = self.pages + int((grown - held).sum())
+        self.blocks = np.zeros((BATCH, int(grown.max())), np.int32)
+        new = iter(range(self.pages, self.pool))
+        for b in range(BATCH):
+            pages = st.padded[st.indptr[b] : st.indptr[b + 1]].tolist()
+            pages += [next(new) for _ in range(grown[b] - held[b])]
+            self.blocks[b, : len(pages)] = pages
+        self.table_pages = -(-self.blocks.shape[1] // 128) * 128
+        self.dense_len = -(-int(self.lengths.max() + STEPS) // 128) * 128
 
     def inputs(self):
         """The step's arrays, in serve_jax.forward's order after the caches."""
@@ -101,7 +120,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
     if name in ("rtcinfer", "device"):
 
         def fill(kv):
-            cache = jnp.zeros((batch.pages, 2, page, hkv, d), kv.dtype)
+            cache = jnp.zeros((batch.pool, 2, page, hkv, d), kv.dtype)
             return cache.at[where["page"], :, where["slot"]].set(kv)
 
         return lambda plan: sj.paged(wrapper, plan), fill
@@ -109,7 +128,7 @@ def _attention(name: str, sj, batch: Batch, wrapper):
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         def fill(kv):
-            pages = jnp.zeros((hkv, batch.pages, page, d), kv.dtype)
+            pages = jnp.zeros((hkv, batch.pool, page, d), kv.dtype)
             at = (slice(None), where["page"], where["slot"])
             return tuple(pages.at[at].set(kv[:, i].transpose(1, 0, 2)) for i in (0, 1))
 
@@ -154,7 +173,7 @@ class Backend:
 
         self.name, self.sj, self.model, self.jax = name, sj, model, jax
         ours = name in ("rtcinfer", "device")
-        wrapper = sj.decode_wrapper(BATCH, batch.pages) if ours else None
+        wrapper = sj.decode_wrapper(BATCH, batch.pool) if ours else None
         attend, fill = _attention(name, sj, batch, wrapper)
         self.caches = [fill(layer) for layer in kv]
         host = batch.inputs()
@@ -181,7 +200,19 @@ class Backend:
                          q_data_type=sj.bf16)  # fmt: skip
             return host[1:] + (wrapper.plan_array(),)
 
-        self.step, self.plan = step, plan
+        @functools.partial(jax.jit, donate_argnums=(1, 3))
+        def resident(model, caches, tokens, positions, blocks):
+            """The step from the tokens, positions and block table on the device; also returns
+            the next step's positions."""
+            tables = sj.serving.decode_tables(jnp, tokens, positions, blocks, batch.pool)
+            plan = None
+            if name == "device":
+                plan = wrapper.device_plan_array(tables[4], tables[3], tables[5], batch.pool)
+            caches, out, _ = sj.forward(model, caches, *tables, attend(plan))
+            return caches, out, positions + 1
+
+        self.step, self.plan, self.resident_step = step, plan, resident
+        self.batch = batch
         self.on_device, self.sizes = sj.pack(plan())  # one transfer a step
         began = time.perf_counter()
         self.caches, self.out, logits = step(model, self.caches, jnp.asarray(host[0]),
@@ -190,6 +221,8 @@ class Backend:
         print(f"# {name}: first step {time.perf_counter() - began:.1f} s", flush=True)
         for stubbed in (False, True):  # compiled before any timing
             self._steps(3, stubbed=stubbed)
+        if name != "rtcinfer":
+            self.resident(steps=3)
         self.parts = np.zeros(3)
 
     def _steps(self, n: int, tables=None, stubbed: bool = False) -> float:
@@ -232,6 +265,24 @@ class Backend:
             self.parts = parts
         return loop
 
+    def resident(self, steps: int = STEPS) -> float | None:
+        """The loop with the tables kept on the device (see the module's docstring); the
+        positions start from the batch's each time."""
+        if self.name == "rtcinfer":  # plan() on the host needs the host's tables
+            return None
+        jax, page = self.jax, self.sj.PAGE
+        positions = jax.device_put(self.batch.step.positions)
+        jax.block_until_ready((self.out, positions))
+        start = time.perf_counter()
+        for i in range(steps):
+            if i % page == 0:  # the block table with the next PAGE tokens' pages reserved
+                blocks = jax.device_put(self.batch.blocks)
+            self.caches, self.out, positions = self.resident_step(
+                self.model, self.caches, self.out, positions, blocks
+            )
+        jax.block_until_ready((self.caches, self.out))
+        return (time.perf_counter() - start) / steps * 1e6
+
     def fetching(self) -> float:
         """The loop with each step's tokens fetched to the host before the next step."""
         start = time.perf_counter()
@@ -247,8 +298,9 @@ def main() -> Tables:
     table = Table(
         f"JAX decode step, batch {BATCH}, contexts {CONTEXTS[0]}-{CONTEXTS[1]} "
         "(serve_jax's model, one jax.jit step)",
-        ["attention", "device us", "loop us", "fetching loop us", "stubbed us", "loop tokens/s",
-         "rtcinfer's loop speedup", "same tokens", "max logit diff"],
+        ["attention", "device us", "loop us", "resident loop us", "fetching loop us",
+         "stubbed us", "resident tokens/s", "rtcinfer's loop speedup",
+         "rtcinfer's resident speedup", "same tokens", "max logit diff"],
     )  # fmt: skip
     tables = Tables()
     tables.append(table)
@@ -278,28 +330,31 @@ def main() -> Tables:
             if name in ("rtcinfer", "device"):
                 raise
             print(f"# {name} failed: {type(e).__name__}: {str(e)[:300]}")
-    timings = ("device", "loop", "fetching", "stubbed")
+    timings = ("device", "loop", "resident", "fetching", "stubbed")
     best = {name: dict.fromkeys(timings, float("inf")) for name in backends}
     for _ in range(ROUNDS):
         for what in timings:
             for name, b in backends.items():
-                best[name][what] = min(best[name][what], getattr(b, what)())
+                us = getattr(b, what)()
+                best[name][what] = None if us is None else min(best[name][what], us)
     for name, b in backends.items():
         plan_us, tables_us, dispatch_us = b.parts
         print(f"# {name}: a loop step's host parts (its fastest round): plan {plan_us:.1f} us, "
               f"tables to the device {tables_us:.1f}, dispatch {dispatch_us:.1f}",
               flush=True)  # fmt: skip
-    results = {name: (*(best[name][w] for w in timings), b.tokens, b.logits)
-               for name, b in backends.items()}  # fmt: skip
-    ours = results.get("rtcinfer")
-    for name, (device, loop, fetching, stubbed, tokens, logits) in results.items():
-        same = diff = speedup = None
-        if ours is not None:
-            speedup = f"{loop / ours[1]:.2f}"
-            same = f"{int((tokens == ours[4]).sum())}/{BATCH}"
-            diff = float(np.abs(logits - ours[5]).max())
-        table.add(LABELS.get(name, name), device, loop, fetching, stubbed, BATCH / loop * 1e6,
-                  speedup, same, diff)  # fmt: skip
+    first = next(iter(backends.values()))  # tokens and logits compared with its
+    ours = best.get("device")  # rtcinfer with the plan on the device: the speedups' base
+
+    def ratio(us, what):
+        return None if ours is None or us is None else f"{us / ours[what]:.2f}"
+
+    for name, b in backends.items():
+        t = best[name]
+        tokens = None if t["resident"] is None else BATCH / t["resident"] * 1e6
+        same = f"{int((b.tokens == first.tokens).sum())}/{BATCH}"
+        diff = float(np.abs(b.logits - first.logits).max())
+        speedups = ratio(t["loop"], "loop"), ratio(t["resident"], "resident")
+        table.add(LABELS.get(name, name), *(t[w] for w in timings), tokens, *speedups, same, diff)
     return tables
 
 

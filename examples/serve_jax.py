@@ -166,10 +166,17 @@ def prefill_step(model, caches, tables, sizes):
     return forward(model, caches, *tables, paged(prefill, plan))
 
 
+def decode_inputs(tables, sizes):
+    """decode_step's packed tables (tokens, positions, the block table flattened) as forward's
+    tables, inside the jitted step."""
+    tokens, positions, blocks = unpack(tables, sizes)
+    return serving.decode_tables(jnp, tokens, positions, blocks.reshape(len(tokens), -1), PAGES)
+
+
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step(model, caches, tables, sizes):
     traces["decode"] += 1
-    tables = unpack(tables, sizes)
+    tables = decode_inputs(tables, sizes)
     return forward(model, caches, *tables, paged(decode, device_plan(tables)))
 
 
@@ -182,13 +189,13 @@ def device_plan(tables):
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step_stubbed(model, caches, tables, sizes):
     """decode_step with stub_matmul: the step's rtcinfer ops and little else."""
-    tables = unpack(tables, sizes)
+    tables = decode_inputs(tables, sizes)
     return forward(model, caches, *tables, paged(decode, device_plan(tables)), mm=stub_matmul)
 
 
 @functools.partial(jax.jit, donate_argnums=1, static_argnums=3)
 def decode_step_plain_jax(model, caches, tables, sizes):
-    return forward(model, caches, *unpack(tables, sizes), paged(None))
+    return forward(model, caches, *decode_inputs(tables, sizes), paged(None))
 
 
 def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
@@ -207,10 +214,10 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
                      st.indices, np.append(st.last, 0), HQ, HKV, D, PAGE, causal=True,
                      q_data_type=bf16)  # fmt: skip
         tables += (prefill.plan_array(),)
-    elif plain_jax:
-        step = decode_step_plain_jax
-    else:
-        step = decode_step  # planned inside the step, on the device
+    else:  # tokens, positions and the block table: the rest is built on the device
+        blocks = serving.block_table(requests, MAX_LEN // PAGE)
+        tables = (st.tokens, st.positions, blocks.ravel())
+        step = decode_step_plain_jax if plain_jax else decode_step  # planned on the device
     packed = pack(tables)
     if step is decode_step:
         last_decode[:] = packed

@@ -54,6 +54,36 @@ class Step:
         self.ends = self.qo_indptr[1:] - 1
 
 
+def block_table(requests, width: int):
+    """Each request's pages in order, a row of `width` per request (the rest 0): the page table
+    as an engine keeps it on the device (decode_tables)."""
+    blocks = np.zeros((len(requests), width), np.int32)
+    for row, r in zip(blocks, requests, strict=True):
+        row[: len(r.pages)] = r.pages
+    return blocks
+
+
+def decode_tables(xp, tokens, positions, blocks, capacity: int):
+    """A decode step's tables from what an engine keeps on the device, computed with the array
+    namespace xp (numpy or jax.numpy; inside jax.jit, on the device): request b appends
+    tokens[b] at positions[b] to its pages blocks[b] (in order; pages past its length, reserved
+    ahead, are not read). Returns Step's (tokens, positions, batch indices, indices padded to
+    `capacity`, indptr, last page lengths, ends) for one new token per request: request b
+    holds n_b = positions[b] // PAGE + 1 pages, indptr = [0, cumsum(n)], last_b = positions[b]
+    + 1 - (n_b - 1) * PAGE, and slot s < indptr[-1] of the indices holds page s - indptr[r] of
+    the request r with indptr[r] <= s < indptr[r + 1] (the rest 0)."""
+    batch, width = blocks.shape
+    n = positions // PAGE + 1
+    indptr = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(n).astype(xp.int32)])
+    slot = xp.arange(capacity, dtype=xp.int32)
+    owner = xp.sum(slot[:, None] >= indptr[None, 1:], axis=1)  # batch past the last page
+    row = xp.minimum(owner, batch - 1)
+    page = blocks[row, xp.clip(slot - indptr[row], 0, width - 1)]
+    indices = xp.where(owner < batch, page, 0).astype(xp.int32)
+    rows = xp.arange(batch, dtype=xp.int32)
+    return tokens, positions, rows, indices, indptr, (positions + 1 - (n - 1) * PAGE), rows
+
+
 def check(done, reference, resample=None) -> bool:
     """Every emitted token's logits (float) against reference(tokens) -> the dense model's
     logits of the last position (NumPy): within 3e-2 of max |logit|, all finite, the token the

@@ -183,3 +183,31 @@ def test_a_serving_step_grows_pages_and_lays_out_the_tables():
     a.tokens.append(3)
     step = serving.Step([a], [1], free)  # decode: the 21st token stays in page 6
     assert step.positions.tolist() == [20] and step.tokens.tolist() == [3] and a.pages == [5, 6]
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", "jax.numpy"])
+def test_decode_tables_from_the_block_table_are_the_steps(xp_name):
+    """serving.decode_tables (what serve_jax's decode step builds on the device from tokens,
+    positions and the block table) gives serving.Step's tables for a decode step: requests
+    that cross into a new page, fill one exactly, or hold one token, pages reserved ahead in
+    the block table, and indices padded to the pool."""
+    xp = pytest.importorskip(xp_name)
+    serving = _serving()
+    rng = np.random.default_rng(3)
+    free = [int(p) for p in rng.permutation(serving.PAGES)]
+    lengths = [16, 15, 0, 33, 100, 31]  # cached before the step: 16 and 0 take a new page
+    requests = [serving.Request(i, list(range(n)), 1) for i, n in enumerate(lengths)]
+    serving.Step(requests, lengths, free)  # the prompts
+    for r in requests:
+        r.tokens.append(7 + r.rid)
+    step = serving.Step(requests, [1] * len(requests), free)
+    blocks = serving.block_table(requests, 12)
+    blocks[:, -2:] = rng.integers(0, serving.PAGES, (len(requests), 2))  # reserved ahead
+    assert all(len(r.pages) <= 10 for r in requests)
+    got = serving.decode_tables(xp, xp.asarray(step.tokens), xp.asarray(step.positions),
+                                xp.asarray(blocks), serving.PAGES)  # fmt: skip
+    want = (step.tokens, step.positions, step.batch_indices, step.padded, step.indptr,
+            step.last, step.ends)  # fmt: skip
+    for name, g, w in zip(("tokens", "positions", "batch indices", "indices", "indptr", "last",
+                           "ends"), got, want, strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
