@@ -3,7 +3,8 @@ same Llama-style decoder and request stream, each model pass one jax.jit step wi
 norms, RoPE, append (the donated caches updated in place), paged prefill or batch decode, and
 greedy top_k_top_p_sampling_from_logits. A prefill step's plan() runs on host arrays and its
 plan reaches the compiled step as an array (plan_array(), sent with the step's other tables);
-a decode step plans itself on the device from the page table it is given
+a decode step is given its tokens, positions and block table (each request's pages), builds
+its page table from them on the device (serving.decode_tables) and plans itself there
 (device_plan_array: one plan() on the host, before the first step, fixes the configuration).
 XLA launches every op of a step itself, with no Python and no host wait. A prefill step
 takes PREFILL_ROWS query rows, the prompts' tokens then padding (a request with no keys in the
