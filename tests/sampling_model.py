@@ -80,8 +80,11 @@ class Block:
         return steps, group, -(-steps // group)
 
 
-def block_for(vocab: int, batch: int = 1, sm_count: int = 132, itemsize: int = 4) -> Block:
-    return Block(row_threads(vocab, batch, sm_count), widest_vec(vocab, itemsize))
+def block_for(vocab: int, batch: int = 1, sm_count: int = 132, itemsize: int = 4,
+              op: str = "plain") -> Block:  # fmt: skip
+    """The kernels' block for `op` (a sampler's or a renorm op's name) on [batch, vocab]."""
+    by_rank = op in ("top_k", "top_k_top_p", "top_k_first", "top_k_renorm", "top_k_mask")
+    return Block(row_threads(vocab, batch, sm_count, by_rank), widest_vec(vocab, itemsize))
 
 
 class Probs:

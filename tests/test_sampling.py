@@ -418,11 +418,13 @@ def test_generator_and_device_seeds(rng):
 @pytest.mark.parametrize("op,params", OPS)
 @pytest.mark.parametrize("vocab,scale", [(3000, 2.0), (60000, 3.0)])
 def test_tokens_match_the_model(rng, op, params, vocab, scale):
+    """Over 2 x SMs rows: top-k's samplers run 256-thread blocks there, the others 512."""
     cp = cupy()
-    rows = 256
+    sms = jit.sm_count(cp.cuda.Device().id)
+    rows = 2 * sms + 8
     host = probs_rows(rng, rows, vocab, scale, zeros=0.1)
     tokens = sample(op, cp.asarray(host), None, params, seed=21, offset=3).get()
-    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id))
+    block = model.block_for(vocab, rows, sms, op=op)
     want = np.array([model.sample_row(host[b], op, seed=21, offset=3, b=b, block=block,
                                       **params).token for b in range(rows)])  # fmt: skip
     match = (tokens == want).mean()
@@ -438,7 +440,7 @@ def test_top_p_tokens_match_the_model_where_the_list_does_not_prove_the_floor(rn
     rows, vocab = 512, 32000
     host = probs_rows(rng, rows, vocab, 3.0)
     tokens = sample("top_p", cp.asarray(host), None, {"top_p": 0.9}, seed=4, offset=9).get()
-    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id))
+    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id), op="top_p")
     draws = [model.sample_row(host[b], "top_p", top_p=0.9, seed=4, offset=9, b=b, block=block)
              for b in range(rows)]  # fmt: skip
     part = np.array([d.part for d in draws])

@@ -420,6 +420,9 @@ def test_row_kernels_fit_an_a100_block():
     assert row_threads(111, 1, 132) == 32 and row_threads(4096, 1, 132) == 512
     assert row_threads(151936, 1, 132) == 1024 and row_threads(151936, 512, 132) == 512
     assert row_threads(151936, 100000, 132) == 256
+    # top-k's cuts take 256-thread blocks from 2 x SMs rows on (one wave at four a SM)
+    assert row_threads(32000, 265, 132) == 512 and row_threads(32000, 265, 132, True) == 256
+    assert row_threads(32000, 264, 132, True) == 512 and row_threads(1000, 265, 132, True) == 128
 
 
 @pytest.mark.parametrize("vocab,cluster,vec", [(1, 8, 1), (111, 8, 1), (3000, 8, 4),

@@ -90,12 +90,12 @@ def test_top_k_mask_logits(rng, shape, dtype):
         np.testing.assert_array_equal(to_host(out)[finite], expect[finite])
 
 
-@pytest.mark.parametrize("vocab", [4000, 60000])
-def test_threshold_ops_match_the_model_bit_for_bit(rng, vocab):
+@pytest.mark.parametrize("vocab,rows", [(4000, 16), (60000, 16), (4000, 272)])
+def test_threshold_ops_match_the_model_bit_for_bit(rng, vocab, rows):
+    """272 rows: over 2 x 132 SMs (the H200), where top-k's cuts run 256-thread blocks."""
     cp = cupy()
-    rows = 16
     host = probs_rows(rng, rows, vocab, 3.0, zeros=0.1)
-    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id))
+    block = model.block_for(vocab, rows, jit.sm_count(cp.cuda.Device().id), op="top_k_renorm")
     out = rtcinfer.top_k_renorm_probs(cp.asarray(host), 37).get()
     want = np.stack([model.renorm_row(host[r], "top_k_renorm", 37, block) for r in range(rows)])
     np.testing.assert_array_equal(out, want)

@@ -66,7 +66,8 @@ class RenormSpec:
 
 def renorm_spec(op: str, dtype: str, vocab: int, rows: int = 1, sm_count: int = 132):
     vec = widest_vec(vocab, itemsize(dtype))
-    return RenormSpec(op, dtype, vec, row_threads(vocab, rows, sm_count))
+    by_rank = op != "top_p_renorm"  # top-k's cut (rtcinfer.layout.row_threads)
+    return RenormSpec(op, dtype, vec, row_threads(vocab, rows, sm_count, by_rank))
 
 
 _NUMBERS = (int, float, np.integer, np.floating)

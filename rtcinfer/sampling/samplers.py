@@ -61,6 +61,7 @@ SAMPLE_OPS = {
     "top_k_top_p": SampleOp.TOP_K_TOP_P,
     "top_k_first": SampleOp.TOP_K_FIRST,
 }
+BY_RANK = frozenset({"top_k", "top_k_top_p", "top_k_first"})  # top-k's cut (layout.row_threads)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ def sample_spec(op: str, dtype: str, vocab: int, batch: int = 1, out_dtype: str 
                 sm_count: int = 132) -> SampleSpec:  # fmt: skip
     """The spec for a [batch, vocab] call (the widest vector; prepare narrows it if needed)."""
     vec = widest_vec(vocab, itemsize(dtype))
-    return SampleSpec(op, dtype, out_dtype, vec, row_threads(vocab, batch, sm_count))
+    threads = row_threads(vocab, batch, sm_count, by_rank=op in BY_RANK)
+    return SampleSpec(op, dtype, out_dtype, vec, threads)
 
 
 def _check_probs(probs, name="probs") -> tuple[int, int, str]:
