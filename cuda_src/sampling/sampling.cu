@@ -143,7 +143,7 @@ RTC_DEVICE int select_token(const Src& src, float low, int cur, Filter& f, float
 
 // Top-p with a list of every value >= floor whose mass L is below P (the floor is not proved).
 // Each listed value has less than L < P above it, so all of them are kept. Round 0 draws among
-// all the values with the list first: target u * S (S = the row's mass, sh.seg[0]); below L it
+// all the values with the list first: target u * S (S = the row's mass, sh.f[2]); below L it
 // lands on a listed token, accepted at once; else it lands on a value below the floor (target
 // u * S - L, the row's segment masses less the list's), and the rounds go on over the row. Each
 // round still draws in proportion to p among the values above its `low`, so the token follows
@@ -152,12 +152,10 @@ template <class Rows>
 RTC_DEVICE int sample_from_part(const Rows& rows, const ListSource<ProbPolicy>& list,
                                 float floor, Filter& f, float M, const Philox& rng,
                                 RowShared& sh) {
-  float S = 0.f, L = 0.f;
+  const float S = sh.f[2];
+  float L = 0.f;
 #pragma unroll 1
-  for (int s = 0; s < WARPS; ++s) {
-    S += sh.seg[0][s];
-    L += sh.seg[1][s];
-  }
+  for (int s = 0; s < WARPS; ++s) L += sh.seg[1][s];
   const float target = rng.uniform(0) * S;
   if (target < L) return max(draw_at(list, below(floor), sh.seg[1], target, sh).token, 0);
   const int t = threadIdx.x;
@@ -201,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
 #pragma unroll 1
       for (int i = 0; i < WARPS; ++i) s += sh.seg[0][i];
       sh.f[0] = m;
+      sh.f[2] = s;  // the row's mass (sample_from_part; f[0..1] serve the rounds)
       Filter filter{};
       if constexpr (HAS_K) {
         const long long k = row_top_k(p.top_k_arr, p.top_k_arr64, p.top_k_val, b);
