@@ -21,6 +21,8 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 # JAX would take 75% of the GPU at import; rtcinfer's workspaces are CuPy memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -47,11 +49,16 @@ def decode_wrapper(max_batch: int, max_pages: int):
     )  # fmt: skip
 
 
-prefill = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(  # fixed capacity: plans as arrays
-    use_cuda_graph=True,
-    qo_indptr_buf=np.zeros(len(serving.REQUESTS) + 2, np.int32),
-    paged_kv_indices_buf=np.zeros(PAGES, np.int32),
-)  # the prompts and the padding request
+def prefill_wrapper():
+    """A prefill wrapper of fixed capacity (the prompts and the padding request), whose plans
+    reach a jitted step as arrays."""
+    return rtcinfer.BatchPrefillWithPagedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=np.zeros(len(serving.REQUESTS) + 2, np.int32),
+        paged_kv_indices_buf=np.zeros(PAGES, np.int32),
+    )  # fmt: skip
+
+
+prefill = prefill_wrapper()
 decode = decode_wrapper(len(serving.REQUESTS), PAGES)
 decode.plan([0, 1], [0], [1], HQ, HKV, D, PAGE, q_data_type=bf16)  # the configuration only
 traces = {"prefill": 0, "decode": 0}
@@ -112,11 +119,15 @@ def paged(wrapper, plan=None):
 
 
 def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, attend,
-            mm=jnp.matmul):  # fmt: skip
+            mm=jnp.matmul, heads=(HQ, HKV), reduce=None):  # fmt: skip
     """The model over new tokens [n] at positions pos, appended to the caches by `attend` (an
     attention function: see paged); returns the updated caches and the greedy token and
     logits [B, VOCAB] of each request's last one. mm(h, w): the matmul (stub_matmul times
-    the step without its matmuls)."""
+    the step without its matmuls). A tensor-parallel shard (serve_jax_tp.py) computes `heads`
+    (its query and KV heads; its weights hold their columns of qkv and gate_up and their rows
+    of o and down) and sums the partial outputs of o and down with `reduce` (an all-reduce)."""
+    hq, hkv = heads
+    reduce = reduce or (lambda h: h)
     x = model["embed"][tokens]
     n = x.shape[0]
     h, residual = rtcinfer.rmsnorm(x, model["layers"][0]["ln1"], EPS), x
@@ -125,15 +136,15 @@ def forward(model, caches, tokens, pos, bidx, indices, indptr, last, ends, atten
         if i:
             h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln1"], EPS)
         qkv = mm(h, layer["qkv"])
-        q = qkv[:, : HQ * D].reshape(n, HQ, D)
-        k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D)
-        v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D)
+        q = qkv[:, : hq * D].reshape(n, hq, D)
+        k = qkv[:, hq * D : (hq + hkv) * D].reshape(n, hkv, D)
+        v = qkv[:, (hq + hkv) * D :].reshape(n, hkv, D)
         q, k = rtcinfer.apply_rope_pos_ids_inplace(q, k, pos, rope_theta=THETA)
         o, cache = attend(q, k, v, caches[i], pos, bidx, indices, indptr, last)
         updated.append(cache)
-        h = mm(o.reshape(n, HQ * D), layer["o"])
+        h = reduce(mm(o.reshape(n, hq * D), layer["o"]))
         h, residual = rtcinfer.fused_add_rmsnorm(h, residual, layer["ln2"], EPS)
-        h = mm(rtcinfer.silu_and_mul(mm(h, layer["gate_up"])), layer["down"])
+        h = reduce(mm(rtcinfer.silu_and_mul(mm(h, layer["gate_up"])), layer["down"]))
     h, _ = rtcinfer.fused_add_rmsnorm(h, residual, model["norm"], EPS)
     logits = mm(h[ends], model["lm_head"]).astype(jnp.float32)
     return updated, rtcinfer.top_k_top_p_sampling_from_logits(logits, 1, 1.0, seed=0), logits
@@ -199,28 +210,50 @@ def decode_step_plain_jax(model, caches, tables, sizes):
     return forward(model, caches, *decode_inputs(tables, sizes), paged(None))
 
 
-def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
-    """Grow the requests' pages, plan, and run one jitted step over their new tokens
-    (plain_jax: decode attention in plain JAX instead of rtcinfer's)."""
+class Engine(NamedTuple):
+    """What a loop's steps run on: the prefill wrapper its prefill plans are made with, the
+    query and KV heads those plans count (a tensor-parallel shard's share in serve_jax_tp.py),
+    the jitted prefill and decode steps (model, caches, packed tables, their sizes) -> (caches,
+    tokens, logits), and new zeroed caches."""
+
+    prefill: object
+    heads: tuple[int, int]
+    prefill_step: Callable
+    decode_step: Callable
+    caches: Callable
+
+
+def zeroed_caches():
+    return [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
+
+
+ENGINE = Engine(prefill, (HQ, HKV), prefill_step, decode_step, zeroed_caches)
+PLAIN_JAX = ENGINE._replace(decode_step=decode_step_plain_jax)  # decode attention in plain JAX
+
+
+def run_step(model, caches, free, requests, new_tokens, phase, engine=ENGINE):
+    """Grow the requests' pages, plan, and run one jitted step of `engine` over their new
+    tokens."""
     st = serving.Step(requests, new_tokens, free)
     tables = (st.tokens, st.positions, st.batch_indices, st.padded, st.indptr, st.last, st.ends)
     if phase == "prefill":
-        step = prefill_step
+        step = engine.prefill_step
         pad = PREFILL_ROWS - len(st.tokens)
         assert pad >= 0, f"{len(st.tokens)} prompt tokens in one step: raise PREFILL_ROWS"
         fills = zip(tables[:3], (0, 0, -1), strict=True)  # tokens, positions, batch indices
         tables = (*[np.pad(t, (0, pad), constant_values=c) for t, c in fills], *tables[3:])
         # the padding rows: one more request, with no keys (its rows are not attended)
-        prefill.plan(np.append(st.qo_indptr, PREFILL_ROWS), np.append(st.indptr, st.indptr[-1]),
-                     st.indices, np.append(st.last, 0), HQ, HKV, D, PAGE, causal=True,
-                     q_data_type=bf16)  # fmt: skip
-        tables += (prefill.plan_array(),)
+        engine.prefill.plan(np.append(st.qo_indptr, PREFILL_ROWS),
+                            np.append(st.indptr, st.indptr[-1]), st.indices,
+                            np.append(st.last, 0), *engine.heads, D, PAGE, causal=True,
+                            q_data_type=bf16)  # fmt: skip
+        tables += (engine.prefill.plan_array(),)
     else:  # tokens, positions and the block table: the rest is built on the device
         blocks = serving.block_table(requests, MAX_LEN // PAGE)
         tables = (st.tokens, st.positions, blocks.ravel())
-        step = decode_step_plain_jax if plain_jax else decode_step  # planned on the device
+        step = engine.decode_step  # planned on the device
     packed = pack(tables)
-    if step is decode_step:
+    if phase == "decode":
         last_decode[:] = packed
     caches, tokens, logits = step(model, caches, *packed)
     for r, t, row in zip(requests, np.asarray(tokens).tolist(), logits, strict=True):
@@ -229,10 +262,10 @@ def run_step(model, caches, free, requests, new_tokens, phase, plain_jax=False):
     return caches
 
 
-def serve(model, rng, pages_rng, plain_jax=False):
-    """The loop (prompts from rng, the free page list shuffled by pages_rng); returns the
-    finished requests, decode seconds and decode tokens (plain_jax: see run_step)."""
-    caches = [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
+def serve(model, rng, pages_rng, engine=ENGINE):
+    """The loop (prompts from rng, the free page list shuffled by pages_rng) on `engine`;
+    returns the finished requests, decode seconds and decode tokens."""
+    caches = engine.caches()
     free = [int(p) for p in pages_rng.permutation(PAGES)]
     waiting, arrivals = serving.stream(rng)
     running, done, step, decode_s, decode_tokens = [], [], 0, 0.0, 0
@@ -242,13 +275,13 @@ def serve(model, rng, pages_rng, plain_jax=False):
         if running:
             start = time.perf_counter()
             caches = run_step(model, caches, free, running, [1] * len(running), "decode",
-                              plain_jax)  # fmt: skip
+                              engine)  # fmt: skip
             jax.block_until_ready(caches)
             decode_s += time.perf_counter() - start
             decode_tokens += len(running)
         if arrived:
             lens = [len(r.tokens) for r in arrived]
-            caches = run_step(model, caches, free, arrived, lens, "prefill")
+            caches = run_step(model, caches, free, arrived, lens, "prefill", engine)
             running += arrived
         for r in [r for r in running if len(r.emitted) == r.max_new]:
             free.extend(r.pages)
@@ -258,11 +291,10 @@ def serve(model, rng, pages_rng, plain_jax=False):
     return done, decode_s, decode_tokens
 
 
-def gpu_us(step, model, tables, sizes, reps=20) -> float:
+def gpu_us(step, model, tables, sizes, reps=20, caches=zeroed_caches) -> float:
     """Wall time of `step` run back to back on the same tables, fresh caches (us): its GPU
     time where the GPU is the bottleneck."""
-    caches = [jnp.zeros((PAGES, 2, PAGE, HKV, D), bf16) for _ in range(LAYERS)]
-    caches = step(model, caches, tables, sizes)[0]
+    caches = step(model, caches(), tables, sizes)[0]
     jax.block_until_ready(caches)
     start = time.perf_counter()
     for _ in range(reps):
@@ -357,8 +389,8 @@ def main():
           f"{'new ones' if retraced else 'none'} in the second")  # fmt: skip
     print(f"decode: {decode_tokens} tokens in {decode_s * 1e3:.1f} ms, "
           f"{decode_tokens / decode_s:.0f} tokens/s; {step_split(model)}")  # fmt: skip
-    serve(model, rng(1), rng(2), plain_jax=True)  # the same loop, attention in plain JAX
-    plain, plain_s, plain_tokens = serve(model, rng(1), rng(3), plain_jax=True)
+    serve(model, rng(1), rng(2), PLAIN_JAX)  # the same loop, attention in plain JAX
+    plain, plain_s, plain_tokens = serve(model, rng(1), rng(3), PLAIN_JAX)
     print(f"decode with plain-JAX attention (gathered pages, float32 softmax): {plain_tokens} "
           f"tokens in {plain_s * 1e3:.1f} ms, {plain_tokens / plain_s:.0f} tokens/s; rtcinfer "
           f"{plain_s / decode_s:.2f}x as fast")  # fmt: skip

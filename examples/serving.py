@@ -84,6 +84,21 @@ def decode_tables(xp, tokens, positions, blocks, capacity: int):
     return tokens, positions, rows, indices, indptr, (positions + 1 - (n - 1) * PAGE), rows
 
 
+def shard_columns(widths, n: int) -> np.ndarray:
+    """Column order of a weight made of parts `widths` wide side by side (qkv: q, k, v; gate_up:
+    gate, up) that gives each of n tensor-parallel shards one contiguous block holding its
+    n-th of every part, in order: w[:, order] split into n equal blocks is what each device
+    holds (its heads' q, k and v; its gate and up columns)."""
+    starts = np.cumsum([0, *widths[:-1]])
+    return np.concatenate(
+        [
+            np.arange(s + i * (w // n), s + (i + 1) * (w // n))
+            for i in range(n)
+            for s, w in zip(starts, widths, strict=True)
+        ]
+    )
+
+
 def check(done, reference, resample=None) -> bool:
     """Every emitted token's logits (float) against reference(tokens) -> the dense model's
     logits of the last position (NumPy): within 3e-2 of max |logit|, all finite, the token the

@@ -125,6 +125,20 @@ def test_the_pytorch_serving_loop_matches_its_dense_reference():
 
 
 @pytest.mark.gpu
+def test_the_tensor_parallel_jax_loop_matches_the_one_device_loop():
+    """examples/serve_jax_tp.py over every GPU JAX sees (the heads split over the mesh with
+    shard_map; on one GPU a mesh of one): its tokens checked against the dense reference and
+    the one-device loop's, no retrace on a second pass, the all-reduce's share printed."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    lines = _example_lines("serve_jax_tp.py")
+    assert sum(line.startswith("request ") for line in lines) >= 8
+    assert any("in the all-reduce" in line for line in lines)
+    assert any(line.startswith("tokens: the same") for line in lines) or len(jax.devices()) > 1
+
+
+@pytest.mark.gpu
 def test_the_jax_serving_loop_matches_its_dense_reference_without_retracing():
     """examples/serve_jax.py: the same loop inside jax.jit, checked against a dense JAX model;
     a second pass with other page tables traces nothing new."""
@@ -211,3 +225,13 @@ def test_decode_tables_from_the_block_table_are_the_steps(xp_name):
     for name, g, w in zip(("tokens", "positions", "batch indices", "indices", "indptr", "last",
                            "ends"), got, want, strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+
+
+def test_shard_columns_give_each_shard_its_share_of_every_part():
+    """serving.shard_columns: qkv of 4 q, 2 k and 2 v columns over 2 shards gives shard 0 q
+    columns 0-1, k column 4 and v column 6, and shard 1 the rest; one shard keeps the order."""
+    serving = _serving()
+    assert serving.shard_columns([4, 2, 2], 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert serving.shard_columns([3, 3], 1).tolist() == list(range(6))
+    order = serving.shard_columns([serving.HQ * 2, serving.HKV * 2, serving.HKV * 2], 4)
+    assert sorted(order.tolist()) == list(range((serving.HQ + 2 * serving.HKV) * 2))
