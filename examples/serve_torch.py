@@ -102,7 +102,7 @@ class DecodeGraph:
             *workspace(lib), use_cuda_graph=True, paged_kv_indptr_buffer=ints(batch + 1),
             paged_kv_indices_buffer=ints(PAGES), paged_kv_last_page_len_buffer=ints(batch),
         )  # fmt: skip
-        self.wrapper.plan(*plan_args, HQ, HKV, D, PAGE, q_data_type=bf16)
+        self.wrapper.plan(*plan_args, *engine.heads, D, PAGE, q_data_type=bf16)
         self.inputs = inputs
         self.device_plan = lib is rtcinfer
 
@@ -127,11 +127,16 @@ class Engine:
     """The paged cache (one [pages, 2, PAGE, HKV, D] array per layer), the page free list, a
     prefill and a decode wrapper re-planned every step, and with `graphs` one captured decode
     step per batch size (the appends of a warm-up and a replay write the same values). `lib`:
-    rtcinfer, or flashinfer for the comparison (the ops are called by the same names)."""
+    rtcinfer, or flashinfer for the comparison (the ops are called by the same names). A
+    tensor-parallel shard (serve_torch_tp.py) computes `heads` (its query and KV heads: its
+    weights hold their columns of qkv and gate_up and their rows of o and down, its cache their
+    KV heads) and sums the partial outputs of o and down in place with `reduce` (an
+    all-reduce)."""
 
-    def __init__(self, model, rng, graphs=False, lib=rtcinfer):
-        self.model, self.lib = model, lib
-        self.cache = [torch.zeros(PAGES, 2, PAGE, HKV, D, device=dev, dtype=bf16)
+    def __init__(self, model, rng, graphs=False, lib=rtcinfer, heads=(HQ, HKV), reduce=None):
+        self.model, self.lib, self.heads = model, lib, heads
+        self.reduce = reduce or (lambda h: None)
+        self.cache = [torch.zeros(PAGES, 2, PAGE, heads[1], D, device=dev, dtype=bf16)
                       for _ in range(LAYERS)]  # fmt: skip
         self.reset(rng)
         self.prefill = lib.BatchPrefillWithPagedKVCacheWrapper(*workspace(lib))
@@ -151,8 +156,8 @@ class Engine:
         indptr, indices, last = (host(self.lib, a) for a in (step.indptr, step.indices, step.last))
         inputs = Inputs(step)
         if wrapper is self.prefill:
-            wrapper.plan(host(self.lib, step.qo_indptr), indptr, indices, last, HQ, HKV, D, PAGE,
-                         causal=True, q_data_type=bf16)  # fmt: skip
+            wrapper.plan(host(self.lib, step.qo_indptr), indptr, indices, last, *self.heads, D,
+                         PAGE, causal=True, q_data_type=bf16)  # fmt: skip
         elif self.graphs is not None:  # a captured decode step of this batch size
             graph = self.graphs.get(len(requests))
             if graph is None:
@@ -160,12 +165,13 @@ class Engine:
                     self, inputs, (indptr, indices, last)
                 )
             if not graph.device_plan:
-                graph.wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+                graph.wrapper.plan(indptr, indices, last, *self.heads, D, PAGE,
+                                   q_data_type=bf16)  # fmt: skip
             inputs.copy_to(graph.inputs)
             graph.graph.replay()
             return graph.logits.clone()  # the next replay rewrites the static logits
         else:
-            wrapper.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=bf16)
+            wrapper.plan(indptr, indices, last, *self.heads, D, PAGE, q_data_type=bf16)
         return self.forward(inputs, wrapper)
 
     def forward(self, inputs, wrapper, plan=None):
@@ -173,7 +179,7 @@ class Engine:
         `plan` (capturable)."""
         tokens, pos, bidx, indices, indptr, last, ends = inputs.tensors()
         table = (indices, indptr, last)
-        lib = self.lib
+        lib, (hq, hkv) = self.lib, self.heads
         x = self.model["embed"][tokens]
         h = self._op(lib.rmsnorm, x, self.model["layers"][0]["ln1"], EPS)
         residual = x.clone()
@@ -182,17 +188,19 @@ class Engine:
             if i:
                 self._op(lib.fused_add_rmsnorm, h, residual, layer["ln1"], EPS)
             qkv = h @ layer["qkv"]
-            q = qkv[:, : HQ * D].reshape(n, HQ, D).contiguous()
-            k = qkv[:, HQ * D : (HQ + HKV) * D].reshape(n, HKV, D).contiguous()
-            v = qkv[:, (HQ + HKV) * D :].reshape(n, HKV, D).contiguous()
+            q = qkv[:, : hq * D].reshape(n, hq, D).contiguous()
+            k = qkv[:, hq * D : (hq + hkv) * D].reshape(n, hkv, D).contiguous()
+            v = qkv[:, (hq + hkv) * D :].reshape(n, hkv, D).contiguous()
             self._op(lib.apply_rope_pos_ids_inplace, q, k, pos, rope_theta=THETA)
             self._op(lib.append_paged_kv_cache, k, v, bidx, pos, self.cache[i], *table)
             o = self._op(
                 wrapper.run, q, self.cache[i], **({} if plan is None else {"plan_array": plan})
             )
-            h = o.reshape(n, HQ * D) @ layer["o"]
+            h = o.reshape(n, hq * D) @ layer["o"]
+            self.reduce(h)
             self._op(lib.fused_add_rmsnorm, h, residual, layer["ln2"], EPS)
             h = self._op(lib.silu_and_mul, h @ layer["gate_up"]) @ layer["down"]
+            self.reduce(h)
         self._op(lib.fused_add_rmsnorm, h, residual, self.model["norm"], EPS)
         return (h[ends] @ self.model["lm_head"]).float()
 

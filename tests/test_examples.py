@@ -139,6 +139,26 @@ def test_the_tensor_parallel_jax_loop_matches_the_one_device_loop():
 
 
 @pytest.mark.gpu
+def test_the_tensor_parallel_pytorch_loop_matches_the_one_gpu_loop():
+    """examples/serve_torch_tp.py under torchrun, a process per GPU (on one GPU one process;
+    NCCL's all-reduce over one rank): every token checked against the dense reference and the
+    one-GPU loop's, eager and with its decode steps captured in CUDA graphs, the all-reduce's
+    share printed."""
+    torch = pytest.importorskip("torch")
+    n = torch.cuda.device_count()
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+                           str(ROOT / "examples" / "serve_torch_tp.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "OK"
+    assert sum(line.startswith("request ") for line in lines) >= 16  # eager and graphs
+    assert any("in the all-reduce" in line for line in lines)
+    assert sum("tokens the same as" in line for line in lines) == 2 or n > 1
+
+
+@pytest.mark.gpu
 def test_the_jax_serving_loop_matches_its_dense_reference_without_retracing():
     """examples/serve_jax.py: the same loop inside jax.jit, checked against a dense JAX model;
     a second pass with other page tables traces nothing new."""
