@@ -82,7 +82,7 @@ def row_threads(vocab: int, batch: int, sm_count: int, by_rank: bool = False) ->
     The kernels hold 1024 threads a SM (64 registers a thread): 512-thread blocks run the rows
     of up to 2 x sm_count in one wave, 256-thread blocks those of 4 x sm_count. An op that cuts
     its row by rank (`by_rank`: top-k, alone or with top-p) takes 256 threads from 2 x
-    sm_count rows on: one wave of the rows' pass-0 / floor / gather chains beat two waves of
+    sm_count rows on: one wave of the rows' pass-0 / floor / gather chains beats two waves of
     wider blocks on the H200 (512 x 32000: top-k sampling 55.4 -> 39.9 us, top-k then top-p
     72.0 -> 47.1, top_k_renorm_probs 77.9 -> 67.8; bench/LOG.md), where the samplers by mass
     or none (plain, top-p, min-p) and top_p_renorm_probs gained nothing or lost (plain 512 x

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rtcinfer.layout import row_threads, widest_vec
+from rtcinfer.sampling import renorm, samplers
 
 # --- Philox4x32-10 ----------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ class Block:
 def block_for(vocab: int, batch: int = 1, sm_count: int = 132, itemsize: int = 4,
               op: str = "plain") -> Block:  # fmt: skip
     """The kernels' block for `op` (a sampler's or a renorm op's name) on [batch, vocab]."""
-    by_rank = op in ("top_k", "top_k_top_p", "top_k_first", "top_k_renorm", "top_k_mask")
+    by_rank = op in samplers.BY_RANK or op in renorm.BY_RANK
     return Block(row_threads(vocab, batch, sm_count, by_rank), widest_vec(vocab, itemsize))
 
 

@@ -38,6 +38,7 @@ RENORM_OPS = {
     "top_p_renorm": RenormOp.TOP_P_RENORM,
     "top_k_mask": RenormOp.TOP_K_MASK,
 }
+BY_RANK = frozenset({"top_k_renorm", "top_k_mask"})  # top-k's cut (layout.row_threads)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,7 @@ class RenormSpec:
 
 def renorm_spec(op: str, dtype: str, vocab: int, rows: int = 1, sm_count: int = 132):
     vec = widest_vec(vocab, itemsize(dtype))
-    by_rank = op != "top_p_renorm"  # top-k's cut (rtcinfer.layout.row_threads)
-    return RenormSpec(op, dtype, vec, row_threads(vocab, rows, sm_count, by_rank))
+    return RenormSpec(op, dtype, vec, row_threads(vocab, rows, sm_count, op in BY_RANK))
 
 
 _NUMBERS = (int, float, np.integer, np.floating)
