@@ -364,3 +364,23 @@ def test_a_plan_upload_inside_a_capture_says_to_warm_up(monkeypatch):
     with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
         workspace.device_copy(np.zeros(4, np.int32), 0)
     assert fake.mode == "global"
+
+
+def test_run_on_another_device_than_the_wrappers_is_refused(host_wrapper):
+    """A wrapper's workspace and plan live on the device it was made on: arrays on another
+    device are refused by name when run() prepares their signature (a tensor-parallel
+    process makes a wrapper per device)."""
+    from rtcinfer.interop import ArrayInfo, dense_strides
+
+    host_wrapper.plan([0, 1, 3], [0, 1, 2], [5, 16], 8, 2, 128, 16, q_data_type="bfloat16")
+    st = host_wrapper._launch
+    q = ArrayInfo((2, 8, 128), dense_strides((2, 8, 128)), "bfloat16", 1)
+    cache = ArrayInfo((4, 2, 16, 2, 128), dense_strides((4, 2, 16, 2, 128)), "bfloat16", 1)
+    with pytest.raises(ValueError, match=r"run: the arrays are on device 1, this wrapper's "
+                                         r"workspace and plan on device 0"):  # fmt: skip
+        host_wrapper._prepare_on_device([q, cache, None, None, None], 16, (st.cfg, st.batch, False))
+    prep = host_wrapper._prepare_on_device(
+        [q._replace(device=0), cache._replace(device=0), None, None, None], 16,
+        (st.cfg, st.batch, False),
+    )  # fmt: skip
+    assert prep is not None

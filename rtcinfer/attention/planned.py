@@ -230,7 +230,7 @@ class PlannedWrapper:
         self._deferred = None
         self._reserved = None  # the capacity of the latest reserve()
         self._op = Op(f"{type(self).__name__}.run", self.RUN_SLOTS,
-                      weak_method(self, "_prepare_run"), given=self.RUN_GIVEN)  # fmt: skip
+                      weak_method(self, "_prepare_on_device"), given=self.RUN_GIVEN)  # fmt: skip
         weakref.finalize(self, release, self._op)
         if self.ARRAY_SLOTS:  # run(plan_array=...)'s op (a subclass's _prepare_array_run)
             self._array_op = Op(f"{type(self).__name__}.run", self.ARRAY_SLOTS,
@@ -239,6 +239,18 @@ class PlannedWrapper:
             weakref.finalize(self, release, self._array_op)
         self._number = next(_NUMBERS)
         _LIVE[self._number] = self
+
+    def _prepare_on_device(self, infos, align, static):
+        """_prepare_run, for arrays on the workspace's device only: a run on the workspace
+        reads its plan there (a plan array, run(plan_array=...), names no device)."""
+        device = next(i.device for i in infos if i is not None)
+        if device != self._device:
+            raise ValueError(
+                f"{type(self).__name__}.run: the arrays are on device {device}, this wrapper's "
+                f"workspace and plan on device {self._device}; a wrapper serves the device it "
+                "was made on (make one per device)"
+            )
+        return self._prepare_run(infos, align, static)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
