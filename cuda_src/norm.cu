@@ -5,7 +5,8 @@
 // Grid: blockIdx.x = row. Block: THREADS threads; thread t owns vectors t, t + THREADS, ... of
 // VEC elements. The row is staged in shared memory with cp.async, so the bytes in flight cost
 // no registers (more rows resident per SM): one HBM read and one write per element.
-// Each thread reads back only what it copied itself, so only the reductions need barriers.
+// Each thread reads back only what it copied itself, so only the reductions need barriers; the
+// weight is read into registers alongside (W_AHEAD), where they allow.
 // Row r sits at (r / n1) * s0 + (r % n1) * s1 elements: 2-D and 3-D strided views.
 // Shared memory: HIDDEN * sizeof(T), twice for the fused ops (x and residual).
 // VEC and THREADS fix the arithmetic (which thread sums which elements, in which order); global
@@ -27,6 +28,8 @@ RTC_DEVICE int64_t row_offset(int row, int n1, int64_t s0, int64_t s1) {
 
 using TVec = Vec<T, VEC>;
 using WVec = Vec<W, VEC>;
+// The weight (and LayerNorm's bias) held in registers from the start: up to 32 of them.
+constexpr bool W_AHEAD = ITEMS * (LAYER ? 2 : 1) * sizeof(WVec) <= 128;
 constexpr int PIECES = VEC / LOAD_VEC;  // global accesses per vector
 
 // A vector of VEC elements to or from global memory in PIECES accesses of LOAD_VEC elements.
@@ -87,6 +90,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
     copy_vec_async(&xs[item(i)], x_row + col(i));
     if constexpr (FUSED) copy_vec_async(&rs[item(i)], r_row + col(i));
   }
+  // The weight (and bias) loads go out with the row's, so the reductions hide their latency,
+  // where the registers allow (a cold weight read after the reduction cost ~0.5-1 us a row at
+  // small batches); wider rows load them after the reduction.
+  WVec w_ahead[W_AHEAD ? ITEMS : 1], b_ahead[W_AHEAD && LAYER ? ITEMS : 1];
+  if constexpr (W_AHEAD) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!owns(i)) continue;
+      load_vec(w_ahead[i], weight + col(i));
+      if constexpr (LAYER) load_vec(b_ahead[i], bias + col(i));
+    }
+  }
   cp_async_wait_all();
 
   if constexpr (FUSED) {  // x + residual, rounded to T, stored as the new residual
@@ -133,8 +148,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
     WVec w, b;
-    load_vec(w, weight + col(i));
-    if constexpr (LAYER) load_vec(b, bias + col(i));
+    if constexpr (W_AHEAD) {
+      w = w_ahead[i];
+      if constexpr (LAYER) b = b_ahead[i];
+    } else {
+      load_vec(w, weight + col(i));
+      if constexpr (LAYER) load_vec(b, bias + col(i));
+    }
     const TVec v = xs[item(i)];
     TVec y;
 #pragma unroll
