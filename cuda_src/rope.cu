@@ -16,7 +16,7 @@
 // fp64 on the host (rtcinfer/rope_table.py) and passed in the parameter block, copied to shared
 // memory once per CTA while its first item's position and rows are loading (pairs past the
 // table's 128, of heads wider than 256, are computed here in fp64); the product pos * f is split
-// with an FMA and reduced to [-1/2, 1/2] turns before sincospif.
+// with an FMA and reduced to [-1/2, 1/2] turns before the sine and cosine (cos_sin).
 // Prelude: T, POS_T, HEAD_DIM, ROTARY_DIM, VEC, THREADS, UNROLL, INTERLEAVE, MODE
 // (RopeMode), POS_FROM (PositionSource), INPLACE, the BadIndex enum.
 #include "bad_index.cuh"
@@ -71,13 +71,18 @@ RTC_DEVICE float2 turns_per_position(int i, const RopeParams& p) {
   return make_float2(hi, float(f - hi));
 }
 
-// (cos, sin) of 2 pi * pos * f without losing the fractional turn to rounding.
+// (cos, sin) of 2 pi * pos * f without losing the fractional turn to rounding. The angle, in
+// [-pi, pi], goes to the SFU's sine and cosine (absolute error below 2^-21, far under a 16-bit
+// result's rounding) for 16-bit q and k, to the accurate sincospif for fp32 ones.
 RTC_DEVICE float2 cos_sin(float pos, float2 f) {
   const float p = pos * f.x;
   const float err = fmaf(pos, f.x, -p);
   const float turns = (p - rintf(p)) + fmaf(pos, f.y, err);
   float s, c;
-  sincospif(2.f * turns, &s, &c);
+  if constexpr (sizeof(T) == 2)
+    __sincosf(6.283185307179586f * turns, &s, &c);
+  else
+    sincospif(2.f * turns, &s, &c);
   return make_float2(c, s);
 }
 
@@ -166,10 +171,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     TVec x[UNROLL];
     load_rows(x, 0);
     if (!table_built) {  // the CTA's first item (block-uniform)
-      for (int i = threadIdx.x; i < HALF; i += THREADS) {
+      // A warp per pair, its lanes reading the same parameter words: one broadcast read each
+      // (a read of the parameter block at an index that differs across the warp's lanes is
+      // served one address at a time).
+#pragma unroll 4
+      for (int i = threadIdx.x / 32; i < HALF; i += THREADS / 32) {
         if (HALF <= TABLE_PAIRS || i < TABLE_PAIRS) {
-          freq[i] = make_float2(p.freq[2 * i], p.freq[2 * i + 1]);
-        } else {
+          const float2 f = make_float2(p.freq[2 * i], p.freq[2 * i + 1]);
+          if (threadIdx.x % 32 == 0) freq[i] = f;
+        } else if (threadIdx.x % 32 == 0) {
           freq[i] = turns_per_position(i, p);
         }
       }
