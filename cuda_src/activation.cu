@@ -27,6 +27,7 @@ struct ActivationParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     act_and_mul_kernel(const __grid_constant__ ActivationParams p) {
+  wait_for_previous_grid();
   const T* __restrict__ x = p.x;
   T* __restrict__ out = p.out;
   const int n1 = p.n1, d = p.d;

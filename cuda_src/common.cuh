@@ -177,6 +177,19 @@ constexpr float LOG2E = 1.4426950408889634f;
 // ---------------------------------------------------------------------------------------------
 // Synchronization
 
+// Programmatic dependent launch (sm_90+). Every kernel calls this first, before it touches
+// global memory: it waits until the grids this launch depends on (the kernel before it on the
+// stream, when the host launched it as dependent: rtcinfer/launch.py) have finished and their
+// writes are visible, then lets the kernel after it be scheduled while this grid runs, so that
+// kernel's launch and its wait overlap this one's last CTAs instead of following them. A
+// launch made without the dependency attribute, or before sm_90, does not wait here.
+RTC_DEVICE void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // atomicAdd with acquire-release semantics at GPU scope: one instruction in place of a fence on
 // each side of a relaxed atomic. Returns the old value.
 RTC_DEVICE int atomic_add_acq_rel(int* p, int v) {

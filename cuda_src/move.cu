@@ -13,6 +13,7 @@ struct MoveParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     move_kernel(const __grid_constant__ MoveParams p) {
+  wait_for_previous_grid();
   if (p.src == p.dst) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * THREADS;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * THREADS + threadIdx.x; i < p.count;

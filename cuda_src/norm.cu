@@ -71,6 +71,7 @@ struct NormParams {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_constant__ NormParams p) {
+  wait_for_previous_grid();
   T* x = p.x;
   T* residual = p.residual;
   T* out = p.out;

@@ -36,6 +36,7 @@ RTC_DEVICE int64_t block_sum_i64(int64_t x, int64_t* scratch) {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     packbits_kernel(const __grid_constant__ PackbitsParams p) {
+  wait_for_previous_grid();
   __shared__ int64_t scratch[THREADS / 32];
   if (p.indptr_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.indptr_out[0] = 0;
   for (int s = blockIdx.x; s < p.segments; s += gridDim.x) {

@@ -115,6 +115,7 @@ RTC_DEVICE TVec shuffle(const TVec& x, int src_lane) {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     rope_kernel(const __grid_constant__ RopeParams p) {
+  wait_for_previous_grid();
   const T* q = p.q;  // INPLACE: q == q_out and k == k_out, hence no __restrict__
   const T* k = p.k;
   T* q_out = p.q_out;

@@ -128,12 +128,17 @@ def arch_of(compute_capability: str | int) -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
+def compute_capability(device_id: int) -> tuple[int, int]:
+    """(major, minor) of a device."""
+    cuda = runtime()
+    major = cuda.deviceGetAttribute(_CC_MAJOR, device_id)
+    return major, cuda.deviceGetAttribute(_CC_MINOR, device_id)
+
+
 def compile_arch(device_id: int) -> str:
     """The compile target of a device; a GPU below compute capability 8.0 raises
     GpuUnavailable."""
-    cuda = runtime()
-    major = cuda.deviceGetAttribute(_CC_MAJOR, device_id)
-    minor = cuda.deviceGetAttribute(_CC_MINOR, device_id)
+    major, minor = compute_capability(device_id)
     if (major, minor) < MIN_COMPUTE_CAPABILITY:
         need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
         raise GpuUnavailable(
@@ -149,6 +154,7 @@ __all__ = [
     "arch_of",
     "check",
     "compile_arch",
+    "compute_capability",
     "current",
     "driver_cuda_version",
     "install_hint",

@@ -5,9 +5,11 @@ and calls the driver's cuLaunchKernel through CuPy's Cython wrapper, which takes
 (the function, geometry, stream and parameter pointer): no argument conversion, no CuPy launch
 path (cuda.bindings' wrapper, which converts its arguments on every call, cost 0.3 us more:
 4.2 against 3.9 us a launch on the H200 host, where the driver's launch of an empty kernel
-takes 3.1-3.6). The block is the kernel's parameter struct (rtcinfer.params), passed as the
-kernel's single argument; the driver copies it at launch, so the block may be rewritten for
-the next call at once.
+takes 3.1-3.6). On sm_90 and later the launch is programmatically dependent instead
+(rtcinfer/dependent_launch.py: cuLaunchKernelEx through ctypes, its configuration built here
+once). The block is the kernel's parameter struct (rtcinfer.params), passed as the kernel's
+single argument; the driver copies it at launch, so the block may be rewritten for the next
+call at once.
 
     launch = Launch(Kernel(spec, "norm_kernel", "NormParams", smem), grid, block)
     launch.params.eps = 1e-6               # fields that depend only on the signature
@@ -24,10 +26,11 @@ import functools
 import threading
 from dataclasses import dataclass
 
-from . import jit
+from . import dependent_launch, jit
 from .params import params_type
 
 CUDA_ERROR_INVALID_CONTEXT = 201
+_DEPENDENT_DEVICES = dependent_launch.DEVICES  # device -> its launches are dependent (once asked)
 _RECORDING = threading.local()  # .steps: the list a recording() in this thread appends to
 _recorders = [0]  # recordings under way in any thread (a launch reads the thread-local, which
 _recorders_lock = threading.Lock()  # costs a microsecond when unset, only while one is)
@@ -247,7 +250,8 @@ class Launch:
     launching."""
 
     __slots__ = ("kernel", "grid", "block", "params", "lock", "tag", "_argv", "_argv_array",
-                 "_geometry", "_functions", "_launch", "empty")  # fmt: skip
+                 "_geometry", "_functions", "_launch", "_config", "_config_at",
+                 "empty")  # fmt: skip
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int]):
         self.kernel, self.grid, self.block = kernel, tuple(grid), tuple(block)
@@ -259,6 +263,8 @@ class Launch:
         self._geometry = (*self.grid, *self.block, kernel.smem)
         self._functions = kernel._functions  # device -> CUfunction, filled by kernel.function
         self._launch = cupy_api()[0].launchKernel
+        self._config = None  # a dependent launch's configuration, made by its first launch
+        self._config_at = 0
         self.empty = 0 in self.grid
         for n in (*self.grid, *self.block):
             if not 0 <= n < 2**31:
@@ -278,23 +284,44 @@ class Launch:
             steps.append(LaunchRecord(self.kernel, self.grid, self.block, blob))
             return
         fn = self._functions.get(device) or self.kernel.function(device)
+        dependent = _DEPENDENT_DEVICES.get(device)
+        if dependent is None:
+            dependent = dependent_launch.enabled(device)
+        if dependent:
+            status = self._launch_dependent(fn, stream)
+            if status:
+                self._failed(status, fn, stream, device)
+            return
         try:
             self._launch(fn, *self._geometry, stream, self._argv, 0)
         except cupy_api()[0].CUDADriverError as e:  # its status: the CUresult
-            self._failed(e, fn, stream, device)
+            self._failed(e.status, fn, stream, device)
 
-    def _failed(self, error, fn: int, stream: int, device: int) -> None:
+    def _launch_dependent(self, fn: int, stream: int) -> int:
+        """cuLaunchKernelEx with the programmatic-dependency attribute; returns its CUresult."""
+        if not self._config_at:
+            self._config = dependent_launch.config(self.grid, self.block, self.kernel.smem)
+            self._config_at = ctypes.addressof(self._config)
+        self._config.stream = stream
+        return dependent_launch.launch_function()(self._config_at, fn, self._argv, None)
+
+    def _failed(self, status: int, fn: int, stream: int, device: int) -> None:
         """A launch that failed: from a thread with no current context, make the device's
         current and launch again; otherwise, or if that fails, raise the error by name."""
-        if error.status == CUDA_ERROR_INVALID_CONTEXT:
+        if status == CUDA_ERROR_INVALID_CONTEXT:
             cu, rt = cupy_api()
             rt.setDevice(device)
-            try:
-                cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
-                return
-            except cu.CUDADriverError as again:
-                error = again
-        raise CudaError(error.status, f"launch of {self.kernel!r}, grid {self.grid}") from None
+            if dependent_launch.enabled(device):
+                status = self._launch_dependent(fn, stream)
+                if not status:
+                    return
+            else:
+                try:
+                    cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
+                    return
+                except cu.CUDADriverError as again:
+                    status = again.status
+        raise CudaError(status, f"launch of {self.kernel!r}, grid {self.grid}") from None
 
     def __repr__(self) -> str:
         return f"Launch({self.kernel!r}, grid={self.grid}, block={self.block})"

@@ -1,11 +1,15 @@
 """The prepared launch's driver calls without a GPU: CuPy's Cython wrappers faked, the launch
-retried once from a thread with no current context, other failures raised with their name."""
+retried once from a thread with no current context, other failures raised with their name; on
+devices whose launches are programmatically dependent (sm_90+), cuLaunchKernelEx faked, its
+configuration checked against cuda.h's layout."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
-from rtcinfer import launch
+from rtcinfer import dependent_launch, launch
 from rtcinfer.params import Field, StructLayout, params_type
 
 
@@ -63,6 +67,7 @@ def prepared(monkeypatch):
     drv, rt = FakeDriver(), FakeRuntime()
     monkeypatch.setattr(launch, "cupy_api", lambda: (drv, rt))
     monkeypatch.setattr(launch, "driver", lambda: Names)
+    monkeypatch.setitem(dependent_launch.DEVICES, 0, False)  # a device before sm_90
 
     layout = StructLayout("P", (Field("x", "ptr", 1, 0, 8),), 8, 8)
 
@@ -118,6 +123,8 @@ def test_each_device_loads_the_kernel_once_and_launches_its_own(monkeypatch):
     the first time d needs it (a tensor-parallel process launches one kernel on two GPUs)."""
     drv, rt = FakeDriver(), FakeRuntime()
     monkeypatch.setattr(launch, "cupy_api", lambda: (drv, rt))
+    monkeypatch.setattr(dependent_launch, "DEVICES", {0: False, 1: False})
+    monkeypatch.setattr(launch, "_DEPENDENT_DEVICES", dependent_launch.DEVICES)
     loads = []
 
     def get_function(spec, name, device, dynamic_smem=0):
@@ -136,3 +143,70 @@ def test_each_device_loads_the_kernel_once_and_launches_its_own(monkeypatch):
         (0x1001, 0x10), (0x1000, 0x20), (0x1001, 0x11)
     ]  # fmt: skip
     assert loads == [("k", 1, 256), ("k", 0, 256)]
+
+
+class FakeLaunchEx:
+    """libcuda's cuLaunchKernelEx: returns the queued statuses, then 0; records what the
+    configuration held at each call."""
+
+    def __init__(self, *statuses: int):
+        self.statuses, self.launches = list(statuses), []
+
+    def __call__(self, config_at, fn, params, extra):
+        c = dependent_launch.LaunchConfig.from_address(config_at)
+        attr = dependent_launch.LaunchAttribute.from_address(c.attrs)
+        self.launches.append((fn, tuple(c.grid), tuple(c.block), c.shared_mem_bytes, c.stream,
+                              c.num_attrs, attr.id, attr.value[0], params, extra))  # fmt: skip
+        return self.statuses.pop(0) if self.statuses else 0
+
+
+@pytest.fixture
+def dependent(prepared, monkeypatch):
+    """The prepared launch on a device whose launches are dependent, cuLaunchKernelEx faked."""
+    made, drv, rt = prepared
+    ex = FakeLaunchEx()
+    monkeypatch.setitem(dependent_launch.DEVICES, 0, True)
+    monkeypatch.setattr(dependent_launch, "launch_function", lambda: ex)
+    return made, ex, drv, rt
+
+
+def test_the_launch_configuration_has_cuda_h_layout():
+    """CUlaunchConfig: seven unsigned ints, then the stream at 32, the attributes at 40 and
+    their count at 48 (56 bytes); CUlaunchAttribute: the id, 4 bytes of padding, a 64-byte
+    value union at 8 (72 bytes, aligned to 8)."""
+    config, attr = dependent_launch.LaunchConfig, dependent_launch.LaunchAttribute
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(config) == 56 and config.shared_mem_bytes.offset == 24
+    assert attr.value.offset == 8 and ctypes.sizeof(attr) == 72 and ctypes.alignment(attr) == 8
+
+
+def test_a_dependent_launch_passes_its_geometry_stream_and_the_attribute(dependent):
+    made, ex, drv, _ = dependent
+    made(0x77, 0)
+    made(0x78, 0)
+    programmatic = dependent_launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    first = (0x1234, (3, 1, 1), (128, 1, 1), 512, 0x77, 1, programmatic, 1)
+    assert [e[:8] for e in ex.launches] == [first, (*first[:4], 0x78, *first[5:])]
+    assert ex.launches[0][8] == made._argv and ex.launches[0][9] is None
+    assert drv.launches == []  # cuLaunchKernel is not called
+
+
+def test_a_dependent_launch_retries_once_without_a_context_and_names_a_failure(dependent):
+    made, ex, _, rt = dependent
+    ex.statuses = [201]
+    made(0x77, 0)
+    assert rt.calls == [("setDevice", 0)] and len(ex.launches) == 2
+    ex.statuses = [700]
+    with pytest.raises(launch.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS \\(700\\)"):
+        made(0x77, 0)
+
+
+def test_launches_are_dependent_from_sm_90_unless_turned_off(monkeypatch):
+    capability = {0: (8, 0), 1: (9, 0), 2: (10, 0)}
+    monkeypatch.setattr(dependent_launch.gpu, "compute_capability", lambda d: capability[d])
+    monkeypatch.setattr(dependent_launch, "DEVICES", {})
+    monkeypatch.delenv("RTCINFER_PDL", raising=False)
+    assert [dependent_launch.enabled(d) for d in (0, 1, 2)] == [False, True, True]
+    monkeypatch.setattr(dependent_launch, "DEVICES", {})
+    monkeypatch.setenv("RTCINFER_PDL", "0")
+    assert not dependent_launch.enabled(1)

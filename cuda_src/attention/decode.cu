@@ -46,6 +46,7 @@ struct DecodeParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
     decode_kernel(const __grid_constant__ DecodeParams p) {
+  wait_for_previous_grid();
   const QT* __restrict__ q = p.q;
   const int* __restrict__ plan = p.plan;
   float* __restrict__ partial_o = p.partial_o;

@@ -320,6 +320,7 @@ RTC_DEVICE void copy_pages(const DecodePlanParams& p) {
 
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
     decode_plan_kernel(const __grid_constant__ DecodePlanParams p) {
+  wait_for_previous_grid();
   if (blockIdx.x == 0) {
     plan_items(p);
   } else {

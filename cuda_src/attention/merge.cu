@@ -36,6 +36,7 @@ struct MergeParams {
 };
 
 extern "C" __global__ void merge_kernel(const __grid_constant__ MergeParams p) {
+  wait_for_previous_grid();
   const T* a_v = p.a_v;
   const float* a_s = p.a_s;
   const T* b_v = p.b_v;

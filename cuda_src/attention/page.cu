@@ -52,6 +52,7 @@ struct AppendParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     append_kernel(const __grid_constant__ AppendParams params) {
+  wait_for_previous_grid();
   const char* __restrict__ key = params.key;
   const char* __restrict__ value = params.value;
   const ROW_IDX* __restrict__ batch_indices = params.batch_indices;
@@ -135,6 +136,7 @@ struct SeqLensParams {
 };
 
 extern "C" __global__ void seq_lens_kernel(const __grid_constant__ SeqLensParams params) {
+  wait_for_previous_grid();
   const IDX* __restrict__ kv_indptr = params.kv_indptr;
   const IDX* __restrict__ last = params.last;
   IDX* __restrict__ seq_lens = params.seq_lens;
@@ -155,6 +157,7 @@ struct BatchIndicesPositionsParams {
 
 extern "C" __global__ void batch_indices_positions_kernel(
     const __grid_constant__ BatchIndicesPositionsParams params) {
+  wait_for_previous_grid();
   const IDX* __restrict__ append_indptr = params.append_indptr;
   const IDX* __restrict__ seq_lens = params.seq_lens;
   int* __restrict__ batch_indices = params.batch_indices;

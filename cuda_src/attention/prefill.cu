@@ -323,6 +323,7 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     prefill_kernel(const __grid_constant__ PrefillParams p) {
+  wait_for_previous_grid();
   extern __shared__ __align__(1024) unsigned char smem[];  // canonical tiles: 1024-aligned
   const int item = blockIdx.y;
   // Loaded before the count test so both loads overlap (padded slots are stale, unused).

@@ -24,6 +24,7 @@ struct PrefillItemsParams {
 
 extern "C" __global__ void __launch_bounds__(128) prefill_items_kernel(
     const __grid_constant__ PrefillItemsParams p) {
+  wait_for_previous_grid();
   const int b = blockIdx.x * 4 + threadIdx.x / 32;
   if (b >= p.batch) return;
   const int* tile_indptr = p.requests;

@@ -30,6 +30,7 @@ struct RenormParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     renorm_kernel(const __grid_constant__ RenormParams p) {
+  wait_for_previous_grid();
   const T* __restrict__ in = p.input;
   T* __restrict__ out = p.out;
   const int32_t* __restrict__ top_k_arr = p.top_k_arr;

@@ -167,6 +167,7 @@ RTC_DEVICE int sample_from_part(const Rows& rows, const ListSource<ProbPolicy>& 
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     sample_kernel(const __grid_constant__ SampleParams p) {  // sample_common.cuh
+  wait_for_previous_grid();
   const T* __restrict__ probs = p.probs;
   const OUT_T* __restrict__ indices = p.indices;
   OUT_T* __restrict__ out = p.out;
@@ -273,6 +274,7 @@ struct PhiloxParams {
 };
 
 extern "C" __global__ void philox_kernel(const __grid_constant__ PhiloxParams p) {
+  wait_for_previous_grid();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= p.n) return;
   const uint4 c = p.counters[i];

@@ -42,6 +42,7 @@ static_assert(CLUSTER >= 1 && CLUSTER <= 8, "portable cluster sizes");
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
     cluster_sample_kernel(const __grid_constant__ SampleParams p) {  // sample_common.cuh
+  wait_for_previous_grid();
   const T* __restrict__ probs = p.probs;
   const OUT_T* __restrict__ indices = p.indices;
   OUT_T* __restrict__ out = p.out;

@@ -10,6 +10,7 @@
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     softmax_kernel(const __grid_constant__ SoftmaxParams p) {
+  wait_for_previous_grid();
   const int r = blockIdx.x;
   const float t = p.temperature_arr ? p.temperature_arr[r] : p.temperature_val;
   const float scale = LOG2E / t;

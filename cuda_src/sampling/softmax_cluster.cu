@@ -11,6 +11,7 @@
 
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS)
     cluster_softmax_kernel(const __grid_constant__ SoftmaxParams p) {
+  wait_for_previous_grid();
   __shared__ float state[3];            // this CTA's slice: m, d, NaN seen (0 or 1)
   __shared__ float states[CLUSTER][3];  // every CTA's, gathered
   const int r = int(cluster_index()), rank = int(cluster_rank());

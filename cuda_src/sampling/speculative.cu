@@ -29,6 +29,7 @@ struct SpeculativeParams {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     chain_speculative_kernel(const __grid_constant__ SpeculativeParams p) {
+  wait_for_previous_grid();
   const T* __restrict__ draft_probs = p.draft_probs;
   const int32_t* __restrict__ draft_ids = p.draft_ids;
   const int64_t* __restrict__ draft_ids64 = p.draft_ids64;
