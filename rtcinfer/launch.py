@@ -250,7 +250,7 @@ class Launch:
     launching."""
 
     __slots__ = ("kernel", "grid", "block", "params", "lock", "tag", "_argv", "_argv_array",
-                 "_geometry", "_functions", "_launch", "_config", "_config_at",
+                 "_geometry", "_functions", "_launch", "_config", "_config_at", "_launch_ex",
                  "empty")  # fmt: skip
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int]):
@@ -264,7 +264,7 @@ class Launch:
         self._functions = kernel._functions  # device -> CUfunction, filled by kernel.function
         self._launch = cupy_api()[0].launchKernel
         self._config = None  # a dependent launch's configuration, made by its first launch
-        self._config_at = 0
+        self._config_at, self._launch_ex = 0, None
         self.empty = 0 in self.grid
         for n in (*self.grid, *self.block):
             if not 0 <= n < 2**31:
@@ -288,7 +288,9 @@ class Launch:
         if dependent is None:
             dependent = dependent_launch.enabled(device)
         if dependent:
-            status = self._launch_dependent(fn, stream)
+            config = self._config or self._dependent_config()
+            config.stream = stream
+            status = self._launch_ex(self._config_at, fn, self._argv, None)
             if status:
                 self._failed(status, fn, stream, device)
             return
@@ -297,13 +299,13 @@ class Launch:
         except cupy_api()[0].CUDADriverError as e:  # its status: the CUresult
             self._failed(e.status, fn, stream, device)
 
-    def _launch_dependent(self, fn: int, stream: int) -> int:
-        """cuLaunchKernelEx with the programmatic-dependency attribute; returns its CUresult."""
-        if not self._config_at:
-            self._config = dependent_launch.config(self.grid, self.block, self.kernel.smem)
-            self._config_at = ctypes.addressof(self._config)
-        self._config.stream = stream
-        return dependent_launch.launch_function()(self._config_at, fn, self._argv, None)
+    def _dependent_config(self):
+        """The configuration of this launch made dependent (its stream set per launch), made
+        by the first such launch with the driver's cuLaunchKernelEx."""
+        self._config = dependent_launch.config(self.grid, self.block, self.kernel.smem)
+        self._config_at = ctypes.addressof(self._config)
+        self._launch_ex = dependent_launch.launch_function()
+        return self._config
 
     def _failed(self, status: int, fn: int, stream: int, device: int) -> None:
         """A launch that failed: from a thread with no current context, make the device's
@@ -312,7 +314,9 @@ class Launch:
             cu, rt = cupy_api()
             rt.setDevice(device)
             if dependent_launch.enabled(device):
-                status = self._launch_dependent(fn, stream)
+                config = self._config or self._dependent_config()
+                config.stream = stream
+                status = self._launch_ex(self._config_at, fn, self._argv, None)
                 if not status:
                     return
             else:
