@@ -281,7 +281,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         strides with a contiguous, 16-byte aligned head_dim. out / lse: optional outputs.
         q_scale multiplies sm_scale as k_scale does (FlashInfer's calibration scales, None: 1);
         window_left may repeat the plan's value (None: the plan's); enable_pdl is accepted for
-        drop-in compatibility and has no effect (no programmatic dependent launch).
+        drop-in compatibility: launches on sm_90+ are programmatically dependent for the whole
+        process (rtcinfer/dependent_launch.py; RTCINFER_PDL=0 turns that off).
         plan_array: a plan_array() on the device, read instead of the wrapper's latest plan
         (which must have the same configuration); q may then have more rows than its batch.
         """

@@ -143,8 +143,8 @@ def softmax(logits, temperature=None, enable_pdl=None):
     probs = exp(logits / t - max(logits / t)) / sum(exp(logits / t - max(logits / t)), -1)
     logits: [batch, vocab] float32/float16/bfloat16 (rows may be strided); temperature: None
     (1), a float, or a [batch] float32 array. Rows of -inf give zeros; a NaN makes its row NaN.
-    enable_pdl is accepted for FlashInfer compatibility and ignored. Returns [batch, vocab]
-    float32 in the caller's array type.
+    enable_pdl is accepted for FlashInfer compatibility (dependent launches are process-wide:
+    rtcinfer/dependent_launch.py). Returns [batch, vocab] float32 in the caller's array type.
     """
     if torch_compiling(logits):  # a custom op node (rtcinfer/torch_ops.py)
         from .. import torch_ops
