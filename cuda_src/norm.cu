@@ -92,8 +92,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
     if constexpr (FUSED) copy_vec_async(&rs[item(i)], r_row + col(i));
   }
   // The weight (and bias) loads go out with the row's, so the reductions hide their latency,
-  // where the registers allow (a cold weight read after the reduction cost ~0.5-1 us a row at
-  // small batches); wider rows load them after the reduction.
+  // where the registers allow (a cold weight read after the reduction cost 0.5-1 us a call at
+  // 64-512 rows); wider rows load them after the reduction.
   WVec w_ahead[W_AHEAD ? ITEMS : 1], b_ahead[W_AHEAD && LAYER ? ITEMS : 1];
   if constexpr (W_AHEAD) {
 #pragma unroll
