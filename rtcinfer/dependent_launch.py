@@ -2,10 +2,11 @@
 programmatic-stream-serialization attribute may be scheduled while the kernel before it on the
 stream is still running; it waits inside, at `wait_for_previous_grid()` (cuda_src/common.cuh,
 the first statement of every kernel), until that kernel has finished and its writes are
-visible. The wait costs the same as before; what the overlap saves is the gap between two
-kernels on a stream (the next one's launch and the SMs' refill after the last CTAs of the
-previous one): ~3 us a kernel back to back on the H200, where FlashInfer launches this way too
-(its enable_pdl).
+visible. What the overlap saves is part of the gap between two kernels on a stream (the next
+one's launch and the SMs' refill after the last CTAs of the previous one): on the H200 large
+norm rows called back to back took ~3 us a call more than one replayed alone, ~1.8 us less of
+it with dependent launches, and a decode layer's four small ops in one CUDA graph 16.4 -> 14.3
+us (bench/RESULTS.md). FlashInfer launches this way too (its enable_pdl).
 
 The driver's cuLaunchKernelEx is called through ctypes with a launch configuration built once
 per prepared launch (only its stream is written per call); CuPy's wrapper has no such call.
