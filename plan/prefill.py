@@ -122,7 +122,7 @@ def _lengths(qo_indptr, kv_len) -> tuple[np.ndarray, np.ndarray]:
     batch = qo_len.shape[0]
     if kv.shape != (batch,):
         raise ValueError(f"kv_len must have shape ({batch},) to match qo_indptr, got {kv.shape}")
-    if batch and (int(kv.min()) < 0 or int(kv.max()) > INT32_MAX):
+    if batch and (int(np.minimum.reduce(kv)) < 0 or int(np.maximum.reduce(kv)) > INT32_MAX):
         b = first_bad((kv < 0) | (kv > INT32_MAX))
         raise ValueError(f"kv_len[{b}] ({int(kv[b])}) must be in [0, 2^31)")
     return qo_len, kv
@@ -217,7 +217,7 @@ def key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, ca
     else:
         end = kv_len[tile_request]
     if window_left < 0:
-        return np.zeros_like(end), end
+        return np.zeros(end.shape[0], end.dtype), end
     begin = offset + tile_row // group_size - window_left
     np.maximum(begin, 0, out=begin)
     np.minimum(begin, end, out=begin)
@@ -296,7 +296,7 @@ def plan_prefill(
         tile_indptr = tile_indptr_of(qo_len, group_size, tile_rows)
     batch = qo_len.shape[0]
     num_tiles = int(tile_indptr[-1])
-    tile_request = np.repeat(np.arange(batch, dtype=np.int64), np.diff(tile_indptr))
+    tile_request = np.repeat(np.arange(batch, dtype=np.int64), tile_indptr[1:] - tile_indptr[:-1])
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
     begin, end = key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
                              causal, window_left)  # fmt: skip
@@ -320,8 +320,11 @@ def plan_prefill(
     else:
         chunk = _search_chunk(begin, end, step, min_chunk_tokens, whole, budget)
     # one chunk covering every tile's keys: one item each (no ceil/floor pass needed)
-    items = np.ones_like(end) if chunk == whole else _items_per_tile(begin, end, chunk)
-    num_work = int(items.sum())
+    if chunk == whole:
+        items = np.ones(end.shape[0], end.dtype)
+    else:
+        items = _items_per_tile(begin, end, chunk)
+    num_work = int(np.add.reduce(items))
     if max_work is not None and num_work > max_work:
         raise ValueError(
             f"a chunk of {chunk} tokens gives {num_work} work items, more than max_work "
@@ -334,7 +337,7 @@ def plan_prefill(
 def _chunk_grid(end: np.ndarray, page_size: int, kv_tile: int) -> tuple[int, int]:
     """(whole, step): the chunk that covers every tile's keys (whole pages), and the unit an
     automatic chunk is made of (whole pages and whole K/V tiles)."""
-    max_end = max(int(end.max()) if end.shape[0] else 0, 1)
+    max_end = max(int(np.maximum.reduce(end)) if end.shape[0] else 0, 1)
     return -(-max_end // page_size) * page_size, page_size * kv_tile // math.gcd(page_size, kv_tile)
 
 
@@ -388,14 +391,21 @@ def _search_chunk(begin, end, step, min_chunk_tokens, whole, budget) -> int:
     return min(hi * step, whole)
 
 
+def _minus_ones(n: int) -> np.ndarray:
+    """int64[n] of -1 (np.full's Python layer costs a microsecond on a small batch's plan)."""
+    a = np.empty(n, np.int64)
+    a.fill(-1)
+    return a
+
+
 def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_row, begin,
            end, items) -> PrefillPlan:  # fmt: skip
     num_tiles = tile_request.shape[0]
-    num_work = int(items.sum())
+    num_work = int(np.add.reduce(items))
     if num_work == num_tiles:  # one item per tile (the common case): no slots, no repeats
         work_tile = np.arange(num_tiles, dtype=np.int64)
         work_begin, work_end = begin, end
-        tile_slot = work_slot = np.full(num_tiles, -1, dtype=np.int64)
+        tile_slot = work_slot = _minus_ones(num_tiles)
     else:
         item_indptr = np.zeros(num_tiles + 1, dtype=np.int64)
         np.cumsum(items, out=item_indptr[1:])
@@ -407,7 +417,7 @@ def _items(batch, group_size, tile_rows, chunk, qo_len, kv, tile_request, tile_r
         work_end = np.minimum(lo + chunk, end[work_tile])
         work_end = np.maximum(work_end, work_begin)  # an empty tile's single item stays empty
         split = items > 1
-        tile_slot = np.full(num_tiles, -1, dtype=np.int64)
+        tile_slot = _minus_ones(num_tiles)
         tile_slot[split] = np.concatenate([[0], np.cumsum(items[split])[:-1]])
         work_slot = np.where(split[work_tile], tile_slot[work_tile] + k, -1)
 

@@ -70,7 +70,8 @@ def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
 def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int) -> bool:
     """Whether a batch of 16-row tiles gives fewer CTAs than SMs (tiles x kv heads <= SMs):
     a decode batch of up to num_sms / num_kv_heads requests."""
-    qo_len = np.diff(np.asarray(qo_indptr, dtype=np.int64))
+    indptr = np.asarray(qo_indptr, dtype=np.int64)
+    qo_len = indptr[1:] - indptr[:-1]
     return int((-(-qo_len * group_size // 16)).sum()) * num_kv_heads <= num_sms
 
 
