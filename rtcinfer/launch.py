@@ -287,45 +287,31 @@ class Launch:
         dependent = _DEPENDENT_DEVICES.get(device)
         if dependent is None:
             dependent = dependent_launch.enabled(device)
+        status = self._issue(fn, stream, dependent)
+        if status == CUDA_ERROR_INVALID_CONTEXT:  # a thread with no current context
+            cupy_api()[1].setDevice(device)
+            status = self._issue(fn, stream, dependent)
+        if status:
+            raise CudaError(status, f"launch of {self.kernel!r}, grid {self.grid}")
+
+    def _issue(self, fn: int, stream: int, dependent: bool) -> int:
+        """One launch through the driver; returns its CUresult. Dependent: cuLaunchKernelEx
+        with the configuration made at the first such launch (only its stream written per
+        call); else cuLaunchKernel through CuPy's wrapper."""
         if dependent:
-            config = self._config or self._dependent_config()
+            config = self._config
+            if config is None:
+                config = self._config = dependent_launch.config(self.grid, self.block,
+                                                                self.kernel.smem)  # fmt: skip
+                self._config_at = ctypes.addressof(config)
+                self._launch_ex = dependent_launch.launch_function()
             config.stream = stream
-            status = self._launch_ex(self._config_at, fn, self._argv, None)
-            if status:
-                self._failed(status, fn, stream, device)
-            return
+            return self._launch_ex(self._config_at, fn, self._argv, None)
         try:
             self._launch(fn, *self._geometry, stream, self._argv, 0)
         except cupy_api()[0].CUDADriverError as e:  # its status: the CUresult
-            self._failed(e.status, fn, stream, device)
-
-    def _dependent_config(self):
-        """The configuration of this launch made dependent (its stream set per launch), made
-        by the first such launch with the driver's cuLaunchKernelEx."""
-        self._config = dependent_launch.config(self.grid, self.block, self.kernel.smem)
-        self._config_at = ctypes.addressof(self._config)
-        self._launch_ex = dependent_launch.launch_function()
-        return self._config
-
-    def _failed(self, status: int, fn: int, stream: int, device: int) -> None:
-        """A launch that failed: from a thread with no current context, make the device's
-        current and launch again; otherwise, or if that fails, raise the error by name."""
-        if status == CUDA_ERROR_INVALID_CONTEXT:
-            cu, rt = cupy_api()
-            rt.setDevice(device)
-            if dependent_launch.enabled(device):
-                config = self._config or self._dependent_config()
-                config.stream = stream
-                status = self._launch_ex(self._config_at, fn, self._argv, None)
-                if not status:
-                    return
-            else:
-                try:
-                    cu.launchKernel(fn, *self._geometry, stream, self._argv, 0)
-                    return
-                except cu.CUDADriverError as again:
-                    status = again.status
-        raise CudaError(status, f"launch of {self.kernel!r}, grid {self.grid}") from None
+            return e.status
+        return 0
 
     def __repr__(self) -> str:
         return f"Launch({self.kernel!r}, grid={self.grid}, block={self.block})"
