@@ -1,7 +1,8 @@
 """Dependent launches on and off in one process (rtcinfer/dependent_launch.py; sm_90+).
 
 Two tables: the host time per eager call of single-kernel ops (what the launch path costs:
-cuLaunchKernelEx through ctypes against CuPy's cuLaunchKernel), and the eager / loop / graph
+cuLaunchKernelEx through ctypes against CuPy's cuLaunchKernel; bench_overhead's interleaved
+rounds), and the eager / loop / graph
 views of large rows and of a layer's small ops called in a row (what the overlap of a launch
 with the previous kernel's last CTAs saves). The setting is switched for the device between
 measurements, the two settings measured in turn within each round; a CUDA graph keeps the
@@ -12,35 +13,25 @@ launches it captured. rtcinfer is called with PyTorch tensors when PyTorch is he
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 import rtcinfer
+from bench.bench_overhead import interleaved
 from bench.common import Table, Tables, callers, cupy, header, views
 from rtcinfer import dependent_launch
 from rtcinfer.interop.dtypes import numpy_dtype
 
-N, ROUNDS = 1000, 5
 
+def with_setting(device: int, dependent: bool, fn):
+    """fn, called with the device's launches dependent or not (both cells pay the same
+    dictionary write)."""
+    setting = dependent_launch.DEVICES
 
-def host_us(fn, sync, device: int) -> tuple[float, float]:
-    """(plain, dependent) least over ROUNDS of (wall time of N calls) / N, microseconds."""
-    best = {False: float("inf"), True: float("inf")}
-    for on in (False, True):  # warm both paths
-        dependent_launch.DEVICES[device] = on
-        for _ in range(20):
-            fn()
-    for _ in range(ROUNDS):
-        for on in (False, True):
-            dependent_launch.DEVICES[device] = on
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(N):
-                fn()
-            sync()
-            best[on] = min(best[on], (time.perf_counter() - t0) / N * 1e6)
-    return best[False], best[True]
+    def call():
+        setting[device] = dependent
+        fn()
+
+    return call
 
 
 def main() -> Tables:
@@ -68,8 +59,10 @@ def main() -> Tables:
         "rmsnorm 1 x 4096, CuPy": lambda: rtcinfer.rmsnorm(x, w),
     }
     for name, fn in calls.items():
-        plain, dep = host_us(fn, sync, device)
-        host.add(name, plain, dep, dep - plain)
+        cells = {on: (with_setting(device, on, fn), sync) for on in (False, True)}
+        best = interleaved(cells, name)
+        plain, dep = best.get(False), best.get(True)
+        host.add(name, plain, dep, None if None in (plain, dep) else dep - plain)
 
     overlap = Table("views, plain / dependent", ["case", "eager us", "loop us", "graph us"])
     cases = {}
