@@ -7,7 +7,10 @@ CuPy and JAX. fp8 tensors become uint8 views with their name kept by `dtype_name
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from collections.abc import Callable
 
 from .dtypes import FP8_DTYPES, normalize
 
@@ -23,36 +26,71 @@ def framework(x) -> str:
     return "dlpack"
 
 
+_COMPILE_TESTS: dict[type, Callable[[], bool]] = {}  # an argument's type -> its compile test
+
+
 def torch_compiling(x) -> bool:
     """Whether `x` is a PyTorch tensor seen while torch.compile traces: the call then becomes a
-    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one module-name
-    test, and PyTorch is never imported here."""
-    if type(x).__module__.partition(".")[0] != "torch":
-        return False
-    return sys.modules["torch"].compiler.is_compiling()
+    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one lookup of the
+    argument's type (its module tested once per type), and PyTorch is never imported here."""
+    test = _COMPILE_TESTS.get(type(x))
+    if test is None:
+        test = _compile_test(type(x))
+    return test()
+
+
+def _compile_test(cls: type) -> Callable[[], bool]:
+    if cls.__module__.partition(".")[0] == "torch":
+        test = sys.modules["torch"].compiler.is_compiling
+    else:
+        test = _never
+    _COMPILE_TESTS[cls] = test
+    return test
+
+
+def _never() -> bool:
+    return False
 
 
 def compilable(tensor_arg: str):
     """Decorates a public function so that its calls seen while PyTorch compiles become its
-    custom op (rtcinfer/torch_ops.py); the others run as they are (one module-name test on
-    the argument `tensor_arg`)."""
-    import functools
-    import inspect
+    custom op (rtcinfer/torch_ops.py); the others run as they are, after one compile test of
+    the argument `tensor_arg`. The wrapper is generated with the function's own parameters
+    (their defaults its own), so a call passes its arguments on without packing them into
+    *args and **kwargs."""
 
     def wrap(fn):
-        at = list(inspect.signature(fn).parameters).index(tensor_arg)
-
-        @functools.wraps(fn)
-        def routed(*args, **kwargs):
-            if torch_compiling(args[at] if len(args) > at else kwargs.get(tensor_arg)):
-                from .. import torch_ops
-
-                return torch_ops.call_public(routed, args, kwargs)
-            return fn(*args, **kwargs)
-
-        return routed
+        return functools.update_wrapper(_routed(fn, tensor_arg), fn)
 
     return wrap
+
+
+def _routed(fn, tensor_arg: str):
+    """`def <name>(<fn's parameters>)`: routed to the custom op while compiling, else fn."""
+    params, positional, keyword = [], [], []
+    names = {"_fn": fn, "_compiling": torch_compiling}  # the generated function's globals
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise TypeError(f"compilable: {fn.__name__}'s parameter {p} is not supported")
+        if p.kind is p.KEYWORD_ONLY and not keyword:
+            params.append("*")
+        (keyword if p.kind is p.KEYWORD_ONLY else positional).append(p.name)
+        if p.default is p.empty:
+            params.append(p.name)
+        else:
+            names[f"_default_{p.name}"] = p.default
+            params.append(f"{p.name}=_default_{p.name}")
+    args = "".join(f"{n}, " for n in positional)
+    kwargs = ", ".join(f"{n}={n}" for n in keyword)
+    source = (
+        f"def {fn.__name__}({', '.join(params)}):\n"
+        f"    if _compiling({tensor_arg}):\n"
+        f"        from rtcinfer import torch_ops\n"
+        f"        return torch_ops.call_public(_fn, ({args}), dict({kwargs}))\n"
+        f"    return _fn({args}{kwargs})\n"
+    )
+    exec(compile(source, f"<compilable {fn.__qualname__}>", "exec"), names)
+    return names[fn.__name__]
 
 
 def dtype_name(x) -> str:

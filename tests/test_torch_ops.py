@@ -9,8 +9,11 @@ import inspect
 import pytest
 
 import rtcinfer
+from rtcinfer.interop import arrays
+from rtcinfer.interop.arrays import compilable
 
 torch = pytest.importorskip("torch")
+from rtcinfer import torch_ops  # noqa: E402 - needs PyTorch
 
 
 def _meta(*shape):
@@ -401,3 +404,44 @@ def test_compiled_single_requests_and_shared_prefix_give_the_eager_bits():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q_one, q, k, v, cache)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_compilable_wrapper_keeps_the_signature_and_passes_every_argument():
+    seen = []
+
+    def op(input, weight, eps: float = 1e-6, *, out=None, flag=False):
+        """doc"""
+        seen.append((input, weight, eps, out, flag))
+        return "ran"
+
+    wrapped = compilable("input")(op)
+    assert inspect.signature(wrapped) == inspect.signature(op)
+    assert (wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__) == ("op", "doc", op)
+    assert wrapped(1, 2) == "ran" and seen[-1] == (1, 2, 1e-6, None, False)
+    assert wrapped(1, weight=2, eps=3.0, out=4, flag=True) == "ran"
+    assert seen[-1] == (1, 2, 3.0, 4, True)
+    with pytest.raises(TypeError):
+        wrapped(1, 2, 3.0, 4)  # out is keyword-only, as in the function
+    with pytest.raises(TypeError, match="not supported"):
+        compilable("x")(lambda x, *rest: None)
+
+
+def test_a_compilable_call_is_routed_only_while_compiling(monkeypatch):
+    routed = []
+
+    def call_public(fn, args, kwargs):
+        routed.append((fn.__name__, args, kwargs))
+
+    monkeypatch.setattr(torch_ops, "call_public", call_public)
+
+    def op(input, scale=2.0, *, out=None):
+        return "eager"
+
+    wrapped = compilable("input")(op)
+    x = torch.zeros(2)
+    assert wrapped(x) == "eager" and not routed
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(arrays, "_COMPILE_TESTS", {})  # each type's test looked up anew
+    wrapped(x, 3.0, out=x)
+    assert routed == [("op", (x, 3.0), {"out": x})]
+    assert wrapped(object()) == "eager"  # not a tensor: never routed
