@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable
 
 from .dtypes import FP8_DTYPES, normalize
 
@@ -26,30 +25,14 @@ def framework(x) -> str:
     return "dlpack"
 
 
-_COMPILE_TESTS: dict[type, Callable[[], bool]] = {}  # an argument's type -> its compile test
-
-
 def torch_compiling(x) -> bool:
     """Whether `x` is a PyTorch tensor seen while torch.compile traces: the call then becomes a
-    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one lookup of the
-    argument's type (its module tested once per type), and PyTorch is never imported here."""
-    test = _COMPILE_TESTS.get(type(x))
-    if test is None:
-        test = _compile_test(type(x))
-    return test()
-
-
-def _compile_test(cls: type) -> Callable[[], bool]:
-    if cls.__module__.partition(".")[0] == "torch":
-        test = sys.modules["torch"].compiler.is_compiling
-    else:
-        test = _never
-    _COMPILE_TESTS[cls] = test
-    return test
-
-
-def _never() -> bool:
-    return False
+    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one module-name
+    test, and PyTorch is never imported here. (No cache of the test per type: TorchDynamo,
+    tracing this function, would guard on the cache's contents and recompile when it grows.)"""
+    if type(x).__module__.partition(".")[0] != "torch":
+        return False
+    return sys.modules["torch"].compiler.is_compiling()
 
 
 def compilable(tensor_arg: str):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer.interop import arrays
 from rtcinfer.interop.arrays import compilable
 
 torch = pytest.importorskip("torch")
@@ -441,7 +441,25 @@ def test_a_compilable_call_is_routed_only_while_compiling(monkeypatch):
     x = torch.zeros(2)
     assert wrapped(x) == "eager" and not routed
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(arrays, "_COMPILE_TESTS", {})  # each type's test looked up anew
     wrapped(x, 3.0, out=x)
     assert routed == [("op", (x, 3.0), {"out": x})]
     assert wrapped(object()) == "eager"  # not a tensor: never routed
+
+
+def test_eager_calls_between_compiled_ones_do_not_recompile():
+    """The compile test keeps no state that TorchDynamo would guard on: calls of other
+    argument types between two compiled calls leave the compiled graph valid."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x, w: rtcinfer.rmsnorm(x, w), fullgraph=True,
+                             backend=backend)  # fmt: skip
+    compiled(_meta(4, 64), _meta(64))
+    for x in (np.zeros((4, 64), np.float32), [0.0] * 64):  # refused by name, after the test
+        with pytest.raises(TypeError):
+            rtcinfer.rmsnorm(x, np.zeros(64, np.float32))
+    compiled(_meta(4, 64), _meta(64))
+    assert len(graphs) == 1
