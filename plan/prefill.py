@@ -150,8 +150,9 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
     """Whether plan_prefill gives the batch one item per tile because the tiles alone fill the
     GPU (num_tiles * num_kv_heads >= slots, or max_work) and plan_prefill's wave cut keeps
     them whole (_wave_chunk: causal, window_left, page_size and kv_tile as plan_prefill takes
-    them), the split is disabled or there are no tiles (and the tiles fit max_work;
-    plan_prefill names the error where they do not)."""
+    them), the split is disabled, there are no tiles, or no request has more keys than the
+    least chunk plan_prefill would cut them into (its default min_chunk_tokens; and the tiles
+    fit max_work; plan_prefill names the error where they do not)."""
     num_tiles = tiles.num_tiles
     budget = num_sms * ctas_per_sm // num_kv_heads
     if max_work is not None:
@@ -160,9 +161,11 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
         budget = min(budget, max_work)
     if disable_split_kv or num_tiles == 0:
         return True
-    if fixed_split_size is not None or num_tiles < budget:
+    if fixed_split_size is not None:
         return False
     qo_len, kv = tiles.qo_len, tiles.kv_len
+    if num_tiles < budget:  # plan_prefill searches a chunk, which cannot cut the shortest keys
+        return _too_short_to_split(kv, page_size, kv_tile)
     if not _wave_cut_may_pay(num_tiles, budget, qo_len, kv):
         return True
     # requests alike, one tile each: plan_prefill's key ranges and wave cut, as it takes them
@@ -171,6 +174,15 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
                             tiles.tile_rows, causal, window_left)  # fmt: skip
     whole, step = _chunk_grid(end, page_size, kv_tile)
     return _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile) == whole
+
+
+def _too_short_to_split(kv_len: np.ndarray, page_size: int, kv_tile: int) -> bool:
+    """Whether _search_chunk can only return `whole` for these requests: the least chunk it
+    tries (min_chunk_tokens in whole steps) covers the longest request's keys, and so every
+    tile's key range (which ends at or before its request's keys do)."""
+    longest = int(np.maximum.reduce(kv_len)) if kv_len.shape[0] else 0
+    whole, step = _chunk_grid(np.array([longest]), page_size, kv_tile)
+    return -(-whole // step) <= -(-MIN_CHUNK_TOKENS // step)
 
 
 def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
