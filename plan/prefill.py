@@ -146,13 +146,14 @@ def tile_counts(qo_indptr, kv_len, group_size: int, tile_rows: int) -> TilePlan:
 def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: int,
               fixed_split_size: int | None = None, disable_split_kv: bool = False,
               max_work: int | None = None, causal: bool = False, window_left: int = -1,
-              page_size: int = 1, kv_tile: int = 1) -> bool:  # fmt: skip
+              page_size: int = 1, kv_tile: int = 1,
+              min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> bool:  # fmt: skip
     """Whether plan_prefill gives the batch one item per tile because the tiles alone fill the
     GPU (num_tiles * num_kv_heads >= slots, or max_work) and plan_prefill's wave cut keeps
     them whole (_wave_chunk: causal, window_left, page_size and kv_tile as plan_prefill takes
     them), the split is disabled, there are no tiles, or no request has more keys than the
-    least chunk plan_prefill would cut them into (its default min_chunk_tokens; and the tiles
-    fit max_work; plan_prefill names the error where they do not)."""
+    least chunk plan_prefill would cut them into (min_chunk_tokens as it takes it; and the
+    tiles fit max_work; plan_prefill names the error where they do not)."""
     num_tiles = tiles.num_tiles
     budget = num_sms * ctas_per_sm // num_kv_heads
     if max_work is not None:
@@ -164,25 +165,17 @@ def fills_gpu(tiles: TilePlan, num_kv_heads: int, *, num_sms: int, ctas_per_sm: 
     if fixed_split_size is not None:
         return False
     qo_len, kv = tiles.qo_len, tiles.kv_len
-    if num_tiles < budget:  # plan_prefill searches a chunk, which cannot cut the shortest keys
-        return _too_short_to_split(kv, page_size, kv_tile)
+    if num_tiles < budget:  # plan_prefill searches a chunk: none cuts keys within its least
+        whole, step = _chunk_grid(_longest(kv), page_size, kv_tile)
+        return _least_steps(min_chunk_tokens, step, whole) * step >= whole
     if not _wave_cut_may_pay(num_tiles, budget, qo_len, kv):
         return True
     # requests alike, one tile each: plan_prefill's key ranges and wave cut, as it takes them
     first = np.zeros(num_tiles, np.int64)
     begin, end = key_ranges(qo_len, kv, np.arange(num_tiles), first, tiles.group_size,
                             tiles.tile_rows, causal, window_left)  # fmt: skip
-    whole, step = _chunk_grid(end, page_size, kv_tile)
+    whole, step = _chunk_grid(_longest(end), page_size, kv_tile)
     return _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile) == whole
-
-
-def _too_short_to_split(kv_len: np.ndarray, page_size: int, kv_tile: int) -> bool:
-    """Whether _search_chunk can only return `whole` for these requests: the least chunk it
-    tries (min_chunk_tokens in whole steps) covers the longest request's keys, and so every
-    tile's key range (which ends at or before its request's keys do)."""
-    longest = int(np.maximum.reduce(kv_len)) if kv_len.shape[0] else 0
-    whole, step = _chunk_grid(np.array([longest]), page_size, kv_tile)
-    return -(-whole // step) <= -(-MIN_CHUNK_TOKENS // step)
 
 
 def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
@@ -312,7 +305,7 @@ def plan_prefill(
     tile_row = (np.arange(num_tiles, dtype=np.int64) - tile_indptr[tile_request]) * tile_rows
     begin, end = key_ranges(qo_len, kv, tile_request, tile_row, group_size, tile_rows,
                              causal, window_left)  # fmt: skip
-    whole, step = _chunk_grid(end, page_size, kv_tile)
+    whole, step = _chunk_grid(_longest(end), page_size, kv_tile)
     slots = num_sms * ctas_per_sm
     budget = slots // num_kv_heads if max_work is None else min(slots // num_kv_heads, max_work)
     if max_work is not None and num_tiles > max_work:
@@ -346,10 +339,16 @@ def plan_prefill(
                   begin, end, items)  # fmt: skip
 
 
-def _chunk_grid(end: np.ndarray, page_size: int, kv_tile: int) -> tuple[int, int]:
-    """(whole, step): the chunk that covers every tile's keys (whole pages), and the unit an
-    automatic chunk is made of (whole pages and whole K/V tiles)."""
-    max_end = max(int(np.maximum.reduce(end)) if end.shape[0] else 0, 1)
+def _longest(end: np.ndarray) -> int:
+    """The largest entry of an int array, 0 if it is empty."""
+    return int(np.maximum.reduce(end)) if end.shape[0] else 0
+
+
+def _chunk_grid(longest: int, page_size: int, kv_tile: int) -> tuple[int, int]:
+    """(whole, step): the chunk that covers keys [0, longest) (whole pages: every tile's keys
+    when `longest` is their largest end), and the unit an automatic chunk is made of (whole
+    pages and whole K/V tiles)."""
+    max_end = max(longest, 1)
     return -(-max_end // page_size) * page_size, page_size * kv_tile // math.gcd(page_size, kv_tile)
 
 
@@ -388,12 +387,19 @@ def _wave_chunk(begin, end, step, whole, budget, max_work, kv_tile) -> int:
     return best if best_cost / whole_cost <= 1 - WAVE_GAIN else whole
 
 
+def _least_steps(min_chunk_tokens: int, step: int, whole: int) -> int:
+    """The fewest steps of an automatic chunk: min_chunk_tokens in whole steps, at most the
+    steps of `whole` (_search_chunk's lower bound; a chunk of it or more keeps every tile of
+    keys within `whole` in one item)."""
+    return min(-(-min_chunk_tokens // step), -(-whole // step))
+
+
 def _search_chunk(begin, end, step, min_chunk_tokens, whole, budget) -> int:
     """A chunk (whole steps of `step` tokens, at least min_chunk_tokens, at most `whole`) whose
     W(c) fits the budget: bisection over steps; W is not monotone in c on a fixed grid, but the
     bisection only keeps chunks that fit, and `whole` (one item per tile) always does."""
     hi = -(-whole // step)
-    lo = min(-(-min_chunk_tokens // step), hi)
+    lo = _least_steps(min_chunk_tokens, step, whole)
     while lo < hi:
         mid = (lo + hi) // 2
         if int(_items_per_tile(begin, end, min(mid * step, whole)).sum()) <= budget:
