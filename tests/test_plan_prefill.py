@@ -189,8 +189,8 @@ def test_fills_gpu_agrees_with_the_wave_cut(qo, kv, causal, window_left):
 @pytest.mark.parametrize("seed", range(40))
 def test_fills_gpu_only_where_plan_prefill_keeps_every_tile_whole(seed):
     """Small batches too: where fills_gpu says one item a tile (the device expands them),
-    plan_prefill gives exactly that; batches whose keys fit the least chunk (256 tokens) are
-    never split, so they take the device's items."""
+    plan_prefill gives exactly that; batches whose keys fit the least chunk (min_chunk_tokens)
+    are never split, so they take the device's items."""
     rng = np.random.default_rng(seed)
     b = int(rng.integers(1, 12))
     qo = rng.integers(0, 40, b)
@@ -198,13 +198,15 @@ def test_fills_gpu_only_where_plan_prefill_keeps_every_tile_whole(seed):
     indptr = np.concatenate([[0], np.cumsum(qo)])
     page, kv_tile = int(rng.choice([1, 16, 64])), int(rng.choice([64, 128]))
     rows = int(rng.choice([16, 64]))
+    least = int(rng.choice([16, 256, 1024]))  # min_chunk_tokens, as both take it
     gpu = dict(num_sms=132, ctas_per_sm=2)
-    shape = dict(causal=bool(seed % 2), window_left=-1, page_size=page, kv_tile=kv_tile)
+    shape = dict(causal=bool(seed % 2), window_left=-1, page_size=page, kv_tile=kv_tile,
+                 min_chunk_tokens=least)  # fmt: skip
     plan = plan_prefill(indptr, kv, 4, 8, 128, tile_rows=rows, **gpu, **shape)
     fills = fills_gpu(tile_counts(indptr, kv, 4, rows), 8, **gpu, **shape)
     if fills:
         assert plan.num_work == plan.num_tiles and not plan.split_kv
-    if int(kv.max()) <= 256 and page <= 64:
+    if int(kv.max()) <= least and least % page == 0 and least % kv_tile == 0:
         assert fills
 
 
