@@ -84,19 +84,20 @@ _OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))
 
 
 @compilable("input")
-def silu_and_mul(input, *, out=None):
-    """out = silu(input[..., :d]) * input[..., d:], silu(a) = a * sigmoid(a). input: [..., 2d]."""
+def silu_and_mul(input, out=None, enable_pdl=None):
+    """out = silu(input[..., :d]) * input[..., d:], silu(a) = a * sigmoid(a). input: [..., 2d].
+    enable_pdl: accepted for FlashInfer compatibility (rmsnorm's docstring)."""
     return call(_OP, (input, out), ("silu",))
 
 
 @compilable("input")
-def gelu_and_mul(input, *, out=None):
+def gelu_and_mul(input, out=None, enable_pdl=None):
     """out = gelu(input[..., :d]) * input[..., d:], exact (erf) GELU. input: [..., 2d]."""
     return call(_OP, (input, out), ("gelu",))
 
 
 @compilable("input")
-def gelu_tanh_and_mul(input, *, out=None):
+def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
     """out = gelu_tanh(input[..., :d]) * input[..., d:], tanh-approximated GELU."""
     return call(_OP, (input, out), ("gelu_tanh",))
 

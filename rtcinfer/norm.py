@@ -173,18 +173,20 @@ _FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=
 
 
 @compilable("input")
-def rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
+def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """RMSNorm over the last dimension.
 
     out = input * rsqrt(mean(input**2, -1, keepdims=True) + eps) * weight   (fp32 math)
     input: [..., hidden] fp16/bf16/fp32 (rows may be strided); weight: [hidden], same dtype or
-    fp32. Returns `out` (allocated when not given) in the caller's array type.
+    fp32. Returns `out` (allocated when not given) in the caller's array type. enable_pdl, as
+    in every op that takes it, is accepted for FlashInfer compatibility: launches on sm_90+ are
+    programmatically dependent for the whole process (rtcinfer/dependent_launch.py).
     """
     return call(_PLAIN, (input, weight, None, out), ("rmsnorm",), (float(eps),))
 
 
 @compilable("input")
-def gemma_rmsnorm(input, weight, eps: float = 1e-6, *, out=None):
+def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """Gemma's RMSNorm: out = input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)."""
     return call(_PLAIN, (input, weight, None, out), ("gemma_rmsnorm",), (float(eps),))
 
@@ -199,7 +201,7 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
 
 
 @compilable("input")
-def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
+def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None):
     """residual += input; input = rmsnorm(residual, weight, eps), both in place.
 
     The sum is rounded to the input dtype when stored, and the norm reads that stored value,
@@ -210,7 +212,7 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
 
 
 @compilable("input")
-def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6):
+def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
     return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
 

@@ -42,6 +42,9 @@ _TYPES = {
 
 
 _WRITTEN: dict[str, tuple[str, ...]] = {}  # op name -> the arguments it writes in place
+# Arguments a public function takes for FlashInfer compatibility that change nothing it does
+# (dependent launches are process-wide): left out of the ops' schemas.
+_HINTS = ("enable_pdl",)
 
 
 def _register(public, name: str, mutated=(), outputs=(), fake=None) -> None:
@@ -50,7 +53,7 @@ def _register(public, name: str, mutated=(), outputs=(), fake=None) -> None:
     nothing; call_public returns them as the public function does). `outputs`: the arguments
     it returns new arrays like (fake: empty_like of them) unless `fake` says otherwise; with
     outputs, an `{name}_out` op takes their `_out` arrays last and writes them."""
-    names = [n for n in inspect.signature(public).parameters if n != "out"]
+    names = [n for n in inspect.signature(public).parameters if n != "out" and n not in _HINTS]
     _WRITTEN[name] = tuple(mutated)
     marks = iter("abcdef")
 
@@ -338,6 +341,8 @@ def call_public(public, args: tuple, kwargs: dict, name: str | None = None):
     bound.apply_defaults()
     values = dict(bound.arguments)
     out = values.pop("out", None)
+    for hint in _HINTS:
+        values.pop(hint, None)
     name = name or public.__name__
     result = call(name, *values.values(), out=out)
     if result is not None:

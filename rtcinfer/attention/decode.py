@@ -42,6 +42,8 @@ from .planned import (
     write_run_arguments,
 )
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .prefill_args import check_backend
+from .run_options import refuse
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
 
@@ -85,6 +87,13 @@ class _Launch:
     batch: int  # rows of q and o
     max_page: int  # largest page id in kv_indices (-1 without pages)
     packed: np.ndarray  # the packed plan (a view of the upload's host buffer: plan_array())
+
+
+# plan()'s keywords that FlashInfer 0.7.2 still takes positionally after page_size, in order
+PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
+                   "kv_data_type", "o_data_type", "data_type", "sm_scale", "rope_scale",
+                   "rope_theta", "non_blocking", "block_tables", "seq_lens", "fixed_split_size",
+                   "disable_split_kv", "q_len_per_req")  # fmt: skip
 
 
 class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
@@ -134,10 +143,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
     RUN_GIVEN = ("out", "lse")
 
     def __init__(
-        self, workspace=None, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-        paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-        paged_kv_last_page_len_buffer=None,
+        self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
+        use_tensor_cores=False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None, backend="auto", jit_args=None,
     ):  # fmt: skip
+        check_backend(backend, jit_args)
+        workspace = float_workspace_buffer
         super().__init__(workspace, kv_layout, use_cuda_graph)
         if self._graph:
             if paged_kv_indptr_buffer is None or paged_kv_indices_buffer is None:
@@ -166,6 +177,18 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
                 paged_kv_indices_buf=paged_kv_indices_buffer,
             )  # fmt: skip
 
+    @property
+    def use_tensor_cores(self) -> bool:
+        """Whether plan() and run() go through the prefill kernel (use_tensor_cores=True)."""
+        return self._tc is not None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """PlannedWrapper.reset_workspace_buffer, for the prefill wrapper of
+        use_tensor_cores=True too."""
+        super().reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+        if self._tc is not None:
+            self._tc.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+
     def _setup(self, cfg: Config) -> None:
         """A new configuration: its kernel, the planner's view of the GPU, graph capacity."""
         num_sms, max_smem = device_limits(self._device)
@@ -176,21 +199,50 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
             # (room to cut a straggler: plan/decode.py's _straggler_chunk fits its chunk to it)
             self._max_work = max(2 * self._max_batch, num_sms * ctas // cfg.kv_blocks, 1)
 
-    def plan(
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, *deprecated_positional_args, **kwargs) -> None:  # fmt: skip
+        """Validate the batch on the host, choose the split-KV work list, upload it (one copy).
+        The keywords are _plan's; as in FlashInfer 0.7.2, the ones of PLAN_POSITIONAL may
+        also follow page_size in that order (FlashInfer's deprecated form)."""
+        if len(deprecated_positional_args) > len(PLAN_POSITIONAL):
+            raise TypeError(
+                f"plan() takes at most {len(PLAN_POSITIONAL)} optional arguments after "
+                f"page_size positionally, got {len(deprecated_positional_args)}"
+            )
+        for name, value in zip(PLAN_POSITIONAL, deprecated_positional_args, strict=False):
+            if name in kwargs:
+                raise TypeError(f"plan() got multiple values for argument {name!r}")
+            kwargs[name] = value
+        self._plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                   page_size, **kwargs)  # fmt: skip
+
+    def _plan(
         self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
         *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
         q_data_type="float16", kv_data_type=None, o_data_type=None, sm_scale=None,
         rope_scale=None, rope_theta=None, fixed_split_size=None, disable_split_kv=False,
-        non_blocking=True,
+        non_blocking=True, data_type=None, block_tables=None, seq_lens=None, q_len_per_req=1,
+        window_right=0, is_causal=None,
     ) -> None:  # fmt: skip
-        """Validate the batch on the host, choose the split-KV work list, upload it (one copy).
+        """plan() with its keywords bound.
 
         indptr [B + 1], indices [indptr[-1]], last_page_len [B]: integer arrays, host (no sync)
         or device (one device-to-host copy each). Page ids are checked against the cache in
         run(). fixed_split_size (pages per chunk) makes results batch-invariant; -1, as in
         FlashInfer, means None. non_blocking is accepted for drop-in compatibility: host arrays
         never wait for the device and device arrays are always copied, whatever its value.
+        data_type, FlashInfer's older name, stands for q_data_type when that is None and for
+        kv_data_type when that is; block_tables and seq_lens (read by FlashInfer's trtllm-gen
+        backend only) are ignored; q_len_per_req must be 1 and window_right 0 (one query, at
+        the last position: is_causal changes nothing).
         """
+        if window_right != 0:
+            raise ValueError(f"window_right={window_right!r}: decode sees no key after its query")
+        if data_type is not None:
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+        if q_len_per_req not in (None, 1):
+            raise ValueError(f"q_len_per_req={q_len_per_req!r}: decode takes one query a request")
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
         if self._tc is not None:  # one query per request through the prefill kernel
@@ -272,7 +324,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         return launch
 
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse=False, enable_pdl=None, window_left=None,
+            lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None,
+            q_len_per_req=None, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None,
             plan_array=None):  # fmt: skip
         """o [B, Hq, D] (and lse [B, Hq] float32, base 2, when return_lse) for q [B, Hq, D].
 
@@ -285,7 +338,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         process (rtcinfer/dependent_launch.py; RTCINFER_PDL=0 turns that off).
         plan_array: a plan_array() on the device, read instead of the wrapper's latest plan
         (which must have the same configuration); q may then have more rows than its batch.
+        sinks, skip_softmax_threshold_scale_factor, kv_cache_sf and q_len_per_req other than 1
+        (FlashInfer's trtllm-gen options) are not supported: they raise when given.
         """
+        refuse(sinks=sinks, kv_cache_sf=kv_cache_sf,
+               skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+               q_len_per_req=None if q_len_per_req in (None, 1) else q_len_per_req)  # fmt: skip
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
@@ -394,10 +452,10 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
     """The wrapper with use_cuda_graph=True (FlashInfer's constructor): the buffers' lengths
     fix the capacity (max batch = len(indptr_buffer) - 1, max pages = len(indices_buffer))."""
 
-    def __init__(self, workspace, indptr_buffer, indices_buffer, last_page_len_buffer,
+    def __init__(self, workspace_buffer, indptr_buffer, indices_buffer, last_page_len_buffer,
                  kv_layout="NHD", use_tensor_cores=False):  # fmt: skip
         super().__init__(
-            workspace, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
             paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
             paged_kv_last_page_len_buffer=last_page_len_buffer,
         )  # fmt: skip

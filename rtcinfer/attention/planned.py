@@ -256,6 +256,42 @@ class PlannedWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph
 
+    def begin_forward(self, *args, **kwargs) -> None:
+        """plan() by FlashInfer's older name."""
+        return self.plan(*args, **kwargs)
+
+    def run_return_lse(self, *args, **kwargs):
+        """run(..., return_lse=True): (o, lse) (FlashInfer's name)."""
+        return self.run(*args, return_lse=True, **kwargs)
+
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """FlashInfer's load, before a CUDA-graph capture, of its kernel for K and V of
+        different strides: nothing to load here (every kernel takes K's and V's strides
+        apart, and plan() loads the kernels)."""
+        if variant != "independent":
+            raise ValueError(f"variant must be 'independent', got {variant!r}")
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """Later plans lay out `float_workspace_buffer` (FlashInfer's; its int_workspace_buffer
+        has no use here). The current plan is dropped: plan() again before run(). Runs already
+        launched may still read the old buffer, which must outlive them (as in FlashInfer). A
+        wrapper whose runs a CUDA graph holds (use_cuda_graph=True, or a run() captured) keeps
+        its workspace: the graphs read it."""
+        if self._graph or self._captured is not None:
+            raise ValueError(
+                f"{type(self).__name__}: a wrapper whose run() a CUDA graph holds keeps its "
+                "workspace (the graph reads it); make a new wrapper instead"
+            )
+        device = device_of(float_workspace_buffer)
+        if device != self._device:
+            raise ValueError(
+                f"float_workspace_buffer is on device {device}, this wrapper's on {self._device}"
+            )
+        buffer = as_cupy(float_workspace_buffer, "float_workspace_buffer")
+        self._ws.wait_uploads()  # no upload still reads the old plan's host buffers
+        self._ws = Workspace(self._device, buffer)
+        self._reserved = self._deferred = self._launch = None
+
     def _configure(self, args: tuple, make: Callable, setup: Callable) -> object:
         """The configuration plan()'s static `args` make: the current one when they are the
         same arguments, else make(*args), with setup(config) run when it differs from the

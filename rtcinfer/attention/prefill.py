@@ -47,12 +47,14 @@ from .prefill_args import (
     io_fields,
     make_prefill_config,
     mask_capacity_bytes,
+    multi_item_scoring,
     unsupported,
 )
 from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
+from .run_options import check_given_hn, check_lse_form, finish_lse, kernel_lse, logit_scale, refuse
 
 
 @dataclass(slots=True)
@@ -193,30 +195,53 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             )
         return fixed
 
-    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None):
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None,
+             lse_base="log2", lse_layout="NH", window_left=None):  # fmt: skip
+        """run() of either wrapper: (o, lse) when return_lse, else o (lse, when given, is
+        written); the LSE in the base and layout asked for (run_options.py)."""
+        check_lse_form(lse_base, lse_layout)
+        with_lse = return_lse or lse is not None
+        given = lse
+        if lse_layout == "HN":
+            check_given_hn(lse, q.shape[0], q.shape[1])
+            lse = kernel_lse(lse, lse_layout)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
-            return torch_attention.run(self, q, k, v, out, lse, return_lse, None, k_scale,
-                                       v_scale, plan_array=plan_array)  # fmt: skip
+            result = torch_attention.run(self, q, k, v, out, lse, with_lse, None, k_scale,
+                                         v_scale, window_left, plan_array)  # fmt: skip
+        else:
+            result = self._launch_run(q, k, v, out, lse, with_lse, k_scale, v_scale, plan_array,
+                                      window_left)  # fmt: skip
+        if not with_lse:
+            return result
+        o, s = result
+        if (lse_base, lse_layout) != ("log2", "NH"):
+            s = finish_lse(s, lse_base, lse_layout, given if lse_layout == "HN" else None)
+        return (o, s) if return_lse else o
+
+    def _launch_run(self, q, k, v, out, lse, with_lse, k_scale, v_scale, plan_array,
+                    window_left):  # fmt: skip
+        """The kernel's part of run(): o, or (o, lse) when with_lse."""
         st = self._array_launch() if plan_array is not None else self._launch
         if st is None:
             raise RuntimeError("plan() must be called before run()")
-        with_lse = return_lse or lse is not None
+        if window_left is not None and window_left != st.cfg.attn.window_left:
+            raise ValueError(
+                f"run(window_left={window_left!r}) differs from the plan's window_left "
+                f"({st.cfg.attn.window_left}): pass None or plan() again"
+            )
         qk, vs = kv_scales(k_scale, v_scale)
         scalars = (st.cfg.attn.sm_scale * qk, vs)
         if plan_array is None:
-            result = self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
-        else:
-            result = self._call_array((q, k, v, out, lse, plan_array), with_lse, scalars)
-        if return_lse:
-            return result
-        return result[0] if with_lse else result
+            return self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
+        return self._call_array((q, k, v, out, lse, plan_array), with_lse, scalars)
 
     def _compiled_run(self, q, k, v, k_scale, v_scale, window_left, plan_array=None) -> tuple:
         """(o, lse) of run() with the current plan, or `plan_array` (torch_attention's ops at
         run time)."""
-        return self._run(q, k, v, None, None, True, k_scale, v_scale, plan_array)
+        return self._launch_run(q, k, v, None, None, True, k_scale, v_scale, plan_array,
+                                window_left)  # fmt: skip
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""
@@ -274,22 +299,31 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     qo_indptr[b]:qo_indptr[b + 1] of q [nnz_q, Hq, D], its keys rows kv_indptr[b]:kv_indptr[b + 1]
     of k, v [nnz_kv, Hkv, D] (any token and head strides, head_dim contiguous)."""
 
-    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
-                 mask_indptr_buf=None, backend="auto", jit_args=None):  # fmt: skip
-        check_backend(backend, jit_args)
-        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf,
+                 mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None,
+                 variant_owns_mask=False):  # fmt: skip
+        check_backend(backend, jit_args, jit_kwargs, variant_owns_mask)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf,
                          custom_mask_buf=custom_mask_buf)  # fmt: skip
 
     def plan(
         self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
         custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
-        window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
-        q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-        fixed_split_size=None, disable_split_kv=False,
+        use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None,
+        rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+        o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
+        token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
+        disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
+        max_sequence_kv=None, v_indptr=None, o_indptr=None, uniform_q_len=None,
     ) -> None:  # fmt: skip
-        """Validate the batch on the host, plan the work, upload it (one copy)."""
+        """Validate the batch on the host, plan the work, upload it (one copy).
+
+        FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
+        ones without a counterpart here do)."""
         unsupported(head_dim_vo, head_dim_qk)
+        multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                           max_item_len_ptr)  # fmt: skip
         qo = host_ints("qo_indptr", qo_indptr)
         kv = host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -306,11 +340,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                    (custom_mask, packed_custom_mask), fixed_split_size, disable_split_kv,
                    int(kv[-1]))  # fmt: skip
 
-    def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
-            enable_pdl=None, plan_array=None):  # fmt: skip
+    def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None,
+            lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            kv_cache_sf=None, plan_array=None):  # fmt: skip
         """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse); plan_array:
-        a plan_array() on the device, read instead of the latest plan (prefill_array.py)."""
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array)
+        a plan_array() on the device, read instead of the latest plan (prefill_array.py).
+        q_scale and k_scale multiply the logits, v_scale the output (FlashInfer's calibration
+        scales); lse_base="ln" / lse_layout="HN": FlashInfer's other LSE forms
+        (run_options.py); o_scale and kv_cache_sf are not supported (raise when given)."""
+        refuse(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
+        return self._run(q, k, v, out, lse, return_lse, logit_scale(q_scale, k_scale), v_scale,
+                         plan_array, lse_base, lse_layout)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
@@ -340,11 +380,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     request b's keys are the first kv_len_b tokens of pages
     paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]."""
 
-    def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
-                 backend="auto", jit_args=None):  # fmt: skip
-        check_backend(backend, jit_args)
+                 backend="auto", jit_args=None, jit_kwargs=None,
+                 variant_owns_mask=False):  # fmt: skip
+        check_backend(backend, jit_args, jit_kwargs, variant_owns_mask)
+        workspace = float_workspace_buffer
         if use_cuda_graph and paged_kv_indices_buf is None:
             raise ValueError(
                 "use_cuda_graph=True needs paged_kv_indices_buf: its length fixes the pages"
@@ -356,13 +398,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     def plan(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
         num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
-        packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", window_left=-1,
-        logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
-        q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-        fixed_split_size=None, disable_split_kv=False,
+        packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
+        rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+        o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
+        token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None,
+        block_tables=None, max_token_per_sequence=None, max_sequence_kv=None,
+        fixed_split_size=None, disable_split_kv=False, uniform_q_len=None,
     ) -> None:  # fmt: skip
-        """Validate the batch on the host, plan the work, upload it (one copy)."""
+        """Validate the batch on the host, plan the work, upload it (one copy).
+
+        FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
+        ones without a counterpart here do)."""
         unsupported(head_dim_vo, head_dim_qk)
+        multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                           max_item_len_ptr)  # fmt: skip
         qo = host_ints("qo_indptr", qo_indptr)
         indptr = host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = host_ints("paged_kv_indices", paged_kv_indices, widen=False)
@@ -382,13 +432,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         self._plan(qo, kv_len, indptr[:-1], indices, args, (custom_mask, packed_custom_mask),
                    fixed_split_size, disable_split_kv, max_page + 1)  # fmt: skip
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, plan_array=None):  # fmt: skip
+    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
+            lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            window_left=None, sinks=None, kv_cache_sf=None,
+            skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
+            uses_spcompress=None, plan_array=None):  # fmt: skip
         """o [nnz_q, Hq, D] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
         batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND; plan_array: a
-        plan_array() on the device (prefill_array.py)."""
+        plan_array() on the device (prefill_array.py). The scales and LSE forms as in the
+        ragged wrapper's run(); window_left may repeat the plan's (None: the plan's);
+        use_fp16_softmax is a precision hint (the softmax stays fp32); sinks, kv_cache_sf,
+        skip_softmax_threshold_scale_factor and uses_spcompress are not supported (raise when
+        given)."""
+        refuse(sinks=sinks, kv_cache_sf=kv_cache_sf, uses_spcompress=uses_spcompress or None,
+               skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)  # fmt: skip
         k, v = kv_pair(paged_kv_cache)
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array)
+        return self._run(q, k, v, out, lse, return_lse, logit_scale(q_scale, k_scale), v_scale,
+                         plan_array, lse_base, lse_layout, window_left)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn

@@ -1,5 +1,5 @@
 """The prefill API's arguments checked: plan()'s made into a PrefillConfig, FlashInfer's that
-select nothing here (the backends, one kernel serving them all; the options with no
+select nothing here (the backends, one kernel serving them all; PLAN_NOTES; the options with no
 counterpart, raised; head_dim_vo), the CUDA-graph mask buffer (its size reserves room in the
 workspace), and run()'s q, out and lse strides (io_fields)."""
 
@@ -38,13 +38,42 @@ def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
 
 
-def check_backend(backend, jit_args=None) -> None:
+def check_backend(backend, jit_args=None, jit_kwargs=None, variant_owns_mask=False) -> None:
     """FlashInfer's constructor options that have no counterpart here raise; the backends
     that compute the same thing are accepted."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if jit_args is not None:
-        raise ValueError("jit_args (custom attention variants) are not supported")
+    if jit_args is not None or jit_kwargs is not None or variant_owns_mask:
+        raise ValueError(
+            "jit_args, jit_kwargs and variant_owns_mask (custom attention variants) are not "
+            "supported"
+        )
+
+
+# plan()'s FlashInfer 0.7.2 parameters that select nothing here:
+PLAN_NOTES = """
+use_fp16_qk_reduction: QK products accumulate in fp32 whatever it says (at least FlashInfer's
+    precision).
+seq_lens, seq_lens_q, block_tables, max_token_per_sequence, max_sequence_kv, v_indptr,
+    o_indptr: FlashInfer's cuDNN and trtllm-gen backends read them and its fa2 and fa3 ignore
+    them; the backends here are those two, so they are ignored.
+uniform_q_len: a hint for FlashInfer's fa2 CUDA-graph scheduler; ignored (the plan sees the
+    query lengths themselves).
+prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr: multi-item
+    scoring, not supported: a value other than the default raises.
+"""
+
+
+def multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                       max_item_len_ptr) -> None:  # fmt: skip
+    """FlashInfer's multi-item scoring arguments, refused unless left at their defaults."""
+    pointers = {"prefix_len_ptr": prefix_len_ptr, "token_pos_in_items_ptr": token_pos_in_items_ptr,
+                "max_item_len_ptr": max_item_len_ptr}  # fmt: skip
+    given = [name for name, value in pointers.items() if value is not None]
+    if token_pos_in_items_len:
+        given.append("token_pos_in_items_len")
+    if given:
+        raise ValueError(f"multi-item scoring ({', '.join(given)}) is not supported")
 
 
 def unsupported(head_dim_vo, head_dim_qk) -> None:

@@ -84,10 +84,14 @@ class MultiLevelCascadeAttentionWrapper:
     """
 
     def __init__(self, num_levels, float_workspace_buffer=None, kv_layout="NHD",
-                 use_cuda_graph=False, **buffers):  # fmt: skip
+                 use_cuda_graph=False, qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None,
+                 paged_kv_indices_buf_arr=None,
+                 paged_kv_last_page_len_buf_arr=None):  # fmt: skip
         if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels must be an integer >= 1, got {num_levels!r}")
-        if use_cuda_graph or any(b is not None for b in buffers.values()):
+        buffers = (qo_indptr_buf_arr, paged_kv_indptr_buf_arr, paged_kv_indices_buf_arr,
+                   paged_kv_last_page_len_buf_arr)  # fmt: skip
+        if use_cuda_graph or any(b is not None for b in buffers):
             raise ValueError("use_cuda_graph=True is not supported yet by the cascade wrapper")
         self._levels = [
             BatchPrefillWithPagedKVCacheWrapper(
@@ -163,6 +167,25 @@ class MultiLevelCascadeAttentionWrapper:
 
     forward = run
 
+    def begin_forward(self, *args, **kwargs) -> None:
+        """plan() by FlashInfer's older name."""
+        return self.plan(*args, **kwargs)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return False
+
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """Nothing to load (PlannedWrapper.prewarm_paged_kv_stride_variant)."""
+        self._levels[0].prewarm_paged_kv_stride_variant(variant)
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffers=None) -> None:
+        """The first level's plans go into `float_workspace_buffer` (the other levels keep
+        buffers of their own; int_workspace_buffers has no use here); plan() again before
+        run() (BatchPrefillWithPagedKVCacheWrapper.reset_workspace_buffer)."""
+        self._levels[0].reset_workspace_buffer(float_workspace_buffer)
+        self._nnz = None
+
 
 class _SharedPrefixWrapper:
     """What the two shared-prefix wrappers share: the prefix as contiguous K/V seen by every
@@ -175,6 +198,16 @@ class _SharedPrefixWrapper:
         self._config: dict | None = None  # plan()'s arguments the shared level takes too
         self._own_work = 0.0  # level_work of the requests' own pages
         self._heads = (1, 1, 1)  # (num_qo_heads, num_kv_heads, head_dim) of the plan
+
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """Nothing to load (PlannedWrapper.prewarm_paged_kv_stride_variant)."""
+        self._inner.prewarm_paged_kv_stride_variant(variant)
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """The requests' own pages are planned into `float_workspace_buffer` from now on; plan()
+        again before run() (the inner wrapper's reset_workspace_buffer)."""
+        self._inner.reset_workspace_buffer(float_workspace_buffer, int_workspace_buffer)
+        self._config = None
 
     def run(self, q, k_shared, v_shared, unique_kv_cache, return_lse=False):
         """o (and lse when return_lse) over the shared prefix and each request's pages."""

@@ -22,6 +22,7 @@ from .paged_kv import check_cache_view, check_layout, token_head
 from .prefill_args import check_backend, io_fields, make_prefill_config
 from .prefill_launch import plan_launch
 from .prefill_plan import ITEM_INTS, RAGGED_PAGE, items_at, pack_plan
+from .run_options import refuse
 from .workspace import device_copy, split_scratch
 
 
@@ -29,7 +30,8 @@ def single_prefill_with_kv_cache(
     q, k, v, scale_q=None, scale_k=None, scale_v=None, o_dtype=None, custom_mask=None,
     packed_custom_mask=None, causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
     use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None,
-    rope_scale=None, rope_theta=None, backend="auto", return_lse=False,
+    rope_scale=None, rope_theta=None, backend="auto", return_lse=False, kv_cache_sf=None,
+    k_scale=None, v_scale=None,
 ):  # fmt: skip
     """Prefill attention of one request (math above); a custom mask ([qo_len, kv_len] bool,
     True where query i sees key j, or those bits flattened and packed little-endian:
@@ -41,10 +43,11 @@ def single_prefill_with_kv_cache(
     (64, 128, 256). Returns o [qo_len, Hq, D] (o_dtype, default q's), and also
     lse [qo_len, Hq] float32 (base 2) when return_lse. The work list depends only on the
     shapes: it is built and uploaded once per signature. QK products accumulate in fp32
-    whatever use_fp16_qk_reduction says.
+    whatever use_fp16_qk_reduction says. The fp8 scales (scale_q, scale_k, scale_v, k_scale,
+    v_scale) and kv_cache_sf are not supported yet: they raise when given.
     """
-    if scale_q is not None or scale_k is not None or scale_v is not None:
-        raise ValueError("scale_q, scale_k and scale_v (fp8 inputs) are not supported yet")
+    refuse(scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, k_scale=k_scale, v_scale=v_scale,
+           kv_cache_sf=kv_cache_sf)  # fmt: skip
     check_backend(backend)
     if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
         from .. import torch_attention as ta

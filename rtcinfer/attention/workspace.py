@@ -148,7 +148,7 @@ class Workspace:
         runtime.memsetAsync(self.base, 0, cap.zeroed_bytes, stream.ptr)
         self.pointers = {name: self.base + at for name, at in off.items()}
         if not self._host or self._host[0].shape[0] < cap.plan_ints:
-            self._wait_uploads()
+            self.wait_uploads()
             self._pinned = [cupy.cuda.alloc_pinned_memory(4 * cap.plan_ints) for _ in range(2)]
             self._host = [np.frombuffer(m, np.int32, cap.plan_ints) for m in self._pinned]
             self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
@@ -189,7 +189,8 @@ class Workspace:
         """Event recorded after the most recent upload."""
         return self._events[self._next ^ 1]
 
-    def _wait_uploads(self) -> None:
+    def wait_uploads(self) -> None:
+        """Wait for the copies that may still read the pinned host buffers."""
         for i, pending in enumerate(self._pending):
             if pending:
                 self._events[i].synchronize()

@@ -242,8 +242,28 @@ _LOGITS_OP = Op("sample_from_logits", ("logits",) + _OP.slots[1:], _prepare_from
 
 
 def _sample(op, probs, indices, *, top_k=0, top_p=1.0, min_p=0.0, generator=None, seed=None,
-            offset=None, check_nan=False, out=None, logits=False):  # fmt: skip
-    """The sampler `op` on probs, or (logits=True) on softmax(probs) in the same call."""
+            offset=None, check_nan=False, out=None, logits=False, return_valid=False):  # fmt: skip
+    """The sampler `op` on probs, or (logits=True) on softmax(probs) in the same call;
+    return_valid: (samples, valid) with valid[b] whether row b has a value > 0 to draw (a row
+    without one gives token 0), FlashInfer's valid flags."""
+    samples = _sample_tokens(op, probs, indices, top_k, top_p, min_p, generator, seed, offset,
+                             check_nan, out, logits)  # fmt: skip
+    if not return_valid:
+        return samples
+    return samples, _valid_rows(probs, indices)
+
+
+def _valid_rows(probs, indices):
+    """valid[b] = any(probs[r] > 0), r = indices[b] or b (NaN and negatives are never drawn),
+    in the caller's array type."""
+    valid = (probs > 0).any(-1)
+    if indices is None:
+        return valid
+    return valid[indices.long() if framework(indices) == "torch" else indices]
+
+
+def _sample_tokens(op, probs, indices, top_k, top_p, min_p, generator, seed, offset, check_nan,
+                   out, logits):  # fmt: skip
     if torch_compiling(probs):  # a custom op node (rtcinfer/torch_ops.py)
         from .. import torch_ops
 
@@ -272,8 +292,9 @@ def _flag_set(flag) -> bool:
     return bool(int(np.asarray(flag.get() if framework(flag) == "cupy" else flag)[0]))
 
 
-def sampling_from_probs(probs, indices=None, *, deterministic=True, generator=None,
-                        check_nan=False, seed=None, offset=None, out=None):  # fmt: skip
+def sampling_from_probs(probs, indices=None, deterministic=True, generator=None,
+                        check_nan=False, seed=None, offset=None, return_valid=False, *,
+                        out=None):  # fmt: skip
     """Categorical sampling.
 
     samples[b] ~ probs[r] / sum(probs[r]),  r = indices[b] if indices is not None else b
@@ -282,12 +303,12 @@ def sampling_from_probs(probs, indices=None, *, deterministic=True, generator=No
     CUDA graphs). Returns samples [batch] in the caller's array type.
     """
     return _sample("plain", probs, indices, generator=generator, seed=seed, offset=offset,
-                   check_nan=check_nan, out=out)  # fmt: skip
+                   check_nan=check_nan, out=out, return_valid=return_valid)  # fmt: skip
 
 
-def top_k_sampling_from_probs(probs, top_k, indices=None, *, deterministic=True,
+def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
-                              out=None):  # fmt: skip
+                              return_valid=False, *, out=None):  # fmt: skip
     """Top-k sampling without sorting.
 
     kept = {j : count(p > p[j]) < top_k}   (ties with the k-th largest value are all kept)
@@ -295,12 +316,13 @@ def top_k_sampling_from_probs(probs, top_k, indices=None, *, deterministic=True,
     top_k: int or [batch] int32/int64; top_k <= 0 or >= vocab keeps everything.
     """
     return _sample("top_k", probs, indices, top_k=top_k, generator=generator, seed=seed,
-                   offset=offset, check_nan=check_nan, out=out)  # fmt: skip
+                   offset=offset, check_nan=check_nan, out=out,
+                   return_valid=return_valid)  # fmt: skip
 
 
-def top_p_sampling_from_probs(probs, top_p, indices=None, *, deterministic=True,
+def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
-                              out=None):  # fmt: skip
+                              return_valid=False, *, out=None):  # fmt: skip
     """Top-p (nucleus) sampling without sorting.
 
     kept = {j : sum(p[p > p[j]]) < top_p * sum(p)} | {argmax p}
@@ -308,24 +330,26 @@ def top_p_sampling_from_probs(probs, top_p, indices=None, *, deterministic=True,
     top_p: float or [batch] float32; top_p >= 1 keeps everything, a tiny top_p keeps the max.
     """
     return _sample("top_p", probs, indices, top_p=top_p, generator=generator, seed=seed,
-                   offset=offset, check_nan=check_nan, out=out)  # fmt: skip
+                   offset=offset, check_nan=check_nan, out=out,
+                   return_valid=return_valid)  # fmt: skip
 
 
-def min_p_sampling_from_probs(probs, min_p, indices=None, *, deterministic=True,
+def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
-                              out=None):  # fmt: skip
+                              return_valid=False, *, out=None):  # fmt: skip
     """Min-p sampling: kept = {j : p[j] >= min(min_p, 1) * max(p)}; samples ~ p * kept.
 
     min_p: float or [batch] float32; min_p <= 0 keeps everything.
     """
     return _sample("min_p", probs, indices, min_p=min_p, generator=generator, seed=seed,
-                   offset=offset, check_nan=check_nan, out=out)  # fmt: skip
+                   offset=offset, check_nan=check_nan, out=out,
+                   return_valid=return_valid)  # fmt: skip
 
 
-def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, *,
+def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None,
                                     filter_apply_order="top_k_first", deterministic=True,
                                     generator=None, check_nan=False, seed=None, offset=None,
-                                    out=None):  # fmt: skip
+                                    return_valid=False, *, out=None):  # fmt: skip
     """Top-k and top-p sampling in one kernel.
 
     "top_k_first": q = top_k_renorm(p); kept = top_p filter of q (FlashInfer's default)
@@ -334,7 +358,7 @@ def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None, *,
     """
     return _sample(_order_op(filter_apply_order), probs, indices, top_k=top_k, top_p=top_p,
                    generator=generator, seed=seed, offset=offset, check_nan=check_nan,
-                   out=out)  # fmt: skip
+                   out=out, return_valid=return_valid)  # fmt: skip
 
 
 def _order_op(filter_apply_order: str) -> str:
@@ -345,8 +369,8 @@ def _order_op(filter_apply_order: str) -> str:
     return "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
 
 
-def sampling_from_logits(logits, indices=None, *, deterministic=True, generator=None,
-                         check_nan=False, seed=None, offset=None, out=None):  # fmt: skip
+def sampling_from_logits(logits, indices=None, deterministic=True, generator=None,
+                         check_nan=False, seed=None, offset=None, *, out=None):  # fmt: skip
     """sampling_from_probs(softmax(logits), ...) in one call: the softmax kernel, then the
     sampler; the tokens equal those of sampling_from_probs on rtcinfer's softmax for the same
     seed/offset."""
@@ -354,9 +378,9 @@ def sampling_from_logits(logits, indices=None, *, deterministic=True, generator=
                    check_nan=check_nan, out=out, logits=True)  # fmt: skip
 
 
-def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None, *,
+def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None,
                                      filter_apply_order="top_k_first", deterministic=True,
-                                     generator=None, check_nan=False, seed=None, offset=None,
+                                     generator=None, check_nan=False, seed=None, offset=None, *,
                                      out=None):  # fmt: skip
     """top_k_top_p_sampling_from_probs(softmax(logits), ...) in one call (top_k_first: the
     softmax of the top-k masked logits equals top_k_renorm of the softmax, up to rounding)."""

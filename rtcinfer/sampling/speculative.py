@@ -138,7 +138,7 @@ _OP = Op("chain_speculative_sampling", _SLOTS, _prepare)
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
                                maybe_output_accepted_token_num=None,
-                               maybe_output_emitted_draft_token_num=None, *,
+                               maybe_output_emitted_draft_token_num=None,
                                deterministic=True, generator=None, seed=None,
                                offset=None):  # fmt: skip
     """Verify a chain of n draft tokens per request against the target model.

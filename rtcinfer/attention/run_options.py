@@ -1,0 +1,101 @@
+"""run()'s FlashInfer 0.7.2 options beyond the arrays: the LSE's base and layout, the scales
+folded into one logit factor, and the options with no counterpart here (refused by name unless
+left at their defaults).
+
+The kernels write the LSE as FlashInfer's do, base 2 in [tokens, heads] ("log2", "NH"); the
+other forms are made from it afterwards, as FlashInfer makes them: "ln" = log2 form * ln 2,
+"HN" = its contiguous transpose [heads, tokens], in the caller's array type (a given `lse`
+must then have the requested layout).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from ..interop.arrays import framework
+
+LSE_BASES = ("log2", "ln")
+LSE_LAYOUTS = ("NH", "HN")
+LN2 = math.log(2.0)
+
+
+def refuse(**options) -> None:
+    """ValueError naming the options given a value other than None (FlashInfer's run()
+    options with no counterpart here: sinks, kv_cache_sf, ...)."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise ValueError(f"run() options not supported: {', '.join(given)}")
+
+
+def logit_scale(q_scale, k_scale):
+    """q_scale and k_scale as the one factor of the logits they are (None when both are)."""
+    if q_scale is None:
+        return k_scale
+    return float(q_scale) * (1.0 if k_scale is None else float(k_scale))
+
+
+def check_lse_form(lse_base: str, lse_layout: str) -> None:
+    if lse_base not in LSE_BASES:
+        raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+
+
+def kernel_lse(lse, lse_layout: str):
+    """The `lse` the kernel writes: the caller's for "NH", a new one for "HN" (the caller's
+    [heads, tokens] array is filled from it by finish_lse)."""
+    return lse if lse_layout == "NH" else None
+
+
+def finish_lse(lse, lse_base: str, lse_layout: str, given=None):
+    """The kernel's base-2 [tokens, heads] `lse` in the requested base and layout: "NH" in
+    place where the array type allows it, "HN" into `given` ([heads, tokens], contiguous) or a
+    new contiguous array."""
+    if lse_layout == "NH":
+        if lse_base == "ln":
+            lse *= LN2  # in place for PyTorch and CuPy; a new array for JAX
+        return lse
+    kind = framework(lse)
+    heads_tokens = lse.T
+    if given is not None:
+        _copy_into(given, heads_tokens, kind)
+        out = given
+    elif kind == "torch":
+        out = heads_tokens.contiguous()
+    elif kind == "jax":
+        out = heads_tokens
+    else:
+        out = heads_tokens.copy()  # CuPy: C order
+    if lse_base == "ln":
+        out *= LN2
+    return out
+
+
+def check_given_hn(lse, nnz: int, num_qo_heads: int) -> None:
+    """A caller's lse for lse_layout="HN": [num_qo_heads, nnz] float32, contiguous."""
+    if lse is None:
+        return
+    shape = tuple(lse.shape)
+    dtype = str(lse.dtype).rpartition(".")[2]
+    if shape != (num_qo_heads, nnz) or dtype != "float32":
+        raise ValueError(
+            f'lse for lse_layout="HN": expected shape ({num_qo_heads}, {nnz}) and float32, got '
+            f"{shape} and {dtype}"
+        )
+    contiguous = lse.is_contiguous() if framework(lse) == "torch" else lse.flags.c_contiguous
+    if not contiguous:
+        raise ValueError('lse for lse_layout="HN" must be contiguous')
+
+
+def _copy_into(dst, src, kind: str) -> None:
+    if kind == "torch":
+        dst.copy_(src)
+    elif kind == "jax":
+        raise TypeError("lse= is not supported for JAX arrays (they are immutable)")
+    else:
+        sys.modules["cupy"].copyto(dst, src)
+
+
+__all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_given_hn", "check_lse_form", "finish_lse",
+           "kernel_lse", "logit_scale", "refuse"]  # fmt: skip

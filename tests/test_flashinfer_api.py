@@ -1,0 +1,372 @@
+"""rtcinfer's public API against FlashInfer 0.7.2's, from the signatures recorded below (read
+from flashinfer-python 0.7.2.post1's sources): every FlashInfer parameter is accepted under its
+name, FlashInfer's positional parameters are positional here in the same order (a call written
+for FlashInfer binds each argument to the same parameter), and the wrappers have FlashInfer's
+methods, but for the deprecated or backend-specific ones in NOT_PROVIDED."""
+
+import inspect
+
+import pytest
+
+import rtcinfer
+
+# name -> (positional parameters, keyword-only parameters); the decode plan's keywords are those
+# its **kwargs take.
+# fmt: off
+FLASHINFER_0_7_2 = {
+    "BatchDecodeWithPagedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "use_tensor_cores",
+         "paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer",
+         "backend", "jit_args"),
+        (),
+    ),
+    "BatchDecodeWithPagedKVCacheWrapper.plan": (
+        ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+         "page_size"),
+        ("pos_encoding_mode", "window_left", "window_right", "logits_soft_cap", "q_data_type",
+         "kv_data_type", "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta",
+         "non_blocking", "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv",
+         "q_len_per_req", "is_causal"),
+    ),
+    "BatchDecodeWithPagedKVCacheWrapper.run": (
+        ("q", "paged_kv_cache"),
+        ("q_scale", "k_scale", "v_scale", "out", "lse", "return_lse", "enable_pdl", "window_left",
+         "sinks", "q_len_per_req", "skip_softmax_threshold_scale_factor", "kv_cache_sf"),
+    ),
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout"),
+        (),
+    ),
+    "BatchPrefillWithPagedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
+         "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf",
+         "custom_mask_buf", "mask_indptr_buf", "backend", "jit_args", "jit_kwargs",
+         "variant_owns_mask"),
+        (),
+    ),
+    "BatchPrefillWithPagedKVCacheWrapper.plan": (
+        ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+         "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size", "head_dim_vo", "custom_mask",
+         "packed_custom_mask", "causal", "pos_encoding_mode", "use_fp16_qk_reduction", "sm_scale",
+         "window_left", "logits_soft_cap", "rope_scale", "rope_theta", "q_data_type",
+         "kv_data_type", "o_data_type", "non_blocking", "prefix_len_ptr", "token_pos_in_items_ptr",
+         "token_pos_in_items_len", "max_item_len_ptr", "seq_lens", "seq_lens_q", "block_tables",
+         "max_token_per_sequence", "max_sequence_kv", "fixed_split_size", "disable_split_kv",
+         "uniform_q_len"),
+        (),
+    ),
+    "BatchPrefillWithPagedKVCacheWrapper.run": (
+        ("q", "paged_kv_cache"),
+        ("q_scale", "k_scale", "v_scale", "out", "lse", "return_lse", "lse_base", "lse_layout",
+         "enable_pdl", "window_left", "sinks", "kv_cache_sf",
+         "skip_softmax_threshold_scale_factor", "use_fp16_softmax", "uses_spcompress"),
+    ),
+    "BatchPrefillWithRaggedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
+         "kv_indptr_buf", "custom_mask_buf", "mask_indptr_buf", "backend", "jit_args",
+         "jit_kwargs", "variant_owns_mask"),
+        (),
+    ),
+    "BatchPrefillWithRaggedKVCacheWrapper.plan": (
+        ("qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo",
+         "custom_mask", "packed_custom_mask", "causal", "pos_encoding_mode",
+         "use_fp16_qk_reduction", "window_left", "logits_soft_cap", "sm_scale", "rope_scale",
+         "rope_theta", "q_data_type", "kv_data_type", "o_data_type", "non_blocking",
+         "prefix_len_ptr", "token_pos_in_items_ptr", "token_pos_in_items_len", "max_item_len_ptr",
+         "fixed_split_size", "disable_split_kv", "seq_lens", "seq_lens_q",
+         "max_token_per_sequence", "max_sequence_kv", "v_indptr", "o_indptr", "uniform_q_len"),
+        (),
+    ),
+    "BatchPrefillWithRaggedKVCacheWrapper.run": (
+        ("q", "k", "v"),
+        ("out", "lse", "return_lse", "lse_base", "lse_layout", "enable_pdl", "kv_cache_sf"),
+    ),
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout"),
+        (),
+    ),
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper.__init__": (
+        ("workspace_buffer", "indptr_buffer", "indices_buffer", "last_page_len_buffer",
+         "kv_layout", "use_tensor_cores"),
+        (),
+    ),
+    "MultiLevelCascadeAttentionWrapper.__init__": (
+        ("num_levels", "float_workspace_buffer", "kv_layout", "use_cuda_graph",
+         "qo_indptr_buf_arr", "paged_kv_indptr_buf_arr", "paged_kv_indices_buf_arr",
+         "paged_kv_last_page_len_buf_arr"),
+        (),
+    ),
+    "MultiLevelCascadeAttentionWrapper.plan": (
+        ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr", "paged_kv_last_page_len",
+         "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "causal", "pos_encoding_mode",
+         "use_fp16_qk_reduction", "sm_scale", "window_left", "logits_soft_cap", "rope_scale",
+         "rope_theta", "q_data_type", "kv_data_type"),
+        (),
+    ),
+    "MultiLevelCascadeAttentionWrapper.run": (
+        ("q", "paged_kv_cache"),
+        (),
+    ),
+    "append_paged_kv_cache": (
+        ("append_key", "append_value", "batch_indices", "positions", "paged_kv_cache",
+         "kv_indices", "kv_indptr", "kv_last_page_len", "kv_layout"),
+        (),
+    ),
+    "apply_llama31_rope": (
+        ("q", "k", "indptr", "offsets", "rotary_dim", "interleave", "rope_scale", "rope_theta",
+         "low_freq_factor", "high_freq_factor", "old_context_len"),
+        (),
+    ),
+    "apply_llama31_rope_inplace": (
+        ("q", "k", "indptr", "offsets", "rotary_dim", "interleave", "rope_scale", "rope_theta",
+         "low_freq_factor", "high_freq_factor", "old_context_len"),
+        (),
+    ),
+    "apply_llama31_rope_pos_ids": (
+        ("q", "k", "pos_ids", "rotary_dim", "interleave", "rope_scale", "rope_theta",
+         "low_freq_factor", "high_freq_factor", "old_context_len"),
+        (),
+    ),
+    "apply_llama31_rope_pos_ids_inplace": (
+        ("q", "k", "pos_ids", "rotary_dim", "interleave", "rope_scale", "rope_theta",
+         "low_freq_factor", "high_freq_factor", "old_context_len"),
+        (),
+    ),
+    "apply_rope": (
+        ("q", "k", "indptr", "offsets", "rotary_dim", "interleave", "rope_scale", "rope_theta"),
+        (),
+    ),
+    "apply_rope_inplace": (
+        ("q", "k", "indptr", "offsets", "rotary_dim", "interleave", "rope_scale", "rope_theta"),
+        (),
+    ),
+    "apply_rope_pos_ids": (
+        ("q", "k", "pos_ids", "rotary_dim", "interleave", "rope_scale", "rope_theta"),
+        (),
+    ),
+    "apply_rope_pos_ids_inplace": (
+        ("q", "k", "pos_ids", "rotary_dim", "interleave", "rope_scale", "rope_theta"),
+        (),
+    ),
+    "apply_rope_with_cos_sin_cache": (
+        ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
+        (),
+    ),
+    "apply_rope_with_cos_sin_cache_inplace": (
+        ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"),
+        (),
+    ),
+    "chain_speculative_sampling": (
+        ("draft_probs", "draft_token_ids", "target_probs", "maybe_output_accepted_token_num",
+         "maybe_output_emitted_draft_token_num", "deterministic", "generator", "seed", "offset"),
+        (),
+    ),
+    "fused_add_rmsnorm": (
+        ("input", "residual", "weight", "eps", "enable_pdl"),
+        (),
+    ),
+    "gelu_and_mul": (
+        ("input", "out", "enable_pdl"),
+        (),
+    ),
+    "gelu_tanh_and_mul": (
+        ("input", "out", "enable_pdl"),
+        (),
+    ),
+    "gemma_fused_add_rmsnorm": (
+        ("input", "residual", "weight", "eps", "enable_pdl"),
+        (),
+    ),
+    "gemma_rmsnorm": (
+        ("input", "weight", "eps", "out", "enable_pdl"),
+        (),
+    ),
+    "get_batch_indices_positions": (
+        ("append_indptr", "seq_lens", "nnz", "batch_indices", "positions"),
+        (),
+    ),
+    "get_seq_lens": (
+        ("kv_indptr", "kv_last_page_len", "page_size"),
+        (),
+    ),
+    "layernorm": (
+        ("input", "gemma", "beta", "eps"),
+        (),
+    ),
+    "merge_state": (
+        ("v_a", "s_a", "v_b", "s_b"),
+        (),
+    ),
+    "merge_state_in_place": (
+        ("v", "s", "v_other", "s_other", "mask"),
+        (),
+    ),
+    "merge_states": (
+        ("v", "s"),
+        (),
+    ),
+    "min_p_sampling_from_probs": (
+        ("probs", "min_p", "indices", "deterministic", "generator", "check_nan", "seed", "offset",
+         "return_valid"),
+        (),
+    ),
+    "packbits": (
+        ("x", "bitorder"),
+        (),
+    ),
+    "rmsnorm": (
+        ("input", "weight", "eps", "out", "enable_pdl"),
+        (),
+    ),
+    "sampling_from_logits": (
+        ("logits", "indices", "deterministic", "generator", "check_nan", "seed", "offset"),
+        (),
+    ),
+    "sampling_from_probs": (
+        ("probs", "indices", "deterministic", "generator", "check_nan", "seed", "offset",
+         "return_valid"),
+        (),
+    ),
+    "segment_packbits": (
+        ("x", "indptr", "bitorder"),
+        (),
+    ),
+    "silu_and_mul": (
+        ("input", "out", "enable_pdl"),
+        (),
+    ),
+    "single_decode_with_kv_cache": (
+        ("q", "k", "v", "kv_layout", "pos_encoding_mode", "use_tensor_cores", "q_scale",
+         "k_scale", "v_scale", "window_left", "logits_soft_cap", "sm_scale", "rope_scale",
+         "rope_theta", "return_lse"),
+        (),
+    ),
+    "single_prefill_with_kv_cache": (
+        ("q", "k", "v", "scale_q", "scale_k", "scale_v", "o_dtype", "custom_mask",
+         "packed_custom_mask", "causal", "kv_layout", "pos_encoding_mode", "use_fp16_qk_reduction",
+         "sm_scale", "window_left", "logits_soft_cap", "rope_scale", "rope_theta", "backend",
+         "return_lse", "kv_cache_sf", "k_scale", "v_scale"),
+        (),
+    ),
+    "softmax": (
+        ("logits", "temperature", "enable_pdl"),
+        (),
+    ),
+    "top_k_mask_logits": (
+        ("logits", "top_k"),
+        (),
+    ),
+    "top_k_renorm_probs": (
+        ("probs", "top_k", "is_deterministic"),
+        (),
+    ),
+    "top_k_sampling_from_probs": (
+        ("probs", "top_k", "indices", "deterministic", "generator", "check_nan", "seed", "offset",
+         "return_valid"),
+        (),
+    ),
+    "top_k_top_p_sampling_from_logits": (
+        ("logits", "top_k", "top_p", "indices", "filter_apply_order", "deterministic",
+         "generator", "check_nan", "seed", "offset"),
+        (),
+    ),
+    "top_k_top_p_sampling_from_probs": (
+        ("probs", "top_k", "top_p", "indices", "filter_apply_order", "deterministic", "generator",
+         "check_nan", "seed", "offset", "return_valid"),
+        (),
+    ),
+    "top_p_renorm_probs": (
+        ("probs", "top_p", "is_deterministic"),
+        (),
+    ),
+    "top_p_sampling_from_probs": (
+        ("probs", "top_p", "indices", "deterministic", "generator", "check_nan", "seed", "offset",
+         "return_valid"),
+        (),
+    ),
+}
+
+# class -> its public methods and attributes
+FLASHINFER_0_7_2_METHODS = {
+    "BatchDecodeWithPagedKVCacheWrapper": (
+        "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
+        "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "resolved_backend", "run",
+        "run_return_lse", "use_tensor_cores", "workspace_size"
+    ),
+    "BatchDecodeWithSharedPrefixPagedKVCacheWrapper": (
+        "begin_forward", "forward", "reset_workspace_buffer"
+    ),
+    "BatchPrefillWithPagedKVCacheWrapper": (
+        "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
+        "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "run", "run_return_lse",
+        "workspace_size"
+    ),
+    "BatchPrefillWithRaggedKVCacheWrapper": (
+        "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
+        "reset_workspace_buffer", "run", "run_return_lse"
+    ),
+    "BatchPrefillWithSharedPrefixPagedKVCacheWrapper": (
+        "begin_forward", "forward", "prewarm_paged_kv_stride_variant", "reset_workspace_buffer"
+    ),
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": (),
+    "MultiLevelCascadeAttentionWrapper": (
+        "begin_forward", "forward", "is_cuda_graph_enabled", "plan",
+        "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "run"
+    ),
+}
+
+# fmt: on
+
+# FlashInfer's deprecated forward() (run() with plan arguments that re-plan behind the call),
+# its workspace_size() query and the backend it resolved (one kernel family here)
+NOT_PROVIDED = {"forward", "forward_return_lse", "workspace_size", "resolved_backend"}
+
+
+def _ours(name: str):
+    owner, _, method = name.partition(".")
+    obj = getattr(rtcinfer, owner)
+    return getattr(obj, method) if method else obj
+
+
+def _parameters(fn) -> tuple[list[str], set[str]]:
+    """(positional-or-keyword names in order, every name a call may pass by keyword)."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return positional, named
+
+
+@pytest.mark.parametrize("name", sorted(FLASHINFER_0_7_2))
+def test_flashinfer_calls_bind_the_same_parameters(name):
+    positional, keywords = FLASHINFER_0_7_2[name]
+    fn = _ours(name)
+    ours, named = _parameters(fn)
+    if name == "BatchDecodeWithPagedKVCacheWrapper.plan":  # **kwargs, as FlashInfer's: _plan's
+        _, named = _parameters(rtcinfer.BatchDecodeWithPagedKVCacheWrapper._plan)
+    assert ours[: len(positional)] == list(positional), f"{name}: positional order"
+    missing = (set(positional) | set(keywords)) - named
+    assert not missing, f"{name} does not take {sorted(missing)}"
+
+
+@pytest.mark.parametrize("cls", sorted(FLASHINFER_0_7_2_METHODS))
+def test_wrappers_have_flashinfer_methods(cls):
+    ours = getattr(rtcinfer, cls)
+    missing = [m for m in FLASHINFER_0_7_2_METHODS[cls]
+               if m not in NOT_PROVIDED and not hasattr(ours, m)]  # fmt: skip
+    assert not missing, f"{cls} lacks {missing}"
+
+
+def test_decode_plan_takes_flashinfer_deprecated_positional_options(monkeypatch):
+    """plan(..., page_size, "NONE", -1, None, "bfloat16") binds as FlashInfer 0.7.2 binds it;
+    more than its 16 such arguments, or one given twice, is a TypeError."""
+    seen = {}
+    monkeypatch.setattr(rtcinfer.BatchDecodeWithPagedKVCacheWrapper, "_plan",
+                        lambda self, *a, **kw: seen.update(kw))  # fmt: skip
+    wrapper = object.__new__(rtcinfer.BatchDecodeWithPagedKVCacheWrapper)
+    wrapper.plan([0, 1], [0], [1], 8, 8, 128, 16, "NONE", -1, None, "bfloat16", sm_scale=0.1)
+    assert seen == {"pos_encoding_mode": "NONE", "window_left": -1, "logits_soft_cap": None,
+                    "q_data_type": "bfloat16", "sm_scale": 0.1}  # fmt: skip
+    with pytest.raises(TypeError, match="multiple values for argument 'window_left'"):
+        wrapper.plan([0, 1], [0], [1], 8, 8, 128, 16, "NONE", -1, window_left=3)
+    with pytest.raises(TypeError, match="at most 16"):
+        wrapper.plan([0, 1], [0], [1], 8, 8, 128, 16, *([None] * 17))
