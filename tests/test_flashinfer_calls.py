@@ -83,7 +83,7 @@ def test_prefill_lse_in_base_e_and_heads_first(framework):
     if framework == "jax":
         return
     heads_tokens = base2.T.copy()
-    given = to_gpu(np.zeros_like(heads_tokens))
+    given = to_gpu(np.zeros(heads_tokens.shape, np.float32))
     if framework == "torch":
         given = torch.from_dlpack(given)
     o = wrapper.run(*args, lse=given, lse_layout="HN", lse_base="ln")

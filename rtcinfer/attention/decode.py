@@ -341,9 +341,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         sinks, skip_softmax_threshold_scale_factor, kv_cache_sf and q_len_per_req other than 1
         (FlashInfer's trtllm-gen options) are not supported: they raise when given.
         """
-        refuse(sinks=sinks, kv_cache_sf=kv_cache_sf,
-               skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
-               q_len_per_req=None if q_len_per_req in (None, 1) else q_len_per_req)  # fmt: skip
+        if (sinks is not None or kv_cache_sf is not None or q_len_per_req not in (None, 1)
+                or skip_softmax_threshold_scale_factor is not None):  # fmt: skip
+            refuse(
+                sinks=sinks,
+                kv_cache_sf=kv_cache_sf,
+                skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                q_len_per_req=None if q_len_per_req in (None, 1) else q_len_per_req,
+            )
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 

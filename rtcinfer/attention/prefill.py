@@ -199,12 +199,14 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
              lse_base="log2", lse_layout="NH", window_left=None):  # fmt: skip
         """run() of either wrapper: (o, lse) when return_lse, else o (lse, when given, is
         written); the LSE in the base and layout asked for (run_options.py)."""
-        check_lse_form(lse_base, lse_layout)
         with_lse = return_lse or lse is not None
         given = lse
-        if lse_layout == "HN":
-            check_given_hn(lse, q.shape[0], q.shape[1])
-            lse = kernel_lse(lse, lse_layout)
+        plain_lse = lse_base == "log2" and lse_layout == "NH"  # the kernel's own form
+        if not plain_lse:
+            check_lse_form(lse_base, lse_layout)
+            if lse_layout == "HN":
+                check_given_hn(lse, q.shape[0], q.shape[1])
+                lse = kernel_lse(lse, lse_layout)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
@@ -216,7 +218,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         if not with_lse:
             return result
         o, s = result
-        if (lse_base, lse_layout) != ("log2", "NH"):
+        if not plain_lse:
             s = finish_lse(s, lse_base, lse_layout, given if lse_layout == "HN" else None)
         return (o, s) if return_lse else o
 
@@ -348,9 +350,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         q_scale and k_scale multiply the logits, v_scale the output (FlashInfer's calibration
         scales); lse_base="ln" / lse_layout="HN": FlashInfer's other LSE forms
         (run_options.py); o_scale and kv_cache_sf are not supported (raise when given)."""
-        refuse(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
-        return self._run(q, k, v, out, lse, return_lse, logit_scale(q_scale, k_scale), v_scale,
-                         plan_array, lse_base, lse_layout)  # fmt: skip
+        if o_scale is not None or kv_cache_sf is not None:
+            refuse(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
+        if q_scale is not None:
+            k_scale = logit_scale(q_scale, k_scale)
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
+                         lse_layout)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
@@ -444,11 +449,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         use_fp16_softmax is a precision hint (the softmax stays fp32); sinks, kv_cache_sf,
         skip_softmax_threshold_scale_factor and uses_spcompress are not supported (raise when
         given)."""
-        refuse(sinks=sinks, kv_cache_sf=kv_cache_sf, uses_spcompress=uses_spcompress or None,
-               skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)  # fmt: skip
+        if (sinks is not None or kv_cache_sf is not None or uses_spcompress
+                or skip_softmax_threshold_scale_factor is not None):  # fmt: skip
+            refuse(
+                sinks=sinks,
+                kv_cache_sf=kv_cache_sf,
+                uses_spcompress=uses_spcompress or None,
+                skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+            )
+        if q_scale is not None:
+            k_scale = logit_scale(q_scale, k_scale)
         k, v = kv_pair(paged_kv_cache)
-        return self._run(q, k, v, out, lse, return_lse, logit_scale(q_scale, k_scale), v_scale,
-                         plan_array, lse_base, lse_layout, window_left)  # fmt: skip
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
+                         lse_layout, window_left)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
