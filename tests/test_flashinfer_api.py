@@ -4,6 +4,7 @@ name, FlashInfer's positional parameters are positional here in the same order (
 for FlashInfer binds each argument to the same parameter), and the wrappers have FlashInfer's
 methods, but for the deprecated or backend-specific ones in NOT_PROVIDED."""
 
+import importlib
 import inspect
 
 import pytest
@@ -315,6 +316,31 @@ FLASHINFER_0_7_2_METHODS = {
     ),
 }
 
+# FlashInfer module -> the names rtcinfer has of it (`from flashinfer.<module> import ...`)
+FLASHINFER_0_7_2_MODULES = {
+    "activation": ("gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul"),
+    "cascade": ("BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+                "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
+                "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place",
+                "merge_states"),
+    "decode": ("BatchDecodeWithPagedKVCacheWrapper",
+               "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"),
+    "norm": ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "layernorm",
+             "rmsnorm"),
+    "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),
+    "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+                "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
+    "quantization": ("packbits", "segment_packbits"),
+    "rope": ("apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
+             "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace",
+             "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
+             "apply_rope_with_cos_sin_cache_inplace"),
+    "sampling": ("chain_speculative_sampling", "min_p_sampling_from_probs",
+                 "sampling_from_logits", "sampling_from_probs", "softmax", "top_k_mask_logits",
+                 "top_k_renorm_probs", "top_k_sampling_from_probs",
+                 "top_k_top_p_sampling_from_logits", "top_k_top_p_sampling_from_probs",
+                 "top_p_renorm_probs", "top_p_sampling_from_probs"),
+}
 # fmt: on
 
 # FlashInfer's deprecated forward() (run() with plan arguments that re-plan behind the call),
@@ -370,3 +396,11 @@ def test_decode_plan_takes_flashinfer_deprecated_positional_options(monkeypatch)
         wrapper.plan([0, 1], [0], [1], 8, 8, 128, 16, "NONE", -1, window_left=3)
     with pytest.raises(TypeError, match="at most 16"):
         wrapper.plan([0, 1], [0], [1], 8, 8, 128, 16, *([None] * 17))
+
+
+@pytest.mark.parametrize("module", sorted(FLASHINFER_0_7_2_MODULES))
+def test_flashinfer_module_paths(module):
+    """`from flashinfer.<module> import name` works as `from rtcinfer.<module> import name`."""
+    ours = importlib.import_module(f"rtcinfer.{module}")
+    for name in FLASHINFER_0_7_2_MODULES[module]:
+        assert getattr(ours, name) is getattr(rtcinfer, name), f"rtcinfer.{module}.{name}"

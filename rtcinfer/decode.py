@@ -1,0 +1,14 @@
+"""FlashInfer's `flashinfer.decode` names, so that `from flashinfer.decode import ...` becomes
+`from rtcinfer.decode import ...` (the code lives in rtcinfer/attention/)."""
+
+from .attention.decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+)
+from .attention.single_decode import single_decode_with_kv_cache
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
+]
