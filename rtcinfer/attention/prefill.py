@@ -54,7 +54,7 @@ from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
-from .run_options import check_given_hn, check_lse_form, finish_lse, kernel_lse, logit_scale, refuse
+from .run_options import check_given_hn, check_lse_form, finish_lse, logit_scale, refuse
 
 
 @dataclass(slots=True)
@@ -204,9 +204,9 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         plain_lse = lse_base == "log2" and lse_layout == "NH"  # the kernel's own form
         if not plain_lse:
             check_lse_form(lse_base, lse_layout)
-            if lse_layout == "HN":
+            if lse_layout == "HN":  # the kernel writes [tokens, heads]: finish_lse fills lse
                 check_given_hn(lse, q.shape[0], q.shape[1])
-                lse = kernel_lse(lse, lse_layout)
+                lse = None
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 

@@ -21,11 +21,11 @@ LN2 = math.log(2.0)
 
 
 def refuse(**options) -> None:
-    """ValueError naming the options given a value other than None (FlashInfer's run()
-    options with no counterpart here: sinks, kv_cache_sf, ...)."""
+    """ValueError naming the options given a value other than None (FlashInfer's options
+    with no counterpart here: sinks, kv_cache_sf, ...)."""
     given = [name for name, value in options.items() if value is not None]
     if given:
-        raise ValueError(f"run() options not supported: {', '.join(given)}")
+        raise ValueError(f"options not supported: {', '.join(given)}")
 
 
 def logit_scale(q_scale, k_scale):
@@ -40,12 +40,6 @@ def check_lse_form(lse_base: str, lse_layout: str) -> None:
         raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
     if lse_layout not in LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
-
-
-def kernel_lse(lse, lse_layout: str):
-    """The `lse` the kernel writes: the caller's for "NH", a new one for "HN" (the caller's
-    [heads, tokens] array is filled from it by finish_lse)."""
-    return lse if lse_layout == "NH" else None
 
 
 def finish_lse(lse, lse_base: str, lse_layout: str, given=None):
@@ -76,6 +70,9 @@ def check_given_hn(lse, nnz: int, num_qo_heads: int) -> None:
     """A caller's lse for lse_layout="HN": [num_qo_heads, nnz] float32, contiguous."""
     if lse is None:
         return
+    kind = framework(lse)
+    if kind == "jax":
+        raise TypeError("lse= is not supported for JAX arrays (they are immutable)")
     shape = tuple(lse.shape)
     dtype = str(lse.dtype).rpartition(".")[2]
     if shape != (num_qo_heads, nnz) or dtype != "float32":
@@ -83,19 +80,18 @@ def check_given_hn(lse, nnz: int, num_qo_heads: int) -> None:
             f'lse for lse_layout="HN": expected shape ({num_qo_heads}, {nnz}) and float32, got '
             f"{shape} and {dtype}"
         )
-    contiguous = lse.is_contiguous() if framework(lse) == "torch" else lse.flags.c_contiguous
+    contiguous = lse.is_contiguous() if kind == "torch" else lse.flags.c_contiguous
     if not contiguous:
         raise ValueError('lse for lse_layout="HN" must be contiguous')
 
 
 def _copy_into(dst, src, kind: str) -> None:
+    """dst[...] = src for PyTorch or CuPy (JAX takes no given arrays: check_given_hn)."""
     if kind == "torch":
         dst.copy_(src)
-    elif kind == "jax":
-        raise TypeError("lse= is not supported for JAX arrays (they are immutable)")
     else:
         sys.modules["cupy"].copyto(dst, src)
 
 
 __all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_given_hn", "check_lse_form", "finish_lse",
-           "kernel_lse", "logit_scale", "refuse"]  # fmt: skip
+           "logit_scale", "refuse"]  # fmt: skip
