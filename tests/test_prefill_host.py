@@ -489,3 +489,59 @@ def test_warps_take_32_rows_where_that_was_measured_faster(tile_rows, head_dim, 
     if warp_rows == 32:
         assert spec.kv_tile == 32
         assert prefill_spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=16).warp_rows == 16
+
+
+def test_flashinfer_plan_arguments_bind_in_its_order(wrappers):
+    """FlashInfer 0.7.2's positional order: ragged (..., pos_encoding_mode,
+    use_fp16_qk_reduction, window_left, ...), paged (..., use_fp16_qk_reduction, sm_scale,
+    window_left, ...); its backend-specific arguments are taken and ignored, multi-item scoring
+    refused."""
+    prefill, _ = wrappers
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan([0, 4], [0, 8], 8, 2, 128, None, None, None, True, "NONE", True, 17,
+                q_data_type="bfloat16", seq_lens=[8], uniform_q_len=4, v_indptr=[0, 8])  # fmt: skip
+    cfg = ragged._launch.cfg
+    assert (cfg.causal, cfg.attn.window_left) == (True, 17)
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, None, None, None, False, "NONE", False,
+               0.125, 5, q_data_type="bfloat16", block_tables=[[0]])  # fmt: skip
+    attn = paged._launch.cfg.attn
+    assert (attn.sm_scale, attn.window_left) == (0.125, 5)
+    with pytest.raises(ValueError, match="multi-item scoring .*token_pos_in_items_len"):
+        paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, token_pos_in_items_len=3)
+
+
+def test_flashinfer_run_options_refused_or_checked_before_any_launch(wrappers):
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 3, 10], [0, 5, 20], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    q, kv = np.zeros((10, 8, 128), np.float16), np.zeros((20, 2, 128), np.float16)
+    with pytest.raises(ValueError, match="not supported: o_scale, kv_cache_sf"):
+        wrapper.run(q, kv, kv, o_scale=2.0, kv_cache_sf=kv)
+    with pytest.raises(ValueError, match="lse_base must be one of"):
+        wrapper.run(q, kv, kv, return_lse=True, lse_base="e")
+    with pytest.raises(ValueError, match="lse_layout must be one of"):
+        wrapper.run(q, kv, kv, return_lse=True, lse_layout="TN")
+    with pytest.raises(ValueError, match=r'lse_layout="HN": expected shape \(8, 10\)'):
+        wrapper.run(q, kv, kv, lse=np.zeros((10, 8), np.float32), lse_layout="HN")
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, window_left=9, q_data_type="bfloat16")
+    cache = np.zeros((1, 2, 16, 2, 128), np.float16)
+    with pytest.raises(ValueError, match="not supported: sinks"):
+        paged.run(q[:4], cache, sinks=np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match=r"run\(window_left=3\) differs from the plan's"):
+        paged.run(q[:4], cache, window_left=3)
+
+
+def test_workspace_reset_drops_the_plan_and_graph_wrappers_keep_theirs(wrappers):
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.begin_forward([0, 4], [0, 8], 8, 2, 128, q_data_type="bfloat16")
+    assert wrapper._launch is not None
+    graph = prefill.BatchPrefillWithRaggedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=np.zeros(3, np.int32)
+    )
+    with pytest.raises(ValueError, match="keeps its workspace"):
+        graph.reset_workspace_buffer(np.zeros(16, np.uint8), None)
+    with pytest.raises(ValueError, match="variant must be 'independent'"):
+        wrapper.prewarm_paged_kv_stride_variant("shared")
