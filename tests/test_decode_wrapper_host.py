@@ -400,3 +400,14 @@ def test_flashinfer_plan_options_data_type_and_refusals(host_wrapper):
     with pytest.raises(ValueError, match="not supported: sinks, q_len_per_req"):
         host_wrapper.run(None, None, sinks=np.zeros(8, np.float32), q_len_per_req=4)
     assert host_wrapper.use_tensor_cores is False
+
+
+def test_forward_checks_its_plan_parameters(host_wrapper, monkeypatch):
+    host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, logits_soft_cap=30.0,
+                      q_data_type="bfloat16")  # fmt: skip
+    runs = []
+    monkeypatch.setattr(host_wrapper, "run", lambda *a, **kw: runs.append(kw))
+    host_wrapper.forward("q", "cache", logits_soft_cap=30.0, q_scale=0.5)
+    assert runs == [{"q_scale": 0.5, "k_scale": None, "v_scale": None}]
+    with pytest.raises(ValueError, match=r"logits_soft_cap 0.0 \(the plan's 30.0\)"):
+        host_wrapper.forward_return_lse("q", "cache")

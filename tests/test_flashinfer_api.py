@@ -2,7 +2,7 @@
 from flashinfer-python 0.7.2.post1's sources): every FlashInfer parameter is accepted under its
 name, FlashInfer's positional parameters are positional here in the same order (a call written
 for FlashInfer binds each argument to the same parameter), and the wrappers have FlashInfer's
-methods, but for the deprecated or backend-specific ones in NOT_PROVIDED."""
+methods, but for the backend-specific ones in NOT_PROVIDED."""
 
 import importlib
 import inspect
@@ -343,9 +343,8 @@ FLASHINFER_0_7_2_MODULES = {
 }
 # fmt: on
 
-# FlashInfer's deprecated forward() (run() with plan arguments that re-plan behind the call),
-# its workspace_size() query and the backend it resolved (one kernel family here)
-NOT_PROVIDED = {"forward", "forward_return_lse", "workspace_size", "resolved_backend"}
+# FlashInfer's workspace_size() query and the backend it resolved (one kernel family here)
+NOT_PROVIDED = {"workspace_size", "resolved_backend"}
 
 
 def _ours(name: str):

@@ -1,8 +1,8 @@
 """Calls written for FlashInfer 0.7.2 give FlashInfer's results on the GPU: positional out= and
 enable_pdl on the norms and activations, the prefill LSE in base e and heads-first layout,
-q_scale on prefill, the samplers' valid flags, run_return_lse, begin_forward, a workspace reset
-and the decode plan's deprecated positional options (test_flashinfer_api.py checks the
-signatures themselves)."""
+q_scale on prefill, the samplers' valid flags, run_return_lse, begin_forward, a workspace reset,
+the deprecated forward() and the decode plan's deprecated positional options
+(test_flashinfer_api.py checks the signatures themselves)."""
 
 from __future__ import annotations
 
@@ -194,3 +194,15 @@ def test_decode_plan_deprecated_positional_options_and_data_type():
         legacy.run(q, cache, sinks=q)
     with pytest.raises(ValueError, match="q_len_per_req"):
         legacy.plan(*table, 8, 2, 128, 16, q_len_per_req=2)
+
+
+def test_forward_with_the_plan_parameters_is_run():
+    """FlashInfer's deprecated begin_forward / forward pair (the parameters repeated)."""
+    rng = np.random.default_rng(7)
+    wrapper, arrays, (o_ref, lse_ref) = _planned_ragged(rng)
+    args = tuple(to_gpu(a) for a in arrays)
+    o = wrapper.forward(*args, causal=True)
+    np.testing.assert_array_equal(to_host(o), to_host(wrapper.run(*args)))
+    o, lse = wrapper.forward_return_lse(*args, causal=True)
+    assert_close(to_host(o), o_ref, "bfloat16", "o", per_vector=True)
+    assert_close(to_host(lse), lse_ref, "float32", "lse", tol=2e-3)

@@ -545,3 +545,19 @@ def test_workspace_reset_drops_the_plan_and_graph_wrappers_keep_theirs(wrappers)
         graph.reset_workspace_buffer(np.zeros(16, np.uint8), None)
     with pytest.raises(ValueError, match="variant must be 'independent'"):
         wrapper.prewarm_paged_kv_stride_variant("shared")
+
+
+def test_forward_runs_with_the_plan_parameters_it_repeats(wrappers, monkeypatch):
+    """FlashInfer's deprecated forward(): its plan parameters must be the plan's (an omitted
+    one is FlashInfer's default, which overrides the plan there); then it is run()."""
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 4], [0, 8], 8, 2, 128, causal=True, window_left=30, q_data_type="bfloat16")
+    runs = []
+    monkeypatch.setattr(wrapper, "run", lambda *a, **kw: runs.append((a, kw)))
+    wrapper.forward("q", "k", "v", causal=True, window_left=30, sm_scale=1 / np.sqrt(128))
+    wrapper.forward_return_lse("q", "k", "v", True, "NONE", False, 30)
+    assert runs == [(("q", "k", "v"), {}), (("q", "k", "v"), {"return_lse": True})]
+    with pytest.raises(ValueError, match=r"forward\(\) with window_left -1 \(the plan's 30\), "
+                                         r"causal False \(the plan's True\)"):  # fmt: skip
+        wrapper.forward("q", "k", "v")

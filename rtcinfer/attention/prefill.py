@@ -54,7 +54,14 @@ from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
-from .run_options import check_given_hn, check_lse_form, finish_lse, logit_scale, refuse
+from .run_options import (
+    check_forward,
+    check_given_hn,
+    check_lse_form,
+    finish_lse,
+    logit_scale,
+    refuse,
+)
 
 
 @dataclass(slots=True)
@@ -245,6 +252,19 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         return self._launch_run(q, k, v, None, None, True, k_scale, v_scale, plan_array,
                                 window_left)  # fmt: skip
 
+    def _check_forward(self, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                       rope_scale, rope_theta) -> None:  # fmt: skip
+        """forward()'s plan parameters against the latest plan()'s."""
+        if self._launch is None:
+            raise RuntimeError("plan() must be called before forward()")
+        cfg = self._launch.cfg
+        a = cfg.attn
+        asked = make_prefill_config(a.num_qo_heads, a.num_kv_heads, a.head_dim, a.page_size,
+                                    causal, pos_encoding_mode, window_left, logits_soft_cap,
+                                    a.q_dtype, a.kv_dtype, a.o_dtype, sm_scale, rope_scale,
+                                    rope_theta, cfg.custom_mask)  # fmt: skip
+        check_forward(asked, cfg)
+
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""
         if self._launch is None:
@@ -357,6 +377,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
                          lse_layout)  # fmt: skip
 
+    def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None,
+                rope_scale=None, rope_theta=None):  # fmt: skip
+        """FlashInfer's deprecated form of run(): the plan parameters must be the latest
+        plan()'s (run_options.check_forward)."""
+        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                            rope_scale, rope_theta)  # fmt: skip
+        return self.run(q, k, v)
+
+    def forward_return_lse(self, q, k, v, causal=False, pos_encoding_mode="NONE",
+                           use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
+                           sm_scale=None, rope_scale=None, rope_theta=None):  # fmt: skip
+        """forward() returning (o, lse)."""
+        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                            rope_scale, rope_theta)  # fmt: skip
+        return self.run(q, k, v, return_lse=True)
+
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
         for name, x in (("k", k), ("v", v)):
@@ -462,6 +499,25 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         k, v = kv_pair(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
                          lse_layout, window_left)  # fmt: skip
+
+    def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
+                logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                rope_theta=None):  # fmt: skip
+        """FlashInfer's deprecated form of run(): the plan parameters must be the latest
+        plan()'s (run_options.check_forward)."""
+        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                            rope_scale, rope_theta)  # fmt: skip
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+    def forward_return_lse(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
+                           use_fp16_qk_reduction=False, k_scale=None, v_scale=None,
+                           window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                           rope_theta=None):  # fmt: skip
+        """forward() returning (o, lse)."""
+        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+                            rope_scale, rope_theta)  # fmt: skip
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn

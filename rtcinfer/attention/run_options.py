@@ -1,6 +1,6 @@
 """run()'s FlashInfer 0.7.2 options beyond the arrays: the LSE's base and layout, the scales
-folded into one logit factor, and the options with no counterpart here (refused by name unless
-left at their defaults).
+folded into one logit factor, the options with no counterpart here (refused by name unless
+left at their defaults), and the deprecated forward()'s plan parameters (check_forward).
 
 The kernels write the LSE as FlashInfer's do, base 2 in [tokens, heads] ("log2", "NH"); the
 other forms are made from it afterwards, as FlashInfer makes them: "ln" = log2 form * ln 2,
@@ -33,6 +33,32 @@ def logit_scale(q_scale, k_scale):
     if q_scale is None:
         return k_scale
     return float(q_scale) * (1.0 if k_scale is None else float(k_scale))
+
+
+def check_forward(asked, planned) -> None:
+    """FlashInfer's deprecated forward(): run() with plan parameters given again. Where they
+    differ from the latest plan()'s (configurations `asked` and `planned`, dataclasses of
+    plain fields or nested ones), ValueError naming each difference: the work was planned
+    for the plan's (FlashInfer would run a plan scheduled for other parameters)."""
+    if asked == planned:
+        return
+    differ = [f"{name} {mine!r} (the plan's {theirs!r})"
+              for name, mine, theirs in _fields(asked, planned) if mine != theirs]  # fmt: skip
+    raise ValueError(
+        f"forward() with {', '.join(differ)}: plan() (begin_forward) with these parameters, "
+        "then run()"
+    )
+
+
+def _fields(a, b):
+    """(name, a's value, b's value) of each plain field of two like dataclasses, nested ones
+    flattened."""
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if hasattr(x, "__dataclass_fields__"):
+            yield from _fields(x, y)
+        else:
+            yield name, x, y
 
 
 def check_lse_form(lse_base: str, lse_layout: str) -> None:
@@ -93,5 +119,5 @@ def _copy_into(dst, src, kind: str) -> None:
         sys.modules["cupy"].copyto(dst, src)
 
 
-__all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_given_hn", "check_lse_form", "finish_lse",
-           "logit_scale", "refuse"]  # fmt: skip
+__all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_forward", "check_given_hn", "check_lse_form",
+           "finish_lse", "logit_scale", "refuse"]  # fmt: skip
