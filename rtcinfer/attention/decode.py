@@ -28,6 +28,7 @@ from .decode_array import PlanArrays
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
 from .decode_run import check_run_arrays, run_fields
+from .deprecated_forms import DecodeForward
 from .paged_kv import (
     cache_views,
     kv_pair,
@@ -43,7 +44,7 @@ from .planned import (
 )
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .prefill_args import check_backend
-from .run_options import check_forward, refuse
+from .run_options import refuse
 
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
 
@@ -96,7 +97,7 @@ PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_dat
                    "disable_split_kv", "q_len_per_req")  # fmt: skip
 
 
-class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
+class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapper):
     """Batch decode over a paged KV cache: plan() once per step, run() for every layer.
 
         pages_b = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
@@ -384,37 +385,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanArrays, PlannedWrapper):
         return self.run(q, k if v is None else (k, v), k_scale=k_scale, v_scale=v_scale,
                         return_lse=True, window_left=window_left,
                         plan_array=plan_array)  # fmt: skip
-
-    def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
-                v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
-                rope_scale=None, rope_theta=None):  # fmt: skip
-        """FlashInfer's deprecated form of run(): the plan parameters must be the latest
-        plan()'s (run_options.check_forward)."""
-        self._check_forward(pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-
-    def forward_return_lse(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None,
-                           k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
-                           sm_scale=None, rope_scale=None, rope_theta=None):  # fmt: skip
-        """forward() returning (o, lse)."""
-        self._check_forward(pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                        return_lse=True)  # fmt: skip
-
-    def _check_forward(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                       rope_scale, rope_theta) -> None:  # fmt: skip
-        """forward()'s plan parameters against the latest plan()'s."""
-        st = self._launch if self._tc is None else self._tc._launch
-        if st is None:
-            raise RuntimeError("plan() must be called before forward()")
-        cfg = st.cfg if self._tc is None else st.cfg.attn
-        asked = make_config(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size,
-                            pos_encoding_mode, window_left, logits_soft_cap, cfg.q_dtype,
-                            cfg.kv_dtype, cfg.o_dtype, sm_scale, rope_scale,
-                            rope_theta)  # fmt: skip
-        check_forward(asked, cfg)
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""

@@ -31,6 +31,7 @@ from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, TilePlan
 from . import prefill_launch as launches
 from .decode_kernel import Config, kv_scales
+from .deprecated_forms import PagedForward, RaggedForward
 from .paged_kv import cache_views, check_cache_view, kv_pair, kv_storage, page_table_ids, token_head
 from .planned import (
     PlannedWrapper,
@@ -54,14 +55,7 @@ from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
-from .run_options import (
-    check_forward,
-    check_given_hn,
-    check_lse_form,
-    finish_lse,
-    logit_scale,
-    refuse,
-)
+from .run_options import finish_lse, kernel_lse, logit_scale, refuse
 
 
 @dataclass(slots=True)
@@ -207,26 +201,21 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         """run() of either wrapper: (o, lse) when return_lse, else o (lse, when given, is
         written); the LSE in the base and layout asked for (run_options.py)."""
         with_lse = return_lse or lse is not None
-        given = lse
         plain_lse = lse_base == "log2" and lse_layout == "NH"  # the kernel's own form
-        if not plain_lse:
-            check_lse_form(lse_base, lse_layout)
-            if lse_layout == "HN":  # the kernel writes [tokens, heads]: finish_lse fills lse
-                check_given_hn(lse, q.shape[0], q.shape[1])
-                lse = None
+        written = lse if plain_lse else kernel_lse(lse, lse_base, lse_layout, q.shape)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
-            result = torch_attention.run(self, q, k, v, out, lse, with_lse, None, k_scale,
+            result = torch_attention.run(self, q, k, v, out, written, with_lse, None, k_scale,
                                          v_scale, window_left, plan_array)  # fmt: skip
         else:
-            result = self._launch_run(q, k, v, out, lse, with_lse, k_scale, v_scale, plan_array,
-                                      window_left)  # fmt: skip
+            result = self._launch_run(q, k, v, out, written, with_lse, k_scale, v_scale,
+                                      plan_array, window_left)  # fmt: skip
         if not with_lse:
             return result
         o, s = result
         if not plain_lse:
-            s = finish_lse(s, lse_base, lse_layout, given if lse_layout == "HN" else None)
+            s = finish_lse(s, lse_base, lse_layout, lse)
         return (o, s) if return_lse else o
 
     def _launch_run(self, q, k, v, out, lse, with_lse, k_scale, v_scale, plan_array,
@@ -251,19 +240,6 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         run time)."""
         return self._launch_run(q, k, v, None, None, True, k_scale, v_scale, plan_array,
                                 window_left)  # fmt: skip
-
-    def _check_forward(self, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                       rope_scale, rope_theta) -> None:  # fmt: skip
-        """forward()'s plan parameters against the latest plan()'s."""
-        if self._launch is None:
-            raise RuntimeError("plan() must be called before forward()")
-        cfg = self._launch.cfg
-        a = cfg.attn
-        asked = make_prefill_config(a.num_qo_heads, a.num_kv_heads, a.head_dim, a.page_size,
-                                    causal, pos_encoding_mode, window_left, logits_soft_cap,
-                                    a.q_dtype, a.kv_dtype, a.o_dtype, sm_scale, rope_scale,
-                                    rope_theta, cfg.custom_mask)  # fmt: skip
-        check_forward(asked, cfg)
 
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""
@@ -316,7 +292,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         return fields
 
 
-class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, _PrefillWrapper):
     """Batch prefill over ragged K and V: request b's queries are rows
     qo_indptr[b]:qo_indptr[b + 1] of q [nnz_q, Hq, D], its keys rows kv_indptr[b]:kv_indptr[b + 1]
     of k, v [nnz_kv, Hkv, D] (any token and head strides, head_dim contiguous)."""
@@ -377,23 +353,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
                          lse_layout)  # fmt: skip
 
-    def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
-                use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None,
-                rope_scale=None, rope_theta=None):  # fmt: skip
-        """FlashInfer's deprecated form of run(): the plan parameters must be the latest
-        plan()'s (run_options.check_forward)."""
-        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, k, v)
-
-    def forward_return_lse(self, q, k, v, causal=False, pos_encoding_mode="NONE",
-                           use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
-                           sm_scale=None, rope_scale=None, rope_theta=None):  # fmt: skip
-        """forward() returning (o, lse)."""
-        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, k, v, return_lse=True)
-
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
         for name, x in (("k", k), ("v", v)):
@@ -417,7 +376,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         return fields
 
 
-class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+class BatchPrefillWithPagedKVCacheWrapper(PagedForward, _PrefillWrapper):
     """Batch prefill (append) over a paged KV cache, the table as in batch decode:
     request b's keys are the first kv_len_b tokens of pages
     paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b + 1]]."""
@@ -499,25 +458,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         k, v = kv_pair(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
                          lse_layout, window_left)  # fmt: skip
-
-    def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
-                use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
-                logits_soft_cap=None, sm_scale=None, rope_scale=None,
-                rope_theta=None):  # fmt: skip
-        """FlashInfer's deprecated form of run(): the plan parameters must be the latest
-        plan()'s (run_options.check_forward)."""
-        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
-
-    def forward_return_lse(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
-                           use_fp16_qk_reduction=False, k_scale=None, v_scale=None,
-                           window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
-                           rope_theta=None):  # fmt: skip
-        """forward() returning (o, lse)."""
-        self._check_forward(causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
-                            rope_scale, rope_theta)  # fmt: skip
-        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn

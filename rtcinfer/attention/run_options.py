@@ -68,10 +68,21 @@ def check_lse_form(lse_base: str, lse_layout: str) -> None:
         raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
 
 
+def kernel_lse(lse, lse_base: str, lse_layout: str, q_shape):
+    """The `lse` the kernel is to write for a caller's `lse` (None or given) in the requested
+    form, checked: the caller's for "NH", a new one for "HN" (finish_lse fills the caller's
+    [heads, tokens] array from it); q_shape: (tokens, heads, ...)."""
+    check_lse_form(lse_base, lse_layout)
+    if lse_layout == "NH":
+        return lse
+    check_given_hn(lse, q_shape[0], q_shape[1])
+    return None
+
+
 def finish_lse(lse, lse_base: str, lse_layout: str, given=None):
     """The kernel's base-2 [tokens, heads] `lse` in the requested base and layout: "NH" in
-    place where the array type allows it, "HN" into `given` ([heads, tokens], contiguous) or a
-    new contiguous array."""
+    place where the array type allows it, "HN" into `given` ([heads, tokens], contiguous; for
+    "NH" it is the kernel's own) or a new contiguous array."""
     if lse_layout == "NH":
         if lse_base == "ln":
             lse *= LN2  # in place for PyTorch and CuPy; a new array for JAX
@@ -120,4 +131,4 @@ def _copy_into(dst, src, kind: str) -> None:
 
 
 __all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_forward", "check_given_hn", "check_lse_form",
-           "finish_lse", "logit_scale", "refuse"]  # fmt: skip
+           "finish_lse", "kernel_lse", "logit_scale", "refuse"]  # fmt: skip
