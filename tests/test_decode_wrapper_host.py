@@ -388,15 +388,15 @@ def test_run_on_another_device_than_the_wrappers_is_refused(host_wrapper):
 
 def test_flashinfer_plan_options_data_type_and_refusals(host_wrapper):
     """data_type stands for the dtypes left None (FlashInfer 0.7.2); q_len_per_req other than
-    1 and window_right other than 0 are refused; run()'s trtllm-gen options raise by name
-    before any array is read."""
+    1 is refused, window_right and is_causal change nothing; run()'s trtllm-gen options raise
+    by name before any array is read."""
     host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_data_type=None, data_type="bfloat16")
     cfg = host_wrapper._launch.cfg
     assert (cfg.q_dtype, cfg.kv_dtype) == ("bfloat16", "bfloat16")
     with pytest.raises(ValueError, match="q_len_per_req=2"):
         host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_len_per_req=2)
-    with pytest.raises(ValueError, match="window_right=4"):
-        host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, window_right=4)
+    host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, window_right=4, is_causal=True)
+    assert host_wrapper._launch.cfg.window_left == -1  # no key after the query: nothing to do
     with pytest.raises(ValueError, match="not supported: sinks, q_len_per_req"):
         host_wrapper.run(None, None, sinks=np.zeros(8, np.float32), q_len_per_req=4)
     assert host_wrapper.use_tensor_cores is False

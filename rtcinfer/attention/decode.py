@@ -234,11 +234,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         never wait for the device and device arrays are always copied, whatever its value.
         data_type, FlashInfer's older name, stands for q_data_type when that is None and for
         kv_data_type when that is; block_tables and seq_lens (read by FlashInfer's trtllm-gen
-        backend only) are ignored; q_len_per_req must be 1 and window_right 0 (one query, at
-        the last position: is_causal changes nothing).
+        backend only) are ignored; q_len_per_req must be 1 (one query a request, at its last
+        position: no key lies after it, so window_right and is_causal change nothing).
         """
-        if window_right != 0:
-            raise ValueError(f"window_right={window_right!r}: decode sees no key after its query")
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
