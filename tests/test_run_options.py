@@ -1,8 +1,10 @@
-"""run_options.py's host side on CPU tensors: the LSE forms FlashInfer returns, the refusals,
-the forward check; and the samplers' valid flags (samplers._valid_rows)."""
+"""run_options.py's host side on host arrays (NumPy, and PyTorch CPU tensors where PyTorch is
+installed): the LSE forms FlashInfer returns, the refusals, the forward check; and the
+samplers' valid flags (samplers._valid_rows)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -11,33 +13,52 @@ import pytest
 from rtcinfer.attention import run_options as ro
 from rtcinfer.attention.decode_kernel import make_config
 
-torch = pytest.importorskip("torch")
+from .checks import to_host
+
+KINDS = ["numpy"] + (["torch"] if importlib.util.find_spec("torch") else [])
 
 
-def test_lse_forms_of_the_kernels_base_2_tokens_by_heads():
-    base2 = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # [tokens, heads]
-    ln = ro.finish_lse(base2.clone(), "ln", "NH")
-    assert torch.allclose(ln, base2 * math.log(2.0))
-    hn = ro.finish_lse(base2.clone(), "log2", "HN")
-    assert hn.shape == (3, 4) and hn.is_contiguous() and torch.equal(hn, base2.T)
-    given = torch.empty(3, 4)
-    kept = given
-    out = ro.finish_lse(base2.clone(), "ln", "HN", given)
-    assert out is kept and torch.allclose(given, base2.T * math.log(2.0))
-    in_place = base2.clone()
+def host(kind: str, x: np.ndarray):
+    """A copy of x (the LSE forms rescale in place) as a `kind` array."""
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(np.array(x, order="C"))
+    return np.array(x, order="C")
+
+
+def contiguous(x) -> bool:
+    return x.is_contiguous() if hasattr(x, "is_contiguous") else x.flags.c_contiguous
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lse_forms_of_the_kernels_base_2_tokens_by_heads(kind):
+    base2 = np.arange(12, dtype=np.float32).reshape(4, 3)  # [tokens, heads]
+    ln = ro.finish_lse(host(kind, base2), "ln", "NH")
+    np.testing.assert_allclose(to_host(ln), base2 * math.log(2.0), rtol=1e-6)
+    hn = ro.finish_lse(host(kind, base2), "log2", "HN")
+    assert tuple(hn.shape) == (3, 4) and contiguous(hn)
+    np.testing.assert_array_equal(to_host(hn), base2.T)
+    given = host(kind, np.zeros((3, 4), np.float32))
+    assert ro.finish_lse(host(kind, base2), "ln", "HN", given) is given
+    np.testing.assert_allclose(to_host(given), base2.T * math.log(2.0), rtol=1e-6)
+    in_place = host(kind, base2)
     assert ro.finish_lse(in_place, "ln", "NH") is in_place  # the caller's buffer, rescaled
 
 
-def test_the_kernel_writes_its_own_form_and_given_hn_buffers_are_checked():
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_writes_its_own_form_and_given_hn_buffers_are_checked(kind):
     q_shape = (4, 3, 64)
-    given = torch.empty(3, 4)
+    given = host(kind, np.zeros((3, 4), np.float32))
     assert ro.kernel_lse(given, "ln", "HN", q_shape) is None  # filled afterwards
-    nh = torch.empty(4, 3)
+    nh = host(kind, np.zeros((4, 3), np.float32))
     assert ro.kernel_lse(nh, "ln", "NH", q_shape) is nh
     with pytest.raises(ValueError, match=r"expected shape \(3, 4\) and float32, got \(4, 3\)"):
         ro.kernel_lse(nh, "log2", "HN", q_shape)
+    with pytest.raises(ValueError, match=r"expected shape \(3, 4\) and float32, got .*float64"):
+        ro.kernel_lse(host(kind, np.zeros((3, 4))), "log2", "HN", q_shape)
     with pytest.raises(ValueError, match="must be contiguous"):
-        ro.kernel_lse(torch.empty(4, 3).T, "log2", "HN", q_shape)
+        ro.kernel_lse(host(kind, np.zeros((4, 3), np.float32)).T, "log2", "HN", q_shape)
     with pytest.raises(ValueError, match="lse_base must be one of"):
         ro.kernel_lse(None, "e", "NH", q_shape)
     with pytest.raises(ValueError, match="lse_layout must be one of"):
@@ -60,11 +81,12 @@ def test_refusals_scales_and_the_forward_check():
         ro.check_forward(asked, plan)
 
 
-def test_sampler_valid_flags_follow_the_rows_drawn():
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampler_valid_flags_follow_the_rows_drawn(kind):
     from rtcinfer.sampling.samplers import _valid_rows
 
-    probs = torch.tensor([[0.0, 0.2], [0.0, 0.0], [float("nan"), -1.0], [-1.0, 1e-30]])
-    assert _valid_rows(probs, None).tolist() == [True, False, False, True]
-    indices = torch.tensor([1, 3, 3, 0], dtype=torch.int32)
-    assert _valid_rows(probs, indices).tolist() == [False, True, True, True]
-    assert np.asarray(_valid_rows(probs, indices)).dtype == np.bool_
+    probs = host(kind, np.array([[0.0, 0.2], [0.0, 0.0], [np.nan, -1.0], [-1.0, 1e-30]],
+                                np.float32))  # fmt: skip
+    assert to_host(_valid_rows(probs, None)).tolist() == [1, 0, 0, 1]
+    indices = host(kind, np.array([1, 3, 3, 0], np.int32))
+    assert to_host(_valid_rows(probs, indices)).tolist() == [0, 1, 1, 1]
