@@ -35,21 +35,23 @@ def torch_compiling(x) -> bool:
     return sys.modules["torch"].compiler.is_compiling()
 
 
-def compilable(tensor_arg: str):
+def compilable(tensor_arg: str, shortcut=None):
     """Decorates a public function so that its calls seen while PyTorch compiles become its
     custom op (rtcinfer/torch_ops.py); the others run as they are, after one compile test of
     the argument `tensor_arg`. The wrapper is generated with the function's own parameters
     (their defaults its own), so a call passes its arguments on without packing them into
-    *args and **kwargs."""
+    *args and **kwargs. `shortcut` (interop/shortcut.py: how the function calls its op) adds
+    the branch that launches a PyTorch signature seen before without the function's path."""
 
     def wrap(fn):
-        return functools.update_wrapper(_routed(fn, tensor_arg), fn)
+        return functools.update_wrapper(_routed(fn, tensor_arg, shortcut), fn)
 
     return wrap
 
 
-def _routed(fn, tensor_arg: str):
-    """`def <name>(<fn's parameters>)`: routed to the custom op while compiling, else fn."""
+def _routed(fn, tensor_arg: str, shortcut=None):
+    """`def <name>(<fn's parameters>)`: routed to the custom op while compiling, else (past
+    the shortcut's branch, if any) fn."""
     params, positional, keyword = [], [], []
     names = {"_fn": fn, "_compiling": torch_compiling}  # the generated function's globals
     for p in inspect.signature(fn).parameters.values():
@@ -65,11 +67,18 @@ def _routed(fn, tensor_arg: str):
             params.append(f"{p.name}=_default_{p.name}")
     args = "".join(f"{n}, " for n in positional)
     kwargs = ", ".join(f"{n}={n}" for n in keyword)
+    branch = ""
+    if shortcut is not None:
+        from . import shortcut as cuts
+
+        branch = cuts.source(shortcut, f"_fn({args}{kwargs})")
+        names.update(cuts.names(shortcut))
     source = (
         f"def {fn.__name__}({', '.join(params)}):\n"
         f"    if _compiling({tensor_arg}):\n"
         f"        from rtcinfer import torch_ops\n"
         f"        return torch_ops.call_public(_fn, ({args}), dict({kwargs}))\n"
+        f"{branch}"
         f"    return _fn({args}{kwargs})\n"
     )
     exec(compile(source, f"<compilable {fn.__qualname__}>", "exec"), names)

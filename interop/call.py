@@ -139,9 +139,17 @@ def _with_like(slot: OutSlot, infos) -> OutSlot:
 # ---------------------------------------------------------------- PyTorch
 
 
+class _NoTensor:
+    """What TORCH_TENSOR holds before PyTorch is seen: the type of no argument."""
+
+
+TORCH_TENSOR: list = [_NoTensor]  # torch.Tensor once a call has seen PyTorch (interop/shortcut.py)
+
+
 @functools.cache
 def _torch():
     torch = sys.modules["torch"]
+    TORCH_TENSOR[0] = torch.Tensor
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     stream = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
     return torch, torch.Tensor, stream, torch.empty_like

@@ -10,6 +10,7 @@ from . import jit
 from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .interop.shortcut import Shortcut
 from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
 
@@ -83,20 +84,20 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
 _OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))
 
 
-@compilable("input")
+@compilable("input", Shortcut(_OP, ("input", "out"), '("silu",)'))
 def silu_and_mul(input, out=None, enable_pdl=None):
     """out = silu(input[..., :d]) * input[..., d:], silu(a) = a * sigmoid(a). input: [..., 2d].
     enable_pdl: accepted for FlashInfer compatibility (rmsnorm's docstring)."""
     return call(_OP, (input, out), ("silu",))
 
 
-@compilable("input")
+@compilable("input", Shortcut(_OP, ("input", "out"), '("gelu",)'))
 def gelu_and_mul(input, out=None, enable_pdl=None):
     """out = gelu(input[..., :d]) * input[..., d:], exact (erf) GELU. input: [..., 2d]."""
     return call(_OP, (input, out), ("gelu",))
 
 
-@compilable("input")
+@compilable("input", Shortcut(_OP, ("input", "out"), '("gelu_tanh",)'))
 def gelu_tanh_and_mul(input, out=None, enable_pdl=None):
     """out = gelu_tanh(input[..., :d]) * input[..., d:], tanh-approximated GELU."""
     return call(_OP, (input, out), ("gelu_tanh",))

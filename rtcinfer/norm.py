@@ -10,6 +10,7 @@ from . import jit
 from .interop import Op, OutSlot, Prepared, call, dense_strides
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .interop.shortcut import Shortcut
 from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
 
@@ -172,7 +173,12 @@ def _new_arrays(static: tuple) -> tuple:
 _FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=_new_arrays)
 
 
-@compilable("input")
+def _shortcut(op: Op, slots: tuple, name: str) -> Shortcut:
+    """How the norm `name` calls its op, for its PyTorch shortcut (interop/shortcut.py)."""
+    return Shortcut(op, slots, repr((name,)), "(float(eps),)")
+
+
+@compilable("input", _shortcut(_PLAIN, ("input", "weight", None, "out"), "rmsnorm"))
 def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """RMSNorm over the last dimension.
 
@@ -185,13 +191,13 @@ def rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     return call(_PLAIN, (input, weight, None, out), ("rmsnorm",), (float(eps),))
 
 
-@compilable("input")
+@compilable("input", _shortcut(_PLAIN, ("input", "weight", None, "out"), "gemma_rmsnorm"))
 def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
     """Gemma's RMSNorm: out = input * rsqrt(mean(input**2, -1) + eps) * (1 + weight)."""
     return call(_PLAIN, (input, weight, None, out), ("gemma_rmsnorm",), (float(eps),))
 
 
-@compilable("input")
+@compilable("input", _shortcut(_PLAIN, ("input", "gemma", "beta", "out"), "layernorm"))
 def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
     """LayerNorm: out = (input - mean) * rsqrt(var + eps) * gemma + beta (biased variance).
 
@@ -200,7 +206,7 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
     return call(_PLAIN, (input, gemma, beta, out), ("layernorm",), (float(eps),))
 
 
-@compilable("input")
+@compilable("input", _shortcut(_FUSED, ("input", "residual", "weight"), "fused_add_rmsnorm"))
 def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None):
     """residual += input; input = rmsnorm(residual, weight, eps), both in place.
 
@@ -211,7 +217,7 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=Non
     return call(_FUSED, (input, residual, weight), ("fused_add_rmsnorm",), (float(eps),))
 
 
-@compilable("input")
+@compilable("input", _shortcut(_FUSED, ("input", "residual", "weight"), "gemma_fused_add_rmsnorm"))
 def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_pdl=None):
     """residual += input; input = gemma_rmsnorm(residual, weight, eps), both in place."""
     return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))

@@ -19,6 +19,7 @@ from .errors import BadIndex
 from .interop import Op, OutSlot, Prepared, call, dense_strides, no_launch
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .interop.shortcut import Shortcut
 from .launch import Kernel, Launch
 from .layout import fit_vec, widest_vec
 from .rope_table import table_writer
@@ -362,7 +363,15 @@ def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_sc
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@compilable("q")
+@compilable(
+    "q",
+    Shortcut(
+        _POS_IDS,
+        ("q", "k", "pos_ids", None, None),
+        '("theta", True, rotary_dim, interleave, None)',
+        "(float(rope_scale), float(rope_theta))",
+    ),
+)
 def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""

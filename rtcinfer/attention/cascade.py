@@ -17,6 +17,7 @@ from .. import jit
 from ..interop import Op, OutSlot, Prepared, call, dense_strides
 from ..interop.arrays import compilable
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, widest_vec
 from ..plan._checks import INT32_MAX
@@ -163,7 +164,7 @@ _MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare)
 _IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare)
 
 
-@compilable("v_a")
+@compilable("v_a", Shortcut(_MERGE, ("v_a", "s_a", "v_b", "s_b"), '("merge_state",)'))
 def merge_state(v_a, s_a, v_b, s_b):
     """Merge two states: v_a, v_b [n, h, D] (fp16/bf16/fp32), s_a, s_b [n, h] float32.
 
@@ -180,7 +181,7 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     return call(_IN_PLACE, (v, s, v_other, s_other, mask), ("in_place",))
 
 
-@compilable("v")
+@compilable("v", Shortcut(_STATES, ("v", "s"), '("merge_states",)'))
 def merge_states(v, s):
     """Merge S states per row: v [n, S, h, D], s [n, S, h] float32 -> (v [n, h, D], s [n, h]).
 

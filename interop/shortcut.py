@@ -1,0 +1,132 @@
+"""A public function's shortcut for PyTorch tensors of a signature it has already run.
+
+call() reads each array, keys the prepared launch on the signature and allocates the outputs,
+below the public function's own frame and call()'s dispatch. A function that declares how it
+calls its op (`Shortcut`: the parameter in each op slot, the op's static arguments and its
+scalars as expressions of the parameters) gets, in the wrapper `compilable` generates, a
+first branch for PyTorch tensors: the signature's key read straight from the parameters, and
+on a hit the outputs allocated and the prepared run launched, nothing else; a miss runs the
+function (call()'s path) and then `learn`s the signature. The branch is taken only where
+call() would take the same path to the same launch: every slot array a torch.Tensor (or a
+subclass, as call() takes them: an nn.Parameter weight), no output given, no launching_on
+stream, and a prepared call with no dense copies, one GPU in the process, and outputs that
+are inputs or allocated like one (learn keeps none for the others). The shortcuts live in
+the op's cache (dropped with it)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .prepared import Op
+
+_call = importlib.import_module(".call", __package__)  # the module (the package's `call` is
+# its function); read at each use, so that what a test patches there is seen here
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    """`op`'s slots as the function's parameters (None: a slot the function never fills;
+    slots among op.given must be None for the shortcut), and the op's static arguments and
+    scalars as Python expressions of the parameters, as the function's body passes them."""
+
+    op: Op
+    slots: tuple[str | None, ...]
+    static: str
+    scalars: str = "()"
+
+
+class _Tag:
+    """The first element of a shortcut's key in the op's cache (call()'s keys start with the
+    op itself)."""
+
+    __slots__ = ()
+
+
+TAG = _Tag()
+
+
+def source(cut: Shortcut, call_fn: str) -> str:
+    """The lines of the shortcut branch (4-space indented) for a generated function whose
+    parameters hold the slots; `call_fn` is the generated call of the function itself."""
+    op = cut.op
+    if len(cut.slots) != len(op.slots):
+        raise ValueError(f"{op.name}: {len(cut.slots)} slot parameters for {len(op.slots)} slots")
+    given = {p for i, p in enumerate(cut.slots) if i in op.given and p is not None}
+    tensors = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
+    conds = [f"(type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))" for p in tensors]
+    conds += [f"{p} is None" for p in given]
+    values = [p if p in tensors else "None" for p in cut.slots]
+    pointers = [f"_p{tensors.index(p)}" if p in tensors else "0" for p in cut.slots]
+    attrs = "".join(f"{p}.shape, {p}.stride(), {p}.dtype, {p}.get_device(), _p{i} & 15, "
+                    for i, p in enumerate(tensors))  # fmt: skip
+    lines = [f"    if {' and '.join(conds)} and not _local.stream:"]
+    lines += [f"        _p{i} = {p}.data_ptr()" for i, p in enumerate(tensors)]
+    lines += [
+        f"        _static = {cut.static}",
+        f"        _key = (_tag, _static, {attrs})",
+        "        _launch = _op.cache.get(_key)",
+        "        if _launch:",
+        f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}],",
+        f"                           {tensors[0]}.get_device(), {cut.scalars})",
+        f"        _result = {call_fn}",
+        "        if _launch is None:  # False: learnt, and no shortcut for it",
+        f"            _learn(_op, _key, ({', '.join(values)},), _static)",
+        "        return _result",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def names(cut: Shortcut) -> dict:
+    """The generated function's globals the branch reads."""
+    return {"_tensor": _call.TORCH_TENSOR, "_local": _call._LOCAL, "_tag": TAG, "_op": cut.op,
+            "_learn": learn}  # fmt: skip
+
+
+def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
+    """Keep under `key` the launch of the signature call() has just prepared for `arrays`,
+    where the shortcut takes the same path (module docstring)."""
+    _, _, raw_stream, empty_like = _call._torch()
+    full = [op, static]
+    for x in arrays:
+        full.append(None if x is None else
+                    (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15))  # fmt: skip
+    prep = op.cache.get(tuple(full))
+    if prep is None:  # the call raised or went elsewhere: learn it at the next call
+        return
+    op.cache[key] = False  # no shortcut for the signature, unless made below
+    if prep.dense or not prep.one_device:
+        return
+    outs = []  # (input slot, it is the output itself) or (None, (shape sizes, torch dtype))
+    for slot in prep.outs:
+        if slot.source is not None:
+            outs.append((slot.source, True))
+        elif slot.like is not None:
+            outs.append((slot.like, False))
+        else:
+            outs.append((None, (slot.shape, _call._torch_dtype(slot.dtype))))
+    run, scratch = prep.run, prep.scratch
+    empty = _call._torch()[0].empty
+
+    def launch(arrays, ptrs, device, scalars):
+        results = []
+        for i, same in outs:
+            if i is None:  # as call() allocates it: on the first array's device
+                sizes, dtype = same
+                t = empty(*sizes, dtype=dtype, device=arrays[0].device) if sizes else \
+                    empty((), dtype=dtype, device=arrays[0].device)  # fmt: skip
+            elif same:
+                ptrs.append(ptrs[i])
+                results.append(arrays[i])
+                continue
+            else:
+                t = empty_like(arrays[i])
+            ptrs.append(t.data_ptr())
+            results.append(t)
+        run(raw_stream(device), device, ptrs, scalars)
+        return _call.returned(results, scratch)
+
+    op.cache[key] = launch
+
+
+__all__ = ["Shortcut", "TAG", "learn", "names", "source"]

@@ -1,0 +1,119 @@
+"""The public functions' PyTorch shortcut (interop/shortcut.py) without a GPU: a repeated call
+launches what the function's own path launches (the recorded launches: kernel, geometry and
+parameter block, the freshly allocated outputs' addresses aside), returns the same kind of
+results, and is not taken where call() would do something else (PyTorch CPU tensors stand
+in for CUDA ones; the stream and device queries are faked)."""
+
+from __future__ import annotations
+
+import importlib
+import struct
+
+import numpy as np
+import pytest
+
+import rtcinfer
+from rtcinfer import launch
+from rtcinfer.interop import ArrayInfo
+from rtcinfer.interop.dtypes import normalize
+
+from .fakes import fake_gpu
+
+torch = pytest.importorskip("torch")
+path = importlib.import_module("rtcinfer.interop.call")
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """CPU tensors taken as CUDA tensors of device 0 (one GPU), their stream 7."""
+    fake_gpu(monkeypatch)
+    real = path._torch()
+
+    def info(x, name):
+        if x is None:
+            return None
+        return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0,
+                         x.data_ptr() & 15)  # fmt: skip
+
+    monkeypatch.setattr(path, "_torch_info", info)
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    for op in (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
+               rtcinfer.rope._POS_IDS, rtcinfer.attention.cascade._MERGE):  # fmt: skip
+        monkeypatch.setattr(op, "cache", {})
+
+
+def _blanked(record, results) -> tuple:
+    """A recorded launch with the addresses of the call's new outputs zeroed (they differ
+    from call to call)."""
+    blob = record.params
+    for t in results:
+        address = struct.pack("<Q", t.data_ptr())
+        blob = blob.replace(address, bytes(8))
+    return record.kernel.name, record.grid, record.block, blob
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _calls():
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    w = torch.nn.Parameter(torch.randn(256).to(torch.bfloat16), requires_grad=False)
+    r = torch.randn(3, 256).to(torch.bfloat16)
+    gate = torch.randn(2, 512).to(torch.float16)
+    q = torch.randn(4, 8, 128).to(torch.bfloat16)
+    k = torch.randn(4, 2, 128).to(torch.bfloat16)
+    pos = torch.arange(4, dtype=torch.int32)
+    va, sa = torch.randn(2, 4, 128).to(torch.float16), torch.randn(2, 4)
+    return [
+        ("rmsnorm", rtcinfer.rmsnorm, (x, w), {"eps": 1e-5}),
+        ("fused_add_rmsnorm", rtcinfer.fused_add_rmsnorm, (x, r, w), {}),
+        ("silu_and_mul", rtcinfer.silu_and_mul, (gate,), {}),
+        ("rope", rtcinfer.apply_rope_pos_ids_inplace, (q, k, pos), {"rope_theta": 5e5}),
+        ("merge_state", rtcinfer.merge_state, (va, sa, va, sa), {}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
+    name, public, args, kwargs = _calls()[case]
+    with launch.recording() as steps:
+        first = _as_tuple(public(*args, **kwargs))  # the function's path, then learnt
+        second = _as_tuple(public(*args, **kwargs))  # the shortcut
+        third = _as_tuple(public.__wrapped__(*args, **kwargs))  # the function itself
+    assert len(steps) == 3, name
+    shapes = [[(tuple(t.shape), t.dtype) for t in r] for r in (first, second, third)]
+    assert shapes[0] == shapes[1] == shapes[2], name
+    for t, u in zip(second, third, strict=True):
+        assert (t.data_ptr() in [a.data_ptr() for a in args]) == (
+            u.data_ptr() in [a.data_ptr() for a in args]), name  # fmt: skip
+    records = [_blanked(s, r) for s, r in zip(steps, (first, second, third), strict=True)]
+    assert records[1] == records[2] == records[0], name
+
+
+def test_the_shortcut_is_learnt_once_and_not_taken_for_other_calls(cuda_like):
+    op = rtcinfer.norm._PLAIN
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    w = torch.randn(256).to(torch.bfloat16)
+    with launch.recording() as steps:
+        rtcinfer.rmsnorm(x, w)
+        learnt = [key for key in op.cache if not isinstance(key[0], type(op))]
+        assert len(learnt) == 1 and callable(op.cache[learnt[0]])
+        out = torch.empty_like(x)
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: the function's path
+        rtcinfer.rmsnorm(x[:, :128].contiguous(), w[:128])  # another signature: learnt too
+        with path.launching_on(5):  # another stream: the function's path (which refuses)
+            with pytest.raises(RuntimeError, match="must be given its outputs"):
+                rtcinfer.rmsnorm(x, w)
+    assert len(steps) == 3
+    assert len([key for key in op.cache if not isinstance(key[0], type(op))]) == 2
+    silu = rtcinfer.activation._OP
+    gate = torch.randn(2, 512).to(torch.float16)
+    for _ in range(3):
+        with launch.recording():
+            y = rtcinfer.silu_and_mul(gate)
+    assert tuple(y.shape) == (2, 256)
+    np.testing.assert_equal(len(silu.cache), 2)  # the prepared call and its shortcut
