@@ -320,6 +320,21 @@ _POS_IDS = _op("rope_pos_ids", ("pos_ids",))
 _CACHE = _op("rope_cos_sin_cache", ("positions", "cos_sin_cache"))
 
 
+# The in-place forms' PyTorch shortcuts (interop/shortcut.py): their slots, static arguments
+# and frequency scalars as the functions below pass them.
+_THETA = "(float(rope_scale), float(rope_theta))"
+_LLAMA31 = ("(float(rope_scale), float(rope_theta), float(low_freq_factor), "
+            "float(high_freq_factor), float(old_context_len))")  # fmt: skip
+_SHORTCUTS = {
+    "rope": Shortcut(_RAGGED, ("q", "k", "indptr", "offsets", None, None),
+                     '("theta", True, rotary_dim, interleave, None)', _THETA),
+    "pos_ids": Shortcut(_POS_IDS, ("q", "k", "pos_ids", None, None),
+                        '("theta", True, rotary_dim, interleave, None)', _THETA),
+    "llama31_pos_ids": Shortcut(_POS_IDS, ("q", "k", "pos_ids", None, None),
+                                '("llama31", True, rotary_dim, interleave, None)', _LLAMA31),
+}  # fmt: skip
+
+
 def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
     """The kernel's frequency scalars of Llama 3.1 RoPE (theta RoPE passes the first two)."""
     return (float(rope_scale), float(rope_theta), float(low_freq_factor),
@@ -344,7 +359,7 @@ def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_sc
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@compilable("q")
+@compilable("q", _SHORTCUTS["rope"])
 def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4):  # fmt: skip
     """`apply_rope` writing q and k in place; returns (q, k) (new arrays for JAX)."""
@@ -363,15 +378,7 @@ def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_sc
                 (float(rope_scale), float(rope_theta)))  # fmt: skip
 
 
-@compilable(
-    "q",
-    Shortcut(
-        _POS_IDS,
-        ("q", "k", "pos_ids", None, None),
-        '("theta", True, rotary_dim, interleave, None)',
-        "(float(rope_scale), float(rope_theta))",
-    ),
-)
+@compilable("q", _SHORTCUTS["pos_ids"])
 def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                                rope_theta=1e4):  # fmt: skip
     """`apply_rope_pos_ids` writing q and k in place; returns (q, k)."""
@@ -417,7 +424,7 @@ def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False,
                          old_context_len))  # fmt: skip
 
 
-@compilable("q")
+@compilable("q", _SHORTCUTS["llama31_pos_ids"])
 def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
                                        rope_scale=8.0, rope_theta=5e5, low_freq_factor=1.0,
                                        high_freq_factor=4.0, old_context_len=8192):  # fmt: skip

@@ -41,7 +41,8 @@ def cuda_like(monkeypatch):
     monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
     for op in (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
-               rtcinfer.rope._POS_IDS, rtcinfer.attention.cascade._MERGE):  # fmt: skip
+               rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
+               rtcinfer.attention.cascade._MERGE):  # fmt: skip
         monkeypatch.setattr(op, "cache", {})
 
 
@@ -67,17 +68,20 @@ def _calls():
     q = torch.randn(4, 8, 128).to(torch.bfloat16)
     k = torch.randn(4, 2, 128).to(torch.bfloat16)
     pos = torch.arange(4, dtype=torch.int32)
+    indptr, offsets = torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([7, 0]).int()
     va, sa = torch.randn(2, 4, 128).to(torch.float16), torch.randn(2, 4)
     return [
         ("rmsnorm", rtcinfer.rmsnorm, (x, w), {"eps": 1e-5}),
         ("fused_add_rmsnorm", rtcinfer.fused_add_rmsnorm, (x, r, w), {}),
         ("silu_and_mul", rtcinfer.silu_and_mul, (gate,), {}),
         ("rope", rtcinfer.apply_rope_pos_ids_inplace, (q, k, pos), {"rope_theta": 5e5}),
+        ("llama31_rope", rtcinfer.apply_llama31_rope_pos_ids_inplace, (q, k, pos), {}),
+        ("ragged_rope", rtcinfer.apply_rope_inplace, (q, k, indptr, offsets), {}),
         ("merge_state", rtcinfer.merge_state, (va, sa, va, sa), {}),
     ]
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(7))
 def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
     name, public, args, kwargs = _calls()[case]
     with launch.recording() as steps:
