@@ -382,7 +382,8 @@ def release(op: Op) -> None:
     """Forget `op`'s prepared launches and unregister their JAX handlers (a compiled JAX
     computation still using one raises when it runs)."""
     with op._lock:
-        preps, op.cache = list(op.cache.values()), {}
+        entries, op.cache = list(op.cache.values()), {}
+    preps = [p for p in entries if isinstance(p, Prepared)]  # not the shortcuts' launches
     if not any(p._handlers for p in preps):
         return
     from . import jax_ffi
