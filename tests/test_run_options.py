@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rtcinfer.attention import run_options as ro
-from rtcinfer.attention.decode_kernel import make_config
+from rtcinfer.attention.decode_kernel import kv_scales, make_config
 
 from .checks import to_host
 
@@ -69,8 +69,9 @@ def test_refusals_scales_and_the_forward_check():
     ro.refuse(sinks=None, kv_cache_sf=None)
     with pytest.raises(ValueError, match="options not supported: sinks, kv_cache_sf$"):
         ro.refuse(sinks=1, o_scale=None, kv_cache_sf=2)
-    assert ro.logit_scale(None, 3.0) == 3.0 and ro.logit_scale(None, None) is None
-    assert ro.logit_scale(0.5, None) == 0.5 and ro.logit_scale(0.5, 4.0) == 2.0
+    # q_scale folds into the logit factor as k_scale does (decode_kernel.kv_scales, shared)
+    assert kv_scales(3.0, None)[0] == 3.0 and kv_scales(None, None) == (1.0, 1.0)
+    assert kv_scales(None, None, 0.5)[0] == 0.5 and kv_scales(4.0, 2.0, 0.5) == (2.0, 2.0)
     plan = make_config(8, 2, 128, 16, "NONE", -1, 30.0, "bfloat16", None, None, None, None,
                        None)  # fmt: skip
     ro.check_forward(make_config(8, 2, 128, 16, "NONE", -1, 30.0, "bfloat16", None, None,

@@ -55,7 +55,7 @@ from .prefill_array import PrefillPlanArrays
 from .prefill_mask import packed_mask
 from .prefill_plan import RAGGED_PAGE, Capacity, GraphCapacity
 from .prefill_upload import plan_writers
-from .run_options import finish_lse, kernel_lse, logit_scale, refuse
+from .run_options import finish_lse, kernel_lse, refuse
 
 
 @dataclass(slots=True)
@@ -196,7 +196,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             )
         return fixed
 
-    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array=None,
+    def _run(self, q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array=None,
              lse_base="log2", lse_layout="NH", window_left=None):  # fmt: skip
         """run() of either wrapper: (o, lse) when return_lse, else o (lse, when given, is
         written); the LSE in the base and layout asked for (run_options.py)."""
@@ -206,11 +206,11 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
-            result = torch_attention.run(self, q, k, v, out, written, with_lse, None, k_scale,
-                                         v_scale, window_left, plan_array)  # fmt: skip
+            result = torch_attention.run(self, q, k, v, out, written, with_lse, q_scale,
+                                         k_scale, v_scale, window_left, plan_array)  # fmt: skip
         else:
-            result = self._launch_run(q, k, v, out, written, with_lse, k_scale, v_scale,
-                                      plan_array, window_left)  # fmt: skip
+            result = self._launch_run(q, k, v, out, written, with_lse, q_scale, k_scale,
+                                      v_scale, plan_array, window_left)  # fmt: skip
         if not with_lse:
             return result
         o, s = result
@@ -218,7 +218,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             s = finish_lse(s, lse_base, lse_layout, lse)
         return (o, s) if return_lse else o
 
-    def _launch_run(self, q, k, v, out, lse, with_lse, k_scale, v_scale, plan_array,
+    def _launch_run(self, q, k, v, out, lse, with_lse, q_scale, k_scale, v_scale, plan_array,
                     window_left):  # fmt: skip
         """The kernel's part of run(): o, or (o, lse) when with_lse."""
         st = self._array_launch() if plan_array is not None else self._launch
@@ -229,7 +229,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                 f"run(window_left={window_left!r}) differs from the plan's window_left "
                 f"({st.cfg.attn.window_left}): pass None or plan() again"
             )
-        qk, vs = kv_scales(k_scale, v_scale)
+        qk, vs = kv_scales(k_scale, v_scale, q_scale)
         scalars = (st.cfg.attn.sm_scale * qk, vs)
         if plan_array is None:
             return self._call((q, k, v, out, lse), (st.cfg, st.nnz_q, with_lse), scalars)
@@ -238,7 +238,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
     def _compiled_run(self, q, k, v, k_scale, v_scale, window_left, plan_array=None) -> tuple:
         """(o, lse) of run() with the current plan, or `plan_array` (torch_attention's ops at
         run time)."""
-        return self._launch_run(q, k, v, None, None, True, k_scale, v_scale, plan_array,
+        return self._launch_run(q, k, v, None, None, True, None, k_scale, v_scale, plan_array,
                                 window_left)  # fmt: skip
 
     def _plan_o_dtype(self) -> str:
@@ -348,10 +348,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, _PrefillWrapper):
         (run_options.py); o_scale and kv_cache_sf are not supported (raise when given)."""
         if o_scale is not None or kv_cache_sf is not None:
             refuse(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
-        if q_scale is not None:
-            k_scale = logit_scale(q_scale, k_scale)
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
-                         lse_layout)  # fmt: skip
+        return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array,
+                         lse_base, lse_layout)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
@@ -453,11 +451,9 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, _PrefillWrapper):
                 uses_spcompress=uses_spcompress or None,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
             )
-        if q_scale is not None:
-            k_scale = logit_scale(q_scale, k_scale)
         k, v = kv_pair(paged_kv_cache)
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, plan_array, lse_base,
-                         lse_layout, window_left)  # fmt: skip
+        return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array,
+                         lse_base, lse_layout, window_left)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn

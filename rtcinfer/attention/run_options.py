@@ -1,6 +1,7 @@
-"""run()'s FlashInfer 0.7.2 options beyond the arrays: the LSE's base and layout, the scales
-folded into one logit factor, the options with no counterpart here (refused by name unless
-left at their defaults), and the deprecated forward()'s plan parameters (check_forward).
+"""run()'s FlashInfer 0.7.2 options beyond the arrays: the LSE's base and layout, the options
+with no counterpart here (refused by name unless left at their defaults), and the deprecated
+forward()'s plan parameters (check_forward). q_scale folds into the logit factor as k_scale
+does, through decode_kernel.kv_scales, which decode and prefill share.
 
 The kernels write the LSE as FlashInfer's do, base 2 in [tokens, heads] ("log2", "NH"); the
 other forms are made from it afterwards, as FlashInfer makes them: "ln" = log2 form * ln 2,
@@ -25,13 +26,6 @@ def refuse(**options) -> None:
     given = [name for name, value in options.items() if value is not None]
     if given:
         raise ValueError(f"options not supported: {', '.join(given)}")
-
-
-def logit_scale(q_scale, k_scale):
-    """q_scale and k_scale as the one factor of the logits they are (None when both are)."""
-    if q_scale is None:
-        return k_scale
-    return float(q_scale) * (1.0 if k_scale is None else float(k_scale))
 
 
 def check_forward(asked, planned) -> None:
@@ -130,4 +124,4 @@ def _copy_into(dst, src, kind: str) -> None:
 
 
 __all__ = ["LSE_BASES", "LSE_LAYOUTS", "check_forward", "check_given_hn", "check_lse_form",
-           "finish_lse", "kernel_lse", "logit_scale", "refuse"]  # fmt: skip
+           "finish_lse", "kernel_lse", "refuse"]  # fmt: skip
