@@ -174,9 +174,17 @@ def _torch_info(x, name: str) -> ArrayInfo | None:
     return info._replace(offset=x.data_ptr() & 15)
 
 
+def torch_call_key(op: Op, arrays, static) -> tuple:
+    """The key under which call() holds the prepared launch of `op` on these PyTorch tensors
+    (None for absent slots): what _call_torch builds inline (interop/shortcut.py reads it)."""
+    return (op, static, *(None if x is None else
+                          (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+                          for x in arrays))  # fmt: skip
+
+
 def _call_torch(op: Op, arrays, static, scalars):
     torch, tensor, raw_stream, empty_like = _torch()
-    key, ptrs = [op, static], []
+    key, ptrs = [op, static], []  # torch_call_key's, built with the pointers in one pass
     for x in arrays:
         if x is None:
             key.append(None)

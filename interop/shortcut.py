@@ -28,12 +28,14 @@ _call = importlib.import_module(".call", __package__)  # the module (the package
 class Shortcut:
     """`op`'s slots as the function's parameters (None: a slot the function never fills;
     slots among op.given must be None for the shortcut), and the op's static arguments and
-    scalars as Python expressions of the parameters, as the function's body passes them."""
+    scalars as Python expressions of the parameters, as the function's body passes them
+    (calling, by name, the body's own `helpers` where it does)."""
 
     op: Op
     slots: tuple[str | None, ...]
     static: str
     scalars: str = "()"
+    helpers: tuple = ()  # functions the expressions call, by their names (the body's own)
 
 
 class _Tag:
@@ -58,17 +60,19 @@ def source(cut: Shortcut, call_fn: str) -> str:
     conds += [f"{p} is None" for p in given]
     values = [p if p in tensors else "None" for p in cut.slots]
     pointers = [f"_p{tensors.index(p)}" if p in tensors else "0" for p in cut.slots]
-    attrs = "".join(f"{p}.shape, {p}.stride(), {p}.dtype, {p}.get_device(), _p{i} & 15, "
+    device = [f"{p}.get_device()" if i else "_d" for i, p in enumerate(tensors)]
+    attrs = "".join(f"{p}.shape, {p}.stride(), {p}.dtype, {device[i]}, _p{i} & 15, "
                     for i, p in enumerate(tensors))  # fmt: skip
     lines = [f"    if {' and '.join(conds)} and not _local.stream:"]
     lines += [f"        _p{i} = {p}.data_ptr()" for i, p in enumerate(tensors)]
+    lines += [f"        _d = {tensors[0]}.get_device()"]
     lines += [
         f"        _static = {cut.static}",
         f"        _key = (_tag, _static, {attrs})",
         "        _launch = _op.cache.get(_key)",
         "        if _launch:",
-        f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}],",
-        f"                           {tensors[0]}.get_device(), {cut.scalars})",
+        f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
+        f"                           {cut.scalars})",
         f"        _result = {call_fn}",
         "        if _launch is None:  # False: learnt, and no shortcut for it",
         f"            _learn(_op, _key, ({', '.join(values)},), _static)",
@@ -80,18 +84,14 @@ def source(cut: Shortcut, call_fn: str) -> str:
 def names(cut: Shortcut) -> dict:
     """The generated function's globals the branch reads."""
     return {"_tensor": _call.TORCH_TENSOR, "_local": _call._LOCAL, "_tag": TAG, "_op": cut.op,
-            "_learn": learn}  # fmt: skip
+            "_learn": learn, **{f.__name__: f for f in cut.helpers}}  # fmt: skip
 
 
 def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
     """Keep under `key` the launch of the signature call() has just prepared for `arrays`,
     where the shortcut takes the same path (module docstring)."""
     _, _, raw_stream, empty_like = _call._torch()
-    full = [op, static]
-    for x in arrays:
-        full.append(None if x is None else
-                    (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15))  # fmt: skip
-    prep = op.cache.get(tuple(full))
+    prep = op.cache.get(_call.torch_call_key(op, arrays, static))
     if prep is None:  # the call raised or went elsewhere: learn it at the next call
         return
     op.cache[key] = False  # no shortcut for the signature, unless made below

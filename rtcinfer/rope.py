@@ -320,25 +320,25 @@ _POS_IDS = _op("rope_pos_ids", ("pos_ids",))
 _CACHE = _op("rope_cos_sin_cache", ("positions", "cos_sin_cache"))
 
 
+def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
+    """The kernel's frequency scalars of Llama 3.1 RoPE (theta RoPE passes the first two)."""
+    return (float(rope_scale), float(rope_theta), float(low_freq_factor),
+            float(high_freq_factor), float(old_context_len))  # fmt: skip
+
+
 # The in-place forms' PyTorch shortcuts (interop/shortcut.py): their slots, static arguments
 # and frequency scalars as the functions below pass them.
 _THETA = "(float(rope_scale), float(rope_theta))"
-_LLAMA31 = ("(float(rope_scale), float(rope_theta), float(low_freq_factor), "
-            "float(high_freq_factor), float(old_context_len))")  # fmt: skip
+_LLAMA31 = "_llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)"
 _SHORTCUTS = {
     "rope": Shortcut(_RAGGED, ("q", "k", "indptr", "offsets", None, None),
                      '("theta", True, rotary_dim, interleave, None)', _THETA),
     "pos_ids": Shortcut(_POS_IDS, ("q", "k", "pos_ids", None, None),
                         '("theta", True, rotary_dim, interleave, None)', _THETA),
     "llama31_pos_ids": Shortcut(_POS_IDS, ("q", "k", "pos_ids", None, None),
-                                '("llama31", True, rotary_dim, interleave, None)', _LLAMA31),
+                                '("llama31", True, rotary_dim, interleave, None)', _LLAMA31,
+                                (_llama31,)),
 }  # fmt: skip
-
-
-def _llama31(rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len):
-    """The kernel's frequency scalars of Llama 3.1 RoPE (theta RoPE passes the first two)."""
-    return (float(rope_scale), float(rope_theta), float(low_freq_factor),
-            float(high_freq_factor), float(old_context_len))  # fmt: skip
 
 
 @compilable("q")
