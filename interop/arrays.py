@@ -73,12 +73,12 @@ def _routed(fn, tensor_arg: str, shortcut=None):
 
         branch = cuts.source(shortcut, f"_fn({args}{kwargs})")
         names.update(cuts.names(shortcut))
-    source = (
+    source = (  # the shortcut's branch first: it tests for torch.compile itself, cheaply
         f"def {fn.__name__}({', '.join(params)}):\n"
+        f"{branch}"
         f"    if _compiling({tensor_arg}):\n"
         f"        from rtcinfer import torch_ops\n"
         f"        return torch_ops.call_public(_fn, ({args}), dict({kwargs}))\n"
-        f"{branch}"
         f"    return _fn({args}{kwargs})\n"
     )
     exec(compile(source, f"<compilable {fn.__qualname__}>", "exec"), names)

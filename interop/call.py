@@ -143,12 +143,14 @@ class _NoTensor:
     """What TORCH_TENSOR holds before PyTorch is seen: the type of no argument."""
 
 
-TORCH_TENSOR: list = [_NoTensor]  # torch.Tensor once a call has seen PyTorch (interop/shortcut.py)
+TORCH_TENSOR: list = [_NoTensor, None]  # torch.Tensor and torch.compiler.is_compiling once a
+# call has seen PyTorch (interop/shortcut.py)
 
 
 @functools.cache
 def _torch():
     torch = sys.modules["torch"]
+    TORCH_TENSOR[1] = torch.compiler.is_compiling
     TORCH_TENSOR[0] = torch.Tensor
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     stream = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)

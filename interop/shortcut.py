@@ -58,6 +58,7 @@ def source(cut: Shortcut, call_fn: str) -> str:
     tensors = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
     conds = [f"(type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))" for p in tensors]
     conds += [f"{p} is None" for p in given]
+    conds.append("not _tensor[1]()")  # torch.compiler.is_compiling: traced calls take the op
     values = [p if p in tensors else "None" for p in cut.slots]
     pointers = [f"_p{tensors.index(p)}" if p in tensors else "0" for p in cut.slots]
     device = [f"{p}.get_device()" if i else "_d" for i, p in enumerate(tensors)]
@@ -90,7 +91,6 @@ def names(cut: Shortcut) -> dict:
 def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
     """Keep under `key` the launch of the signature call() has just prepared for `arrays`,
     where the shortcut takes the same path (module docstring)."""
-    _, _, raw_stream, empty_like = _call._torch()
     prep = op.cache.get(_call.torch_call_key(op, arrays, static))
     if prep is None:  # the call raised or went elsewhere: learn it at the next call
         return
@@ -105,8 +105,56 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
             outs.append((slot.like, False))
         else:
             outs.append((None, (slot.shape, _call._torch_dtype(slot.dtype))))
-    run, scratch = prep.run, prep.scratch
-    empty = _call._torch()[0].empty
+    op.cache[key] = _launcher(outs, prep.run, prep.scratch)
+
+
+def _launcher(outs: list, run, scratch: int):
+    """launch(arrays, ptrs, device, scalars) -> what call() returns: the outputs allocated as
+    call() allocates them (`outs`: learn's list), their pointers appended, `run` launched."""
+    torch, _, raw_stream, empty_like = _call._torch()
+    if not scratch and all(same is True for _, same in outs):  # in place: outputs are inputs
+        sources = [i for i, _ in outs]
+        if len(sources) == 1:
+            (i,) = sources
+
+            def launch(arrays, ptrs, device, scalars):
+                ptrs.append(ptrs[i])
+                run(raw_stream(device), device, ptrs, scalars)
+                return arrays[i]
+
+            return launch
+        if len(sources) == 2:
+            i, j = sources
+
+            def launch(arrays, ptrs, device, scalars):
+                ptrs += (ptrs[i], ptrs[j])
+                run(raw_stream(device), device, ptrs, scalars)
+                return arrays[i], arrays[j]
+
+            return launch
+    if not scratch and all(i is not None and same is False for i, same in outs):  # new, like
+        likes = [i for i, _ in outs]  # inputs
+        if len(likes) == 1:
+            (i,) = likes
+
+            def launch(arrays, ptrs, device, scalars):
+                out = empty_like(arrays[i])
+                ptrs.append(out.data_ptr())
+                run(raw_stream(device), device, ptrs, scalars)
+                return out
+
+            return launch
+        if len(likes) == 2:
+            i, j = likes
+
+            def launch(arrays, ptrs, device, scalars):
+                a, b = empty_like(arrays[i]), empty_like(arrays[j])
+                ptrs += (a.data_ptr(), b.data_ptr())
+                run(raw_stream(device), device, ptrs, scalars)
+                return a, b
+
+            return launch
+    empty = torch.empty
 
     def launch(arrays, ptrs, device, scalars):
         results = []
@@ -126,7 +174,7 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
         run(raw_stream(device), device, ptrs, scalars)
         return _call.returned(results, scratch)
 
-    op.cache[key] = launch
+    return launch
 
 
 __all__ = ["Shortcut", "TAG", "learn", "names", "source"]

@@ -73,9 +73,12 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     p.xs0, p.xs1, p.os0, p.os1, p.n1, p.d = xs0, xs1, ys0, ys1, n1, d
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.x, p.out = ptrs[0], ptrs[2]
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return Prepared((OutSlot(shape, x.dtype, 1 if out is not None else None),), run,
                     preload=launch.preload)  # fmt: skip

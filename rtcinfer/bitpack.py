@@ -106,10 +106,13 @@ def _prepare(infos, align, static) -> Prepared:
     with_indptr = indptr is not None
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.x, p.indptr, p.y = ptrs[0], ptrs[1], ptrs[2]
             p.indptr_out = ptrs[3] if with_indptr else 0
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return Prepared(tuple(outs), run, preload=launch.preload, dense=(0, 1))
 

@@ -142,7 +142,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     layer = op == "layernorm"
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             if fused and new_arrays:  # read input and residual, write the two outputs
                 p.x, p.residual, p.weight = ptrs[0], ptrs[1], ptrs[2]
                 p.out, p.residual_out, p.bias = ptrs[3], ptrs[4], ptrs[2]
@@ -157,6 +158,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
                 p.bias = ptrs[2] if layer else ptrs[1]
             p.eps = scalars[0]
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return Prepared(outs, run, preload=launch.preload)
 

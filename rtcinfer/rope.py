@@ -281,7 +281,8 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
         found = None
         if cache:
             found = errors.before_launch(rec, device, stream)
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             if inplace:  # the outputs: q and k (their XLA copies for JAX)
                 p.q = p.q_out = ptrs[-2]
                 p.k = p.k_out = ptrs[-1]
@@ -297,6 +298,8 @@ def _step(launch: Launch, rec: errors.Record | None, check: bool):
             if write_table is not None:  # theta, Llama 3.1: their scalars and table
                 write_table(scalars)
             launch(stream, device)
+        finally:
+            launch.lock.release()
         if found is not None and check:
             errors.check_launch(found, stream)
 

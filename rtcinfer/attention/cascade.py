@@ -126,7 +126,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     a = o if op == "in_place" else 0  # in place: read through the outputs (XLA's copies)
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.a_v, p.a_s = ptrs[a], ptrs[a + 1]
             if has_b:
                 p.b_v, p.b_s = ptrs[2], ptrs[3]
@@ -134,6 +135,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                 p.mask = ptrs[4]
             p.o_v, p.o_s = ptrs[o], ptrs[o + 1]
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     dense = (4,) if masked and not mask.contiguous else ()  # read as a bare pointer
     return Prepared(outs, run, preload=launch.preload, dense=dense)

@@ -438,7 +438,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
             if empty:
                 return
             launch = st.launch
-            with launch.lock:
+            launch.lock.acquire()
+            try:
                 write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
                                     scalars)  # fmt: skip
                 if launch.empty:
@@ -446,6 +447,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
                 wrapper._note_capture(stream, batch)
                 wrapper._order(stream)
                 launch(stream, device)
+            finally:
+                launch.lock.release()
 
         on_trace, preload = weak_hooks(self)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,

@@ -164,10 +164,13 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
 
     def run(stream, device, ptrs, scalars):
         found = errors.before_launch(rec, device, stream)
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.plan = ptrs[:4]
             p.bad, p.bad_host = found.device_ptr, found.host_ptr
             launch(stream, device)
+        finally:
+            launch.lock.release()
         if check:
             errors.check_launch(found, stream)
 

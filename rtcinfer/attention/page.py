@@ -169,7 +169,8 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
 
     def run(stream, device, ptrs, scalars):
         found = errors.before_launch(rec, device, stream)
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.key, p.value = ptrs[0], ptrs[1]
             p.batch_indices, p.positions = ptrs[2], ptrs[3]
             p.kv_indices, p.kv_indptr = ptrs[table], ptrs[table + 1]
@@ -179,6 +180,8 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
             p.k_cache = k_cache
             p.v_cache = ptrs[first_out + 1] if pair else k_cache + v_offset
             launch(stream, device)
+        finally:
+            launch.lock.release()
         if check:
             errors.check_launch(found, stream)
 
@@ -282,10 +285,13 @@ def _prepare_seq_lens(infos, align: int, static: tuple) -> Prepared:
     p.batch_size = batch
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.kv_indptr, p.last, p.seq_lens = ptrs[0], ptrs[1], ptrs[2]
             p.page_size = scalars[0]
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     dense = tuple(i for i in (0, 1) if not infos[i].contiguous)
     return Prepared((OutSlot((batch,), index),), run, preload=launch.preload, dense=dense)
@@ -336,10 +342,13 @@ def _prepare_positions(infos, align: int, static: tuple) -> Prepared:
     p.batch_size, p.nnz = batch, nnz
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.append_indptr, p.seq_lens = ptrs[0], ptrs[1]
             p.batch_indices, p.positions = ptrs[4], ptrs[5]  # the outputs follow the slots
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     outs = (OutSlot((nnz,), "int32", 2 if given_indices is not None else None),
             OutSlot((nnz,), "int32", 3 if given_positions is not None else None))  # fmt: skip

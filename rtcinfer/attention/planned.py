@@ -108,7 +108,8 @@ def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse
     at = first + (2 if with_lse else 1)
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.q, p.k_cache, p.o, p.plan = ptrs[0], ptrs[1], ptrs[first], ptrs[5]
             p.v_cache = ptrs[1] + v_offset if v_offset is not None else ptrs[2]
             p.lse = ptrs[first + 1] if with_lse else 0
@@ -119,6 +120,8 @@ def plan_array_run(launch, first: int, with_lse: bool, v_offset: int | None, lse
             p.qk_scale, p.v_scale = scalars
             zero_fill(p.counters, counters, stream)
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return run
 

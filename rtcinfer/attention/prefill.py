@@ -276,11 +276,14 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             if empty:
                 return
             launch = st.launch
-            with launch.lock:
+            launch.lock.acquire()
+            try:
                 write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
                                     scalars)  # fmt: skip
                 wrapper._order(stream)
                 launch(stream, device)
+            finally:
+                launch.lock.release()
 
         on_trace, preload = weak_hooks(self)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,

@@ -110,7 +110,8 @@ def _prepare(infos, align, static) -> Prepared:
     n_lse = 1 if with_lse else 0
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
             p.lse = ptrs[4] if with_lse else 0
             if split:
@@ -120,6 +121,8 @@ def _prepare(infos, align, static) -> Prepared:
                 zero_fill(p.counters, cfg.kv_blocks, stream)
             p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer,
                     scratch=1 if split else 0)  # fmt: skip

@@ -146,7 +146,8 @@ def _prepare(infos, align, static) -> Prepared:
     def run(stream, device, ptrs, scalars):
         if empty:
             return
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.q, p.k_cache, p.v_cache, p.mask, p.o = ptrs[:5]
             p.lse = ptrs[5] if with_lse else 0
             if split:
@@ -155,6 +156,8 @@ def _prepare(infos, align, static) -> Prepared:
                 p.counters = at + scratch.counters_at
                 zero_fill(p.counters, counters, stream)
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, dense=(3,),
                     scratch=1 if split else 0)  # fmt: skip

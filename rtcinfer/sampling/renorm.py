@@ -128,12 +128,15 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     field = None if param is None else _ARRAY_FIELDS[param.dtype]
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.input, p.out = ptrs[0], ptrs[2]
             if field is not None:
                 setattr(p, field, ptrs[1])
             p.top_k_val, p.top_p_val = scalars
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     dense = () if param is None else (1,)
     return Prepared((OutSlot(x.shape, x.dtype),), run, preload=launch.preload, dense=dense)

@@ -193,7 +193,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             found = errors.before_launch(rec, device, stream)
         if check_nan:
             zero_fill(ptrs[_FLAG], 1, stream)
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.probs, p.out = ptrs[0], ptrs[_OUT]
             for field, i in pointers:
                 setattr(p, field, ptrs[i])
@@ -201,6 +202,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             if found is not None:
                 p.bad, p.bad_host = found.device_ptr, found.host_ptr
             launch(stream, device)
+        finally:
+            launch.lock.release()
         if check:
             errors.check_launch(found, stream)
 

@@ -113,10 +113,13 @@ def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
     p.in_stride, p.out_stride, p.vocab = stride, vocab, vocab  # the output is allocated dense
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.logits, p.temperature_arr, p.probs = ptrs
             (p.temperature_val,) = scalars
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     dense = () if temperature is None else (1,)
     return Prepared((OutSlot(shape, "float32"),), run, preload=launch.preload, dense=dense)

@@ -112,7 +112,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     ids32 = ids.dtype == "int32"
 
     def run(stream, device, ptrs, scalars):
-        with launch.lock:
+        launch.lock.acquire()
+        try:
             p.draft_probs, p.target_probs = ptrs[0], ptrs[2]
             if ids32:
                 p.draft_ids = ptrs[1]
@@ -122,6 +123,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             p.out_tokens, p.accepted, p.emitted = ptrs[7], ptrs[8], ptrs[9]
             p.seed_val, p.offset_val = scalars
             launch(stream, device)
+        finally:
+            launch.lock.release()
 
     outs = (
         OutSlot((batch, n + 1), "int32"),
