@@ -8,10 +8,10 @@ first branch for PyTorch tensors: the signature's key read straight from the par
 on a hit the outputs allocated and the prepared run launched, nothing else; a miss runs the
 function (call()'s path) and then `learn`s the signature. The branch is taken only where
 call() would take the same path to the same launch: every slot array a torch.Tensor (or a
-subclass, as call() takes them: an nn.Parameter weight), no output given, no launching_on
-stream, and a prepared call with no dense copies, one GPU in the process, and outputs that
-are inputs or allocated like one (learn keeps none for the others). The shortcuts live in
-the op's cache (dropped with it)."""
+subclass, as call() takes them: an nn.Parameter weight), a given output too (`out=`: its
+attributes are part of the key, as in call()'s), no launching_on stream, and a prepared call
+with no dense copies and one GPU in the process (learn keeps no shortcut for the others).
+The shortcuts live in the op's cache (dropped with it)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ _call = importlib.import_module(".call", __package__)  # the module (the package
 
 @dataclass(frozen=True)
 class Shortcut:
-    """`op`'s slots as the function's parameters (None: a slot the function never fills;
-    slots among op.given must be None for the shortcut), and the op's static arguments and
+    """`op`'s slots as the function's parameters (None: a slot the function never fills; a
+    slot among op.given, an output the caller may pass, is None or a tensor), and the op's
+    static arguments and
     scalars as Python expressions of the parameters, as the function's body passes them
     (calling, by name, the body's own `helpers` where it does)."""
 
@@ -50,26 +51,35 @@ TAG = _Tag()
 
 def source(cut: Shortcut, call_fn: str) -> str:
     """The lines of the shortcut branch (4-space indented) for a generated function whose
-    parameters hold the slots; `call_fn` is the generated call of the function itself."""
+    parameters hold the slots; `call_fn` is the generated call of the function itself. A
+    given output's parameter may be None or a tensor: its part of the key is None or its
+    attributes (a signature of each)."""
     op = cut.op
     if len(cut.slots) != len(op.slots):
         raise ValueError(f"{op.name}: {len(cut.slots)} slot parameters for {len(op.slots)} slots")
-    given = {p for i, p in enumerate(cut.slots) if i in op.given and p is not None}
+    given = [p for i, p in enumerate(cut.slots) if i in op.given and p is not None]
     tensors = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
+    slot_params = tensors + given
     conds = [f"(type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))" for p in tensors]
-    conds += [f"{p} is None" for p in given]
+    conds += [f"({p} is None or type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))"
+              for p in given]  # fmt: skip
     conds.append("not _tensor[1]()")  # torch.compiler.is_compiling: traced calls take the op
-    values = [p if p in tensors else "None" for p in cut.slots]
-    pointers = [f"_p{tensors.index(p)}" if p in tensors else "0" for p in cut.slots]
-    device = [f"{p}.get_device()" if i else "_d" for i, p in enumerate(tensors)]
-    attrs = "".join(f"{p}.shape, {p}.stride(), {p}.dtype, {device[i]}, _p{i} & 15, "
-                    for i, p in enumerate(tensors))  # fmt: skip
+    values = [p if p is not None else "None" for p in cut.slots]
+    pointers = [f"_p{slot_params.index(p)}" if p is not None else "0" for p in cut.slots]
+    device = [f"{p}.get_device()" if i else "_d" for i, p in enumerate(slot_params)]
+    attrs = [f"{p}.shape, {p}.stride(), {p}.dtype, {device[i]}, _p{i} & 15"
+             for i, p in enumerate(slot_params)]  # fmt: skip
+    parts = "".join(f"{a}, " for a in attrs[: len(tensors)])
+    parts += "".join(f"({a}) if {p} is not None else None, "
+                     for p, a in zip(given, attrs[len(tensors):], strict=True))  # fmt: skip
     lines = [f"    if {' and '.join(conds)} and not _local.stream:"]
     lines += [f"        _p{i} = {p}.data_ptr()" for i, p in enumerate(tensors)]
+    lines += [f"        _p{len(tensors) + i} = {p}.data_ptr() if {p} is not None else 0"
+              for i, p in enumerate(given)]  # fmt: skip
     lines += [f"        _d = {tensors[0]}.get_device()"]
     lines += [
         f"        _static = {cut.static}",
-        f"        _key = (_tag, _static, {attrs})",
+        f"        _key = (_tag, _static, {parts})",
         "        _launch = _op.cache.get(_key)",
         "        if _launch:",
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",

@@ -72,8 +72,10 @@ def _calls():
     va, sa = torch.randn(2, 4, 128).to(torch.float16), torch.randn(2, 4)
     return [
         ("rmsnorm", rtcinfer.rmsnorm, (x, w), {"eps": 1e-5}),
+        ("rmsnorm, out given", rtcinfer.rmsnorm, (x, w), {"out": torch.empty_like(x)}),
         ("fused_add_rmsnorm", rtcinfer.fused_add_rmsnorm, (x, r, w), {}),
         ("silu_and_mul", rtcinfer.silu_and_mul, (gate,), {}),
+        ("silu_and_mul, out given", rtcinfer.silu_and_mul, (gate, torch.empty(2, 256).half()), {}),
         ("rope", rtcinfer.apply_rope_pos_ids_inplace, (q, k, pos), {"rope_theta": 5e5}),
         ("llama31_rope", rtcinfer.apply_llama31_rope_pos_ids_inplace, (q, k, pos), {}),
         ("ragged_rope", rtcinfer.apply_rope_inplace, (q, k, indptr, offsets), {}),
@@ -81,7 +83,7 @@ def _calls():
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(9))
 def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
     name, public, args, kwargs = _calls()[case]
     with launch.recording() as steps:
@@ -91,9 +93,9 @@ def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
     assert len(steps) == 3, name
     shapes = [[(tuple(t.shape), t.dtype) for t in r] for r in (first, second, third)]
     assert shapes[0] == shapes[1] == shapes[2], name
+    given = [a.data_ptr() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     for t, u in zip(second, third, strict=True):
-        assert (t.data_ptr() in [a.data_ptr() for a in args]) == (
-            u.data_ptr() in [a.data_ptr() for a in args]), name  # fmt: skip
+        assert (t.data_ptr() in given) == (u.data_ptr() in given), name
     records = [_blanked(s, r) for s, r in zip(steps, (first, second, third), strict=True)]
     assert records[1] == records[2] == records[0], name
 
@@ -107,13 +109,19 @@ def test_the_shortcut_is_learnt_once_and_not_taken_for_other_calls(cuda_like):
         learnt = [key for key in op.cache if not isinstance(key[0], type(op))]
         assert len(learnt) == 1 and callable(op.cache[learnt[0]])
         out = torch.empty_like(x)
-        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: the function's path
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: another signature
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # ... launched by the shortcut
+        strided = torch.empty(3, 512).to(torch.bfloat16)[:, :256]
+        assert rtcinfer.rmsnorm(x, w, 1e-6, strided) is strided  # its strides: another
         rtcinfer.rmsnorm(x[:, :128].contiguous(), w[:128])  # another signature: learnt too
         with path.launching_on(5):  # another stream: the function's path (which refuses)
             with pytest.raises(RuntimeError, match="must be given its outputs"):
                 rtcinfer.rmsnorm(x, w)
-    assert len(steps) == 3
-    assert len([key for key in op.cache if not isinstance(key[0], type(op))]) == 2
+        with pytest.raises(ValueError):  # a given output of another shape: call() refuses
+            rtcinfer.rmsnorm(x, w, 1e-6, torch.empty(3, 128).to(torch.bfloat16))
+    assert len(steps) == 5
+    assert steps[2].params != steps[3].params  # the strided output's row stride
+    assert len([key for key in op.cache if not isinstance(key[0], type(op))]) == 4
     silu = rtcinfer.activation._OP
     gate = torch.randn(2, 512).to(torch.float16)
     for _ in range(3):
