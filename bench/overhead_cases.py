@@ -29,6 +29,7 @@ class Case:
     pytorch_op: Callable[..., object] | None = None  # op(torch, **torch tensors)
     jax_op: Callable[..., object] | None = None  # op(**JAX arrays) where it differs from op
     host_only: bool = False  # plan(): no device arrays, one column
+    jax_form: bool = True  # False: no JAX form (a given out= array: JAX arrays are immutable)
 
     def _torch_arrays(self, torch):
         return {k: _to_torch(torch, v) for k, v in self.arrays(np.random.default_rng(0)).items()}
@@ -56,7 +57,7 @@ class Case:
         return (lambda: self.op(**a)), cp.cuda.Device().synchronize
 
     def jax(self, jax, jitted: bool):
-        if self.host_only:
+        if self.host_only or not self.jax_form:
             return None
         a = {k: jax.numpy.asarray(v) for k, v in self.arrays(np.random.default_rng(0)).items()}
         op = self.jax_op or self.op
@@ -72,7 +73,7 @@ class Case:
         """A jitted no-op of the case's JAX arrays: `x + 1` of each (XLA's dispatch cost grows
         with the buffers a computation takes and returns: on the H200 host a jitted `x + 1`
         took 28.8 us, the same of three arrays 41.3)."""
-        if self.host_only:
+        if self.host_only or not self.jax_form:
             return None
         a = {k: jax.numpy.asarray(v) for k, v in self.arrays(np.random.default_rng(0)).items()}
         fn = jax.jit(lambda **kw: [v + 1 for v in kw.values()])
@@ -285,6 +286,10 @@ CASES = [
     Case("rmsnorm 1 x 4096", _norm_arrays, lambda x, w: rtcinfer.rmsnorm(x, w),
          lambda fi, x, w: fi.norm.rmsnorm(x, w),
          lambda torch, x, w: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6)),
+    Case("rmsnorm 1 x 4096, out given",
+         lambda rng: {**_norm_arrays(rng), "o": _bf16(rng, 1, 4096)},
+         lambda x, w, o: rtcinfer.rmsnorm(x, w, out=o),
+         lambda fi, x, w, o: fi.norm.rmsnorm(x, w, out=o), jax_form=False),
     Case("gemma_rmsnorm 1 x 4096", _norm_arrays, lambda x, w: rtcinfer.gemma_rmsnorm(x, w),
          lambda fi, x, w: fi.norm.gemma_rmsnorm(x, w)),
     Case("layernorm 1 x 4096", lambda rng: {**_norm_arrays(rng), "b": _bf16(rng, 4096)},
@@ -296,6 +301,10 @@ CASES = [
     Case("silu_and_mul 1 x 8192", lambda rng: {"x": _bf16(rng, 1, 16384)},
          lambda x: rtcinfer.silu_and_mul(x), lambda fi, x: fi.activation.silu_and_mul(x),
          lambda torch, x: torch.nn.functional.silu(x[..., :8192]) * x[..., 8192:]),
+    Case("silu_and_mul 1 x 8192, out given",
+         lambda rng: {"x": _bf16(rng, 1, 16384), "o": _bf16(rng, 1, 8192)},
+         lambda x, o: rtcinfer.silu_and_mul(x, out=o),
+         lambda fi, x, o: fi.activation.silu_and_mul(x, out=o), jax_form=False),
     Case("gelu_tanh_and_mul 1 x 8192", lambda rng: {"x": _bf16(rng, 1, 16384)},
          lambda x: rtcinfer.gelu_tanh_and_mul(x),
          lambda fi, x: fi.activation.gelu_tanh_and_mul(x)),
