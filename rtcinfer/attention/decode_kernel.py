@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import numpy as np
@@ -178,6 +178,12 @@ def ctas_per_sm(spec: DecodeSpec, device_id: int) -> int:
     return max(1, min(MAX_CTAS_PER_SM, kernel(spec).occupancy(device_id, THREADS)))
 
 
+def fields_hash(config) -> int:
+    """The hash a frozen dataclass would compute on every call (of its fields' values), for a
+    configuration that keeps it (a cached_property: it keys each run()'s prepared launch)."""
+    return hash(tuple(getattr(config, f.name) for f in fields(config)))
+
+
 @dataclass(frozen=True)
 class Config:
     """The static part of a plan: what selects the kernel and its scalar arguments."""
@@ -195,6 +201,13 @@ class Config:
     sm_scale: float
     rope_scale: float
     rope_theta: float
+
+    def __hash__(self) -> int:  # every run()'s call key hashes its configuration
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return fields_hash(self)
 
     @property
     def group_size(self) -> int:

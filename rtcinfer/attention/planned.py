@@ -387,10 +387,10 @@ class PlannedWrapper:
     def _order(self, stream: int) -> None:
         """Order a run on a stream other than the upload's after the upload, and the next
         upload after this run (an event per such stream; skipped while it is being captured)."""
-        import cupy
-
         if stream == self._ws.stream_ptr or is_capturing(stream):
             return
+        import cupy
+
         wait_event(stream, self._ws.last_upload().ptr)
         event = self._run_events.get(stream)
         if event is None:

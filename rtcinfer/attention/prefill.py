@@ -266,7 +266,7 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             if wrapper is None:
                 raise RuntimeError(f"the {type(self).__name__} was deleted")
             st = wrapper._launch
-            if st.nnz_q != nnz_q or st.cfg != cfg:
+            if st.nnz_q != nnz_q or (st.cfg is not cfg and st.cfg != cfg):
                 raise RuntimeError("plan() changed the batch or configuration since this run()")
             if st.num_kv_rows > num_kv_rows:
                 raise ValueError(
