@@ -25,11 +25,22 @@ def framework(x) -> str:
     return "dlpack"
 
 
+class _NoTensor:
+    """What TORCH_TENSOR holds before PyTorch is seen: the type of no argument."""
+
+
+TORCH_TENSOR: list = [_NoTensor, None]  # torch.Tensor and torch.compiler.is_compiling, set
+# once by the first call that sees PyTorch (interop/call.py's _torch; interop/shortcut.py)
+
+
 def torch_compiling(x) -> bool:
     """Whether `x` is a PyTorch tensor seen while torch.compile traces: the call then becomes a
-    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: one module-name
-    test, and PyTorch is never imported here. (No cache of the test per type: TorchDynamo,
-    tracing this function, would guard on the cache's contents and recompile when it grows.)"""
+    custom op node (rtcinfer/torch_ops.py). Cheap for every other caller: a type test (a
+    torch.Tensor once PyTorch was seen), else one module-name test, and PyTorch is never
+    imported here. (No cache of the test per type: TorchDynamo, tracing this function, would
+    guard on the cache's contents and recompile when it grows; TORCH_TENSOR is set once.)"""
+    if type(x) is TORCH_TENSOR[0]:
+        return TORCH_TENSOR[1]()
     if type(x).__module__.partition(".")[0] != "torch":
         return False
     return sys.modules["torch"].compiler.is_compiling()

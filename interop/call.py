@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from .. import gpu
-from .arrays import as_cupy, framework
+from .arrays import TORCH_TENSOR, as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 from .prepared import ArrayInfo, Op, OutSlot, Prepared, common_align, dense_strides, no_launch
 
@@ -137,14 +137,6 @@ def _with_like(slot: OutSlot, infos) -> OutSlot:
 
 
 # ---------------------------------------------------------------- PyTorch
-
-
-class _NoTensor:
-    """What TORCH_TENSOR holds before PyTorch is seen: the type of no argument."""
-
-
-TORCH_TENSOR: list = [_NoTensor, None]  # torch.Tensor and torch.compiler.is_compiling once a
-# call has seen PyTorch (interop/shortcut.py)
 
 
 @functools.cache

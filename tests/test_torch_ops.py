@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rtcinfer
-from rtcinfer.interop.arrays import compilable
+from rtcinfer.interop.arrays import TORCH_TENSOR, compilable
 
 torch = pytest.importorskip("torch")
 from rtcinfer import torch_ops  # noqa: E402 - needs PyTorch
@@ -442,7 +442,12 @@ def test_a_compilable_call_is_routed_only_while_compiling(monkeypatch):
     x = torch.zeros(2)
     assert wrapped(x) == "eager" and not routed
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    wrapped(x, 3.0, out=x)
+    bound = TORCH_TENSOR[1]
+    TORCH_TENSOR[1] = torch.compiler.is_compiling  # the patched test, as bound once PyTorch
+    try:  # was seen
+        wrapped(x, 3.0, out=x)
+    finally:
+        TORCH_TENSOR[1] = bound
     assert routed == [("op", (x, 3.0), {"out": x})]
     assert wrapped(object()) == "eager"  # not a tensor: never routed
 

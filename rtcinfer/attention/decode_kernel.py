@@ -119,6 +119,8 @@ def decode_spec(
 def kv_scales(k_scale, v_scale, q_scale=None) -> tuple[float, float]:
     """The calibration scales as (logit factor q_scale * k_scale, v_scale), floats (None: 1;
     0 is a scale, as in FlashInfer)."""
+    if k_scale is None and v_scale is None and q_scale is None:  # the common call
+        return 1.0, 1.0
     as_float = lambda x: 1.0 if x is None else float(x)  # noqa: E731
     return as_float(q_scale) * as_float(k_scale), as_float(v_scale)
 
