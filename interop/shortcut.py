@@ -28,9 +28,8 @@ _call = importlib.import_module(".call", __package__)  # the module (the package
 class Shortcut:
     """`op`'s slots as the function's parameters (None: a slot the function never fills; a
     slot among op.given, an output the caller may pass, is None or a tensor), and the op's
-    static arguments and
-    scalars as Python expressions of the parameters, as the function's body passes them
-    (calling, by name, the body's own `helpers` where it does)."""
+    static arguments and scalars as Python expressions of the parameters, as the function's
+    body passes them (calling, by name, the body's own `helpers` where it does)."""
 
     op: Op
     slots: tuple[str | None, ...]
