@@ -88,6 +88,26 @@ def test_a_replan_of_the_same_grid_keeps_its_launch_and_rewrites_its_regions(wra
     assert wrapper._launch.launch is not launch  # another configuration
 
 
+def test_configurations_keep_the_hash_of_their_fields(wrappers):
+    """A plan's configuration keys every run()'s prepared launch, so it keeps its hash: that of
+    its fields (as a frozen dataclass computes it), equal for an equal one built by another
+    plan, and another for another configuration."""
+    prefill, _ = wrappers
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan([0, 10], [0, 50], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    first = wrapper._launch.cfg
+    wrapper.plan([0, 20], [0, 60], 8, 2, 128, causal=True, q_data_type="bfloat16")
+    again = wrapper._launch.cfg
+    assert again == first and hash(again) == hash(first)
+    assert hash(first) == hash((first.attn, first.causal, first.custom_mask))
+    attn = first.attn
+    assert hash(attn) == hash(tuple(getattr(attn, f) for f in attn.__dataclass_fields__))
+    assert {(first, 10, False): "prepared"}.get((again, 10, False)) == "prepared"
+    wrapper.plan([0, 10], [0, 50], 8, 2, 128, causal=False, q_data_type="bfloat16")
+    other = wrapper._launch.cfg
+    assert other != first and hash(other) != hash(first)
+
+
 def test_paged_plan_reads_the_table(wrappers):
     prefill, packed = wrappers
     wrapper = prefill.BatchPrefillWithPagedKVCacheWrapper()
