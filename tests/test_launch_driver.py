@@ -201,6 +201,31 @@ def test_a_dependent_launch_retries_once_without_a_context_and_names_a_failure(d
         made(0x77, 0)
 
 
+def test_a_device_setting_changed_between_launches_takes_effect_at_the_next(dependent):
+    """Each launch reads the device's setting (bench_dependent_launch switches it between
+    calls): a launch made dependent, then plain, then dependent again goes through
+    cuLaunchKernelEx, cuLaunchKernel, then cuLaunchKernelEx, each issuer made once."""
+    made, ex, drv, _ = dependent
+    made(0x77, 0)
+    dependent_launch.DEVICES[0] = False
+    made(0x78, 0)
+    made(0x79, 0)
+    dependent_launch.DEVICES[0] = True
+    made(0x7A, 0)
+    assert [e[4] for e in ex.launches] == [0x77, 0x7A]
+    assert [d[4] for d in drv.launches] == [0x78, 0x79]
+    assert [len(issuers) for issuers in made._issuers] == [1, 1]
+
+
+def test_a_recording_takes_the_launch_even_after_its_first_on_the_device(dependent):
+    """A launch already issued on the device is recorded, not issued, inside recording()."""
+    made, ex, _, _ = dependent
+    made(0x77, 0)
+    with launch.recording() as steps:
+        made(0x78, 0)
+    assert len(ex.launches) == 1 and len(steps) == 1 and steps[0].grid == (3, 1, 1)
+
+
 def test_launches_are_dependent_from_sm_90_unless_turned_off(monkeypatch):
     capability = {0: (8, 0), 1: (9, 0), 2: (10, 0)}
     monkeypatch.setattr(dependent_launch.gpu, "compute_capability", lambda d: capability[d])
