@@ -12,6 +12,7 @@ import numpy as np
 
 from ..interop.arrays import dtype_name
 from .decode_kernel import Config, fields_hash, make_config
+from .run_options import refuse
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,8 @@ def check_backend(backend, jit_args=None, jit_kwargs=None, variant_owns_mask=Fal
     that compute the same thing are accepted."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if jit_args is not None or jit_kwargs is not None or variant_owns_mask:
-        raise ValueError(
-            "jit_args, jit_kwargs and variant_owns_mask (custom attention variants) are not "
-            "supported"
-        )
+    refuse("custom attention variants", jit_args=jit_args, jit_kwargs=jit_kwargs,
+           variant_owns_mask=variant_owns_mask or None)  # fmt: skip
 
 
 # plan()'s FlashInfer 0.7.2 parameters that select nothing here:
@@ -75,13 +73,10 @@ prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr
 def multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                        max_item_len_ptr) -> None:  # fmt: skip
     """FlashInfer's multi-item scoring arguments, refused unless left at their defaults."""
-    pointers = {"prefix_len_ptr": prefix_len_ptr, "token_pos_in_items_ptr": token_pos_in_items_ptr,
-                "max_item_len_ptr": max_item_len_ptr}  # fmt: skip
-    given = [name for name, value in pointers.items() if value is not None]
-    if token_pos_in_items_len:
-        given.append("token_pos_in_items_len")
-    if given:
-        raise ValueError(f"multi-item scoring ({', '.join(given)}) is not supported")
+    refuse("multi-item scoring", prefix_len_ptr=prefix_len_ptr,
+           token_pos_in_items_ptr=token_pos_in_items_ptr,
+           token_pos_in_items_len=token_pos_in_items_len or None,
+           max_item_len_ptr=max_item_len_ptr)  # fmt: skip
 
 
 def unsupported(head_dim_vo, head_dim_qk) -> None:

@@ -20,12 +20,12 @@ LSE_LAYOUTS = ("NH", "HN")
 LN2 = math.log(2.0)
 
 
-def refuse(**options) -> None:
+def refuse(what: str = "options", /, **options) -> None:
     """ValueError naming the options given a value other than None (FlashInfer's options
-    with no counterpart here: sinks, kv_cache_sf, ...)."""
+    with no counterpart here: sinks, kv_cache_sf, ...); `what` says what they are."""
     given = [name for name, value in options.items() if value is not None]
     if given:
-        raise ValueError(f"options not supported: {', '.join(given)}")
+        raise ValueError(f"{what} not supported: {', '.join(given)}")
 
 
 def check_forward(asked, planned) -> None:
