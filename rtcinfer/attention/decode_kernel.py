@@ -180,12 +180,24 @@ def ctas_per_sm(spec: DecodeSpec, device_id: int) -> int:
     return max(1, min(MAX_CTAS_PER_SM, kernel(spec).occupancy(device_id, THREADS)))
 
 
-def fields_hash(config) -> int:
-    """The hash a frozen dataclass would compute on every call (of its fields' values), for a
-    configuration that keeps it (a cached_property: it keys each run()'s prepared launch)."""
-    return hash(tuple(getattr(config, f.name) for f in fields(config)))
+def keeps_hash(cls):
+    """Class decorator, above @dataclass(frozen=True): the hash a frozen dataclass computes
+    from its fields on every call, computed once per object (a configuration keys every
+    run()'s prepared launch, and hashing 13 fields cost 220-310 ns a run)."""
+    kept = functools.cached_property(
+        lambda self: hash(tuple(getattr(self, f.name) for f in fields(self)))
+    )
+    kept.__set_name__(cls, "_hash")
+    cls._hash = kept
+    cls.__hash__ = _kept_hash
+    return cls
 
 
+def _kept_hash(config) -> int:
+    return config._hash
+
+
+@keeps_hash
 @dataclass(frozen=True)
 class Config:
     """The static part of a plan: what selects the kernel and its scalar arguments."""
@@ -203,13 +215,6 @@ class Config:
     sm_scale: float
     rope_scale: float
     rope_theta: float
-
-    def __hash__(self) -> int:  # every run()'s call key hashes its configuration
-        return self._hash
-
-    @functools.cached_property
-    def _hash(self) -> int:
-        return fields_hash(self)
 
     @property
     def group_size(self) -> int:

@@ -5,16 +5,16 @@ workspace), and run()'s q, out and lse strides (io_fields)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..interop.arrays import dtype_name
-from .decode_kernel import Config, fields_hash, make_config
+from .decode_kernel import Config, keeps_hash, make_config
 from .run_options import refuse
 
 
+@keeps_hash
 @dataclass(frozen=True)
 class PrefillConfig:
     """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
@@ -23,13 +23,6 @@ class PrefillConfig:
     attn: Config
     causal: bool
     custom_mask: bool = False
-
-    def __hash__(self) -> int:  # every run()'s call key hashes its configuration
-        return self._hash
-
-    @functools.cached_property
-    def _hash(self) -> int:
-        return fields_hash(self)
 
 
 def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
