@@ -26,11 +26,13 @@ def framework(x) -> str:
 
 
 class _NoTensor:
-    """What TORCH_TENSOR holds before PyTorch is seen: the type of no argument."""
+    """What TORCH_TENSOR and CUPY_NDARRAY hold before their framework is seen: the type of no
+    argument."""
 
 
 TORCH_TENSOR: list = [_NoTensor, None]  # torch.Tensor and torch.compiler.is_compiling, set
 # once by the first call that sees PyTorch (interop/call.py's _torch; interop/shortcut.py)
+CUPY_NDARRAY: list = [_NoTensor]  # cupy.ndarray, set by the first call that sees CuPy
 
 
 def torch_compiling(x) -> bool:

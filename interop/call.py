@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from .. import gpu
-from .arrays import TORCH_TENSOR, as_cupy, framework
+from .arrays import CUPY_NDARRAY, TORCH_TENSOR, as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 from .prepared import ArrayInfo, Op, OutSlot, Prepared, common_align, dense_strides, no_launch
 
@@ -241,6 +241,7 @@ def _densify_torch(op: Op, prep: Prepared, arrays, ptrs, stream: int):
 def _cupy():
     import cupy
 
+    CUPY_NDARRAY[0] = cupy.ndarray
     return cupy, cupy.ndarray, cupy.cuda.get_current_stream
 
 
@@ -253,9 +254,17 @@ def _cupy_info(x, name: str) -> ArrayInfo | None:
     return ArrayInfo(tuple(x.shape), strides, normalize(x.dtype), data.device_id, data.ptr & 15)
 
 
+def cupy_call_key(op: Op, arrays, static) -> tuple:
+    """The key under which call() holds the prepared launch of `op` on these CuPy arrays
+    (None for absent slots): what _call_cupy builds inline (interop/shortcut.py reads it)."""
+    return (op, static, *(None if x is None else
+                          (x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr & 15)
+                          for x in arrays))  # fmt: skip
+
+
 def _call_cupy(op: Op, arrays, static, scalars):
     ndarray = _cupy()[1]
-    key, ptrs = [op, static], []
+    key, ptrs = [op, static], []  # cupy_call_key's, built with the pointers in one pass
     for x in arrays:
         if x is None:
             key.append(None)
@@ -294,7 +303,7 @@ def _run_cupy(op: Op, prep: Prepared, arrays, ptrs: list[int], device: int, scal
             like = arrays[slot.like]  # makes of one but without its layout logic
             a = ndarray(like.shape, like.dtype)
         else:
-            a = ndarray(slot.shape, numpy_dtype(_storage(slot.dtype)))
+            a = ndarray(slot.shape, storage_dtype(slot.dtype))
         ptrs.append(a.data.ptr)
         results.append(a)
     prep.run(stream or current_stream().ptr, device, ptrs, scalars)
@@ -317,8 +326,9 @@ def returned(results: list, scratch: int):
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _storage(dtype: str) -> str:
-    return "uint8" if dtype.startswith("float8") else dtype
+def storage_dtype(name: str):
+    """The NumPy dtype of a new CuPy array of dtype `name` (fp8: its bytes, uint8)."""
+    return numpy_dtype("uint8" if name.startswith("float8") else name)
 
 
 def _densify_cupy(op: Op, prep: Prepared, arrays, ptrs, stream: int):

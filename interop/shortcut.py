@@ -1,22 +1,27 @@
-"""A public function's shortcut for PyTorch tensors of a signature it has already run.
+"""A public function's shortcut for PyTorch tensors or CuPy arrays of a signature it has
+already run.
 
 call() reads each array, keys the prepared launch on the signature and allocates the outputs,
 below the public function's own frame and call()'s dispatch. A function that declares how it
 calls its op (`Shortcut`: the parameter in each op slot, the op's static arguments and its
 scalars as expressions of the parameters) gets, in the wrapper `compilable` generates, a
-first branch for PyTorch tensors: the signature's key read straight from the parameters, and
-on a hit the outputs allocated and the prepared run launched, nothing else; a miss runs the
-function (call()'s path) and then `learn`s the signature. The branch is taken only where
-call() would take the same path to the same launch: every slot array a torch.Tensor (or a
-subclass, as call() takes them: an nn.Parameter weight), a given output too (`out=`: its
-attributes are part of the key, as in call()'s), no launching_on stream, and a prepared call
-with no dense copies and one GPU in the process (learn keeps no shortcut for the others).
-The shortcuts live in the op's cache (dropped with it)."""
+first branch for PyTorch tensors and a second for CuPy arrays: the signature's key read
+straight from the parameters, and on a hit the outputs allocated and the prepared run
+launched, nothing else; a miss runs the function (call()'s path) and then `learn`s the
+signature. A branch is taken only where call() would take the same path to the same launch:
+every slot array of the branch's framework (a torch.Tensor or a subclass, as call() takes
+them: an nn.Parameter weight; a cupy.ndarray itself), a given output too (`out=`: its
+attributes are part of the key, as in call()'s), no launching_on stream, PyTorch not tracing
+(torch.compile), and a prepared call with no dense copies and one GPU in the process (learn
+keeps no shortcut for the others). The shortcuts live in the op's cache (dropped with it)."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 from .prepared import Op
 
@@ -27,7 +32,7 @@ _call = importlib.import_module(".call", __package__)  # the module (the package
 @dataclass(frozen=True)
 class Shortcut:
     """`op`'s slots as the function's parameters (None: a slot the function never fills; a
-    slot among op.given, an output the caller may pass, is None or a tensor), and the op's
+    slot among op.given, an output the caller may pass, is None or an array), and the op's
     static arguments and scalars as Python expressions of the parameters, as the function's
     body passes them (calling, by name, the body's own `helpers` where it does)."""
 
@@ -40,45 +45,80 @@ class Shortcut:
 
 class _Tag:
     """The first element of a shortcut's key in the op's cache (call()'s keys start with the
-    op itself)."""
+    op itself): one for PyTorch's signatures, one for CuPy's."""
 
     __slots__ = ()
 
 
-TAG = _Tag()
+TAG, CUPY_TAG = _Tag(), _Tag()
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """How a branch tests and reads one framework's arrays: `{p}` the parameter, `{i}` its
+    place among the branch's arrays (its pointer is `_p{i}`)."""
+
+    tag: str  # the global holding the keys' first element
+    test: str  # the array's type test
+    also: str  # what else the branch needs
+    pointer: str  # the array's address
+    device: str  # its device
+    attrs: str  # its part of the key, but for the device
+
+
+_TORCH = _Reads(
+    tag="_tag",
+    test="(type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))",
+    also="not _tensor[1]()",  # torch.compiler.is_compiling: traced calls take the op
+    pointer="{p}.data_ptr()",
+    device="{p}.get_device()",
+    attrs="{p}.shape, {p}.stride(), {p}.dtype",
+)
+_CUPY = _Reads(
+    tag="_cupy_tag",
+    test="type({p}) is _ndarray[0]",
+    also="",
+    pointer="{p}.data.ptr",
+    device="{p}.data.device_id",
+    attrs="{p}.shape, {p}.strides, {p}.dtype",
+)
 
 
 def source(cut: Shortcut, call_fn: str) -> str:
-    """The lines of the shortcut branch (4-space indented) for a generated function whose
-    parameters hold the slots; `call_fn` is the generated call of the function itself. A
-    given output's parameter may be None or a tensor: its part of the key is None or its
-    attributes (a signature of each)."""
+    """The lines (4-space indented) of the shortcut's branches, PyTorch's then CuPy's, for a
+    generated function whose parameters hold the slots; `call_fn` is the generated call of the
+    function itself."""
     op = cut.op
     if len(cut.slots) != len(op.slots):
         raise ValueError(f"{op.name}: {len(cut.slots)} slot parameters for {len(op.slots)} slots")
+    return _branch(cut, call_fn, _TORCH) + _branch(cut, call_fn, _CUPY)
+
+
+def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
+    """One framework's branch. A given output's parameter may be None or an array: its part
+    of the key is None or its attributes (a signature of each)."""
+    op = cut.op
     given = [p for i, p in enumerate(cut.slots) if i in op.given and p is not None]
-    tensors = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
-    slot_params = tensors + given
-    conds = [f"(type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))" for p in tensors]
-    conds += [f"({p} is None or type({p}) is _tensor[0] or isinstance({p}, _tensor[0]))"
-              for p in given]  # fmt: skip
-    conds.append("not _tensor[1]()")  # torch.compiler.is_compiling: traced calls take the op
+    arrays = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
+    slot_params = arrays + given
+    conds = [reads.test.format(p=p) for p in arrays]
+    conds += [f"({p} is None or {reads.test.format(p=p)})" for p in given]
+    conds += [reads.also] if reads.also else []
     values = [p if p is not None else "None" for p in cut.slots]
     pointers = [f"_p{slot_params.index(p)}" if p is not None else "0" for p in cut.slots]
-    device = [f"{p}.get_device()" if i else "_d" for i, p in enumerate(slot_params)]
-    attrs = [f"{p}.shape, {p}.stride(), {p}.dtype, {device[i]}, _p{i} & 15"
+    attrs = [f"{reads.attrs.format(p=p)}, {reads.device.format(p=p) if i else '_d'}, _p{i} & 15"
              for i, p in enumerate(slot_params)]  # fmt: skip
-    parts = "".join(f"{a}, " for a in attrs[: len(tensors)])
+    parts = "".join(f"{a}, " for a in attrs[: len(arrays)])
     parts += "".join(f"({a}) if {p} is not None else None, "
-                     for p, a in zip(given, attrs[len(tensors):], strict=True))  # fmt: skip
+                     for p, a in zip(given, attrs[len(arrays):], strict=True))  # fmt: skip
     lines = [f"    if {' and '.join(conds)} and not _local.stream:"]
-    lines += [f"        _p{i} = {p}.data_ptr()" for i, p in enumerate(tensors)]
-    lines += [f"        _p{len(tensors) + i} = {p}.data_ptr() if {p} is not None else 0"
+    lines += [f"        _p{i} = {reads.pointer.format(p=p)}" for i, p in enumerate(arrays)]
+    lines += [f"        _p{len(arrays) + i} = {reads.pointer.format(p=p)} if {p} is not None else 0"
               for i, p in enumerate(given)]  # fmt: skip
-    lines += [f"        _d = {tensors[0]}.get_device()"]
+    lines += [f"        _d = {reads.device.format(p=arrays[0])}"]
     lines += [
         f"        _static = {cut.static}",
-        f"        _key = (_tag, _static, {parts})",
+        f"        _key = ({reads.tag}, _static, {parts})",
         "        _launch = _op.cache.get(_key)",
         "        if _launch:",
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
@@ -92,35 +132,71 @@ def source(cut: Shortcut, call_fn: str) -> str:
 
 
 def names(cut: Shortcut) -> dict:
-    """The generated function's globals the branch reads."""
-    return {"_tensor": _call.TORCH_TENSOR, "_local": _call._LOCAL, "_tag": TAG, "_op": cut.op,
-            "_learn": learn, **{f.__name__: f for f in cut.helpers}}  # fmt: skip
+    """The generated function's globals the branches read."""
+    return {"_tensor": _call.TORCH_TENSOR, "_ndarray": _call.CUPY_NDARRAY, "_local": _call._LOCAL,
+            "_tag": TAG, "_cupy_tag": CUPY_TAG, "_op": cut.op, "_learn": learn,
+            **{f.__name__: f for f in cut.helpers}}  # fmt: skip
 
 
 def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
     """Keep under `key` the launch of the signature call() has just prepared for `arrays`,
     where the shortcut takes the same path (module docstring)."""
-    prep = op.cache.get(_call.torch_call_key(op, arrays, static))
+    torch = key[0] is TAG
+    call_key = (_call.torch_call_key if torch else _call.cupy_call_key)(op, arrays, static)
+    prep = op.cache.get(call_key)
     if prep is None:  # the call raised or went elsewhere: learn it at the next call
         return
     op.cache[key] = False  # no shortcut for the signature, unless made below
     if prep.dense or not prep.one_device:
         return
-    outs = []  # (input slot, it is the output itself) or (None, (shape sizes, torch dtype))
+    kit = _torch_kit() if torch else _cupy_kit()
+    outs = []  # (input slot, it is the output itself) or (None, a maker of the new output)
     for slot in prep.outs:
         if slot.source is not None:
             outs.append((slot.source, True))
         elif slot.like is not None:
             outs.append((slot.like, False))
         else:
-            outs.append((None, (slot.shape, _call._torch_dtype(slot.dtype))))
-    op.cache[key] = _launcher(outs, prep.run, prep.scratch)
+            outs.append((None, kit.new(slot.shape, slot.dtype, arrays[0])))
+    op.cache[key] = _launcher(outs, prep.run, prep.scratch, kit)
 
 
-def _launcher(outs: list, run, scratch: int):
+class _Kit(NamedTuple):
+    """What a framework's launches call: stream(device) -> the current stream's handle there,
+    new_like(array) -> a new C-contiguous array of its shape and dtype, address(array), and
+    new(sizes, dtype name, first array) -> a maker of new arrays of these sizes and dtype on
+    the first array's device, as call() allocates them (its key holds the devices)."""
+
+    stream: Callable
+    new_like: Callable
+    address: Callable
+    new: Callable
+
+
+def _torch_kit() -> _Kit:
+    torch, tensor, raw_stream, empty_like = _call._torch()
+
+    def new(sizes, dtype, first):
+        return partial(torch.empty, *(sizes or ((),)), dtype=_call._torch_dtype(dtype),
+                       device=first.device)  # fmt: skip
+
+    return _Kit(raw_stream, empty_like, tensor.data_ptr, new)
+
+
+def _cupy_kit() -> _Kit:
+    ndarray, current_stream = _call._cupy()[1:]
+
+    def new(sizes, dtype, first):  # on the current device, as _run_cupy's
+        return partial(ndarray, sizes, _call.storage_dtype(dtype))
+
+    return _Kit(lambda device: current_stream().ptr, lambda a: ndarray(a.shape, a.dtype),
+                lambda a: a.data.ptr, new)  # fmt: skip
+
+
+def _launcher(outs: list, run, scratch: int, kit: _Kit):
     """launch(arrays, ptrs, device, scalars) -> what call() returns: the outputs allocated as
     call() allocates them (`outs`: learn's list), their pointers appended, `run` launched."""
-    torch, _, raw_stream, empty_like = _call._torch()
+    stream, new_like, address = kit.stream, kit.new_like, kit.address
     if not scratch and all(same is True for _, same in outs):  # in place: outputs are inputs
         sources = [i for i, _ in outs]
         if len(sources) == 1:
@@ -128,7 +204,7 @@ def _launcher(outs: list, run, scratch: int):
 
             def launch(arrays, ptrs, device, scalars):
                 ptrs.append(ptrs[i])
-                run(raw_stream(device), device, ptrs, scalars)
+                run(stream(device), device, ptrs, scalars)
                 return arrays[i]
 
             return launch
@@ -137,7 +213,7 @@ def _launcher(outs: list, run, scratch: int):
 
             def launch(arrays, ptrs, device, scalars):
                 ptrs += (ptrs[i], ptrs[j])
-                run(raw_stream(device), device, ptrs, scalars)
+                run(stream(device), device, ptrs, scalars)
                 return arrays[i], arrays[j]
 
             return launch
@@ -147,9 +223,9 @@ def _launcher(outs: list, run, scratch: int):
             (i,) = likes
 
             def launch(arrays, ptrs, device, scalars):
-                out = empty_like(arrays[i])
-                ptrs.append(out.data_ptr())
-                run(raw_stream(device), device, ptrs, scalars)
+                out = new_like(arrays[i])
+                ptrs.append(address(out))
+                run(stream(device), device, ptrs, scalars)
                 return out
 
             return launch
@@ -157,33 +233,30 @@ def _launcher(outs: list, run, scratch: int):
             i, j = likes
 
             def launch(arrays, ptrs, device, scalars):
-                a, b = empty_like(arrays[i]), empty_like(arrays[j])
-                ptrs += (a.data_ptr(), b.data_ptr())
-                run(raw_stream(device), device, ptrs, scalars)
+                a, b = new_like(arrays[i]), new_like(arrays[j])
+                ptrs += (address(a), address(b))
+                run(stream(device), device, ptrs, scalars)
                 return a, b
 
             return launch
-    empty = torch.empty
 
     def launch(arrays, ptrs, device, scalars):
         results = []
         for i, same in outs:
-            if i is None:  # as call() allocates it: on the first array's device
-                sizes, dtype = same
-                t = empty(*sizes, dtype=dtype, device=arrays[0].device) if sizes else \
-                    empty((), dtype=dtype, device=arrays[0].device)  # fmt: skip
+            if i is None:
+                out = same()
             elif same:
                 ptrs.append(ptrs[i])
                 results.append(arrays[i])
                 continue
             else:
-                t = empty_like(arrays[i])
-            ptrs.append(t.data_ptr())
-            results.append(t)
-        run(raw_stream(device), device, ptrs, scalars)
+                out = new_like(arrays[i])
+            ptrs.append(address(out))
+            results.append(out)
+        run(stream(device), device, ptrs, scalars)
         return _call.returned(results, scratch)
 
     return launch
 
 
-__all__ = ["Shortcut", "TAG", "learn", "names", "source"]
+__all__ = ["CUPY_TAG", "Shortcut", "TAG", "learn", "names", "source"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import types
 
 import numpy as np
@@ -89,6 +91,34 @@ class FakeArray:
             dense = dense and (n == 1 or stride == step)
             step *= n
         self.flags = types.SimpleNamespace(c_contiguous=dense)
+
+
+@contextlib.contextmanager
+def cupy_without_a_gpu(monkeypatch):
+    """Within: CuPy arrays of device 0 over made-up, 256-byte aligned addresses with no memory
+    behind them (for calls whose launches are recorded, never made): CuPy's allocator hands
+    them out, and rtcinfer's CuPy path sees stream 0 as current. Yields empty(shape, dtype)."""
+    import cupy
+
+    from rtcinfer.interop import arrays
+
+    top = [1 << 32]
+
+    def allocate(nbytes):
+        address = top[0]
+        top[0] += (nbytes + 255) // 256 * 256 + 256
+        memory = cupy.cuda.UnownedMemory(address, nbytes, None, device_id=0)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    path = sys.modules["rtcinfer.interop.call"]
+    monkeypatch.setattr(path, "_cupy", lambda: (cupy, cupy.ndarray, NullDevice))
+    arrays.CUPY_NDARRAY[0] = cupy.ndarray  # as the first CuPy call sets it (and kept)
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(allocate)
+    try:
+        yield cupy.ndarray
+    finally:
+        cupy.cuda.set_allocator(previous)
 
 
 class FakeStream:

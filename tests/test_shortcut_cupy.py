@@ -1,0 +1,152 @@
+"""The public functions' CuPy shortcut (interop/shortcut.py) without a GPU: a repeated call on
+CuPy arrays launches what the function's own path launches (the recorded launches: kernel,
+geometry and parameter block, the fresh outputs' addresses aside), returns CuPy arrays of the
+same shapes and dtypes (the given ones where the call writes in place), and is not taken where
+call() would do something else. The arrays lie at made-up addresses (tests/fakes.py)."""
+
+from __future__ import annotations
+
+import importlib
+import struct
+
+import numpy as np
+import pytest
+
+import rtcinfer
+from rtcinfer import launch
+from rtcinfer.interop import shortcut
+
+from .fakes import cupy_without_a_gpu, fake_gpu
+
+cupy = pytest.importorskip("cupy")
+
+_OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
+        rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED, rtcinfer.attention.cascade._MERGE,
+        rtcinfer.attention.cascade._STATES)  # fmt: skip
+
+
+@pytest.fixture
+def empty(monkeypatch):
+    """empty(shape, dtype): a CuPy array of device 0 at a made-up address (one GPU)."""
+    fake_gpu(monkeypatch)
+    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    for op in _OPS:
+        monkeypatch.setattr(op, "cache", {})
+    with cupy_without_a_gpu(monkeypatch) as ndarray:
+        yield ndarray
+
+
+def _calls(empty):
+    f16, i32 = np.float16, np.int32
+    x, r = empty((3, 256), f16), empty((3, 256), f16)
+    w = empty((256,), f16)
+    gate = empty((2, 512), f16)
+    q, k, pos = empty((4, 8, 128), f16), empty((4, 2, 128), f16), empty((4,), i32)
+    indptr, offsets = empty((3,), i32), empty((2,), i32)
+    va, sa = empty((2, 4, 128), f16), empty((2, 4), np.float32)
+    v, s = empty((2, 3, 4, 128), f16), empty((2, 3, 4), np.float32)
+    return [
+        ("rmsnorm", rtcinfer.rmsnorm, (x, w), {"eps": 1e-5}),
+        ("rmsnorm, out given", rtcinfer.rmsnorm, (x, w), {"out": empty((3, 256), f16)}),
+        ("gemma_rmsnorm", rtcinfer.gemma_rmsnorm, (x, w), {}),
+        ("fused_add_rmsnorm", rtcinfer.fused_add_rmsnorm, (x, r, w), {}),
+        ("silu_and_mul", rtcinfer.silu_and_mul, (gate,), {}),
+        ("silu_and_mul, out given", rtcinfer.silu_and_mul, (gate, empty((2, 256), f16)), {}),
+        ("rope", rtcinfer.apply_rope_pos_ids_inplace, (q, k, pos), {"rope_theta": 5e5}),
+        ("llama31_rope", rtcinfer.apply_llama31_rope_pos_ids_inplace, (q, k, pos), {}),
+        ("ragged_rope", rtcinfer.apply_rope_inplace, (q, k, indptr, offsets), {}),
+        ("merge_state", rtcinfer.merge_state, (va, sa, va, sa), {}),
+        ("merge_states", rtcinfer.merge_states, (v, s), {}),
+    ]
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _blanked(record, results) -> tuple:
+    """A recorded launch with the addresses of the call's new outputs zeroed."""
+    blob = record.params
+    for a in results:
+        blob = blob.replace(struct.pack("<Q", a.data.ptr), bytes(8))
+    return record.kernel.name, record.grid, record.block, blob
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
+    name, public, args, kwargs = _calls(empty)[case]
+    op_caches = [dict(op.cache) for op in _OPS]
+    with launch.recording() as steps:
+        first = _as_tuple(public(*args, **kwargs))  # the function's path, then learnt
+        learnt = [k for op in _OPS for k in op.cache if k[0] is shortcut.CUPY_TAG]
+        second = _as_tuple(public(*args, **kwargs))  # the shortcut
+        third = _as_tuple(public.__wrapped__(*args, **kwargs))  # the function itself
+    assert op_caches == [{}] * len(_OPS)
+    assert len(learnt) == 1 and callable(_shortcuts()[learnt[0]]), name
+    assert len(steps) == 3, name
+    for r in (first, second, third):
+        assert all(type(a) is cupy.ndarray for a in r), name
+    shapes = [[(a.shape, a.dtype, a.strides) for a in r] for r in (first, second, third)]
+    assert shapes[0] == shapes[1] == shapes[2], name
+    given = [a.data.ptr for a in (*args, *kwargs.values()) if isinstance(a, cupy.ndarray)]
+    for a, b in zip(second, third, strict=True):
+        assert (a.data.ptr in given) == (b.data.ptr in given), name
+    assert len({a.data.ptr for a in (*first, *second)} - set(given)) == 2 * len(
+        [a for a in first if a.data.ptr not in given]
+    ), name  # new outputs are new arrays at each call
+    records = [_blanked(s, r) for s, r in zip(steps, (first, second, third), strict=True)]
+    assert records[1] == records[2] == records[0], name
+
+
+def _shortcuts() -> dict:
+    return {k: v for op in _OPS for k, v in op.cache.items() if k[0] is shortcut.CUPY_TAG}
+
+
+def test_the_cupy_shortcut_is_learnt_once_and_not_taken_for_other_calls(empty):
+    path = importlib.import_module("rtcinfer.interop.call")
+    x, w = empty((3, 256), np.float16), empty((256,), np.float16)
+    with launch.recording() as steps:
+        rtcinfer.rmsnorm(x, w)
+        assert len(_shortcuts()) == 1
+        out = empty((3, 256), np.float16)
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: another signature
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # ... launched by the shortcut
+        strided = empty((3, 512), np.float16)[:, :256]
+        assert rtcinfer.rmsnorm(x, w, 1e-6, strided) is strided  # its strides: another
+        rtcinfer.rmsnorm(x[:, :128], w[:128])  # another signature, strided input: learnt too
+        rtcinfer.rmsnorm(x[:, :128], w[:128])
+        with path.launching_on(5):  # another stream: the function's path (which refuses)
+            with pytest.raises(RuntimeError, match="must be given its outputs"):
+                rtcinfer.rmsnorm(x, w)
+        with pytest.raises(ValueError):  # a given output of another shape: call() refuses
+            rtcinfer.rmsnorm(x, w, 1e-6, empty((3, 128), np.float16))
+        with pytest.raises(ValueError):
+            rtcinfer.rmsnorm(x, w, 1e-6, empty((3, 128), np.float16))  # and again
+    assert len(steps) == 6
+    assert steps[2].params != steps[3].params  # the strided output's row stride
+    assert len(_shortcuts()) == 4
+    assert [s.grid for s in steps[4:6]] == [steps[4].grid] * 2
+
+
+def test_a_cupy_call_with_a_dense_copy_keeps_to_the_function(empty, monkeypatch):
+    """A signature whose prepared call copies an input dense is learnt as no shortcut (False),
+    and its later calls take the function's path (which makes the copy)."""
+    x, w = empty((3, 256), np.float16), empty((256,), np.float16)
+    path = importlib.import_module("rtcinfer.interop.call")
+    prepare = path._prepare
+
+    def densifying(*args, **kwargs):
+        prep = prepare(*args, **kwargs)
+        prep.dense = (1,)
+        return prep
+
+    monkeypatch.setattr(path, "_prepare", densifying)
+    copied = []
+    monkeypatch.setattr(path, "_densify_cupy", lambda op, prep, arrays, ptrs, stream:
+                        (copied.append(1), (arrays, ptrs))[1])  # fmt: skip
+    with launch.recording() as steps:
+        for _ in range(3):
+            rtcinfer.rmsnorm(x, w)
+    assert len(steps) == 3 and len(copied) == 3
+    assert list(_shortcuts().values()) == [False]
