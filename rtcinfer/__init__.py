@@ -15,7 +15,13 @@ if _gpu.nvidia_device_node():
     except ImportError:  # the base install (no CUDA extra): planning and the CLI still work
         pass
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
-from .attention.cascade import merge_state, merge_state_in_place, merge_states
+from .attention.attention_sink import BatchAttentionWithAttentionSinkWrapper
+from .attention.cascade import (
+    merge_sinks_in_place,
+    merge_state,
+    merge_state_in_place,
+    merge_states,
+)
 from .attention.decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
@@ -51,6 +57,7 @@ from .norm import (
 
 __all__ = [
     "BadIndexError",
+    "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
@@ -63,6 +70,7 @@ __all__ = [
     "get_batch_indices_positions",
     "get_seq_lens",
     "merge_state",
+    "merge_sinks_in_place",
     "merge_state_in_place",
     "merge_states",
     "single_decode_with_kv_cache",

@@ -121,9 +121,11 @@ def shipped_specs() -> list:
                     )
     specs += decode_specs() + [decode_device_plan.SPEC]
     specs += prefill_specs() + [PrefillItemsSpec()]
-    specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask)
-              for d, has_b, mask in [("bfloat16", True, False), ("float16", True, True),
-                                     ("float32", False, False)]]  # fmt: skip
+    specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask, sink)
+              for d, has_b, mask, sink in [("bfloat16", True, False, False),
+                                           ("float16", True, True, False),
+                                           ("float32", False, False, False),
+                                           ("bfloat16", False, False, True)]]  # fmt: skip
     specs += [page.PageSpec(256, 16), page.PageSpec(64, 4), page.PageSpec(256, 16, "int64")]
     specs += list(page.INDEX_SPECS.values())
     specs += sampling_specs()

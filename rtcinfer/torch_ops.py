@@ -33,7 +33,7 @@ _TYPES = {
     **dict.fromkeys(("input", "residual", "weight", "gemma", "beta", "q", "k", "query", "key",
                      "indptr", "offsets", "pos_ids", "positions",
                      "cos_sin_cache", "v_a", "s_a", "v_b", "s_b", "v", "s", "v_other",
-                     "s_other", "append_key", "append_value", "batch_indices",
+                     "s_other", "sinks", "append_key", "append_value", "batch_indices",
                      "paged_kv_cache", "k_cache", "v_cache", "kv_indices", "kv_indptr",
                      "kv_last_page_len", "append_indptr", "seq_lens"), "Tensor"),
     "mask": "Tensor?", "rotary_dim": "SymInt?", "head_size": "SymInt", "page_size": "SymInt",
@@ -113,6 +113,7 @@ for _public in rope.PUBLIC:  # every RoPE form: in place (q, k written) or into 
 
 _register(cascade.merge_state, "merge_state", outputs=("v_a", "s_a"))
 _register(cascade.merge_state_in_place, "merge_state_in_place", mutated=("v", "s"))
+_register(cascade.merge_sinks_in_place, "merge_sinks_in_place", mutated=("v", "s"))
 _register(cascade.merge_states, "merge_states", outputs=("v", "s"),
           fake=lambda v, s: (v.new_empty((v.shape[0], *v.shape[2:])),
                              s.new_empty((s.shape[0], *s.shape[2:]))))  # fmt: skip

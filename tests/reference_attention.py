@@ -78,6 +78,7 @@ def attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     mask=None,
+    sinks=None,
 ):
     """Attention of q [qo_len, Hq, D] over k [kv_len, Hkv, D], v [kv_len, Hkv, Dv].
 
@@ -89,7 +90,10 @@ def attention_ref(
     of them (decode: qp = kv_len - 1). Key j is hidden when causal and kp[j] > qp[i], or when
     window_left >= 0 and qp[i] - kp[j] > window_left, or when mask (bool [qo_len, kv_len])
     is given and mask[i, j] is False. ALiBi is added before the soft cap,
-    the order of FlashInfer's attention variant. Returns (o float64, lse float64 [qo_len, Hq]).
+    the order of FlashInfer's attention variant. sinks [Hq] (attention sinks): one more key in
+    every row of head h, always visible, of logit sinks[h] and value 0 (so a row with no
+    visible key gets o = 0, lse = sinks[h] * log2(e)). Returns (o float64, lse float64
+    [qo_len, Hq]).
     Notes on FlashInfer's kernels: decode measures the ALiBi distance from index 0, so its LSE
     is ours + slope[h] * qp * log2(e) (o is the same: a per-row shift cancels); with ALiBi and
     the soft cap both on, its fused variant scales the biased logit by sm_scale once more
@@ -103,6 +107,8 @@ def attention_ref(
     g = _group_size(num_qo_heads, num_kv_heads)
     o = np.zeros((qo_len, num_qo_heads, v.shape[2]))
     lse = np.full((qo_len, num_qo_heads), -np.inf)
+    if sinks is not None:
+        lse[:] = np.asarray(sinks, dtype=np.float64) * LOG2E
     if kv_len == 0 or qo_len == 0:
         return o, lse
     qp = np.arange(kv_len - qo_len, kv_len) if q_positions is None else np.asarray(q_positions)
@@ -122,12 +128,15 @@ def attention_ref(
     if mask is not None:
         visible &= np.asarray(mask, dtype=bool).reshape(qo_len, kv_len)
     s = np.where(visible[None], s, -np.inf)
+    if sinks is not None:  # the sink: key kv_len, value 0 (dropped from p before p @ v)
+        sink = np.asarray(sinks, dtype=np.float64)[:, None, None]
+        s = np.concatenate([s, np.broadcast_to(sink, (num_qo_heads, qo_len, 1))], axis=-1)
     m = s.max(axis=-1, keepdims=True)  # [Hq, qo_len, 1]
     empty = m == -np.inf
     m = np.where(empty, 0.0, m)
     p = np.exp(s - m)  # exp(-inf) = 0 for hidden keys
     denom = np.where(empty, 1.0, p.sum(axis=-1, keepdims=True))
-    o = np.einsum("hij,jhd->ihd", p / denom, v_h) * v_scale
+    o = np.einsum("hij,jhd->ihd", (p / denom)[..., :kv_len], v_h) * v_scale
     lse = np.where(empty, -np.inf, (m + np.log(denom)) * LOG2E)[..., 0].T
     return o, lse
 
@@ -147,6 +156,7 @@ def decode_step_ref(
     rope_theta: float = 1e4,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks=None,
 ):
     """One decode query q [Hq, D] against keys k, v [n, Hkv, D] at absolute k_positions.
 
@@ -176,6 +186,7 @@ def decode_step_ref(
         k_positions=k_positions,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
     return o[0], lse[0]
 
@@ -285,6 +296,7 @@ def batch_decode_paged_ref(
     k_scale: float | None = None,
     v_scale: float | None = None,
     return_lse: bool = False,
+    sinks=None,
 ):
     """``BatchDecodeWithPagedKVCacheWrapper`` (plan + run): q [B, Hq, D] -> o [B, Hq, D].
 
@@ -316,7 +328,8 @@ def batch_decode_paged_ref(
         kv_len = (len(pages) - 1) * page_size + int(last[b]) if len(pages) else 0
         k = gather_pages_ref(k_cache, pages, kv_layout, kv_len)
         v = gather_pages_ref(v_cache, pages, kv_layout, kv_len)
-        o[b], lse[b] = decode_step_ref(q[b], k, v, np.arange(kv_len), kv_len - 1, **feats)
+        o[b], lse[b] = decode_step_ref(q[b], k, v, np.arange(kv_len), kv_len - 1, **feats,
+                                       sinks=sinks)  # fmt: skip
     return (o, lse) if return_lse else o
 
 

@@ -69,6 +69,25 @@ def test_in_place_reads_and_writes_the_outputs(monkeypatch):
     assert (p["rows"], p["num_heads"], p["head_dim"], p["num_a"]) == (36, 4, 128, 1)
 
 
+def test_sinks_merge_in_place_with_each_heads_sink(monkeypatch):
+    """merge_sinks_in_place: outputs alias v and s, read through them; sinks [h] float32 at
+    any stride is the extra state's LSE source (SINK spec, no b arrays)."""
+    v, s = np.zeros((5, 4, 64), np.float16), np.zeros((5, 4), np.float32)
+    sinks = np.zeros(8, np.float32)[::2]
+    prep = prepare(cascade._SINKS, (v, s, sinks), ("sinks",))
+    assert [(o.source, o.alias) for o in prep.outs] == [(0, True), (1, True)]
+    launch, p = launched(monkeypatch, prep, [0x100, 0x200, 0x300, 0x400, 0x500])
+    assert launch.kernel.spec == cascade.MergeSpec("float16", 8, False, False, True)
+    assert (p["a_v"], p["a_s"], p["o_v"], p["o_s"]) == (0x400, 0x500, 0x400, 0x500)
+    assert (p["sinks"], p["sinks_h"], p["num_a"], p["rows"]) == (0x300, 2, 1, 20)
+    for bad in (np.zeros(3, np.float32), np.zeros(4, np.float16), np.zeros((4, 1), np.float32)):
+        with pytest.raises(ValueError, match=r"sinks: expected float32 \[4\]"):
+            prepare(cascade._SINKS, (v, s, bad), ("sinks",))
+    prep = prepare(cascade._SINKS, (v, s, sinks), ("sinks",), align=4)
+    spec = launched(monkeypatch, prep, [4] * 5)[0].kernel.spec
+    assert spec.sink and spec.vec == 2  # narrowed to the alignment, still the sink's
+
+
 def test_merge_states_of_zero_states_and_of_no_rows(monkeypatch):
     """S = 0 still launches (every row: v = 0, s = -inf) and never reads v or s, which may be
     null; an empty batch launches nothing."""

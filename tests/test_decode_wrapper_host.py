@@ -397,7 +397,9 @@ def test_flashinfer_plan_options_data_type_and_refusals(host_wrapper):
         host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_len_per_req=2)
     host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, window_right=4, is_causal=True)
     assert host_wrapper._launch.cfg.window_left == -1  # no key after the query: nothing to do
-    with pytest.raises(ValueError, match="not supported: sinks, q_len_per_req"):
+    with pytest.raises(ValueError, match="not supported: kv_cache_sf, q_len_per_req"):
+        host_wrapper.run(None, None, kv_cache_sf=np.zeros(8, np.float32), q_len_per_req=4)
+    with pytest.raises(ValueError, match="not supported: q_len_per_req"):  # sinks or not
         host_wrapper.run(None, None, sinks=np.zeros(8, np.float32), q_len_per_req=4)
     assert host_wrapper.use_tensor_cores is False
 
@@ -411,3 +413,33 @@ def test_forward_checks_its_plan_parameters(host_wrapper, monkeypatch):
     assert runs == [{"q_scale": 0.5, "k_scale": None, "v_scale": None}]
     with pytest.raises(ValueError, match=r"logits_soft_cap 0.0 \(the plan's 30.0\)"):
         host_wrapper.forward_return_lse("q", "cache")
+
+
+def test_run_with_sinks_asks_for_the_lse_and_merges_the_sinks_into_it(host_wrapper, monkeypatch):
+    """run(sinks=): the kernel writes (o, lse) (into a given lse) and merge_sinks_in_place
+    updates both; the caller gets o, or (o, lse) with return_lse."""
+    from rtcinfer.attention import decode
+
+    host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_data_type="bfloat16")
+    calls = []
+
+    def kernel(arrays, static, scalars):
+        calls.append(("kernel", arrays[4], static[2]))  # the lse slot, with_lse
+        return ("o", "lse" if arrays[4] is None else arrays[4]) if static[2] else "o"
+
+    def merge(o, s, sinks):
+        calls.append(("sinks", o, s, sinks))
+        return o + "'", s + "'"
+
+    monkeypatch.setattr(host_wrapper, "_call", kernel)
+    monkeypatch.setattr(decode, "merge_sinks_in_place", merge)
+    assert host_wrapper.run("q", "cache", sinks="S") == "o'"
+    assert host_wrapper.run("q", "cache", sinks="S", return_lse=True) == ("o'", "lse'")
+    assert host_wrapper.run("q", "cache", sinks="S", lse="L") == "o'"
+    assert host_wrapper.run("q", "cache") == "o"
+    assert calls == [
+        ("kernel", None, True), ("sinks", "o", "lse", "S"),
+        ("kernel", None, True), ("sinks", "o", "lse", "S"),
+        ("kernel", "L", True), ("sinks", "o", "L", "S"),
+        ("kernel", None, False),
+    ]  # fmt: skip

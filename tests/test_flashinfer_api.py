@@ -15,6 +15,14 @@ import rtcinfer
 # its **kwargs take.
 # fmt: off
 FLASHINFER_0_7_2 = {
+    "BatchAttentionWithAttentionSinkWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
+         "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf",
+         "custom_mask_buf", "mask_indptr_buf", "backend", "pos_encoding_mode",
+         "use_fp16_qk_reduction", "q_data_type", "kv_data_type", "head_dim_qk", "head_dim_vo",
+         "window_left"),
+        (),
+    ),
     "BatchDecodeWithPagedKVCacheWrapper.__init__": (
         ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "use_tensor_cores",
          "paged_kv_indptr_buffer", "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer",
@@ -319,6 +327,7 @@ FLASHINFER_0_7_2_METHODS = {
 # FlashInfer module -> the names rtcinfer has of it (`from flashinfer.<module> import ...`)
 FLASHINFER_0_7_2_MODULES = {
     "activation": ("gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul"),
+    "attention": ("BatchAttentionWithAttentionSinkWrapper",),
     "cascade": ("BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
                 "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
                 "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place",

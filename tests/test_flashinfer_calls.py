@@ -121,8 +121,8 @@ def test_paged_run_options_window_and_refusals():
                                                       use_fp16_softmax=True)), plain)  # fmt: skip
     with pytest.raises(ValueError, match="differs from the plan's window_left"):
         wrapper.run(q, cache, window_left=3)
-    with pytest.raises(ValueError, match="not supported: sinks"):
-        wrapper.run(q, cache, sinks=q)
+    with pytest.raises(ValueError, match="not supported: kv_cache_sf"):
+        wrapper.run(q, cache, kv_cache_sf=q)
     with pytest.raises(ValueError, match="multi-item scoring"):
         wrapper.plan(np.array([0, 3], np.int32), np.array([0, 2], np.int32),
                      np.array([1, 3], np.int32), np.array([5], np.int32), 8, 2, 128, 16,
@@ -190,8 +190,8 @@ def test_decode_plan_deprecated_positional_options_and_data_type():
                                   to_host(by_keyword.run(q, cache)))  # fmt: skip
     o, lse = legacy.run_return_lse(q, cache)
     assert tuple(lse.shape) == (2, 8)
-    with pytest.raises(ValueError, match="not supported: sinks"):
-        legacy.run(q, cache, sinks=q)
+    with pytest.raises(ValueError, match="not supported: kv_cache_sf"):
+        legacy.run(q, cache, kv_cache_sf=q)
     with pytest.raises(ValueError, match="q_len_per_req"):
         legacy.plan(*table, 8, 2, 128, 16, q_len_per_req=2)
 

@@ -86,6 +86,7 @@ def _rope(rng):
 def _merge_and_append(rng):
     va, vb = randn(rng, (3, HQ, D), "bfloat16"), randn(rng, (3, HQ, D), "bfloat16")
     sa, sb = (rng.standard_normal((3, HQ)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(HQ).astype(np.float32)
     v, s = randn(rng, (3, 5, HQ, D), "bfloat16"), rng.standard_normal((3, 5, HQ)).astype(np.float32)
     pages, page = 8, 16
     cache = randn(rng, (pages, 2, page, HKV, D), "bfloat16")
@@ -98,6 +99,10 @@ def _merge_and_append(rng):
         "merge_state": (rtcinfer.merge_state, (va, sa, vb, sb),
                         aref.merge_state_ref(va, sa, vb, sb)),
         "merge_states": (rtcinfer.merge_states, (v, s), aref.merge_states_ref(v, s)),
+        "merge_sinks_in_place": (rtcinfer.merge_sinks_in_place, (va, sa, sinks),
+                                 aref.merge_state_ref(va, sa, np.zeros(va.shape),
+                                                      np.broadcast_to(sinks * aref.LOG2E,
+                                                                      sa.shape))),
         "append_paged_kv_cache": (rtcinfer.append_paged_kv_cache,
                                   (keys, values, bidx, pos, cache, indices, indptr, last), append),
     }  # fmt: skip

@@ -3,6 +3,8 @@ back the way prefill.cu reads them, and the run() signature checks."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -547,8 +549,8 @@ def test_flashinfer_run_options_refused_or_checked_before_any_launch(wrappers):
     paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
     paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, window_left=9, q_data_type="bfloat16")
     cache = np.zeros((1, 2, 16, 2, 128), np.float16)
-    with pytest.raises(ValueError, match="not supported: sinks"):
-        paged.run(q[:4], cache, sinks=np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="not supported: kv_cache_sf"):
+        paged.run(q[:4], cache, sinks=np.zeros(8, np.float32), kv_cache_sf=cache)
     with pytest.raises(ValueError, match=r"run\(window_left=3\) differs from the plan's"):
         paged.run(q[:4], cache, window_left=3)
 
@@ -581,3 +583,54 @@ def test_forward_runs_with_the_plan_parameters_it_repeats(wrappers, monkeypatch)
     with pytest.raises(ValueError, match=r"forward\(\) with window_left -1 \(the plan's 30\), "
                                          r"causal False \(the plan's True\)"):  # fmt: skip
         wrapper.forward("q", "k", "v")
+
+
+def test_paged_run_with_sinks_merges_them_before_the_lse_takes_its_form(wrappers, monkeypatch):
+    """run(sinks=) asks the kernel for the base-2 [tokens, heads] LSE, merges the sinks into
+    (o, lse) and only then makes the LSE form asked for (ln, HN into a given array)."""
+    prefill, _ = wrappers
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, q_data_type="bfloat16")
+    base2 = np.arange(32, dtype=np.float32).reshape(4, 8)
+    seen = []
+
+    def launch_run(q, k, v, out, lse, with_lse, *rest):
+        seen.append(("kernel", lse, with_lse))
+        return ("o", base2.copy()) if with_lse else "o"
+
+    def merge(o, s, sinks):
+        seen.append(("sinks", sinks))
+        s += 1  # in place, as for PyTorch and CuPy arrays
+        return o, s
+
+    monkeypatch.setattr(paged, "_launch_run", launch_run)
+    monkeypatch.setattr(prefill, "merge_sinks_in_place", merge)
+    q, cache = np.zeros((4, 8, 128), np.float16), np.zeros((1, 2, 16, 2, 128), np.float16)
+    assert paged.run(q, cache, sinks="S") == "o"
+    o, ln = paged.run(q, cache, sinks="S", return_lse=True, lse_base="ln")
+    np.testing.assert_allclose(ln, (base2 + 1) * math.log(2.0), rtol=1e-6)
+    hn = np.zeros((8, 4), np.float32)
+    assert paged.run(q, cache, sinks="S", lse=hn, lse_layout="HN") == "o"
+    np.testing.assert_array_equal(hn, (base2 + 1).T)
+    assert paged.run(q, cache) == "o"
+    assert seen == [("kernel", None, True), ("sinks", "S")] * 3 + [("kernel", None, False)]
+
+
+def test_the_sink_wrapper_takes_sinks_and_sm_scale_after_the_cache(wrappers, monkeypatch):
+    """FlashInfer's BatchAttentionWithAttentionSinkWrapper: run(q, cache, sinks, sm_scale) is
+    the paged run(sinks=sinks); an sm_scale other than the plan's raises before any launch."""
+    from rtcinfer.attention.attention_sink import BatchAttentionWithAttentionSinkWrapper
+
+    wrapper = BatchAttentionWithAttentionSinkWrapper(None, "NHD", window_left=-1,
+                                                     q_data_type="bfloat16")  # fmt: skip
+    wrapper.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, q_data_type="bfloat16", sm_scale=0.25)
+    seen = []
+    paged = type(wrapper).__mro__[1]  # BatchPrefillWithPagedKVCacheWrapper
+    monkeypatch.setattr(paged, "run", lambda self, q, c, **kw: seen.append(kw["sinks"]) or "o")
+    assert wrapper.run("q", "cache", "S", 0.25) == "o"
+    assert wrapper.run("q", "cache", sinks="T") == "o"
+    assert seen == ["S", "T"]
+    with pytest.raises(ValueError, match=r"run\(sm_scale=0.5\) differs from the plan's"):
+        wrapper.run("q", "cache", "S", 0.5)
+    with pytest.raises(TypeError, match="multiple values for argument 'sinks'"):
+        wrapper.run("q", "cache", "S", sinks="T")

@@ -88,6 +88,29 @@ def test_empty_and_fully_masked_rows_give_zero_and_minus_inf():
     assert (o == 0).all() and lse == -np.inf
 
 
+def test_a_sink_is_one_more_key_of_value_zero():
+    """With sinks, softmax over the keys and the sink (logit sinks[h], value 0): o scales by
+    the keys' share of the mass, the LSE adds the sink's e^sink, rows without keys give
+    o = 0, lse = sink * log2(e), and a -inf sink changes nothing."""
+    q, k, v = (
+        RNG.standard_normal((3, 4, 8)),
+        RNG.standard_normal((5, 2, 8)),
+        RNG.standard_normal((5, 2, 6)),
+    )
+    sinks = np.array([0.5, -2.0, 3.0, -np.inf])
+    o, lse = attention_ref(q, k, v, sm_scale=0.4, causal=True)
+    o_s, lse_s = attention_ref(q, k, v, sm_scale=0.4, causal=True, sinks=sinks)
+    mass, sink = 2.0**lse, np.exp(sinks)[None, :]
+    np.testing.assert_allclose(lse_s, np.log2(mass + sink))
+    np.testing.assert_allclose(o_s, o * (mass / (mass + sink))[..., None], atol=1e-12)
+    o0, lse0 = attention_ref(q, k[:0], v[:0], sm_scale=0.4, sinks=sinks)
+    assert (o0 == 0).all()
+    np.testing.assert_allclose(lse0, np.broadcast_to(sinks * LOG2E, (3, 4)))
+    hidden, lse_h = attention_ref(q, k, v, sm_scale=0.4, window_left=0, q_positions=[9, 9, 9],
+                                  sinks=sinks)  # fmt: skip
+    assert (hidden == 0).all() and np.allclose(lse_h[:, :3], sinks[:3] * LOG2E)
+
+
 def test_causal_hides_future_keys():
     k, v = np.ones((4, 1)), np.arange(4.0)[:, None]
     o, lse = attention_ref(np.ones((2, 1, 1)), k[:, None], v[:, None], sm_scale=1.0, causal=True)

@@ -91,6 +91,7 @@ def test_merges_the_append_and_the_index_ops_are_one_node_each():
         rtcinfer.get_batch_indices_positions(indptr, seq_lens, 5)
         v, s = rtcinfer.merge_state(va, sa, vb, sb)
         rtcinfer.merge_state_in_place(v, s, vb, sb)
+        rtcinfer.merge_sinks_in_place(v, s, sa[0])
         v2, s2 = rtcinfer.merge_states(vs, ss)
         c = rtcinfer.append_paged_kv_cache(key, key, bi, pos, cache, idx, indptr, last)
         kc, vc = rtcinfer.append_paged_kv_cache(key, key, bi, pos, (cache[:, 0], cache[:, 1]),
@@ -108,13 +109,15 @@ def test_merges_the_append_and_the_index_ops_are_one_node_each():
     assert [s for s in seen if s.startswith("rtcinfer.")] == [
         "rtcinfer.get_seq_lens", "rtcinfer.get_batch_indices_positions_into",
         "rtcinfer.get_batch_indices_positions",
-        "rtcinfer.merge_state", "rtcinfer.merge_state_in_place", "rtcinfer.merge_states",
+        "rtcinfer.merge_state", "rtcinfer.merge_state_in_place",
+        "rtcinfer.merge_sinks_in_place", "rtcinfer.merge_states",
         "rtcinfer.append_paged_kv_cache", "rtcinfer.append_paged_kv_cache_pair",
     ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name, written", [
     ("merge_state", []), ("merge_state_in_place", ["v", "s"]), ("merge_states", []),
+    ("merge_sinks_in_place", ["v", "s"]),
     ("append_paged_kv_cache", ["paged_kv_cache"]),
 ])  # fmt: skip
 def test_merge_and_append_schemas(name, written):

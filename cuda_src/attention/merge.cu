@@ -2,10 +2,12 @@
 //   m = max_k s_k;  w_k = 2^(s_k - m);  s = m + log2(sum_k w_k);  v = sum_k w_k v_k / sum_k w_k
 // Empty states (s = -inf) add nothing; a row of only empty states gives v = 0, s = -inf.
 // Sources: num_a states of array a (state strides a_vs / a_ss), then one state of array b when
-// HAS_B. Outputs may alias a (merge_state_in_place); MASK skips rows whose mask byte is 0.
+// HAS_B, or, when SINK, the sink of the row's head: a key of logit sinks[h] (natural units)
+// and value 0, the state (v = 0, s = sinks[h] * log2(e)). Outputs may alias a
+// (merge_state_in_place, merge_sinks_in_place); MASK skips rows whose mask byte is 0.
 // Grid: one warp per row (n, h); lane l merges vectors l, l + 32, ... of VEC elements. Every
 // lane has read the row's s values before lane 0 writes the new s (in place: same address).
-// Prelude: T (v dtype), VEC, HAS_B, MASK.
+// Prelude: T (v dtype), VEC, HAS_B, MASK, SINK.
 #include "attention_state.cuh"
 
 using TVec = Vec<T, VEC>;
@@ -29,6 +31,8 @@ struct MergeParams {
   T* o_v;               // [n, h, D] strides (o_vn, o_vh, 1); in place: == a_v
   float* o_s;           // [n, h] strides (o_sn, o_sh); in place: == a_s
   const uint8_t* mask;  // [n] dense (MASK)
+  const float* sinks;   // [h] stride sinks_h (SINK)
+  int64_t sinks_h;
   int64_t a_vn, a_vs, a_vh, a_sn, a_ss, a_sh;
   int64_t b_vn, b_vh, b_sn, b_sh;
   int64_t o_vn, o_vh, o_sn, o_sh;
@@ -63,6 +67,12 @@ extern "C" __global__ void merge_kernel(const __grid_constant__ MergeParams p) {
     for (int k = 0; k < num_a; ++k)
       add_state(acc, a_v + n * a_vn + k * a_vs + h * a_vh + d, a_s[n * a_sn + k * a_ss + h * a_sh]);
     if constexpr (HAS_B) add_state(acc, b_v + n * b_vn + h * b_vh + d, b_s[n * b_sn + h * b_sh]);
+    if constexpr (SINK) {
+      const float zero[VEC] = {};
+      AttentionState<VEC> sink;
+      sink.set_normalized(zero, p.sinks[h * p.sinks_h] * LOG2E);  // -inf: no sink
+      acc.merge(sink);
+    }
     acc.normalize();
     TVec y;
 #pragma unroll

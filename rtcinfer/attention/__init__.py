@@ -1,2 +1,11 @@
 """Attention over paged and contiguous KV caches: batch and single decode, the merge of
 attention states (cascade), and the paged cache's bookkeeping (append, lengths, positions)."""
+
+
+def __getattr__(name: str):
+    """FlashInfer's `flashinfer.attention` name, imported when first asked for."""
+    if name == "BatchAttentionWithAttentionSinkWrapper":
+        from .attention_sink import BatchAttentionWithAttentionSinkWrapper
+
+        return BatchAttentionWithAttentionSinkWrapper
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,12 +10,12 @@ Empty states (s = -inf) contribute nothing; merging only empty states gives v = 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .. import jit
 from ..interop import Op, OutSlot, Prepared, call, dense_strides
-from ..interop.arrays import compilable
+from ..interop.arrays import cast, compilable
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
@@ -31,6 +31,7 @@ class MergeSpec:
     vec: int
     has_b: bool  # one more state from a second array (merge_state, merge_state_in_place)
     mask: bool
+    sink: bool = False  # one more state, each head's sink (merge_sinks_in_place)
     source: ClassVar[str] = "attention/merge.cu"
     kernels: ClassVar[tuple[str, ...]] = ("merge_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("MergeParams",)  # crossing the seam
@@ -41,6 +42,7 @@ class MergeSpec:
             VEC=self.vec,
             HAS_B=self.has_b,
             MASK=self.mask,
+            SINK=self.sink,
         )
 
 
@@ -87,20 +89,36 @@ def _by_state(x, ndim: int) -> tuple[int, int, int]:
     return (st[0], st[1], st[2]) if x.ndim == ndim else (st[0], 0, st[1])
 
 
+def _check_sinks(v, s, sinks) -> str:
+    dtype = _check_state(v, s, "v", 3)
+    heads = v.shape[1]
+    if sinks.shape != (heads,) or sinks.dtype != "float32":
+        raise ValueError(
+            f"sinks: expected float32 [{heads}] (one logit a query head), got {sinks.dtype} "
+            f"{sinks.shape}"
+        )
+    return dtype
+
+
 def _prepare(infos, _align: int, static: tuple) -> Prepared:
     """Slots: merge_states (v, s); merge_state (v_a, s_a, v_b, s_b); in_place (v, s, v_other,
-    s_other, mask), whose outputs are v and s updated. Pointers: the slots', then the outputs'
-    (v, s)."""
+    s_other, mask) and sinks (v, s, sinks), whose outputs are v and s updated. Pointers: the
+    slots', then the outputs' (v, s)."""
     (op,) = static
+    sinks = None
     if op == "merge_states":
         (a_v, a_s), b_v, b_s, mask = infos, None, None, None
         dtype = _check_state(a_v, a_s, "v", 4)
+    elif op == "sinks":
+        (a_v, a_s, sinks), b_v, b_s, mask = infos, None, None, None
+        dtype = _check_sinks(a_v, a_s, sinks)
     else:
         a_v, a_s, b_v, b_s = infos[:4]
         mask = infos[4] if op == "in_place" else None
         dtype = _check_two_states(op, a_v, a_s, b_v, b_s, mask)
     n, h, d = a_v.shape[0], a_v.shape[-2], a_v.shape[-1]
-    if op == "in_place":
+    in_place = op in ("in_place", "sinks")
+    if in_place:
         o_v, o_s = a_v, a_s
         outs = (
             OutSlot(a_v.shape, dtype, 0, alias=True),
@@ -110,8 +128,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
         o_v = a_v._replace(shape=(n, h, d), strides=dense_strides((n, h, d)), offset=0)
         o_s = a_s._replace(shape=(n, h), strides=dense_strides((n, h)), offset=0)
         outs = (OutSlot(o_v.shape, dtype), OutSlot(o_s.shape, "float32"))
-    has_b, masked = b_v is not None, mask is not None
-    spec = MergeSpec(dtype, widest_vec(d, itemsize(dtype)), has_b, masked)
+    has_b, masked, sink = b_v is not None, mask is not None, sinks is not None
+    spec = MergeSpec(dtype, widest_vec(d, itemsize(dtype)), has_b, masked, sink)
     views = (a_v, b_v if has_b else a_v, o_v)
     launch = _launch(spec, min(v.align for v in views), *views)
     p = launch.params
@@ -122,8 +140,10 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     (p.o_vn, p.o_vh), (p.o_sn, p.o_sh) = o_v.strides[:2], o_s.strides
     p.rows, p.num_heads, p.head_dim = n * h, h, d
     p.num_a = a_v.shape[1] if a_v.ndim == 4 else 1
+    if sink:
+        (p.sinks_h,) = sinks.strides
     o = len(infos)
-    a = o if op == "in_place" else 0  # in place: read through the outputs (XLA's copies)
+    a = o if in_place else 0  # in place: read through the outputs (XLA's copies)
 
     def run(stream, device, ptrs, scalars):
         launch.lock.acquire()
@@ -133,6 +153,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                 p.b_v, p.b_s = ptrs[2], ptrs[3]
             if masked:
                 p.mask = ptrs[4]
+            if sink:
+                p.sinks = ptrs[2]
             p.o_v, p.o_s = ptrs[o], ptrs[o + 1]
             launch(stream, device)
         finally:
@@ -157,7 +179,7 @@ def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:
         strides = [s for arr in (a_v, b_v, o_v) for s in arr.strides[:-1]]
         vec = fit_vec(spec.vec, itemsize(spec.dtype), align, strides)
         if vec != spec.vec:
-            spec = MergeSpec(spec.dtype, vec, spec.has_b, spec.mask)
+            spec = replace(spec, vec=vec)
     grid = -(-rows * 32 // THREADS)
     return Launch(Kernel(spec, "merge_kernel", "MergeParams"), (grid, 1, 1), (THREADS, 1, 1))
 
@@ -165,6 +187,7 @@ def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:
 _STATES = Op("merge_states", ("v", "s"), _prepare)
 _MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare)
 _IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare)
+_SINKS = Op("merge_sinks_in_place", ("v", "s", "sinks"), _prepare)
 
 
 @compilable("v_a", Shortcut(_MERGE, ("v_a", "s_a", "v_b", "s_b"), '("merge_state",)'))
@@ -184,6 +207,23 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None):
     return call(_IN_PLACE, (v, s, v_other, s_other, mask), ("in_place",))
 
 
+@compilable("v")
+def merge_sinks_in_place(v, s, sinks):
+    """(v, s) <- merge((v, s), each head's sink): attention sinks, as FlashInfer's run(sinks=),
+    applied to a finished attention state (the wrappers' run(sinks=) call it).
+
+    The sink of head h is one more key, of logit sinks[h] (natural units, like the scaled
+    logits sm_scale * q.k) and value 0, in every row's softmax:
+
+        w = 2^s / (2^s + e^sinks[h]);   v <- w * v;   s <- log2(2^s + e^sinks[h])
+
+    v [n, h, D] (fp16/bf16/fp32), s [n, h] float32 (base-2 LSE), sinks [h] float32 (another
+    float dtype is converted by the caller's framework first). A row without keys (s = -inf)
+    keeps v = 0 and gets s = sinks[h] * log2(e); sinks[h] = -inf leaves head h as it is.
+    Returns (v, s): the updated arrays (new ones for JAX, whose arrays are immutable)."""
+    return call(_SINKS, (v, s, cast(sinks, "float32")), ("sinks",))
+
+
 @compilable("v", Shortcut(_STATES, ("v", "s"), '("merge_states",)'))
 def merge_states(v, s):
     """Merge S states per row: v [n, S, h, D], s [n, S, h] float32 -> (v [n, h, D], s [n, h]).
@@ -193,12 +233,15 @@ def merge_states(v, s):
     return call(_STATES, (v, s), ("merge_states",))
 
 
-def specs_for(head_dim: int, dtype: str) -> list[MergeSpec]:
+def specs_for(head_dim: int, dtype: str, sinks: bool = False) -> list[MergeSpec]:
     """What a serving loop's merges use (warmup): merge_state, merge_state_in_place with and
-    without a mask, merge_states, on attention outputs of `dtype`."""
+    without a mask, merge_states, on attention outputs of `dtype`; with `sinks`,
+    merge_sinks_in_place too."""
     vec = widest_vec(head_dim, itemsize(dtype))
-    return [MergeSpec(dtype, vec, has_b, mask)
-            for has_b, mask in ((True, False), (True, True), (False, False))]  # fmt: skip
+    specs = [MergeSpec(dtype, vec, has_b, mask)
+             for has_b, mask in ((True, False), (True, True), (False, False))]  # fmt: skip
+    return specs + ([MergeSpec(dtype, vec, False, False, True)] if sinks else [])
 
 
-__all__ = ["MergeSpec", "merge_state", "merge_state_in_place", "merge_states", "specs_for"]
+__all__ = ["MergeSpec", "merge_sinks_in_place", "merge_state", "merge_state_in_place",
+           "merge_states", "specs_for"]  # fmt: skip

@@ -24,6 +24,7 @@ from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
 from ..plan.decode import plan_decode
+from .cascade import merge_sinks_in_place
 from .decode_array import PlanArrays
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
 from .decode_plan import Capacity, pack_plan
@@ -337,13 +338,22 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         process (rtcinfer/dependent_launch.py; RTCINFER_PDL=0 turns that off).
         plan_array: a plan_array() on the device, read instead of the wrapper's latest plan
         (which must have the same configuration); q may then have more rows than its batch.
-        sinks, skip_softmax_threshold_scale_factor, kv_cache_sf and q_len_per_req other than 1
+        sinks: [Hq] float32 attention sink logits, one more key of logit sinks[h] and value 0
+        in every row's softmax (merge_sinks_in_place, a second launch; the LSE includes it).
+        skip_softmax_threshold_scale_factor, kv_cache_sf and q_len_per_req other than 1
         (FlashInfer's trtllm-gen options) are not supported: they raise when given.
         """
-        if (sinks is not None or kv_cache_sf is not None or q_len_per_req not in (None, 1)
+        if sinks is not None:
+            o, s = self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
+                            v_scale=v_scale, out=out, lse=lse, return_lse=True,
+                            window_left=window_left, q_len_per_req=q_len_per_req,
+                            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                            kv_cache_sf=kv_cache_sf, plan_array=plan_array)  # fmt: skip
+            o, s = merge_sinks_in_place(o, s, sinks)
+            return (o, s) if return_lse else o
+        if (kv_cache_sf is not None or q_len_per_req not in (None, 1)
                 or skip_softmax_threshold_scale_factor is not None):  # fmt: skip
             refuse(
-                sinks=sinks,
                 kv_cache_sf=kv_cache_sf,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                 q_len_per_req=None if q_len_per_req in (None, 1) else q_len_per_req,

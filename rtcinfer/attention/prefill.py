@@ -30,6 +30,7 @@ from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from ..plan.prefill import PrefillPlan, TilePlan
 from . import prefill_launch as launches
+from .cascade import merge_sinks_in_place
 from .decode_kernel import Config, kv_scales
 from .deprecated_forms import PagedForward, RaggedForward
 from .paged_kv import cache_views, check_cache_view, kv_pair, kv_storage, page_table_ids, token_head
@@ -197,10 +198,12 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         return fixed
 
     def _run(self, q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array=None,
-             lse_base="log2", lse_layout="NH", window_left=None):  # fmt: skip
+             lse_base="log2", lse_layout="NH", window_left=None, sinks=None):  # fmt: skip
         """run() of either wrapper: (o, lse) when return_lse, else o (lse, when given, is
-        written); the LSE in the base and layout asked for (run_options.py)."""
-        with_lse = return_lse or lse is not None
+        written); the LSE in the base and layout asked for (run_options.py); `sinks` merged
+        into the kernel's state (merge_sinks_in_place) before the LSE takes its form."""
+        asked = return_lse or lse is not None
+        with_lse = asked or sinks is not None
         plain_lse = lse_base == "log2" and lse_layout == "NH"  # the kernel's own form
         written = lse if plain_lse else kernel_lse(lse, lse_base, lse_layout, q.shape)
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
@@ -211,6 +214,10 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         else:
             result = self._launch_run(q, k, v, out, written, with_lse, q_scale, k_scale,
                                       v_scale, plan_array, window_left)  # fmt: skip
+        if sinks is not None:
+            result = merge_sinks_in_place(*result, sinks)
+            if not asked:
+                return result[0]
         if not with_lse:
             return result
         o, s = result
@@ -443,20 +450,20 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, _PrefillWrapper):
         batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND; plan_array: a
         plan_array() on the device (prefill_array.py). The scales and LSE forms as in the
         ragged wrapper's run(); window_left may repeat the plan's (None: the plan's);
-        use_fp16_softmax is a precision hint (the softmax stays fp32); sinks, kv_cache_sf,
+        use_fp16_softmax is a precision hint (the softmax stays fp32); sinks: [Hq] float32
+        attention sink logits as in batch decode's run(); kv_cache_sf,
         skip_softmax_threshold_scale_factor and uses_spcompress are not supported (raise when
         given)."""
-        if (sinks is not None or kv_cache_sf is not None or uses_spcompress
+        if (kv_cache_sf is not None or uses_spcompress
                 or skip_softmax_threshold_scale_factor is not None):  # fmt: skip
             refuse(
-                sinks=sinks,
                 kv_cache_sf=kv_cache_sf,
                 uses_spcompress=uses_spcompress or None,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
             )
         k, v = kv_pair(paged_kv_cache)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array,
-                         lse_base, lse_layout, window_left)  # fmt: skip
+                         lse_base, lse_layout, window_left, sinks)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
