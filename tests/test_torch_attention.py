@@ -84,6 +84,40 @@ def test_decode_and_prefill_runs_are_one_node_each_and_replans_do_not_recompile(
     assert len(graphs) == 1
 
 
+def test_runs_with_sinks_compile_to_the_run_and_the_sink_merge(planned):
+    """run(sinks=) of the decode (both kinds) and paged prefill wrappers: attention_run, then
+    merge_sinks_in_place on its (o, lse), no graph break; the LSE form follows the merge."""
+    decode, prefill = planned
+    dec = decode.BatchDecodeWithPagedKVCacheWrapper()
+    dec.plan(*decode_tables([40, 3, 17]), 8, 2, 64, 16, q_data_type="bfloat16")
+    tc = decode.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+    tc.plan(*decode_tables([40, 3, 17]), 8, 2, 64, 16, q_data_type="bfloat16")
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan(np.array([0, 5, 12], np.int32), *decode_tables([9, 21]), 8, 2, 64, 16,
+               causal=True, q_data_type="bfloat16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q_dec, q, cache, sinks):
+        o_dec = dec.run(q_dec, cache, sinks=sinks)
+        o_tc, lse_tc = tc.run(q_dec, cache, sinks=sinks, return_lse=True)
+        o, lse = paged.run(q, cache, sinks=sinks, return_lse=True, lse_layout="HN")
+        return o_dec, o_tc, lse_tc, o, lse
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    sinks = meta(8, dtype=torch.float32)
+    o_dec, o_tc, lse_tc, o, lse = compiled(meta(3, 8, 64), meta(12, 8, 64),
+                                           meta(10, 2, 16, 2, 64), sinks)  # fmt: skip
+    assert o_dec.shape == o_tc.shape == (3, 8, 64) and lse_tc.shape == (3, 8)
+    assert o.shape == (12, 8, 64) and lse.shape == (8, 12)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.attention_run", "rtcinfer.merge_sinks_in_place",
+    ] * 3  # fmt: skip
+
+
 def test_a_compiled_graph_names_its_wrapper_and_says_when_it_is_gone(planned):
     _, prefill = planned
     from rtcinfer import torch_attention
