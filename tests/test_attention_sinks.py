@@ -15,7 +15,7 @@ import rtcinfer
 
 from . import reference_attention as aref
 from .checks import assert_close, to_host
-from .gpu_decode import check_attention, make_batch, random_values, standard_lengths, to_gpu
+from .gpu_decode import check_attention, make_batch, standard_lengths, to_gpu
 from .test_cascade import DTYPES, states
 from .test_prefill import check, paged_table, ragged_batch, reference
 
@@ -48,12 +48,11 @@ def test_merge_sinks_in_place(rng, dtype):
     assert_close(s_dev, s_ref, "float32", "s", tol=1e-5)
 
 
-def test_merge_sinks_takes_bf16_sinks_and_refuses_a_wrong_shape(rng):
+def test_merge_sinks_takes_fp16_sinks_and_refuses_a_wrong_shape(rng):
     v, s = states(rng, (3, 4, 64), "bfloat16", empty=0)
-    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
-    bf16 = to_gpu(sinks.astype(random_values(rng, (1,), "bfloat16").dtype))
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)  # exact in fp16
     v_dev, s_dev = to_gpu(v), to_gpu(s)
-    rtcinfer.merge_sinks_in_place(v_dev, s_dev, bf16)  # converted to float32 first
+    rtcinfer.merge_sinks_in_place(v_dev, s_dev, to_gpu(sinks.astype(np.float16)))  # to fp32
     v_ref, s_ref = aref.merge_state_ref(v, s, np.zeros(v.shape),
                                         np.broadcast_to(sinks * LOG2E, s.shape))  # fmt: skip
     assert_close(v_dev, v_ref, "bfloat16", "v")

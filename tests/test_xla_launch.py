@@ -83,6 +83,27 @@ def test_in_place_updates_start_by_moving_their_inputs():
     assert fused.bound["x"] == 3 and fused.bound["residual"] == 4  # the results' buffers
 
 
+def test_the_sink_merge_moves_its_state_then_reads_it_and_the_sinks():
+    """merge_sinks_in_place under JAX: v and s start by moving into their outputs (aliased),
+    then the merge reads and writes the outputs and reads the sinks input."""
+    from rtcinfer.attention import cascade
+
+    v = ArrayInfo((3, 8, 128), (1024, 128, 1), "bfloat16", 0)
+    s = ArrayInfo((3, 8), (8, 1), "float32", 0)
+    sinks = ArrayInfo((8,), (1,), "float32", 0)
+    prep = cascade._SINKS.prepare([v, s, sinks], 16, ("sinks",))
+    steps = xla_launch.record(prep, [True] * 3, (), 0)
+    assert len(steps) == 1
+    first, second, merge = xla_launch.plan(prep, [True] * 3, steps)
+    for n, source in ((first, 0), (second, 1)):
+        assert n.kernel.name == "move_kernel" and n.operands == (source,)
+        assert n.results == (3 + source,) and n.aliases() == {0: 0}
+    assert merge.kernel.name == "merge_kernel" and merge.results == (3, 4)
+    assert merge.aliases() == {0: 0, 1: 1}
+    assert merge.bound["a_v"] == merge.bound["o_v"] == 3
+    assert merge.bound["a_s"] == merge.bound["o_s"] == 4 and merge.bound["sinks"] == 2
+
+
 def test_a_launch_through_an_input_updated_in_place_keeps_the_handler():
     """An in-place update must be written through its output's address (the input's may be
     another buffer): a launch addressing the input slot keeps the Python handler."""
