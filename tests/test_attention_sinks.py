@@ -17,7 +17,7 @@ from . import reference_attention as aref
 from .checks import assert_close, to_host
 from .gpu_decode import check_attention, make_batch, standard_lengths, to_gpu
 from .test_cascade import DTYPES, states
-from .test_prefill import check, paged_table, ragged_batch, reference
+from .test_prefill import check, paged_cache, paged_table, ragged_batch, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -80,11 +80,7 @@ def test_paged_prefill_with_sinks_and_each_lse_form():
     q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
     kv_lens = np.diff(kv_indptr)
     indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
-    cache = np.zeros((num_pages, 2, 16, 2, 128), dtype=k.dtype)
-    for b, n in enumerate(kv_lens):
-        for t in range(n):
-            page, slot = indices[indptr[b] + t // 16], t % 16
-            cache[page, 0, slot], cache[page, 1, slot] = k[kv_indptr[b] + t], v[kv_indptr[b] + t]
+    cache = paged_cache(k, v, kv_indptr, indptr, indices, num_pages, 16)
     sinks = sink_logits(rng, 8)
     o_ref, lse_ref = reference(q, k, v, qo_indptr, kv_indptr, causal=True,
                                sm_scale=1 / np.sqrt(128), sinks=sinks)  # fmt: skip

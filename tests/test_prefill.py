@@ -108,6 +108,24 @@ def paged_table(rng, kv_lens, page_size, spare=3):
     return indptr, indices, last, num_pages
 
 
+def paged_cache(k, v, kv_indptr, indptr, indices, num_pages, page_size, layout="NHD"):
+    """The host cache [num_pages, 2, ...] (NHD or HND) holding each request's ragged k and v
+    rows in its pages (indptr, indices: the page table), zeros elsewhere."""
+    heads, d = k.shape[1:]
+    inner = (page_size, heads, d) if layout == "NHD" else (heads, page_size, d)
+    cache = np.zeros((num_pages, 2, *inner), dtype=k.dtype)
+    for b, n in enumerate(np.diff(kv_indptr)):
+        for t in range(n):
+            page, slot = indices[indptr[b] + t // page_size], t % page_size
+            for which, src in enumerate((k, v)):
+                row = src[kv_indptr[b] + t]
+                if layout == "NHD":
+                    cache[page, which, slot] = row
+                else:
+                    cache[page, which, :, slot] = row
+    return cache
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("form", ["5d", "tuple"])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -118,17 +136,7 @@ def test_paged_append(layout, form, page_size):
     q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
     kv_lens = np.diff(kv_indptr)
     indptr, indices, last, num_pages = paged_table(rng, kv_lens, page_size)
-    inner = (page_size, 2, 128) if layout == "NHD" else (2, page_size, 128)
-    cache = np.zeros((num_pages, 2, *inner), dtype=k.dtype)
-    for b, n in enumerate(kv_lens):
-        for t in range(n):
-            page, slot = indices[indptr[b] + t // page_size], t % page_size
-            for which, src in enumerate((k, v)):
-                row = src[kv_indptr[b] + t]
-                if layout == "NHD":
-                    cache[page, which, slot] = row
-                else:
-                    cache[page, which, :, slot] = row
+    cache = paged_cache(k, v, kv_indptr, indptr, indices, num_pages, page_size, layout)
     dev = to_gpu(cache)
     paged = dev if form == "5d" else (dev[:, 0], dev[:, 1])
     wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
@@ -269,11 +277,7 @@ def test_paged_custom_mask_from_host_and_single_prefill_masks():
     masks = random_masks(rng, qo_indptr, kv_indptr)
     kv_lens = np.diff(kv_indptr)
     indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
-    cache = np.zeros((num_pages, 2, 16, 4, 64), dtype=k.dtype)
-    for b, n in enumerate(kv_lens):
-        for t in range(n):
-            page, slot = indices[indptr[b] + t // 16], t % 16
-            cache[page, 0, slot], cache[page, 1, slot] = k[kv_indptr[b] + t], v[kv_indptr[b] + t]
+    cache = paged_cache(k, v, kv_indptr, indptr, indices, num_pages, 16)
     wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
     wrapper.plan(qo_indptr, indptr, indices, last, 4, 4, 64, 16, q_data_type="bfloat16",
                  custom_mask=np.concatenate([m.ravel() for m in masks]))  # fmt: skip
@@ -356,13 +360,8 @@ def test_fp8_kv(kv_dtype, q_dtype, head_dim):
 
     kv_lens = np.diff(kv_indptr)
     indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16)
-    k_cache = np.zeros((num_pages, 2, 16, head_dim), dtype=k.dtype)  # HND
-    v_cache = np.zeros_like(k_cache)
-    for b, n in enumerate(kv_lens):
-        for t in range(n):
-            page, slot = indices[indptr[b] + t // 16], t % 16
-            k_cache[page, :, slot] = k[kv_indptr[b] + t]
-            v_cache[page, :, slot] = v[kv_indptr[b] + t]
+    cache = paged_cache(k, v, kv_indptr, indptr, indices, num_pages, 16, "HND")
+    k_cache, v_cache = cache[:, 0].copy(), cache[:, 1].copy()  # a (k, v) pair
     paged = rtcinfer.BatchPrefillWithPagedKVCacheWrapper(kv_layout="HND")
     paged.plan(qo_indptr, indptr, indices, last, 8, 2, head_dim, 16, causal=True,
                q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
