@@ -61,15 +61,16 @@ def test_merge_sinks_takes_fp16_sinks_and_refuses_a_wrong_shape(rng):
 
 
 @pytest.mark.parametrize("use_tensor_cores", [False, True])
-def test_batch_decode_with_sinks(use_tensor_cores):
-    rng = np.random.default_rng(41 + use_tensor_cores)
-    batch = make_batch(rng, standard_lengths(16, rng))  # two empty requests among them
+@pytest.mark.parametrize("window_left", [-1, 40])  # gpt-oss: sinks on windowed layers too
+def test_batch_decode_with_sinks(use_tensor_cores, window_left):
+    rng = np.random.default_rng(41 + use_tensor_cores + 2 * (window_left > 0))
+    batch = make_batch(rng, standard_lengths(16, rng), group_size=8)  # two empty requests
     sinks = sink_logits(rng, batch.num_qo_heads)
     wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=use_tensor_cores)
-    batch.plan(wrapper)
+    batch.plan(wrapper, window_left=window_left)
     o, lse = wrapper.run(batch.q_dev, batch.cache_dev, sinks=to_gpu(sinks), return_lse=True)
-    check_attention(o, lse, *batch.reference(sinks=sinks), batch.q_dtype,
-                    tensor_cores=use_tensor_cores)  # fmt: skip
+    check_attention(o, lse, *batch.reference(sinks=sinks, window_left=window_left),
+                    batch.q_dtype, tensor_cores=use_tensor_cores)  # fmt: skip
     o_only = wrapper.run(batch.q_dev, batch.cache_dev, sinks=to_gpu(sinks))
     np.testing.assert_array_equal(to_host(o_only), to_host(o))
 
