@@ -293,3 +293,66 @@ def test_automatic_chunks_are_whole_pages_and_whole_kv_tiles(page_size, kv_tile)
         assert plan.chunk_tokens == 1024 and plan.num_work == 32
     if kv_tile == 1 and page_size == 16:
         assert plan.chunk_tokens == 1008  # 63 pages: 33 items
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_batches_cover_every_visible_pair_once(seed):
+    """Random batches and options (group size, page and KV tile sizes, causal or not, window,
+    automatic / fixed / no split, a GPU of any size): every visible (row, key) pair of every
+    request is in exactly one work item, every query row in one tile, and without a mask an
+    item's keys are whole pages of its request (but the request's last; the causal mask and
+    a window clip items to the keys they leave visible)."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 12))
+    qo = rng.choice([0, 1, 2, 7, 16, 33, 128, 129, 300], n)
+    kv = qo + rng.choice([0, 0, 1, 15, 64, 257, 1500], n)
+    causal, group = bool(rng.integers(2)), int(rng.choice([1, 2, 4, 5, 8]))
+    window_left = int(rng.choice([-1, -1, 0, 1, 63, 200]))
+    page, kv_tile = int(rng.choice([1, 5, 16, 64])), int(rng.choice([1, 64, 128]))
+    kwargs = dict(num_sms=int(rng.choice([1, 8, 132, 1000])), ctas_per_sm=int(rng.integers(1, 4)),
+                  causal=causal, window_left=window_left, page_size=page, kv_tile=kv_tile,
+                  min_chunk_tokens=int(rng.choice([1, 64, 256])))  # fmt: skip
+    mode = int(rng.integers(3))
+    if mode == 1:
+        kwargs["disable_split_kv"] = True
+    elif mode == 2:
+        kwargs["fixed_split_size"] = int(rng.integers(1, 40))
+    plan = plan_prefill(np.concatenate([[0], np.cumsum(qo)]), kv, group, 2, 128, **kwargs)
+    for b, count in enumerate(coverage(plan, causal, window_left)):
+        rows, keys = np.arange(count.shape[0]), np.arange(count.shape[1])
+        np.testing.assert_array_equal(count, visible(plan, b, rows, keys, causal, window_left))
+    rows = {(int(plan.tile_request[t]), r) for t in range(plan.num_tiles)
+            for r in range(plan.tile_row[t], plan.tile_row[t] + plan.tile_rows)
+            if r < plan.qo_len[plan.tile_request[t]] * group}  # fmt: skip
+    assert rows == {(b, r) for b, q in enumerate(qo) for r in range(q * group)}
+    for w in range(plan.num_work):
+        b = int(plan.tile_request[plan.work_tile[w]])
+        begin, end = int(plan.work_kv_begin[w]), int(plan.work_kv_end[w])
+        assert 0 <= begin <= end <= kv[b]
+        if not causal and window_left < 0:
+            assert begin % page == 0 and (end % page == 0 or end == kv[b])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_executing_random_plans_reproduces_the_reference(seed):
+    """The NumPy execution of random batches' plans (split or not, any group size, causal or
+    not, window, soft cap) equals the float64 reference, empty requests and rows included."""
+    rng = np.random.default_rng(2000 + seed)
+    n = int(rng.integers(1, 7))
+    qo = [int(x) for x in rng.choice([0, 1, 5, 16, 40, 129], n)]
+    extra = [int(x) for x in rng.choice([0, 3, 64, 200], n)]
+    group = int(rng.choice([1, 3, 4]))
+    q, k, v, qo_indptr, kv_indptr, kv = batch(rng, qo, extra, group=group)
+    causal, window_left = bool(rng.integers(2)), int(rng.choice([-1, 0, 20]))
+    cap = float(rng.choice([0.0, 5.0]))
+    split = dict(fixed_split_size=int(rng.integers(1, 9))) if rng.integers(2) else {}
+    plan = plan_prefill(qo_indptr, kv, group, 2, 16, num_sms=int(rng.choice([1, 64])),
+                        ctas_per_sm=2, causal=causal, window_left=window_left,
+                        page_size=int(rng.choice([1, 16])), min_chunk_tokens=16,
+                        **split)  # fmt: skip
+    features = dict(causal=causal, window_left=window_left, logits_soft_cap=cap)
+    o, lse = execute_prefill_plan(plan, q, k, v, qo_indptr, kv_indptr, sm_scale=0.3,
+                                  **features)  # fmt: skip
+    o_ref, lse_ref = reference(q, k, v, qo_indptr, kv_indptr, sm_scale=0.3, **features)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-12, atol=1e-12)
