@@ -497,3 +497,32 @@ def test_tensor_core_decode_through_the_prefill_kernel(feature, case, kv_dtype):
     assert spec.tile_rows == (16 if {**BASE, **CASES[case]}["group_size"] <= 16 else 64)
     assert spec.fp8_direct == (kv_dtype is not None and spec.tile_rows == 16
                                and feature != "rope")  # fmt: skip
+
+
+@pytest.mark.parametrize("q_len, group_size, kv_dtype", [(2, 4, None), (4, 8, None),
+                                                         (3, 5, "float8_e4m3fn")])  # fmt: skip
+def test_several_queries_a_request_verify_causally(q_len, group_size, kv_dtype):
+    """plan(q_len_per_req=n) with use_tensor_cores=True: request b's n queries (rows b * n to
+    b * n + n - 1) are its last n positions, each seeing the keys up to its own (FlashInfer's
+    speculative verification); the attention reference per request, causal."""
+    rng = seeded("several queries", q_len, group_size)
+    lengths = [q_len, 17, 513, q_len + 1, 40]
+    batch = make_batch(rng, lengths, group_size=group_size, kv_dtype=kv_dtype)
+    q = random_values(rng, (len(lengths) * q_len, batch.num_qo_heads, batch.head_dim),
+                      batch.q_dtype)  # fmt: skip
+    wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+    batch.plan(wrapper, q_len_per_req=q_len)
+    o, lse = wrapper.run(to_gpu(q), batch.cache_dev, return_lse=True, q_len_per_req=q_len)
+    k_cache, v_cache = aref.split_paged_kv_cache(batch.cache, batch.layout)
+    o_ref, lse_ref = [], []
+    for b, n in enumerate(lengths):
+        pages = batch.indices[batch.indptr[b] : batch.indptr[b + 1]]
+        k = aref.gather_pages_ref(k_cache, pages, batch.layout, n)
+        v = aref.gather_pages_ref(v_cache, pages, batch.layout, n)
+        rows = q[b * q_len : (b + 1) * q_len]
+        o_b, lse_b = aref.attention_ref(rows, k, v, causal=True,
+                                        sm_scale=1 / np.sqrt(batch.head_dim))  # fmt: skip
+        o_ref.append(o_b)
+        lse_ref.append(lse_b)
+    check_attention(o, lse, np.concatenate(o_ref), np.concatenate(lse_ref), batch.q_dtype,
+                    tensor_cores=True)  # fmt: skip

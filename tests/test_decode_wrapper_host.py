@@ -388,18 +388,19 @@ def test_run_on_another_device_than_the_wrappers_is_refused(host_wrapper):
 
 def test_flashinfer_plan_options_data_type_and_refusals(host_wrapper):
     """data_type stands for the dtypes left None (FlashInfer 0.7.2); q_len_per_req other than
-    1 is refused, window_right and is_causal change nothing; run()'s trtllm-gen options raise
-    by name before any array is read."""
+    1 needs tensor cores, window_right and is_causal change nothing; run()'s trtllm-gen
+    options, or a q_len_per_req other than the plan's, raise by name before any array is
+    read."""
     host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_data_type=None, data_type="bfloat16")
     cfg = host_wrapper._launch.cfg
     assert (cfg.q_dtype, cfg.kv_dtype) == ("bfloat16", "bfloat16")
-    with pytest.raises(ValueError, match="q_len_per_req=2"):
+    with pytest.raises(ValueError, match="q_len_per_req=2: .* use_tensor_cores=True"):
         host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, q_len_per_req=2)
     host_wrapper.plan([0, 1], [0], [16], 8, 2, 128, 16, window_right=4, is_causal=True)
     assert host_wrapper._launch.cfg.window_left == -1  # no key after the query: nothing to do
-    with pytest.raises(ValueError, match="not supported: kv_cache_sf, q_len_per_req"):
-        host_wrapper.run(None, None, kv_cache_sf=np.zeros(8, np.float32), q_len_per_req=4)
-    with pytest.raises(ValueError, match="not supported: q_len_per_req"):  # sinks or not
+    with pytest.raises(ValueError, match="not supported: kv_cache_sf"):
+        host_wrapper.run(None, None, kv_cache_sf=np.zeros(8, np.float32), q_len_per_req=1)
+    with pytest.raises(ValueError, match=r"run\(q_len_per_req=4\) differs from the plan's \(1\)"):
         host_wrapper.run(None, None, sinks=np.zeros(8, np.float32), q_len_per_req=4)
     assert host_wrapper.use_tensor_cores is False
 
@@ -443,3 +444,28 @@ def test_run_with_sinks_asks_for_the_lse_and_merges_the_sinks_into_it(host_wrapp
         ("kernel", "L", True), ("sinks", "o", "L", "S"),
         ("kernel", None, False),
     ]  # fmt: skip
+
+
+def test_several_queries_a_request_plan_a_causal_prefill_over_the_cache(host_wrapper,
+                                                                        monkeypatch):  # fmt: skip
+    """plan(q_len_per_req=n) with tensor cores: the prefill wrapper plans n queries a request
+    (qo_indptr = n * arange), causal among them; each request needs n keys at least; run()'s
+    own q_len_per_req must be the plan's."""
+    from rtcinfer.attention import decode
+
+    tc = decode.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+    seen = {}
+    monkeypatch.setattr(tc._tc, "plan", lambda *a, **kw: seen.update(args=a, kw=kw))
+    table = ([0, 2, 3], [4, 1, 2], [5, 3])  # requests of 21 and 3 keys
+    tc.plan(*table, 8, 2, 128, 16, q_len_per_req=3, q_data_type="bfloat16")
+    assert list(seen["args"][0]) == [0, 3, 6] and seen["kw"]["causal"] is True
+    with pytest.raises(ValueError, match=r"run\(q_len_per_req=2\) differs from the plan's \(3\)"):
+        tc.run(None, None, q_len_per_req=2)
+    with pytest.raises(RuntimeError, match="plan"):  # past the check (the plan was stubbed)
+        tc.run(None, None, q_len_per_req=3)
+    tc.plan(*table, 8, 2, 128, 16, q_data_type="bfloat16")
+    assert list(seen["args"][0]) == [0, 1, 2] and seen["kw"]["causal"] is False
+    with pytest.raises(ValueError, match="needs kv_len >= 4 .* got 3 keys for request 1"):
+        tc.plan(*table, 8, 2, 128, 16, q_len_per_req=4)
+    with pytest.raises(ValueError, match="q_len_per_req must be >= 1, got 0"):
+        tc.plan(*table, 8, 2, 128, 16, q_len_per_req=0)

@@ -98,6 +98,22 @@ PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_dat
                    "disable_split_kv", "q_len_per_req")  # fmt: skip
 
 
+def _check_verified_tokens(q_len: int, kv_indptr, last_page_len, page_size) -> None:
+    """plan(q_len_per_req=q_len): every request's queries are among its keys (kv_len >= q_len),
+    as FlashInfer requires: the verified tokens are appended to the cache first."""
+    page = as_int("page_size", page_size, minimum=1)
+    pages = np.diff(kv_indptr)
+    if last_page_len.shape != pages.shape:
+        return  # the prefill plan names the mismatch
+    kv_len = np.where(pages > 0, (pages - 1) * page + last_page_len, 0)
+    if kv_len.size and int(kv_len.min()) < q_len:
+        b = int(np.argmin(kv_len))
+        raise ValueError(
+            f"q_len_per_req={q_len} needs kv_len >= {q_len} for every request (the verified "
+            f"tokens appended to the cache first), got {int(kv_len[b])} keys for request {b}"
+        )
+
+
 class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapper):
     """Batch decode over a paged KV cache: plan() once per step, run() for every layer.
 
@@ -172,6 +188,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
                     f"paged_kv_indptr_buffer implies {self._max_batch}"
                 )
         self._launch: _Launch | None = None
+        self._q_len = 1  # queries a request of the latest plan (q_len_per_req)
         self._tc = None  # use_tensor_cores: the prefill wrapper that serves plan() and run()
         if use_tensor_cores:
             self._tc = BatchPrefillWithPagedKVCacheWrapper(
@@ -235,27 +252,39 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         never wait for the device and device arrays are always copied, whatever its value.
         data_type, FlashInfer's older name, stands for q_data_type when that is None and for
         kv_data_type when that is; block_tables and seq_lens (read by FlashInfer's trtllm-gen
-        backend only) are ignored; q_len_per_req must be 1 (one query a request, at its last
-        position: no key lies after it, so window_right and is_causal change nothing).
+        backend only) are ignored. q_len_per_req: the queries of each request (speculative
+        verification, as FlashInfer's), the last q_len_per_req positions of its keys, which
+        must already be in the cache (kv_len >= q_len_per_req), causal among themselves; run()
+        then takes q [B * q_len_per_req, Hq, D]. More than one needs use_tensor_cores=True (the
+        prefill kernel serves them, as in FlashInfer). One query a request sits at its last
+        position: no key lies after it, so window_right and is_causal change nothing.
         """
         if data_type is not None:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
-        if q_len_per_req not in (None, 1):
-            raise ValueError(f"q_len_per_req={q_len_per_req!r}: decode takes one query a request")
+        q_len = 1 if q_len_per_req is None else as_int("q_len_per_req", q_len_per_req, minimum=1)
+        if q_len > 1 and self._tc is None:
+            raise ValueError(
+                f"q_len_per_req={q_len}: several queries a request run through the prefill "
+                "kernel; construct the wrapper with use_tensor_cores=True"
+            )
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
-        if self._tc is not None:  # one query per request through the prefill kernel
+        if self._tc is not None:  # q_len_per_req queries a request through the prefill kernel
             kv_indptr = host_ints("indptr", indptr)
-            qo_indptr = np.arange(kv_indptr.shape[0], dtype=np.int64)
+            if q_len > 1:
+                last_page_len = host_ints("last_page_len", last_page_len)
+                _check_verified_tokens(q_len, kv_indptr, last_page_len, page_size)
+            qo_indptr = np.arange(kv_indptr.shape[0], dtype=np.int64) * q_len
             self._tc.plan(
                 qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+                head_dim, page_size, causal=q_len > 1, pos_encoding_mode=pos_encoding_mode,
                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                 rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
                 kv_data_type=kv_data_type, o_data_type=o_data_type,
                 fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
             )  # fmt: skip
+            self._q_len = q_len
             return
         args = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                 logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale,
@@ -340,8 +369,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         (which must have the same configuration); q may then have more rows than its batch.
         sinks: [Hq] float32 attention sink logits, one more key of logit sinks[h] and value 0
         in every row's softmax (merge_sinks_in_place, a second launch; the LSE includes it).
-        skip_softmax_threshold_scale_factor, kv_cache_sf and q_len_per_req other than 1
-        (FlashInfer's trtllm-gen options) are not supported: they raise when given.
+        After plan(q_len_per_req=n), q is [B * n, Hq, D] (request b's queries in rows b * n to
+        b * n + n - 1); run's own q_len_per_req (FlashInfer's deprecated form) must be the
+        plan's. skip_softmax_threshold_scale_factor and kv_cache_sf (FlashInfer's trtllm-gen
+        options) are not supported: they raise when given.
         """
         if sinks is not None:
             o, s = self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
@@ -351,12 +382,15 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
                             kv_cache_sf=kv_cache_sf, plan_array=plan_array)  # fmt: skip
             o, s = merge_sinks_in_place(o, s, sinks)
             return (o, s) if return_lse else o
-        if (kv_cache_sf is not None or q_len_per_req not in (None, 1)
-                or skip_softmax_threshold_scale_factor is not None):  # fmt: skip
+        if kv_cache_sf is not None or skip_softmax_threshold_scale_factor is not None:
             refuse(
                 kv_cache_sf=kv_cache_sf,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
-                q_len_per_req=None if q_len_per_req in (None, 1) else q_len_per_req,
+            )
+        if q_len_per_req is not None and q_len_per_req != self._q_len:
+            raise ValueError(
+                f"run(q_len_per_req={q_len_per_req!r}) differs from the plan's ({self._q_len}): "
+                "pass it to plan()"
             )
         if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
