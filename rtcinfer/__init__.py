@@ -16,6 +16,7 @@ if _gpu.nvidia_device_node():
         pass
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .attention.attention_sink import BatchAttentionWithAttentionSinkWrapper
+from .attention.batch_attention import BatchAttention
 from .attention.cascade import (
     merge_sinks_in_place,
     merge_state,
@@ -57,6 +58,7 @@ from .norm import (
 
 __all__ = [
     "BadIndexError",
+    "BatchAttention",
     "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",

@@ -15,6 +15,18 @@ import rtcinfer
 # its **kwargs take.
 # fmt: off
 FLASHINFER_0_7_2 = {
+    "BatchAttention.__init__": (("kv_layout", "device"), ()),
+    "BatchAttention.plan": (
+        ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_qo_heads", "num_kv_heads",
+         "head_dim_qk", "head_dim_vo", "page_size", "causal", "sm_scale", "logits_soft_cap",
+         "q_data_type", "kv_data_type", "use_profiler"),
+        (),
+    ),
+    "BatchAttention.run": (
+        ("q", "kv_cache", "out", "lse", "k_scale", "v_scale", "logits_soft_cap",
+         "profiler_buffer", "kv_cache_sf"),
+        (),
+    ),
     "BatchAttentionWithAttentionSinkWrapper.__init__": (
         ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
          "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf",
@@ -297,6 +309,7 @@ FLASHINFER_0_7_2 = {
 
 # class -> its public methods and attributes
 FLASHINFER_0_7_2_METHODS = {
+    "BatchAttention": ("plan", "prewarm_paged_kv_stride_variant", "run"),
     "BatchDecodeWithPagedKVCacheWrapper": (
         "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
         "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "resolved_backend", "run",
@@ -327,7 +340,7 @@ FLASHINFER_0_7_2_METHODS = {
 # FlashInfer module -> the names rtcinfer has of it (`from flashinfer.<module> import ...`)
 FLASHINFER_0_7_2_MODULES = {
     "activation": ("gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul"),
-    "attention": ("BatchAttentionWithAttentionSinkWrapper",),
+    "attention": ("BatchAttention", "BatchAttentionWithAttentionSinkWrapper"),
     "cascade": ("BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
                 "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
                 "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place",

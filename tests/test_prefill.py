@@ -443,3 +443,28 @@ def test_decode_like_batches_use_16_row_tiles(head_dim, split, kv_dtype):
     o, lse = wrapper.run(to_gpu(q), to_gpu(cache), return_lse=True)
     check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=True,
                              sm_scale=1 / np.sqrt(head_dim)), "bfloat16")  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_attention_mixes_prefill_and_decode_requests(causal):
+    """FlashInfer's BatchAttention over a batch of prompts and one-query (decode) requests,
+    its table listing a page reserved ahead for some requests (kv_len_arr tells the keys):
+    (o, lse) of the reference."""
+    rng = np.random.default_rng(61 + causal)
+    qo, extra = [1, 40, 1, 0, 129, 1], [300, 0, 15, 7, 16, 0]
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra)
+    kv_lens = np.diff(kv_indptr)
+    indptr, indices, last, num_pages = paged_table(rng, kv_lens, 16, spare=8)
+    cache = paged_cache(k, v, kv_indptr, indptr, indices, num_pages, 16)
+    spare = sorted(set(range(num_pages)) - set(indices.tolist()))  # pages no request holds
+    table, listed = [], [0]
+    for b in range(len(qo)):  # every other request lists one more page, reserved ahead
+        own = list(indices[indptr[b] : indptr[b + 1]]) + ([spare.pop()] if b % 2 else [])
+        table += own
+        listed.append(listed[-1] + len(own))
+    attention = rtcinfer.BatchAttention()
+    attention.plan(qo_indptr, np.array(listed, np.int32), np.array(table, np.int32),
+                   kv_lens.astype(np.int32), 8, 2, 128, 128, 16, causal=causal)  # fmt: skip
+    o, lse = attention.run(to_gpu(q), to_gpu(cache))
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=causal,
+                             sm_scale=1 / np.sqrt(128)), "bfloat16")  # fmt: skip

@@ -634,3 +634,47 @@ def test_the_sink_wrapper_takes_sinks_and_sm_scale_after_the_cache(wrappers, mon
         wrapper.run("q", "cache", "S", 0.5)
     with pytest.raises(TypeError, match="multiple values for argument 'sinks'"):
         wrapper.run("q", "cache", "S", sinks="T")
+
+
+def test_pages_of_keys_cut_each_request_to_its_keys():
+    """BatchAttention's plan: each request's first ceil(kv_len / page) pages and its last
+    page's length; tables listing exactly those are passed on as they are."""
+    from rtcinfer.attention.batch_attention import pages_of_keys
+
+    indptr, indices, last = pages_of_keys([0, 3, 3, 5], np.array([7, 2, 9, 4, 1]), [17, 0, 16],
+                                          16)  # fmt: skip
+    assert list(indptr) == [0, 2, 2, 3] and list(indices) == [7, 2, 4] and list(last) == [1, 0, 16]
+    exact = np.array([7, 2, 4])
+    same = pages_of_keys([0, 2, 2, 3], exact, [17, 0, 16], 16)
+    assert same[1] is exact and list(same[2]) == [1, 0, 16]
+    with pytest.raises(ValueError, match="request 0: kv_len_arr says 40 keys, 3 pages of 16, "):
+        pages_of_keys([0, 2, 2, 3], exact, [40, 0, 16], 16)
+    with pytest.raises(ValueError, match=r"kv_len_arr\[1\] = -1"):
+        pages_of_keys([0, 2, 2, 3], exact, [1, -1, 16], 16)
+    with pytest.raises(ValueError, match="one entry a request"):
+        pages_of_keys([0, 2, 2, 3], exact, [1, 16], 16)
+
+
+def test_batch_attention_plans_the_paged_prefill_and_returns_o_and_lse(wrappers, monkeypatch):
+    from rtcinfer.attention.batch_attention import BatchAttention
+
+    attention = BatchAttention("NHD", "cuda")
+    seen = {}
+    inner = attention._wrapper
+    monkeypatch.setattr(inner, "plan", lambda *a, **kw: seen.update(plan=(a, kw)))
+    monkeypatch.setattr(inner, "run", lambda q, cache, **kw: seen.update(run=kw) or ("o", "s"))
+    attention.plan([0, 1, 9], [0, 2, 4], [3, 1, 0, 2], [20, 5], 8, 2, 128, 128, 16,
+                   causal=True, logits_soft_cap=30.0)  # fmt: skip
+    args, kw = seen["plan"]
+    assert [list(a) for a in args[1:4]] == [[0, 2, 3], [3, 1, 0], [4, 5]]
+    assert kw["causal"] and kw["logits_soft_cap"] == 30.0 and kw["head_dim_vo"] == 128
+    assert attention.run("q", "cache", k_scale=0.5, logits_soft_cap=30.0) == ("o", "s")
+    assert seen["run"]["return_lse"] and seen["run"]["k_scale"] == 0.5
+    with pytest.raises(ValueError, match=r"run\(logits_soft_cap=20.0\) differs from the plan"):
+        attention.run("q", "cache", logits_soft_cap=20.0)
+    with pytest.raises(ValueError, match="not supported: profiler_buffer"):
+        attention.run("q", "cache", profiler_buffer="p")
+    with pytest.raises(ValueError, match="not supported: use_profiler"):
+        attention.plan([0, 1], [0, 1], [0], [5], 8, 2, 128, 128, 16, use_profiler=True)
+    with pytest.raises(ValueError, match="device: expected 'cuda' or 'cuda:N'"):
+        BatchAttention("NHD", "cpu")

@@ -3,7 +3,11 @@ attention states (cascade), and the paged cache's bookkeeping (append, lengths, 
 
 
 def __getattr__(name: str):
-    """FlashInfer's `flashinfer.attention` name, imported when first asked for."""
+    """FlashInfer's `flashinfer.attention` names, imported when first asked for."""
+    if name == "BatchAttention":
+        from .batch_attention import BatchAttention
+
+        return BatchAttention
     if name == "BatchAttentionWithAttentionSinkWrapper":
         from .attention_sink import BatchAttentionWithAttentionSinkWrapper
 
