@@ -1,5 +1,7 @@
-"""Attention over paged and contiguous KV caches: batch and single decode, the merge of
-attention states (cascade), and the paged cache's bookkeeping (append, lengths, positions)."""
+"""Attention over paged and contiguous KV caches: batch and single decode and prefill, the
+merge of attention states (cascade, attention sinks), and the paged cache's bookkeeping
+(append, lengths, positions). As a module it also holds FlashInfer's `flashinfer.attention`
+names (BatchAttention, BatchAttentionWithAttentionSinkWrapper)."""
 
 
 def __getattr__(name: str):
