@@ -26,6 +26,7 @@ from .attention.cascade import (
 from .attention.decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    fast_decode_plan,
 )
 from .attention.page import (
     append_paged_kv_cache,
@@ -80,6 +81,7 @@ __all__ = [
     "single_prefill_with_kv_cache_return_lse",
     "packbits",
     "segment_packbits",
+    "fast_decode_plan",
     "fused_add_rmsnorm",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",

@@ -469,3 +469,18 @@ def test_several_queries_a_request_plan_a_causal_prefill_over_the_cache(host_wra
         tc.plan(*table, 8, 2, 128, 16, q_len_per_req=4)
     with pytest.raises(ValueError, match="q_len_per_req must be >= 1, got 0"):
         tc.plan(*table, 8, 2, 128, 16, q_len_per_req=0)
+
+
+def test_fast_decode_plan_is_the_wrappers_plan(host_wrapper, monkeypatch):
+    """FlashInfer's fast_decode_plan(wrapper, ...): the wrapper's plan(), with the CPU indptr
+    override when given and FlashInfer's float16 default when no dtype is."""
+    import rtcinfer
+
+    seen = []
+    monkeypatch.setattr(host_wrapper, "plan", lambda *a, **kw: seen.append((a, kw)))
+    rtcinfer.fast_decode_plan(host_wrapper, [0, 1], [0], [16], 8, 2, 128, 16)
+    rtcinfer.fast_decode_plan(host_wrapper, "device indptr", [0], [16], 8, 2, 128, 16,
+                              data_type="bfloat16", global_override_indptr_cpu=[0, 1])  # fmt: skip
+    (a1, kw1), (a2, kw2) = seen
+    assert a1[0] == [0, 1] and kw1["q_data_type"] == "float16"
+    assert a2[0] == [0, 1] and kw2["q_data_type"] is None and kw2["data_type"] == "bfloat16"

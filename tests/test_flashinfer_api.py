@@ -15,6 +15,13 @@ import rtcinfer
 # its **kwargs take.
 # fmt: off
 FLASHINFER_0_7_2 = {
+    "fast_decode_plan": (
+        ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+         "page_size", "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
+         "kv_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking",
+         "fixed_split_size", "disable_split_kv", "q_len_per_req", "global_override_indptr_cpu"),
+        (),
+    ),
     "BatchAttention.__init__": (("kv_layout", "device"), ()),
     "BatchAttention.plan": (
         ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_qo_heads", "num_kv_heads",
@@ -346,7 +353,8 @@ FLASHINFER_0_7_2_MODULES = {
                 "MultiLevelCascadeAttentionWrapper", "merge_state", "merge_state_in_place",
                 "merge_states"),
     "decode": ("BatchDecodeWithPagedKVCacheWrapper",
-               "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache"),
+               "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
+               "single_decode_with_kv_cache"),
     "norm": ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "layernorm",
              "rmsnorm"),
     "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),

@@ -512,4 +512,26 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         )  # fmt: skip
 
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"]
+def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                     page_size, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+                     q_data_type=None, kv_data_type=None, data_type=None, sm_scale=None,
+                     rope_scale=None, rope_theta=None, non_blocking=True, fixed_split_size=None,
+                     disable_split_kv=False, q_len_per_req=1,
+                     global_override_indptr_cpu=None) -> None:  # fmt: skip
+    """FlashInfer's fast_decode_plan(wrapper, ...), a plan() that skips FlashInfer's copies of
+    CUDA-graph buffers: here the wrapper's own plan() (which makes one upload of the packed
+    plan and no other copy), with global_override_indptr_cpu, when given, as the indptr."""
+    if global_override_indptr_cpu is not None:
+        indptr = global_override_indptr_cpu
+    self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+              pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+              logits_soft_cap=logits_soft_cap,
+              q_data_type="float16" if q_data_type is None and data_type is None else q_data_type,
+              kv_data_type=kv_data_type, data_type=data_type, sm_scale=sm_scale,
+              rope_scale=rope_scale, rope_theta=rope_theta, non_blocking=non_blocking,
+              fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+              q_len_per_req=q_len_per_req)  # fmt: skip
+
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+           "fast_decode_plan"]  # fmt: skip
