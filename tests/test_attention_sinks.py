@@ -107,6 +107,20 @@ def test_paged_prefill_with_sinks_and_each_lse_form():
         sink_wrapper.run(q_dev, cache_dev, sinks_dev, 0.5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_prefill_with_sinks(causal):
+    """The ragged wrapper's run(sinks=) (an rtcinfer extension), split plans included."""
+    rng = np.random.default_rng(53 + causal)
+    q, k, v, qo_indptr, kv_indptr = ragged_batch(rng, [7, 0, 200, 1], [50, 9, 0, 1000])
+    sinks = sink_logits(rng, 8)
+    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=causal, q_data_type="bfloat16",
+                 fixed_split_size=128)  # fmt: skip
+    o, lse = wrapper.run(to_gpu(q), to_gpu(k), to_gpu(v), sinks=to_gpu(sinks), return_lse=True)
+    check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=causal,
+                             sm_scale=1 / np.sqrt(128), sinks=sinks), "bfloat16")  # fmt: skip
+
+
 def test_decode_with_sinks_inside_jax_jit():
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":

@@ -614,6 +614,14 @@ def test_paged_run_with_sinks_merges_them_before_the_lse_takes_its_form(wrappers
     np.testing.assert_array_equal(hn, (base2 + 1).T)
     assert paged.run(q, cache) == "o"
     assert seen == [("kernel", None, True), ("sinks", "S")] * 3 + [("kernel", None, False)]
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()  # sinks: an rtcinfer extension
+    ragged.plan([0, 4], [0, 8], 8, 2, 128, q_data_type="bfloat16")
+    monkeypatch.setattr(ragged, "_launch_run", launch_run)
+    seen.clear()
+    kv = np.zeros((8, 2, 128), np.float16)
+    o, lse = ragged.run(q, kv, kv, sinks="R", return_lse=True)
+    assert o == "o" and seen == [("kernel", None, True), ("sinks", "R")]
+    np.testing.assert_array_equal(lse, base2 + 1)
 
 
 def test_the_sink_wrapper_takes_sinks_and_sm_scale_after_the_cache(wrappers, monkeypatch):

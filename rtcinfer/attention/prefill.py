@@ -350,16 +350,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, _PrefillWrapper):
 
     def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
-            kv_cache_sf=None, plan_array=None):  # fmt: skip
+            kv_cache_sf=None, plan_array=None, sinks=None):  # fmt: skip
         """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse); plan_array:
         a plan_array() on the device, read instead of the latest plan (prefill_array.py).
         q_scale and k_scale multiply the logits, v_scale the output (FlashInfer's calibration
         scales); lse_base="ln" / lse_layout="HN": FlashInfer's other LSE forms
-        (run_options.py); o_scale and kv_cache_sf are not supported (raise when given)."""
+        (run_options.py); sinks: [Hq] float32 attention sink logits, as the paged wrapper's
+        run() takes them (an rtcinfer extension here); o_scale and kv_cache_sf are not
+        supported (raise when given)."""
         if o_scale is not None or kv_cache_sf is not None:
             refuse(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
         return self._run(q, k, v, out, lse, return_lse, q_scale, k_scale, v_scale, plan_array,
-                         lse_base, lse_layout)  # fmt: skip
+                         lse_base, lse_layout, sinks=sinks)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
