@@ -1,9 +1,10 @@
-"""Batch decode with attention sinks on the GPU, three views (eager, loop, graph;
-bench/common.py): rtcinfer's run(sinks=) (the decode kernel, then merge_sinks_in_place), its
-graph view without sinks (what the sinks cost), and FlashInfer's three views of its
-BatchAttentionWithAttentionSinkWrapper (its prefill kernel with the sink variant, one query
-a request), in the same process. rtcinfer is called with PyTorch tensors when PyTorch is
-installed (as FlashInfer is). FlashInfer compiles its sink variant at its first call (JIT)."""
+"""Batch decode and paged prefill with attention sinks on the GPU, three views (eager, loop,
+graph; bench/common.py): rtcinfer's run(sinks=) (the attention kernel, then
+merge_sinks_in_place), its graph view without sinks (what the sinks cost), and FlashInfer's
+three views of its BatchAttentionWithAttentionSinkWrapper (its prefill kernel with the sink
+variant; one query a request for decode), in the same process. rtcinfer is called with
+PyTorch tensors when PyTorch is installed (as FlashInfer is). FlashInfer compiles its sink
+variant at its first call (JIT), once per head dim."""
 
 from __future__ import annotations
 
@@ -28,18 +29,26 @@ from bench.common import (
 from rtcinfer.interop.dtypes import numpy_dtype
 
 # label, batch, kv_len, num_qo_heads, num_kv_heads, head_dim (bf16, page 16)
-ROWS = [
+DECODE_ROWS = [
     ("1 x 32768", 1, 32768, 32, 8, 128),
     ("64 x 4096", 64, 4096, 32, 8, 128),
     ("256 x 1024", 256, 1024, 32, 8, 128),
     ("64 x 4096, Hq 64, D 64 (gpt-oss)", 64, 4096, 64, 8, 64),
 ]
+# label, requests, queries a request, keys a request (its queries the last), Hq, Hkv, head_dim
+PREFILL_ROWS = [
+    ("prefill 16 x 1024", 16, 1024, 1024, 32, 8, 128),
+    ("prefill 4 x 4096", 4, 4096, 4096, 32, 8, 128),
+    ("prefill 16 x 1024, Hq 64, D 64 (gpt-oss)", 16, 1024, 1024, 64, 8, 64),
+    ("append 16 x 256 to 4096, Hq 64, D 64", 16, 256, 4352, 64, 8, 64),
+]
 PAGE = 16
 
 
 def flashinfer_sinks(fi, torch, args, q, cache, sinks):
-    """FlashInfer's sink wrapper over the same batch (None when it fails)."""
-    batch, indptr, indices, last, hq, hkv, d = args
+    """FlashInfer's sink wrapper over the same batch (None when it fails); args: (qo_indptr,
+    indptr, indices, last, hq, hkv, d)."""
+    qo_indptr, indptr, indices, last, hq, hkv, d = args
     t = lambda a: torch.from_dlpack(a)  # noqa: E731
     tq, tcache, tsinks = t(q), t(cache), t(sinks)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -48,10 +57,9 @@ def flashinfer_sinks(fi, torch, args, q, cache, sinks):
             workspace, "NHD", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
             head_dim_qk=d, head_dim_vo=d,
         )  # fmt: skip
-        qo = torch.arange(batch + 1, dtype=torch.int32)
-        dev = [torch.from_numpy(a).cuda() for a in (indptr, indices, last)]
-        wrapper.plan(qo.cuda(), *dev, hq, hkv, d, PAGE, causal=True,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+        dev = [torch.from_numpy(a).cuda() for a in (qo_indptr, indptr, indices, last)]
+        wrapper.plan(*dev, hq, hkv, d, PAGE, causal=True, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
         print(f"# flashinfer sink wrapper failed: {type(e).__name__}: {str(e)[:200]}")
         return None
@@ -59,10 +67,10 @@ def flashinfer_sinks(fi, torch, args, q, cache, sinks):
     return peer_views("flashinfer sinks", lambda: wrapper.run(tq, tcache, tsinks, scale))
 
 
-def sink_rows(table: Table, fi, torch, rng) -> None:
+def decode_rows(table: Table, fi, torch, rng) -> None:
     cp = cupy()
     bf16 = numpy_dtype("bfloat16")
-    for label, batch, kv_len, hq, hkv, d in ROWS:
+    for label, batch, kv_len, hq, hkv, d in DECODE_ROWS:
         indptr, indices, last = table_for(batch, kv_len, PAGE, rng)
         cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, d), "bfloat16")
         q = random_cache((batch, hq, d), "bfloat16")
@@ -76,8 +84,34 @@ def sink_rows(table: Table, fi, torch, rng) -> None:
                      torch_graph=is_torch)  # fmt: skip
         theirs = None
         if fi is not None and torch is not None:
-            theirs = flashinfer_sinks(fi, torch, (batch, indptr, indices, last, hq, hkv, d), q,
-                                      cache, sinks)  # fmt: skip
+            qo_indptr = np.arange(batch + 1, dtype=np.int32)
+            theirs = flashinfer_sinks(fi, torch, (qo_indptr, indptr, indices, last, hq, hkv, d),
+                                      q, cache, sinks)  # fmt: skip
+        table.add(label, *ours.cells(), plain, ours.graph - plain, *peer_cells(ours, theirs))
+
+
+def prefill_rows(table: Table, fi, torch, rng) -> None:
+    """Paged prefill (append: the queries are each request's last keys), causal."""
+    cp = cupy()
+    bf16 = numpy_dtype("bfloat16")
+    for label, batch, qo_len, kv_len, hq, hkv, d in PREFILL_ROWS:
+        indptr, indices, last = table_for(batch, kv_len, PAGE, rng)
+        qo_indptr = np.arange(batch + 1, dtype=np.int32) * qo_len
+        cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, d), "bfloat16")
+        q = random_cache((batch * qo_len, hq, d), "bfloat16")
+        out = cp.empty(q.shape, dtype=bf16)
+        sinks = cp.asarray(rng.standard_normal(hq).astype(np.float32))
+        wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
+        wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, PAGE, causal=True,
+                     q_data_type="bfloat16")  # fmt: skip
+        plain = graph_time_us(lambda: wrapper.run(q, cache, out=out))  # noqa: B023 - at once
+        (tq, tcache, tout, tsinks), is_torch = callers(q, cache, out, sinks)
+        ours = views(lambda: wrapper.run(tq, tcache, out=tout, sinks=tsinks),  # noqa: B023
+                     torch_graph=is_torch)  # fmt: skip
+        theirs = None
+        if fi is not None and torch is not None:
+            theirs = flashinfer_sinks(fi, torch, (qo_indptr, indptr, indices, last, hq, hkv, d),
+                                      q, cache, sinks)  # fmt: skip
         table.add(label, *ours.cells(), plain, ours.graph - plain, *peer_cells(ours, theirs))
 
 
@@ -87,9 +121,11 @@ def main() -> Tables:
     print(header())
     columns = ["case", *VIEW_COLUMNS, "graph us without sinks", "sinks' cost us",
                *PEER_COLUMNS]  # fmt: skip
-    table = Table("batch decode with attention sinks (bf16, page 16)", columns)
-    sink_rows(table, fi, torch, rng)
-    return Tables([table])
+    decode = Table("batch decode with attention sinks (bf16, page 16)", columns)
+    decode_rows(decode, fi, torch, rng)
+    prefill = Table("paged prefill with attention sinks (bf16, page 16, causal)", columns)
+    prefill_rows(prefill, fi, torch, rng)
+    return Tables([decode, prefill])
 
 
 if __name__ == "__main__":
