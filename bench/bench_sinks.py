@@ -67,52 +67,47 @@ def flashinfer_sinks(fi, torch, args, q, cache, sinks):
     return peer_views("flashinfer sinks", lambda: wrapper.run(tq, tcache, tsinks, scale))
 
 
-def decode_rows(table: Table, fi, torch, rng) -> None:
-    cp = cupy()
-    bf16 = numpy_dtype("bfloat16")
+def add_row(table: Table, label: str, wrapper, q, cache, sinks, peers, fi_table) -> None:
+    """One row: wrapper.run(sinks=) three views, its graph view without sinks, FlashInfer's
+    sink wrapper over the same batch (fi_table: its qo_indptr, indptr, indices, last, hq,
+    hkv, head_dim)."""
+    fi, torch = peers
+    out = cupy().empty(q.shape, dtype=numpy_dtype("bfloat16"))
+    plain = graph_time_us(lambda: wrapper.run(q, cache, out=out))
+    (tq, tcache, tout, tsinks), is_torch = callers(q, cache, out, sinks)
+    ours = views(lambda: wrapper.run(tq, tcache, out=tout, sinks=tsinks), torch_graph=is_torch)
+    theirs = None
+    if fi is not None and torch is not None:
+        theirs = flashinfer_sinks(fi, torch, fi_table, q, cache, sinks)
+    table.add(label, *ours.cells(), plain, ours.graph - plain, *peer_cells(ours, theirs))
+
+
+def decode_rows(table: Table, peers, rng) -> None:
     for label, batch, kv_len, hq, hkv, d in DECODE_ROWS:
         indptr, indices, last = table_for(batch, kv_len, PAGE, rng)
         cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, d), "bfloat16")
         q = random_cache((batch, hq, d), "bfloat16")
-        out = cp.empty((batch, hq, d), dtype=bf16)
-        sinks = cp.asarray(rng.standard_normal(hq).astype(np.float32))
+        sinks = cupy().asarray(rng.standard_normal(hq).astype(np.float32))
         wrapper = rtcinfer.BatchDecodeWithPagedKVCacheWrapper()
         wrapper.plan(indptr, indices, last, hq, hkv, d, PAGE, q_data_type="bfloat16")
-        plain = graph_time_us(lambda: wrapper.run(q, cache, out=out))  # noqa: B023 - at once
-        (tq, tcache, tout, tsinks), is_torch = callers(q, cache, out, sinks)
-        ours = views(lambda: wrapper.run(tq, tcache, out=tout, sinks=tsinks),  # noqa: B023
-                     torch_graph=is_torch)  # fmt: skip
-        theirs = None
-        if fi is not None and torch is not None:
-            qo_indptr = np.arange(batch + 1, dtype=np.int32)
-            theirs = flashinfer_sinks(fi, torch, (qo_indptr, indptr, indices, last, hq, hkv, d),
-                                      q, cache, sinks)  # fmt: skip
-        table.add(label, *ours.cells(), plain, ours.graph - plain, *peer_cells(ours, theirs))
+        qo_indptr = np.arange(batch + 1, dtype=np.int32)  # FlashInfer's: one query a request
+        add_row(table, label, wrapper, q, cache, sinks, peers,
+                (qo_indptr, indptr, indices, last, hq, hkv, d))  # fmt: skip
 
 
-def prefill_rows(table: Table, fi, torch, rng) -> None:
+def prefill_rows(table: Table, peers, rng) -> None:
     """Paged prefill (append: the queries are each request's last keys), causal."""
-    cp = cupy()
-    bf16 = numpy_dtype("bfloat16")
     for label, batch, qo_len, kv_len, hq, hkv, d in PREFILL_ROWS:
         indptr, indices, last = table_for(batch, kv_len, PAGE, rng)
         qo_indptr = np.arange(batch + 1, dtype=np.int32) * qo_len
         cache = random_cache((int(indptr[-1]), 2, PAGE, hkv, d), "bfloat16")
         q = random_cache((batch * qo_len, hq, d), "bfloat16")
-        out = cp.empty(q.shape, dtype=bf16)
-        sinks = cp.asarray(rng.standard_normal(hq).astype(np.float32))
+        sinks = cupy().asarray(rng.standard_normal(hq).astype(np.float32))
         wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
         wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, PAGE, causal=True,
                      q_data_type="bfloat16")  # fmt: skip
-        plain = graph_time_us(lambda: wrapper.run(q, cache, out=out))  # noqa: B023 - at once
-        (tq, tcache, tout, tsinks), is_torch = callers(q, cache, out, sinks)
-        ours = views(lambda: wrapper.run(tq, tcache, out=tout, sinks=tsinks),  # noqa: B023
-                     torch_graph=is_torch)  # fmt: skip
-        theirs = None
-        if fi is not None and torch is not None:
-            theirs = flashinfer_sinks(fi, torch, (qo_indptr, indptr, indices, last, hq, hkv, d),
-                                      q, cache, sinks)  # fmt: skip
-        table.add(label, *ours.cells(), plain, ours.graph - plain, *peer_cells(ours, theirs))
+        add_row(table, label, wrapper, q, cache, sinks, peers,
+                (qo_indptr, indptr, indices, last, hq, hkv, d))  # fmt: skip
 
 
 def main() -> Tables:
@@ -122,9 +117,9 @@ def main() -> Tables:
     columns = ["case", *VIEW_COLUMNS, "graph us without sinks", "sinks' cost us",
                *PEER_COLUMNS]  # fmt: skip
     decode = Table("batch decode with attention sinks (bf16, page 16)", columns)
-    decode_rows(decode, fi, torch, rng)
+    decode_rows(decode, (fi, torch), rng)
     prefill = Table("paged prefill with attention sinks (bf16, page 16, causal)", columns)
-    prefill_rows(prefill, fi, torch, rng)
+    prefill_rows(prefill, (fi, torch), rng)
     return Tables([decode, prefill])
 
 

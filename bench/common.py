@@ -63,16 +63,17 @@ def time_us(fn: Callable[[], object], repeat: int = 30, warmup: int = 3, flush: 
 LOOP = 50
 
 
-def loop_us(fn: Callable[[], object], n: int = LOOP, repeat: int = 10) -> float:
+def loop_us(fn: Callable[[], object], n: int = LOOP, repeat: int = 10, flush: bool = True):
     """Median over `repeat` runs of (events around n back-to-back calls) / n, L2 flushed
-    before each run."""
+    before each run (unless not `flush`)."""
     cp = cupy()
     for _ in range(3):
         fn()
     start, end = cp.cuda.Event(), cp.cuda.Event()
     times = []
     for _ in range(repeat):
-        flush_l2()
+        if flush:
+            flush_l2()
         start.record()
         for _ in range(n):
             fn()

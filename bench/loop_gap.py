@@ -67,21 +67,6 @@ def enqueue_us(fn, torch, n: int = 50) -> float:
     return best
 
 
-def unflushed_loop_us(fn, n: int = 50) -> float:
-    """loop_us without the L2 flush before each run: median of 10."""
-    cp = cupy()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(10):
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
-    return float(np.median(times))
-
-
 def main() -> Tables:
     if "--no-trigger" in sys.argv[1:]:
         without_early_trigger()
@@ -116,7 +101,7 @@ def main() -> Tables:
                     dependent_launch.DEVICES[device] = dependent
                 fn()
                 table.add(op, f"{rows} x {hidden}", caller, wall_us(fn, torch),
-                          enqueue_us(fn, torch), loop_us(fn), unflushed_loop_us(fn),
+                          enqueue_us(fn, torch), loop_us(fn), loop_us(fn, flush=False),
                           graph_us(fn))  # fmt: skip
     return Tables([table])
 
