@@ -1,7 +1,7 @@
 """Batch decode with use_tensor_cores=True (the prefill kernel, its query rows the heads of a
-GQA group) against the float64 references (GPU): the cases and features of test_decode.py, fp8
-KV read from the ring or widened into staging tiles, 128-key tiles, and several queries a
-request (speculative verification)."""
+GQA group) against the float64 references (GPU): the cases and features of test_decode.py over
+16-bit and fp8 KV, and several queries a request (speculative verification); forced tile
+choices: test_decode_tensor_core_tiles.py."""
 
 from __future__ import annotations
 
@@ -24,33 +24,6 @@ from .gpu_decode import (
 from .test_decode import BASE, CASES, FEATURES, seeded
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
-@pytest.mark.parametrize("case", ["group1", "group4", "group5_fp16", "d64", "d256",
-                                  "page1", "hnd_strided_tuple"])  # fmt: skip
-@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature, case, kv_dtype):
-    """The 16-row prefill kernel over fp8 KV the other way (fp8_direct=False: the tiles are
-    widened into staging tiles, 64-key tiles, 3 stages) gives the reference's results."""
-    with_decode_tiles(monkeypatch, fp8_direct=False, kv_tile=64, stages=3)
-    spec = tensor_core_decode_checked(("tc staged", feature, case, kv_dtype))
-    assert not spec.fp8_direct
-
-
-@pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
-@pytest.mark.parametrize("case", ["group4", "group5_fp16", "d64", "page1"])
-def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
-    """16-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: plan()'s choice
-    for a batch that leaves SMs idle, wide_decode_spec; forced here on every batch) give the
-    reference's results."""
-    from rtcinfer import jit
-
-    if jit.device_limits(0)[1] < 200 * 1024:
-        pytest.skip("a 3-stage ring of 128-key tiles needs 200 KB of shared memory a CTA")
-    with_decode_tiles(monkeypatch, kv_tile=128, stages=3)
-    spec = tensor_core_decode_checked(("tc 128 keys", feature, case, None))
-    assert (spec.kv_tile, spec.stages) == (128, 3)
 
 
 def with_decode_tiles(monkeypatch, **fields) -> None:
