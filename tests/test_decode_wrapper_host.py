@@ -484,3 +484,21 @@ def test_fast_decode_plan_is_the_wrappers_plan(host_wrapper, monkeypatch):
     (a1, kw1), (a2, kw2) = seen
     assert a1[0] == [0, 1] and kw1["q_data_type"] == "float16"
     assert a2[0] == [0, 1] and kw2["q_data_type"] is None and kw2["data_type"] == "bfloat16"
+
+
+def test_workspace_size_is_the_plans_layout_and_leaves_the_plan(host_wrapper):
+    """workspace_size(): the bytes of the layout plan() reserves for the same arguments, plus
+    256 for a buffer that does not start on a 256-byte boundary, and no int workspace; the
+    wrapper's own plan is the one it had."""
+    from rtcinfer.attention.workspace import ALIGN, user_base
+
+    table = ([0, 2, 3, 3], [4, 1, 2], [5, 3, 0])
+    host_wrapper.plan(*table, 8, 2, 128, 16, q_data_type="bfloat16")
+    planned, capacity = host_wrapper._launch, host_wrapper._ws.capacity
+    big = ([0, 40, 41], list(range(41)), [16, 1])
+    size, ints = host_wrapper.workspace_size(*big, 8, 2, 128, 16, q_data_type="bfloat16")
+    assert ints == 0 and host_wrapper._launch is planned and host_wrapper._ws.capacity is capacity
+    host_wrapper.plan(*big, 8, 2, 128, 16, q_data_type="bfloat16")
+    need = host_wrapper._ws.capacity.offsets()["end"]
+    assert size == need + ALIGN
+    assert user_base(ALIGN + 1, size, need, host_wrapper._ws.capacity) == 2 * ALIGN

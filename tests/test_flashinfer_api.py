@@ -15,6 +15,23 @@ import rtcinfer
 # its **kwargs take.
 # fmt: off
 FLASHINFER_0_7_2 = {
+    "BatchDecodeWithPagedKVCacheWrapper.workspace_size": (
+        ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+         "page_size", "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
+         "kv_data_type", "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta",
+         "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv", "q_len_per_req"),
+        (),
+    ),
+    "BatchPrefillWithPagedKVCacheWrapper.workspace_size": (
+        ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+         "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size", "head_dim_vo", "custom_mask",
+         "packed_custom_mask", "causal", "pos_encoding_mode", "sm_scale", "window_left",
+         "logits_soft_cap", "rope_scale", "rope_theta", "q_data_type", "kv_data_type",
+         "o_data_type", "prefix_len_ptr", "token_pos_in_items_ptr", "token_pos_in_items_len",
+         "max_item_len_ptr", "seq_lens", "seq_lens_q", "block_tables", "max_token_per_sequence",
+         "max_sequence_kv", "fixed_split_size", "disable_split_kv", "uniform_q_len"),
+        (),
+    ),
     "fast_decode_plan": (
         ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
          "page_size", "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
@@ -373,8 +390,8 @@ FLASHINFER_0_7_2_MODULES = {
 }
 # fmt: on
 
-# FlashInfer's workspace_size() query and the backend it resolved (one kernel family here)
-NOT_PROVIDED = {"workspace_size", "resolved_backend"}
+# The backend FlashInfer resolved (one kernel family here)
+NOT_PROVIDED = {"resolved_backend"}
 
 
 def _ours(name: str):

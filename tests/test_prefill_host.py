@@ -686,3 +686,41 @@ def test_batch_attention_plans_the_paged_prefill_and_returns_o_and_lse(wrappers,
         attention.plan([0, 1], [0, 1], [0], [5], 8, 2, 128, 128, 16, use_profiler=True)
     with pytest.raises(ValueError, match="device: expected 'cuda' or 'cuda:N'"):
         BatchAttention("NHD", "cpu")
+
+
+def test_paged_workspace_size_leaves_the_plan_and_a_graph_wrappers_capacity(wrappers):
+    """workspace_size() of the paged wrapper: the layout plan() reserves (plus 256 bytes of
+    alignment room), with the wrapper's plan and, for a CUDA-graph wrapper, its capacity (set
+    by its first plan) as they were."""
+    from rtcinfer.attention.workspace import ALIGN
+
+    prefill, _ = wrappers
+    args = ([0, 4, 9], [0, 1, 3], [2, 0, 1], [8, 16], 8, 2, 128, 16)
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    size, ints = paged.workspace_size(*args, causal=True, q_data_type="bfloat16")
+    assert ints == 0 and paged._launch is None
+    paged.plan(*args, causal=True, q_data_type="bfloat16")
+    assert size == paged._ws.capacity.offsets()["end"] + ALIGN
+    graph = prefill.BatchPrefillWithPagedKVCacheWrapper(
+        use_cuda_graph=True, qo_indptr_buf=np.zeros(3, np.int32),
+        paged_kv_indices_buf=np.zeros(8, np.int32),
+    )  # fmt: skip
+    graph.workspace_size(*args, q_data_type="bfloat16")
+    assert graph._fixed is None  # the first plan() still fixes the capacity
+    graph.plan(*args, q_data_type="bfloat16")
+    fixed = graph._fixed
+    graph.workspace_size([0, 1, 2], [0, 1, 2], [0, 1], [1, 1], 8, 2, 128, 16,
+                         q_data_type="bfloat16")  # fmt: skip
+    assert graph._fixed is fixed
+
+
+def test_tensor_core_decode_workspace_size_is_its_prefill_wrappers(wrappers):
+    from rtcinfer.attention import decode
+    from rtcinfer.attention.workspace import ALIGN
+
+    tc = decode.BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+    table = ([0, 2, 3], [4, 1, 2], [5, 3])
+    size, _ = tc.workspace_size(*table, 8, 2, 128, 16, q_data_type="bfloat16", q_len_per_req=2)
+    assert tc._tc._launch is None and tc._q_len == 1
+    tc.plan(*table, 8, 2, 128, 16, q_data_type="bfloat16", q_len_per_req=2)
+    assert size == tc._tc._ws.capacity.offsets()["end"] + ALIGN

@@ -235,6 +235,21 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         self._plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, **kwargs)  # fmt: skip
 
+    def workspace_size(
+        self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+        pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+        kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
+        rope_theta=None, block_tables=None, seq_lens=None, fixed_split_size=None,
+        disable_split_kv=False, q_len_per_req=1,
+    ) -> tuple[int, int]:  # fmt: skip
+        """FlashInfer's workspace_size(): (float workspace bytes, int workspace bytes) that
+        plan() with these arguments needs (PlannedWrapper._workspace_bytes; with tensor cores,
+        its prefill wrapper's); this wrapper's own plan is unchanged."""
+        options = dict(locals())
+        del options["self"]
+        sized = self if self._tc is None else self._tc
+        return sized._workspace_bytes(lambda: self.plan(**options))
+
     def _plan(
         self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
         *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,

@@ -43,7 +43,7 @@ from ..interop.arrays import device_of, to_numpy
 from ..launch import is_capturing, record_event, wait_event, zero_fill
 from ..plan._checks import as_int_array
 from .paged_kv import check_layout
-from .workspace import Workspace
+from .workspace import ALIGN, Workspace
 
 
 def weak_method(obj, name: str):
@@ -195,6 +195,14 @@ _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # number -> 
 _NUMBERS = itertools.count(1)
 
 
+class _Sized(Exception):
+    """What _upload raises while a wrapper sizes its workspace: the capacity a plan needs."""
+
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity = capacity
+
+
 def live_wrapper(number: int):
     """The wrapper registered under `number` (a compiled graph's constant naming it), or None
     once it is deleted."""
@@ -316,11 +324,31 @@ class PlannedWrapper:
                 "the captured batch size, padded if need be)"
             )
 
+    _sizing = False  # inside _workspace_bytes: plan() stops at its upload
+
+    def _workspace_bytes(self, plan: Callable[[], None]) -> tuple[int, int]:
+        """FlashInfer's workspace_size() of the plan that `plan()` makes: (float workspace
+        bytes, int workspace bytes), the first what a caller's float_workspace_buffer must hold
+        (the plan's layout, plus ALIGN bytes for a buffer that does not start on an ALIGN
+        boundary), the second 0 (no int workspace is used here). The plan is made up to its
+        upload, which is not made: this wrapper's plan, workspace and buffers stay as they
+        were."""
+        self._sizing = True
+        try:
+            plan()
+        except _Sized as sized:
+            return sized.capacity.offsets()["end"] + ALIGN, 0
+        finally:
+            self._sizing = False
+        raise RuntimeError("plan() made no upload")  # every plan uploads
+
     def _upload(self, capacity, fill: Callable, after: Callable | None = None) -> dict[str, int]:
         """Lay the workspace out for `capacity` (when it changed), order the upload after runs
         on other streams, and send fill(int32 host buffer) -> ints written in one copy, then
         after(regions, stream) (more device work ordered behind the upload); returns the
         regions' device addresses."""
+        if self._sizing:
+            raise _Sized(capacity)
         import cupy
 
         with cupy.cuda.Device(self._device):

@@ -109,6 +109,15 @@ class _PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                     f"0 to {launches.MAX_GRID_Y}"
                 )
 
+    def _workspace_bytes(self, plan) -> tuple[int, int]:
+        """PlannedWrapper._workspace_bytes, a CUDA-graph wrapper's capacity (its first plan's)
+        left as it was."""
+        fixed = self._fixed
+        try:
+            return super()._workspace_bytes(plan)
+        finally:
+            self._fixed = fixed
+
     def _setup(self, cfg: PrefillConfig) -> None:
         num_sms, max_smem = device_limits(self._device)
         self._limits = (num_sms, max_smem)
@@ -442,6 +451,23 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, _PrefillWrapper):
                 rope_scale, rope_theta)  # fmt: skip
         self._plan(qo, kv_len, indptr[:-1], indices, args, (custom_mask, packed_custom_mask),
                    fixed_split_size, disable_split_kv, max_page + 1)  # fmt: skip
+
+    def workspace_size(
+        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+        num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
+        packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None,
+        window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+        q_data_type="float16", kv_data_type=None, o_data_type=None, prefix_len_ptr=None,
+        token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None,
+        seq_lens=None, seq_lens_q=None, block_tables=None, max_token_per_sequence=None,
+        max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False, uniform_q_len=None,
+    ) -> tuple[int, int]:  # fmt: skip
+        """FlashInfer's workspace_size(): (float workspace bytes, int workspace bytes) that
+        plan() with these arguments needs (PlannedWrapper._workspace_bytes); this wrapper's
+        own plan is unchanged."""
+        options = dict(locals())
+        del options["self"]
+        return self._workspace_bytes(lambda: self.plan(**options))
 
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
