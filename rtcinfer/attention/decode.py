@@ -23,7 +23,7 @@ from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
-from ..plan.decode import plan_decode
+from ..plan.decode import _pages_and_lens, plan_decode
 from .cascade import merge_sinks_in_place
 from .decode_array import PlanArrays
 from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
@@ -101,11 +101,8 @@ PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_dat
 def _check_verified_tokens(q_len: int, kv_indptr, last_page_len, page_size) -> None:
     """plan(q_len_per_req=q_len): every request's queries are among its keys (kv_len >= q_len),
     as FlashInfer requires: the verified tokens are appended to the cache first."""
-    page = as_int("page_size", page_size, minimum=1)
-    pages = np.diff(kv_indptr)
-    if last_page_len.shape != pages.shape:
-        return  # the prefill plan names the mismatch
-    kv_len = np.where(pages > 0, (pages - 1) * page + last_page_len, 0)
+    _, _, kv_len, _ = _pages_and_lens(kv_indptr, last_page_len,
+                                      as_int("page_size", page_size, minimum=1))  # fmt: skip
     if kv_len.size and int(kv_len.min()) < q_len:
         b = int(np.argmin(kv_len))
         raise ValueError(
