@@ -11,8 +11,14 @@ import pytest
 
 import rtcinfer
 from rtcinfer import jit
-from rtcinfer.attention.decode import LONG_ITEM_TILES, _lookahead
-from rtcinfer.attention.decode_kernel import decode_spec, half_tiles, make_config, rope_frequencies
+from rtcinfer.attention.decode_kernel import (
+    LONG_ITEM_TILES,
+    _lookahead,
+    decode_spec,
+    half_tiles,
+    make_config,
+    rope_frequencies,
+)
 from rtcinfer.attention.decode_plan import ITEM_INTS, WORK_ITEM, Capacity, header_ints, pack_plan
 from rtcinfer.plan.decode import plan_decode
 

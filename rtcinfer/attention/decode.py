@@ -12,23 +12,24 @@ prefill kernel with one query per request, the group's heads packed into 16-row 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
 from ..interop import Prepared
 from ..interop.arrays import torch_compiling
-from ..interop.dtypes import FP8_DTYPES, itemsize
+from ..interop.dtypes import itemsize
 from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
-from ..plan.decode import _pages_and_lens, plan_decode
+from ..plan.decode import plan_decode
 from .cascade import merge_sinks_in_place
 from .decode_array import PlanArrays
-from .decode_kernel import THREADS, Config, ctas_per_sm, half_tiles, kernel, kv_scales, make_config
+from .decode_kernel import THREADS, Config, ctas_per_sm, kernel, kv_scales, make_config, plan_kernel
 from .decode_plan import Capacity, pack_plan
 from .decode_run import check_run_arrays, run_fields
+from .decode_tensor_cores import plan_tensor_cores
 from .deprecated_forms import DecodeForward
 from .paged_kv import (
     cache_views,
@@ -50,35 +51,6 @@ from .run_options import refuse
 MAX_GRID_Y = 65535  # work items are the grid's second dimension
 
 
-# Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
-LONG_ITEM_TILES = 64
-
-
-def _lookahead(plan, tile: int) -> int:
-    """The copy lookahead a plan's kernel is compiled with (DecodeSpec.lookahead): 1 (one K/V
-    tile in flight ahead of the one computed) when every tile lies in one page
-    (page_size >= tile) and the items are long (sum(kv_len) >= LONG_ITEM_TILES * tile *
-    num_work), else 0 (the ring's depth - 1). Measured on an H200: 1 is 1-2% faster on such
-    rows (32 x 8192 tokens, pages of 64: 246.2 vs 248.9 us) and 1-2% slower on short items or
-    tiles across pages."""
-    if plan.page_size < tile or plan.num_work == 0:
-        return 0
-    return int(int(plan.kv_len.sum()) >= LONG_ITEM_TILES * tile * plan.num_work)
-
-
-def _half_tile_kernel(plan, spec, fixed_split_size):
-    """The kernel with tiles of half the tokens (half_tiles: 16 KB of K + V per stage, twice
-    the CTAs per SM) when a plan should run it, else None: fp8 KV in a plan of whole requests,
-    where the halved kernel exists. Measured on an H200 (head_dim 128, page 16): 256 x 1024
-    tokens 146 -> 136 us, 64 x 4096 134 -> 132; split plans keep the larger tile (1 x 32768:
-    26.4 -> 28.0, the extra CTAs per SM double the partials to merge). Not with
-    fixed_split_size, whose results must not depend on the batch (the tile sets the order of
-    the float reduction)."""
-    if spec.kv_dtype not in FP8_DTYPES or fixed_split_size is not None:
-        return None
-    return half_tiles(spec) if plan.num_work == plan.batch_size else None
-
-
 @dataclass(slots=True)
 class _Launch:
     """What run() needs from the latest plan() (not frozen: a frozen dataclass costs a
@@ -96,19 +68,6 @@ PLAN_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_dat
                    "kv_data_type", "o_data_type", "data_type", "sm_scale", "rope_scale",
                    "rope_theta", "non_blocking", "block_tables", "seq_lens", "fixed_split_size",
                    "disable_split_kv", "q_len_per_req")  # fmt: skip
-
-
-def _check_verified_tokens(q_len: int, kv_indptr, last_page_len, page_size) -> None:
-    """plan(q_len_per_req=q_len): every request's queries are among its keys (kv_len >= q_len),
-    as FlashInfer requires: the verified tokens are appended to the cache first."""
-    _, _, kv_len, _ = _pages_and_lens(kv_indptr, last_page_len,
-                                      as_int("page_size", page_size, minimum=1))  # fmt: skip
-    if kv_len.size and int(kv_len.min()) < q_len:
-        b = int(np.argmin(kv_len))
-        raise ValueError(
-            f"q_len_per_req={q_len} needs kv_len >= {q_len} for every request (the verified "
-            f"tokens appended to the cache first), got {int(kv_len[b])} keys for request {b}"
-        )
 
 
 class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapper):
@@ -130,8 +89,8 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
     The work-item capacity, set by the first plan(), is max(max batch, what the automatic
     split uses); a fixed_split_size plan must fit in it. Without graphs, plan() may pick a
     variant of the kernel (one K/V tile in flight ahead, for long requests in pages of at
-    least a tile, see _lookahead; tiles of half the tokens for fp8 KV in plans of whole
-    requests, see _half_tile_kernel); with them it keeps one kernel.
+    least a tile; tiles of half the tokens for fp8 KV in plans of whole requests:
+    decode_kernel.plan_kernel); with them it keeps one kernel.
 
     Streams (attention/planned.py): plan() uploads on CuPy's current stream, run() may be on
     any stream, ordered by events. One run() at a time per wrapper: the merge counters are
@@ -283,14 +242,9 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         if fixed_split_size is not None and as_int("fixed_split_size", fixed_split_size) == -1:
             fixed_split_size = None
         if self._tc is not None:  # q_len_per_req queries a request through the prefill kernel
-            kv_indptr = host_ints("indptr", indptr)
-            if q_len > 1:
-                last_page_len = host_ints("last_page_len", last_page_len)
-                _check_verified_tokens(q_len, kv_indptr, last_page_len, page_size)
-            qo_indptr = np.arange(kv_indptr.shape[0], dtype=np.int64) * q_len
-            self._tc.plan(
-                qo_indptr, kv_indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                head_dim, page_size, causal=q_len > 1, pos_encoding_mode=pos_encoding_mode,
+            plan_tensor_cores(
+                self._tc, q_len, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
                 window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                 rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
                 kv_data_type=kv_data_type, o_data_type=o_data_type,
@@ -342,11 +296,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         regions = self._upload(capacity, kept_fill(fill, packed))
         pointers = tuple(regions[r] for r in ("plan", "o", "lse", "counters"))
         items = self._max_work if self._graph else plan.num_work
-        variant = spec  # a graph keeps one kernel
-        if not self._graph and _lookahead(plan, spec.tile):
-            variant = replace(spec, lookahead=1)
-        elif not self._graph:
-            variant = _half_tile_kernel(plan, spec, fixed_split_size) or spec
+        variant = spec if self._graph else plan_kernel(plan, spec, fixed_split_size)
         launch = self._launch_of(variant, items, cfg, pointers)
         self._launch = _Launch(launch, cfg, plan.batch_size, max_page, packed[0])
         self._split_args = (fixed_split_size, bool(disable_split_kv))
@@ -411,9 +361,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
             return torch_attention.run(self, q, k, v, out, lse, return_lse, q_scale, k_scale,
                                        v_scale, window_left, plan_array)  # fmt: skip
         st = self._array_launch() if plan_array is not None else self._launch
-        if self._tc is not None:
-            return self._run_tensor_cores(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
-                                          return_lse, window_left)  # fmt: skip
+        if self._tc is not None:  # the prefill wrapper's run() checks it against its plan
+            return self._tc.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
+                                v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
+                                window_left=window_left)  # fmt: skip
         if st is None:
             raise RuntimeError("plan() must be called before run()")
         if window_left is not None and window_left != st.cfg.window_left:
@@ -447,20 +398,6 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         if self._launch is None:
             raise RuntimeError("plan() must be called before run()")
         return self._launch.cfg.o_dtype
-
-    def _run_tensor_cores(self, q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse,
-                          return_lse, window_left):  # fmt: skip
-        st = self._tc._launch
-        if st is None:
-            raise RuntimeError("plan() must be called before run()")
-        if window_left is not None and window_left != st.cfg.attn.window_left:
-            raise ValueError(
-                f"run(window_left={window_left!r}) differs from the plan's window_left "
-                f"({st.cfg.attn.window_left}): pass None or plan() again"
-            )
-        qk, vs = kv_scales(k_scale, v_scale, q_scale)
-        return self._tc.run(q, paged_kv_cache, k_scale=qk, v_scale=vs, out=out, lse=lse,
-                            return_lse=return_lse)  # fmt: skip
 
     def _prepare_run(self, infos, align, static) -> Prepared:
         """Validate run()'s arrays against the plan's configuration (once per signature)."""

@@ -127,13 +127,51 @@ def kv_scales(k_scale, v_scale, q_scale=None) -> tuple[float, float]:
 
 def half_tiles(spec: DecodeSpec) -> DecodeSpec | None:
     """The kernel with tiles of half the tokens (16 KB of K + V per stage, twice the CTAs per
-    SM); plan() picks it for fp8 KV in plans of whole requests (see decode._half_tile_kernel).
+    SM); plan() picks it for fp8 KV in plans of whole requests (see _half_tile_kernel).
     None when the tile cannot be halved or the halved ring would not hold the epilogue (a
     2-stage ring on a GPU with less shared memory, 16 heads per CTA)."""
     if spec.token_groups < 2:
         return None
     half = replace(spec, token_groups=spec.token_groups // 2)
     return half if half.epilogue_fits else None
+
+
+# Work items of at least this many K/V tiles on average stream "long rows" (see _lookahead).
+LONG_ITEM_TILES = 64
+
+
+def _lookahead(plan, tile: int) -> int:
+    """The copy lookahead a plan's kernel is compiled with (DecodeSpec.lookahead): 1 (one K/V
+    tile in flight ahead of the one computed) when every tile lies in one page
+    (page_size >= tile) and the items are long (sum(kv_len) >= LONG_ITEM_TILES * tile *
+    num_work), else 0 (the ring's depth - 1). Measured on an H200: 1 is 1-2% faster on such
+    rows (32 x 8192 tokens, pages of 64: 246.2 vs 248.9 us) and 1-2% slower on short items or
+    tiles across pages."""
+    if plan.page_size < tile or plan.num_work == 0:
+        return 0
+    return int(int(plan.kv_len.sum()) >= LONG_ITEM_TILES * tile * plan.num_work)
+
+
+def _half_tile_kernel(plan, spec, fixed_split_size):
+    """The kernel with tiles of half the tokens (half_tiles: 16 KB of K + V per stage, twice
+    the CTAs per SM) when a plan should run it, else None: fp8 KV in a plan of whole requests,
+    where the halved kernel exists. Measured on an H200 (head_dim 128, page 16): 256 x 1024
+    tokens 146 -> 136 us, 64 x 4096 134 -> 132; split plans keep the larger tile (1 x 32768:
+    26.4 -> 28.0, the extra CTAs per SM double the partials to merge). Not with
+    fixed_split_size, whose results must not depend on the batch (the tile sets the order of
+    the float reduction)."""
+    if spec.kv_dtype not in FP8_DTYPES or fixed_split_size is not None:
+        return None
+    return half_tiles(spec) if plan.num_work == plan.batch_size else None
+
+
+def plan_kernel(plan, spec: DecodeSpec, fixed_split_size) -> DecodeSpec:
+    """The variant of `spec` a plan of a wrapper without CUDA graphs runs (a graph wrapper
+    keeps one kernel): one tile ahead for long rows (_lookahead), else half tiles for fp8 KV
+    in plans of whole requests (_half_tile_kernel), else `spec`."""
+    if _lookahead(plan, spec.tile):
+        return replace(spec, lookahead=1)
+    return _half_tile_kernel(plan, spec, fixed_split_size) or spec
 
 
 def heads_per_cta(group_size: int, head_dim: int) -> int:
@@ -146,8 +184,8 @@ def specs_for(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, max_smem)
     """The decode kernels a model's batch decode may launch (warmup), KV of kv_dtype on a GPU
     with max_smem bytes of shared memory per block: plain attention with the ring's lookahead
     and with one tile ahead (plan() picks it for long rows in large pages, see
-    decode._lookahead), and with fp8 KV the kernel of half tiles (plans of whole requests, see
-    decode._half_tile_kernel), so that none of them compiles while serving."""
+    _lookahead), and with fp8 KV the kernel of half tiles (plans of whole requests, see
+    _half_tile_kernel), so that none of them compiles while serving."""
     spec = decode_spec(q_dtype, kv_dtype, q_dtype, head_dim, num_qo_heads // num_kv_heads,
                        max_smem=max_smem)  # fmt: skip
     specs = [spec, replace(spec, lookahead=1)]

@@ -4,9 +4,8 @@ attention/decode.py, and run(plan_array=...), attention/decode_array.py)."""
 
 from __future__ import annotations
 
-from ..interop.dtypes import itemsize
 from .decode_kernel import Config
-from .paged_kv import cache_views, check_cache_view, kv_storage, token_head
+from .paged_kv import check_paged_caches, paged_cache_fields
 
 
 def check_run_arrays(q, k, v, cfg: Config, kv_layout: str, batch: int | None) -> None:
@@ -19,34 +18,13 @@ def check_run_arrays(q, k, v, cfg: Config, kv_layout: str, batch: int | None) ->
             f"q: expected shape {o_shape} and dtype {cfg.q_dtype} (the plan), "
             f"got {q.shape} and {q.dtype}"
         )
-    tokens_heads = (cfg.page_size, cfg.num_kv_heads)
-    if kv_layout == "HND":
-        tokens_heads = tokens_heads[::-1]
-    storage = kv_storage(cfg.kv_dtype)
-    five_d = v is None
-    caches = [("paged_kv_cache", k)] if five_d else [("k_cache", k), ("v_cache", v)]
-    for name, cache in caches:
-        expect = (2, *tokens_heads, cfg.head_dim) if five_d else (*tokens_heads, cfg.head_dim)
-        if cache.shape[1:] != expect or cache.dtype not in storage:
-            raise ValueError(
-                f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
-                f"dtype {cfg.kv_dtype} ({kv_layout}, from the plan), got "
-                f"{cache.shape} and {cache.dtype}"
-            )
+    check_paged_caches(k, v, cfg, kv_layout)
 
 
 def run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:
     """The DecodeParams fields of run()'s arrays that depend only on their signature: strides
     (elements for q, o and lse; bytes for the caches), after checking what the kernel needs."""
-    fields = {}
-    item = itemsize(k.dtype)
-    views = cache_views(k, v, kv_layout, item)
-    for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
-        dims, _ = token_head(arr.shape, arr.strides, kv_layout)
-        strides = (view.page, view.token, view.head)
-        check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides, item,
-                         arr.strides[-1] * item)  # fmt: skip
-        fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
+    fields = paged_cache_fields(k, v, kv_layout)
     o_strides = (
         out.strides if out is not None else (cfg.num_qo_heads * cfg.head_dim, cfg.head_dim, 1)
     )

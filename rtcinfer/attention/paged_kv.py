@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..interop.dtypes import FP8_DTYPES
+from ..interop.dtypes import FP8_DTYPES, itemsize
 from ..plan._checks import INT32_MAX, first_bad
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -137,6 +137,39 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
         )
 
 
-__all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout", "kv_pair",
-           "check_strides_fit", "kv_storage", "page_table_ids", "paged_view",
-           "token_head"]  # fmt: skip
+def check_paged_caches(k, v, cfg, kv_layout: str) -> None:
+    """A paged cache (5-D `k` with `v` None, or a k, v pair; interop's ArrayInfo) against a
+    plan's configuration `cfg` (page_size, num_kv_heads, head_dim, kv_dtype), by name."""
+    tokens_heads = (cfg.page_size, cfg.num_kv_heads)
+    if kv_layout == "HND":
+        tokens_heads = tokens_heads[::-1]
+    storage = kv_storage(cfg.kv_dtype)
+    caches = [("paged_kv_cache", k)] if v is None else [("k_cache", k), ("v_cache", v)]
+    for name, cache in caches:
+        expect = (*((2,) if v is None else ()), *tokens_heads, cfg.head_dim)
+        if cache.shape[1:] != expect or cache.dtype not in storage:
+            raise ValueError(
+                f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
+                f"dtype {cfg.kv_dtype} ({kv_layout}, from the plan), got "
+                f"{cache.shape} and {cache.dtype}"
+            )
+
+
+def paged_cache_fields(k, v, kv_layout: str) -> dict:
+    """The parameter fields k_page, k_token, k_head, v_page, v_token, v_head (bytes) of a
+    paged cache checked above, after checking what the loaders need (check_cache_view)."""
+    item = itemsize(k.dtype)
+    fields = {}
+    views = cache_views(k, v, kv_layout, item)
+    for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
+        dims, _ = token_head(arr.shape, arr.strides, kv_layout)
+        strides = (view.page, view.token, view.head)
+        check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides, item,
+                         arr.strides[-1] * item)  # fmt: skip
+        fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
+    return fields
+
+
+__all__ = ["KV_LAYOUTS", "CacheView", "cache_views", "check_cache_view", "check_layout",
+           "check_paged_caches", "check_strides_fit", "kv_pair", "kv_storage", "page_table_ids",
+           "paged_cache_fields", "paged_view", "token_head"]  # fmt: skip

@@ -33,7 +33,15 @@ from . import prefill_launch as launches
 from .cascade import merge_sinks_in_place
 from .decode_kernel import Config, kv_scales
 from .deprecated_forms import PagedForward, RaggedForward
-from .paged_kv import cache_views, check_cache_view, kv_pair, kv_storage, page_table_ids, token_head
+from .paged_kv import (
+    cache_views,
+    check_cache_view,
+    check_paged_caches,
+    kv_pair,
+    kv_storage,
+    page_table_ids,
+    paged_cache_fields,
+)
 from .planned import (
     PlannedWrapper,
     host_ints,
@@ -494,31 +502,10 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, _PrefillWrapper):
                          lse_base, lse_layout, window_left, sinks)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
-        attn = cfg.attn
-        tokens_heads = (attn.page_size, attn.num_kv_heads)
-        if self._kv_layout == "HND":
-            tokens_heads = tokens_heads[::-1]
-        caches = [("paged_kv_cache", k)] if v is None else [("k_cache", k), ("v_cache", v)]
-        for name, cache in caches:
-            expect = (*((2,) if v is None else ()), *tokens_heads, attn.head_dim)
-            if cache.shape[1:] != expect or cache.dtype not in kv_storage(attn.kv_dtype):
-                raise ValueError(
-                    f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "
-                    f"dtype {attn.kv_dtype} ({self._kv_layout}, from the plan), got "
-                    f"{cache.shape} and {cache.dtype}"
-                )
+        check_paged_caches(k, v, cfg.attn, self._kv_layout)
 
     def _kv_fields(self, k, v, attn: Config) -> dict:
-        item = itemsize(k.dtype)
-        fields = {}
-        views = cache_views(k, v, self._kv_layout, item)
-        for name, arr, view in zip(("k", "v"), (k, k if v is None else v), views, strict=True):
-            dims, _ = token_head(arr.shape, arr.strides, self._kv_layout)
-            strides = (view.page, view.token, view.head)
-            check_cache_view(name, arr.offset + view.offset, (arr.shape[0], *dims), strides,
-                             item, arr.strides[-1] * item)  # fmt: skip
-            fields[f"{name}_page"], fields[f"{name}_token"], fields[f"{name}_head"] = strides
-        return fields
+        return paged_cache_fields(k, v, self._kv_layout)
 
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
