@@ -289,7 +289,7 @@ class FakeDevice:
         import torch
 
         from rtcinfer import jit
-        from rtcinfer.attention import decode, page, planned, prefill
+        from rtcinfer.attention import decode, page, planned, prefill_wrapper
         from rtcinfer.attention.workspace import Workspace
         from rtcinfer.interop import ArrayInfo, Op
         from rtcinfer.interop.dtypes import normalize
@@ -304,7 +304,7 @@ class FakeDevice:
         fake_gpu(monkeypatch, compute_capability=cc)
         FakeRecords(monkeypatch)
         limits = lambda device: (sms, max_smem)  # noqa: E731
-        for module in (jit, decode, prefill):
+        for module in (jit, decode, prefill_wrapper):
             monkeypatch.setattr(module, "device_limits", limits)
         monkeypatch.setattr(jit, "sm_count", lambda device: sms)
         monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 2)

@@ -26,7 +26,7 @@ def wrappers(monkeypatch):
     """Prefill wrappers whose plan() runs without a GPU: device queries, the kernel's occupancy
     and the upload are stubbed; the packed plan is kept for reading back."""
 
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill, prefill_wrapper
     from rtcinfer.launch import Kernel
 
     packed = {}
@@ -40,7 +40,7 @@ def wrappers(monkeypatch):
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
     planning_without_a_gpu(monkeypatch, regions, upload, expand)
-    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     return prefill, packed
 
@@ -603,8 +603,10 @@ def test_paged_run_with_sinks_merges_them_before_the_lse_takes_its_form(wrappers
         s += 1  # in place, as for PyTorch and CuPy arrays
         return o, s
 
+    from rtcinfer.attention import prefill_wrapper
+
     monkeypatch.setattr(paged, "_launch_run", launch_run)
-    monkeypatch.setattr(prefill, "merge_sinks_in_place", merge)
+    monkeypatch.setattr(prefill_wrapper, "merge_sinks_in_place", merge)
     q, cache = np.zeros((4, 8, 128), np.float16), np.zeros((1, 2, 16, 2, 128), np.float16)
     assert paged.run(q, cache, sinks="S") == "o"
     o, ln = paged.run(q, cache, sinks="S", return_lse=True, lse_base="ln")

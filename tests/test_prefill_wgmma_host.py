@@ -55,14 +55,14 @@ def test_wgmma_spec_shapes():
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
     import rtcinfer
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill_wrapper
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
     planning_without_a_gpu(monkeypatch, regions, packing_upload)
     fake_gpu(monkeypatch, compute_capability=cc)
     monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
-    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     qo = np.array([0, 512, 1024], dtype=np.int32)  # long prompts: 128-row tiles where they fit
     wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
@@ -97,13 +97,13 @@ def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
     """The wgmma kernel's tiles follow the packed prompt length alike over ragged K/V and a
     paged cache (GQA group 4: 32 packed rows take 64-row tiles, 512 and more 128)."""
     import rtcinfer
-    from rtcinfer.attention import prefill
+    from rtcinfer.attention import prefill_wrapper
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
     planning_without_a_gpu(monkeypatch, regions, packing_upload)
     monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
-    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     qo = np.arange(5, dtype=np.int32) * prompt  # four requests of `prompt` tokens
     if form == "ragged":

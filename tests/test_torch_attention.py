@@ -15,14 +15,14 @@ torch = pytest.importorskip("torch")
 @pytest.fixture
 def planned(monkeypatch):
     """Decode and prefill modules whose wrappers plan without a GPU."""
-    from rtcinfer.attention import decode, prefill
+    from rtcinfer.attention import decode, prefill, prefill_wrapper
     from rtcinfer.launch import Kernel
 
     regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
     planning_without_a_gpu(monkeypatch, regions, packing_upload)
     monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
-    monkeypatch.setattr(prefill, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     return decode, prefill
 

@@ -35,7 +35,7 @@ SLOTS = ("q", "k", "v", "out", "lse", "plan_array")  # planned.plan_array_run's
 
 class PrefillPlanArrays:
     """plan_array() and run(plan_array=...) of the batch prefill wrappers (a mixin of
-    attention/prefill.py's _PrefillWrapper: its _graph, _fixed, _launch, _kv_layout,
+    attention/prefill_wrapper.py's PrefillWrapper: its _graph, _fixed, _launch, _kv_layout,
     _check_kv, _run_fields)."""
 
     ARRAY_SLOTS = SLOTS

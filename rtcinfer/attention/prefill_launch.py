@@ -1,7 +1,7 @@
 """A batch prefill plan's kernel and launch: the tile rows for a batch, the kernel of a
 configuration and tile (warpgroup MMAs where the device has them), and plan_launch, which
-plans the work and fills every launch field the plan and configuration fix (attention/prefill.py
-adds the arrays' and the workspace's)."""
+plans the work and fills every launch field the plan and configuration fix
+(attention/prefill_wrapper.py adds the arrays' and the workspace's)."""
 
 from __future__ import annotations
 
