@@ -82,12 +82,12 @@ class BatchAttention:
         """(o, lse) of the planned batch; logits_soft_cap: 0 (the default) or the plan's, as
         FlashInfer requires them consistent; profiler_buffer and kv_cache_sf (NVFP4) are not
         supported."""
-        refuse(profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)
-        cap = float(logits_soft_cap or 0.0)
-        if cap and cap != self._soft_cap:
+        if profiler_buffer is not None or kv_cache_sf is not None:
+            refuse(profiler_buffer=profiler_buffer, kv_cache_sf=kv_cache_sf)
+        if logits_soft_cap and float(logits_soft_cap) != self._soft_cap:
             raise ValueError(
-                f"run(logits_soft_cap={cap}) differs from the plan's ({self._soft_cap}): pass "
-                "it to plan()"
+                f"run(logits_soft_cap={float(logits_soft_cap)}) differs from the plan's "
+                f"({self._soft_cap}): pass it to plan()"
             )
         return self._wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out,
                                  lse=lse, return_lse=True)  # fmt: skip
