@@ -53,7 +53,7 @@ class Case:
     def cupy(self, cp):
         if self.host_only:
             return None
-        a = {k: cp.asarray(v) for k, v in self.arrays(np.random.default_rng(0)).items()}
+        a = {k: cp.asarray(_storage(v)) for k, v in self.arrays(np.random.default_rng(0)).items()}
         return (lambda: self.op(**a)), cp.cuda.Device().synchronize
 
     def jax(self, jax, jitted: bool):
@@ -86,10 +86,17 @@ class Case:
 
 
 def _to_torch(torch, v: np.ndarray):
-    """A CUDA tensor of a host array (torch.from_numpy takes no ml_dtypes: bf16 as its bits)."""
-    if v.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(v).view(np.uint16)).view(torch.bfloat16).cuda()
+    """A CUDA tensor of a host array (torch.from_numpy takes no ml_dtypes: bf16 and fp8 as their
+    bits)."""
+    if v.dtype.name in ("bfloat16", "float8_e4m3fn"):
+        bits = np.ascontiguousarray(v).view(np.uint16 if v.dtype.itemsize == 2 else np.uint8)
+        return torch.from_numpy(bits).view(getattr(torch, v.dtype.name)).cuda()
     return torch.from_numpy(np.ascontiguousarray(v)).cuda()
+
+
+def _storage(v: np.ndarray) -> np.ndarray:
+    """What CuPy takes of a host array: fp8 as its uint8 bytes (CuPy has no fp8 dtype)."""
+    return v.view(np.uint8) if v.dtype.name.startswith("float8") else v
 
 
 def _torch():
@@ -298,6 +305,18 @@ CASES = [
          lambda rng: {**_norm_arrays(rng), "r": _bf16(rng, 1, 4096)},
          lambda x, w, r: rtcinfer.fused_add_rmsnorm(x, r, w),
          lambda fi, x, w, r: fi.norm.fused_add_rmsnorm(x, r, w)),
+    Case("rmsnorm_quant 1 x 4096",
+         lambda rng: {**_norm_arrays(rng), "o": np.zeros((1, 4096), ml_dtypes.float8_e4m3fn),
+                      "s": np.array([0.05], np.float32)},
+         lambda x, w, o, s: rtcinfer.rmsnorm_quant(o, x, w, s, out_dtype="float8_e4m3fn"),
+         lambda fi, x, w, o, s: fi.norm.rmsnorm_quant(o, x, w, s)),
+    Case("fused_add_rmsnorm_quant 1 x 4096",
+         lambda rng: {**_norm_arrays(rng), "r": _bf16(rng, 1, 4096),
+                      "o": np.zeros((1, 4096), ml_dtypes.float8_e4m3fn),
+                      "s": np.array([0.05], np.float32)},
+         lambda x, w, r, o, s: rtcinfer.fused_add_rmsnorm_quant(o, x, r, w, s,
+                                                                out_dtype="float8_e4m3fn"),
+         lambda fi, x, w, r, o, s: fi.norm.fused_add_rmsnorm_quant(o, x, r, w, s)),
     Case("silu_and_mul 1 x 8192", lambda rng: {"x": _bf16(rng, 1, 16384)},
          lambda x: rtcinfer.silu_and_mul(x), lambda fi, x: fi.activation.silu_and_mul(x),
          lambda torch, x: torch.nn.functional.silu(x[..., :8192]) * x[..., 8192:]),

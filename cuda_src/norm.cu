@@ -2,6 +2,9 @@
 //   rms:   y = x * rsqrt(mean(x^2) + eps) * w            (gemma: * (1 + w))
 //   fused: r = round(x + r); x = rms(r)                   (the norm sees the stored residual)
 //   layer: y = (x - mean(x)) * rsqrt(var(x) + eps) * gamma + beta
+// QUANT (OT fp8): y is written as fp8(y / scale), saturated to the type's finite range (NaN
+// stays NaN), to `out` (the fused ops then leave x as it is); scale = scale[0] from device
+// memory, or scale_value where the pointer is null.
 // Grid: blockIdx.x = row. Block: THREADS threads; thread t owns vectors t, t + THREADS, ... of
 // VEC elements. The row is staged in shared memory with cp.async, so the bytes in flight cost
 // no registers (more rows resident per SM): one HBM read and one write per element.
@@ -12,9 +15,11 @@
 // VEC and THREADS fix the arithmetic (which thread sums which elements, in which order); global
 // memory moves in LOAD_VEC pieces (VEC unless the arrays' alignment or strides allow less), so a
 // strided or misaligned view gives the bits of the same rows made contiguous.
-// Prelude: OP (NormOp), T (activation type), W (weight type), HIDDEN, VEC, LOAD_VEC, THREADS.
+// Prelude: OP (NormOp), T (activation type), W (weight type), OT (out's type: T, or fp8 with
+// QUANT), QUANT, HIDDEN, VEC, LOAD_VEC, THREADS.
 
 static_assert(HIDDEN % VEC == 0 && VEC % LOAD_VEC == 0, "VEC divides HIDDEN, LOAD_VEC VEC");
+static_assert(QUANT == is_fp8<OT>() && (QUANT || IsSame<OT, T>::value), "out: T, or fp8 with QUANT");
 constexpr int NVEC = HIDDEN / VEC;
 constexpr int ITEMS = (NVEC + THREADS - 1) / THREADS;
 constexpr bool FUSED = OP == NormOp::FUSED_ADD_RMS || OP == NormOp::GEMMA_FUSED_ADD_RMS;
@@ -27,6 +32,7 @@ RTC_DEVICE int64_t row_offset(int row, int n1, int64_t s0, int64_t s1) {
 }
 
 using TVec = Vec<T, VEC>;
+using OVec = Vec<OT, VEC>;
 using WVec = Vec<W, VEC>;
 // The weight (and LayerNorm's bias) held in registers from the start: up to 32 of them.
 constexpr bool W_AHEAD = ITEMS * (LAYER ? 2 : 1) * sizeof(WVec) <= 128;
@@ -60,11 +66,14 @@ RTC_DEVICE int col(int i) { return item(i) * VEC; }
 struct NormParams {
   T* x;              // [n0, n1, HIDDEN] strides (xs0, xs1, 1); fused ops: read
   T* residual;       // [n0, n1, HIDDEN] strides (rs0, rs1, 1); fused ops: read
-  T* out;            // [n0, n1, HIDDEN] strides (os0, os1, 1); fused ops: x in place, or new
+  OT* out;           // [n0, n1, HIDDEN] strides (os0, os1, 1); fused ops: x in place, or new
+                     // (QUANT: the fp8 output, x only read)
   T* residual_out;   // [n0, n1, HIDDEN] strides (ros0, ros1, 1); fused ops: x + residual, in
                      // place (== residual) or new; else unused
   const W* weight;   // [HIDDEN] (layernorm: gamma)
   const W* bias;     // [HIDDEN] layernorm: beta; else unused
+  const float* scale;  // [1] QUANT: out = fp8(y / scale[0]); null: scale_value
+  float scale_value;
   int64_t xs0, xs1, rs0, rs1, os0, os1, ros0, ros1;
   int n1;            // size of the inner leading dimension (1 for 2-D)
   float eps;
@@ -74,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
   wait_for_previous_grid();
   T* x = p.x;
   T* residual = p.residual;
-  T* out = p.out;
+  OT* out = p.out;
   const W* __restrict__ weight = p.weight;
   const W* __restrict__ bias = p.bias;
   const int n1 = p.n1;
@@ -143,8 +152,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
     }
   }
   const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + p.eps);
+  // Read after the reduction: its latency hides behind the row's loads and the barriers.
+  const float out_scale = QUANT ? 1.f / (p.scale != nullptr ? *p.scale : p.scale_value) : 1.f;
 
-  T* o_row = out + row_offset(row, n1, p.os0, p.os1);
+  OT* o_row = out + row_offset(row, n1, p.os0, p.os1);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!owns(i)) continue;
@@ -157,14 +168,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
       if constexpr (LAYER) load_vec(b, bias + col(i));
     }
     const TVec v = xs[item(i)];
-    TVec y;
+    OVec y;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       float scale = to_float(w[j]);
       if constexpr (GEMMA) scale += 1.f;
       float r = (to_float(v[j]) - shift) * inv_rms * scale;
       if constexpr (LAYER) r += to_float(b[j]);
-      y[j] = from_float<T>(r);
+      if constexpr (QUANT) r *= out_scale;  // from_float<fp8> saturates (satfinite)
+      y[j] = from_float<OT>(r);
     }
     store_vec(y, o_row + col(i));
   }

@@ -51,10 +51,12 @@ from .bitpack import packbits, segment_packbits
 from .errors import BadIndexError, check_errors
 from .norm import (
     fused_add_rmsnorm,
+    fused_add_rmsnorm_quant,
     gemma_fused_add_rmsnorm,
     gemma_rmsnorm,
     layernorm,
     rmsnorm,
+    rmsnorm_quant,
 )
 
 __all__ = [
@@ -83,10 +85,12 @@ __all__ = [
     "segment_packbits",
     "fast_decode_plan",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_quant",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
     "layernorm",
     "rmsnorm",
+    "rmsnorm_quant",
 ]
 from .rope import (
     apply_llama31_rope,

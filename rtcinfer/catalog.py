@@ -101,7 +101,11 @@ def shipped_specs() -> list:
     """At least one spec for every compile-time branch of every kernel."""
     specs = []
     for dtype in ("float16", "bfloat16", "float32"):
-        specs += [norm.norm_spec(op, dtype, dtype, 4096) for op in norm.OPS]
+        specs += [norm.norm_spec(op, dtype, dtype, 4096) for op in norm.OPS
+                  if not op.endswith("_quant")]  # fmt: skip
+        specs += [norm.norm_spec(op, dtype, dtype, 4096, out_dtype=fp8)
+                  for op, fp8 in (("rmsnorm_quant", "float8_e4m3fn"),
+                                  ("fused_add_rmsnorm_quant", "float8_e5m2"))]  # fmt: skip
         specs += [norm.norm_spec("rmsnorm", dtype, "float32", 1001)]  # scalar path
         specs += [activation.ActivationSpec(a, dtype, 16 // (2 if dtype != "float32" else 4))
                   for a in activation.ACTIVATIONS]  # fmt: skip

@@ -1,15 +1,17 @@
-"""RMSNorm, Gemma RMSNorm, fused residual add + RMSNorm, LayerNorm (FlashInfer's names)."""
+"""RMSNorm, Gemma RMSNorm, fused residual add + RMSNorm, LayerNorm, and the two RMSNorms with an
+fp8 output (FlashInfer's names)."""
 
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import jit
 from .interop import Op, OutSlot, Prepared, call, dense_strides
-from .interop.arrays import compilable
-from .interop.dtypes import FLOAT_DTYPES, itemsize
+from .interop.arrays import cast, compilable
+from .interop.dtypes import FLOAT_DTYPES, FP8_DTYPES, itemsize, normalize
 from .interop.shortcut import Shortcut
 from .launch import Kernel, Launch
 from .layout import common_rows, fit_vec, widest_vec
@@ -31,6 +33,8 @@ OPS = {
     "fused_add_rmsnorm": NormOp.FUSED_ADD_RMS,
     "gemma_fused_add_rmsnorm": NormOp.GEMMA_FUSED_ADD_RMS,
     "layernorm": NormOp.LAYER,
+    "rmsnorm_quant": NormOp.RMS,
+    "fused_add_rmsnorm_quant": NormOp.FUSED_ADD_RMS,
 }
 
 
@@ -43,6 +47,7 @@ class NormSpec:
     vec: int  # elements per thread-vector: with threads, the arithmetic's order
     threads: int
     load_vec: int = 0  # elements per global access (0: vec); narrower for misaligned views
+    out_dtype: str = ""  # the _quant ops: fp8 (out = fp8(y / scale)); else out is `dtype`
     source: ClassVar[str] = "norm.cu"
     kernels: ClassVar[tuple[str, ...]] = ("norm_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("NormParams",)  # crossing the seam
@@ -57,6 +62,8 @@ class NormSpec:
             OP=OPS[self.op],
             T=self.dtype,
             W=self.weight_dtype,
+            OT=self.out_dtype or self.dtype,
+            QUANT=bool(self.out_dtype),
             HIDDEN=self.hidden,
             VEC=self.vec,
             LOAD_VEC=self.load_vec or self.vec,
@@ -64,8 +71,12 @@ class NormSpec:
         )
 
 
-def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None):
-    """The spec for rows of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads."""
+def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | None = None,
+              out_dtype: str = ""):  # fmt: skip
+    """The spec for rows of `hidden` elements: ~4 vectors per thread, 32 to 1024 threads.
+    `out_dtype`: the fp8 output of the _quant ops."""
+    if op.endswith("_quant") != bool(out_dtype):
+        raise ValueError(f"{op}: an fp8 out_dtype goes with the _quant ops, got {out_dtype!r}")
     vec = vec or widest_vec(hidden, itemsize(dtype))
     nvec = hidden // vec
     threads = min(1024, -(-nvec // 128) * 32)  # ceil(nvec / 4) rounded up to whole warps
@@ -73,7 +84,7 @@ def norm_spec(op: str, dtype: str, weight_dtype: str, hidden: int, vec: int | No
     if row_bytes > MAX_SMEM:
         limit = MAX_SMEM // (row_bytes // hidden)
         raise ValueError(f"hidden size {hidden} exceeds {limit}, the widest {dtype} {op} row")
-    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads)
+    return NormSpec(op, dtype, weight_dtype, hidden, vec, threads, out_dtype=out_dtype)
 
 
 def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
@@ -93,6 +104,25 @@ def _check_out(out, shape: tuple, dtype: str, name: str = "out") -> None:
             f"{name}: expected shape {shape} and dtype {dtype}, "
             f"got shape {out.shape} and dtype {out.dtype}"
         )
+
+
+def _launch(spec: NormSpec, align: int, arrays: list, names: list) -> Launch:
+    """The launch of `spec` over the rows of its four arrays (x, residual, out, residual_out:
+    ArrayInfo, a stand-in where the op has none), their strides written to its parameters."""
+    rows, n1, layouts = common_rows(arrays, names)
+    (xs0, xs1), (rs0, rs1), (ys0, ys1), (ros0, ros1) = layouts
+    # Only the access width follows the layout: the same rows give the same bits however
+    # they are laid out.
+    vec = fit_vec(spec.vec, itemsize(spec.dtype), align,
+                  [xs0, xs1, rs0, rs1, ys0, ys1, ros0, ros1])  # fmt: skip
+    if vec != spec.vec:
+        spec = replace(spec, load_vec=vec)
+    launch = Launch(Kernel(spec, "norm_kernel", "NormParams", spec.smem), (rows, 1, 1),
+                    (spec.threads, 1, 1))  # fmt: skip
+    p = launch.params
+    p.xs0, p.xs1, p.rs0, p.rs1, p.os0, p.os1, p.n1 = xs0, xs1, rs0, rs1, ys0, ys1, n1
+    p.ros0, p.ros1 = ros0, ros1
+    return launch
 
 
 def _prepare(infos, align: int, static: tuple) -> Prepared:
@@ -126,19 +156,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         outs = (OutSlot(x.shape, dtype, 3 if out is not None else None),)
         y = out if out is not None else x._replace(strides=dense_strides(x.shape))
         arrays, names = [x, x, y, x], ["input", "residual", "out", "residual"]
-    rows, n1, layouts = common_rows(arrays, names)
-    (xs0, xs1), (rs0, rs1), (ys0, ys1), (ros0, ros1) = layouts
-    spec = norm_spec(op, dtype, weight.dtype, hidden)
-    # Only the access width follows the layout: the same rows give the same bits however
-    # they are laid out.
-    vec = fit_vec(spec.vec, itemsize(dtype), align, [xs0, xs1, rs0, rs1, ys0, ys1, ros0, ros1])
-    if vec != spec.vec:
-        spec = replace(spec, load_vec=vec)
-    launch = Launch(Kernel(spec, "norm_kernel", "NormParams", spec.smem), (rows, 1, 1),
-                    (spec.threads, 1, 1))  # fmt: skip
+    launch = _launch(norm_spec(op, dtype, weight.dtype, hidden), align, arrays, names)
     p = launch.params
-    p.xs0, p.xs1, p.rs0, p.rs1, p.os0, p.os1, p.n1 = xs0, xs1, rs0, rs1, ys0, ys1, n1
-    p.ros0, p.ros1 = ros0, ros1
     layer = op == "layernorm"
 
     def run(stream, device, ptrs, scalars):
@@ -168,12 +187,93 @@ _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",)
 
 
 def _new_arrays(static: tuple) -> tuple:
-    """A fused call on JAX arrays (immutable): input and residual read, two new arrays written
-    (no output aliases an input, so XLA can launch it itself)."""
+    """A fused or _quant call on JAX arrays (immutable): its inputs read, its outputs new
+    arrays (no output aliases an input, so XLA can launch it itself)."""
     return (*static, True)
 
 
 _FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=_new_arrays)
+
+
+def _out_dtype(out, named: str | None) -> str:
+    """The fp8 type of a _quant op's `out`: its own dtype, or `out_dtype` where it arrives as
+    uint8 storage (CuPy has no fp8 dtype); a given out_dtype must agree with an fp8 out."""
+    if named is not None and normalize(named) not in FP8_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {FP8_DTYPES}, got {named!r}")
+    named = None if named is None else normalize(named)
+    if out.dtype in FP8_DTYPES and named in (None, out.dtype):
+        return out.dtype
+    if out.dtype == "uint8" and named is not None:
+        return named
+    if out.dtype == "uint8":
+        raise TypeError("out: uint8 storage of fp8 values; say which fp8 type with out_dtype=")
+    raise TypeError(
+        f"out: expected an fp8 array ({', '.join(FP8_DTYPES)}), got {out.dtype}"
+        + (f" with out_dtype={named!r}" if named is not None else "")
+    )
+
+
+def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
+    """Slots (input, residual, weight, out, scale): out = fp8(rmsnorm(x) / scale), x = input
+    (rmsnorm_quant; residual None) or residual + input, which fused_add_rmsnorm_quant first
+    stores to residual. Outputs: out and the residual updated in place, or (static ending with
+    True: JAX) new arrays. Scalars: (eps, scale) where the scale slot is None. Pointers: the
+    slots', then the outputs'."""
+    op, named, new_arrays = static[0], static[1], static[2:] == (True,)
+    fused = op == "fused_add_rmsnorm_quant"
+    x, residual, weight, out, scale = infos
+    hidden, dtype = _check(x, weight)
+    out_dtype = _out_dtype(out, named)
+    if out.shape != x.shape:
+        raise ValueError(f"out: expected shape {x.shape}, got {out.shape}")
+    if fused and (residual.shape != x.shape or residual.dtype != dtype):
+        raise ValueError(
+            f"residual: expected shape {x.shape} and dtype {dtype}, "
+            f"got {residual.shape} and {residual.dtype}"
+        )
+    if scale is not None and (scale.size != 1 or scale.ndim > 1 or scale.dtype != "float32"):
+        raise ValueError(
+            f"scale: expected a float or a float32 array of one element, got {scale.dtype} "
+            f"{scale.shape}"
+        )
+    dense = x._replace(strides=dense_strides(x.shape))
+    if new_arrays:  # JAX: out and the new residual in buffers of their own
+        outs = (OutSlot(x.shape, out_dtype),) + ((OutSlot(x.shape, dtype),) if fused else ())
+        y, r_out = dense, dense
+    else:
+        outs = (OutSlot(x.shape, out_dtype, 3, alias=True),)
+        outs += (OutSlot(x.shape, dtype, 1, alias=True),) if fused else ()
+        y, r_out = out, residual
+    r = residual if fused else x
+    spec = norm_spec(op, dtype, weight.dtype, hidden, out_dtype=out_dtype)
+    launch = _launch(spec, align, [x, r, y, r_out if fused else x],
+                     ["input", "residual", "out", "residual"])  # fmt: skip
+    p = launch.params
+
+    def run(stream, device, ptrs, scalars):
+        launch.lock.acquire()
+        try:
+            p.x, p.weight, p.bias, p.scale, p.out = ptrs[0], ptrs[2], ptrs[2], ptrs[4], ptrs[5]
+            p.residual = ptrs[1] if fused else ptrs[0]
+            p.residual_out = ptrs[6] if fused else ptrs[0]
+            p.eps, p.scale_value = scalars
+            launch(stream, device)
+        finally:
+            launch.lock.release()
+
+    return Prepared(outs, run, preload=launch.preload)
+
+
+_QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale"), _prepare_quant,
+            jax_static=_new_arrays)  # fmt: skip
+
+
+def _scale(scale) -> tuple:
+    """(array, value): a _quant op's scale as its slot (a float32 array of one element) or
+    its scalar (a number: the slot None)."""
+    if isinstance(scale, numbers.Real):
+        return None, float(scale)
+    return cast(scale, "float32"), 1.0
 
 
 def _shortcut(op: Op, slots: tuple, name: str) -> Shortcut:
@@ -226,6 +326,44 @@ def gemma_fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, enable_p
     return call(_FUSED, (input, residual, weight), ("gemma_fused_add_rmsnorm",), (float(eps),))
 
 
+def _quant_shortcut(slots: tuple, name: str) -> Shortcut:
+    """How a norm with an fp8 output calls its op, for its shortcut: the scale an array (a
+    number takes call()'s path)."""
+    return Shortcut(_QUANT, slots, f"({name!r}, out_dtype)", "(float(eps), 1.0)")
+
+
+@compilable("input", _quant_shortcut(("input", None, "weight", "out", "scale"), "rmsnorm_quant"))
+def rmsnorm_quant(out, input, weight, scale, eps: float = 1e-6, enable_pdl=None, *,
+                  out_dtype=None):  # fmt: skip
+    """RMSNorm with an fp8 output: out = fp8(rmsnorm(input, weight, eps) / scale).
+
+    The norm in fp32 as rmsnorm's, then divided by scale and rounded to out's fp8 type
+    (float8_e4m3fn or float8_e5m2), saturated to its largest finite value (NaN stays NaN).
+    out: [..., hidden] fp8, written; scale: a number or a float32 array of one element (read
+    on the device, as a calibrated scale lives there). CuPy has no fp8 dtype: give out as
+    uint8 storage and its type as out_dtype ("float8_e4m3fn" or "float8_e5m2"). Returns out
+    (FlashInfer's returns None; for JAX arrays, immutable, out is the new array).
+    """
+    scale_arr, value = _scale(scale)
+    return call(_QUANT, (input, None, weight, out, scale_arr), ("rmsnorm_quant", out_dtype),
+                (float(eps), value))  # fmt: skip
+
+
+@compilable("input", _quant_shortcut(("input", "residual", "weight", "out", "scale"),
+                                     "fused_add_rmsnorm_quant"))  # fmt: skip
+def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps: float = 1e-6,
+                            enable_pdl=None, *, out_dtype=None):  # fmt: skip
+    """residual += input; out = fp8(rmsnorm(residual, weight, eps) / scale). input is only read.
+
+    The sum is rounded to residual's dtype when stored and the norm reads the stored value,
+    as fused_add_rmsnorm's; out, scale and out_dtype as rmsnorm_quant's. Returns (out,
+    residual); for JAX arrays these are the new values.
+    """
+    scale_arr, value = _scale(scale)
+    return call(_QUANT, (input, residual, weight, out, scale_arr),
+                ("fused_add_rmsnorm_quant", out_dtype), (float(eps), value))  # fmt: skip
+
+
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:
     """The specs a model of this hidden size uses (for warmup)."""
     return [norm_spec(op, d, d, hidden) for d in dtypes for op in ("rmsnorm", "fused_add_rmsnorm")]
@@ -234,9 +372,11 @@ def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:
 __all__ = [
     "NormSpec",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_quant",
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
     "layernorm",
     "norm_spec",
     "rmsnorm",
+    "rmsnorm_quant",
 ]

@@ -7,7 +7,8 @@ paying one module-name test for it.
 
 Registered here: the norms, the gated activations, every RoPE form, the attention-state merges,
 the paged-cache append and index ops (functional, in-place and `out=` forms), and the samplers,
-renorms and softmax (three ops whose scalar-or-array parameters are split in two arguments).
+renorms, softmax and the norms with an fp8 output (ops whose scalar-or-array parameters are
+split in two arguments).
 The attention wrappers' run() is one op of its own (rtcinfer/torch_attention.py).
 """
 
@@ -117,6 +118,40 @@ _register(cascade.merge_sinks_in_place, "merge_sinks_in_place", mutated=("v", "s
 _register(cascade.merge_states, "merge_states", outputs=("v", "s"),
           fake=lambda v, s: (v.new_empty((v.shape[0], *v.shape[2:])),
                              s.new_empty((s.shape[0], *s.shape[2:]))))  # fmt: skip
+
+
+def _register_quant(public, residual: bool) -> None:
+    """A norm with an fp8 output (rmsnorm_quant, fused_add_rmsnorm_quant) as the custom op of
+    its name: its arguments in order, out (and the residual) written, the scale split into an
+    array and a number as the samplers' parameters (call_public routes it: _ROUTES)."""
+    name = public.__name__
+    res = "Tensor(b!) residual, " if residual else ""
+    schema = (f"(Tensor(a!) out, Tensor input, {res}Tensor weight, Tensor? scale_arr, "
+              "float scale, float eps, str? out_dtype) -> ()")  # fmt: skip
+
+    def run(out, input, *rest) -> None:
+        *front, scale_arr, scale, eps, out_dtype = rest
+        public(out, input, *front, _pick(scale_arr, scale), eps, out_dtype=out_dtype)
+
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run,
+                                 mutates_args=("out", "residual") if residual else ("out",),
+                                 schema=schema)  # fmt: skip
+    op.register_fake(lambda *a: None)
+
+    def route(out, input, weight, scale, eps, out_dtype=None, **fused):
+        front = (fused["residual"], weight) if residual else (weight,)
+        scale_arr, value = _split(scale)
+        op = getattr(getattr(torch.ops, _NAMESPACE), name)
+        op(out, input, *front, scale_arr, 1.0 if value is None else float(value), float(eps),
+           out_dtype)  # fmt: skip
+        return (out, front[0]) if residual else out
+
+    _ROUTES[name] = route
+
+
+_ROUTES: dict = {}  # public name -> its call under torch.compile, the bound arguments by name
+_register_quant(norm.rmsnorm_quant, residual=False)
+_register_quant(norm.fused_add_rmsnorm_quant, residual=True)
 
 
 def _append_pair(append_key, append_value, batch_indices, positions, k_cache, v_cache,
@@ -341,10 +376,13 @@ def call_public(public, args: tuple, kwargs: dict, name: str | None = None):
     bound = inspect.signature(public).bind(*args, **kwargs)
     bound.apply_defaults()
     values = dict(bound.arguments)
-    out = values.pop("out", None)
     for hint in _HINTS:
         values.pop(hint, None)
     name = name or public.__name__
+    route = _ROUTES.get(name)
+    if route is not None:
+        return route(**values)
+    out = values.pop("out", None)
     result = call(name, *values.values(), out=out)
     if result is not None:
         return result

@@ -55,3 +55,28 @@ def assert_close(
             f"{name} ({dtype}): {int(bad.sum())} of {a.size} elements off; worst at "
             f"{tuple(int(v) for v in worst)}: {a[worst]!r} vs {e[worst]!r} (tol {tol}); {pairs}"
         )
+
+
+def assert_fp8(actual, exact, dtype: str, name: str = "output") -> None:
+    """An fp8 result (`actual`: fp8 values, or their uint8 storage) is `exact` (float64, before
+    rounding) rounded to `dtype`: within reference.fp8_rounding_bounds; NaN where exact is."""
+    from rtcinfer.interop.dtypes import numpy_dtype
+
+    from .reference import fp8_rounding_bounds
+
+    host = actual.get() if type(actual).__module__.startswith("cupy") else actual
+    if getattr(host, "dtype", None) == np.uint8:
+        host = host.view(numpy_dtype(dtype))
+    a, e = to_host(host), np.asarray(exact, dtype=np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    lo, hi = fp8_rounding_bounds(e, dtype)
+    nan = np.isnan(e)
+    bad = np.where(nan, ~np.isnan(a), ~((lo <= a) & (a <= hi)))
+    if bad.any():
+        idx = np.argwhere(bad)[:5]
+        pairs = ", ".join(f"{tuple(int(v) for v in i)}: {a[tuple(i)]!r} not in "
+                          f"[{lo[tuple(i)]!r}, {hi[tuple(i)]!r}] (exact {e[tuple(i)]!r})"
+                          for i in idx)  # fmt: skip
+        raise AssertionError(
+            f"{name} ({dtype}): {int(bad.sum())} of {a.size} elements off; {pairs}"
+        )

@@ -210,6 +210,10 @@ FLASHINFER_0_7_2 = {
         ("input", "residual", "weight", "eps", "enable_pdl"),
         (),
     ),
+    "fused_add_rmsnorm_quant": (
+        ("out", "input", "residual", "weight", "scale", "eps", "enable_pdl"),
+        (),
+    ),
     "gelu_and_mul": (
         ("input", "out", "enable_pdl"),
         (),
@@ -261,6 +265,10 @@ FLASHINFER_0_7_2 = {
     ),
     "rmsnorm": (
         ("input", "weight", "eps", "out", "enable_pdl"),
+        (),
+    ),
+    "rmsnorm_quant": (
+        ("out", "input", "weight", "scale", "eps", "enable_pdl"),
         (),
     ),
     "sampling_from_logits": (
@@ -372,8 +380,8 @@ FLASHINFER_0_7_2_MODULES = {
     "decode": ("BatchDecodeWithPagedKVCacheWrapper",
                "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan",
                "single_decode_with_kv_cache"),
-    "norm": ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "layernorm",
-             "rmsnorm"),
+    "norm": ("fused_add_rmsnorm", "fused_add_rmsnorm_quant", "gemma_fused_add_rmsnorm",
+             "gemma_rmsnorm", "layernorm", "rmsnorm", "rmsnorm_quant"),
     "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),

@@ -20,9 +20,9 @@ from .fakes import cupy_without_a_gpu, fake_gpu
 
 cupy = pytest.importorskip("cupy")
 
-_OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
-        rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED, rtcinfer.attention.cascade._MERGE,
-        rtcinfer.attention.cascade._STATES)  # fmt: skip
+_OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
+        rtcinfer.activation._OP, rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
+        rtcinfer.attention.cascade._MERGE, rtcinfer.attention.cascade._STATES)  # fmt: skip
 
 
 @pytest.fixture
@@ -41,6 +41,8 @@ def _calls(empty):
     f16, i32 = np.float16, np.int32
     x, r = empty((3, 256), f16), empty((3, 256), f16)
     w = empty((256,), f16)
+    fp8, scale = empty((3, 256), np.uint8), empty((1,), np.float32)
+    e5m2 = {"out_dtype": "e5m2"}
     gate = empty((2, 512), f16)
     q, k, pos = empty((4, 8, 128), f16), empty((4, 2, 128), f16), empty((4,), i32)
     indptr, offsets = empty((3,), i32), empty((2,), i32)
@@ -51,6 +53,8 @@ def _calls(empty):
         ("rmsnorm, out given", rtcinfer.rmsnorm, (x, w), {"out": empty((3, 256), f16)}),
         ("gemma_rmsnorm", rtcinfer.gemma_rmsnorm, (x, w), {}),
         ("fused_add_rmsnorm", rtcinfer.fused_add_rmsnorm, (x, r, w), {}),
+        ("rmsnorm_quant", rtcinfer.rmsnorm_quant, (fp8, x, w, scale), {"out_dtype": "e4m3"}),
+        ("fused_add_rmsnorm_quant", rtcinfer.fused_add_rmsnorm_quant, (fp8, x, r, w, scale), e5m2),
         ("silu_and_mul", rtcinfer.silu_and_mul, (gate,), {}),
         ("silu_and_mul, out given", rtcinfer.silu_and_mul, (gate, empty((2, 256), f16)), {}),
         ("rope", rtcinfer.apply_rope_pos_ids_inplace, (q, k, pos), {"rope_theta": 5e5}),
@@ -73,7 +77,7 @@ def _blanked(record, results) -> tuple:
     return record.kernel.name, record.grid, record.block, blob
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(13))
 def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     name, public, args, kwargs = _calls(empty)[case]
     op_caches = [dict(op.cache) for op in _OPS]

@@ -49,6 +49,35 @@ def test_compile_traces_each_call_as_one_custom_op():
                    "rtcinfer.gelu_tanh_and_mul_out"]  # fmt: skip
 
 
+def test_the_norms_with_an_fp8_output_are_one_node_each():
+    """rmsnorm_quant and fused_add_rmsnorm_quant: out (and the residual) written in place, the
+    scale an array or a number (split in two arguments), out_dtype passed on."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(n for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(out, x, residual, w, scale):
+        rtcinfer.fused_add_rmsnorm_quant(out, x, residual, w, scale, 1e-5)
+        return rtcinfer.rmsnorm_quant(out, x, w, 0.5, out_dtype="float8_e4m3fn")
+
+    out = torch.empty(4, 64, device="meta", dtype=torch.float8_e4m3fn)
+    scale = torch.empty(1, device="meta", dtype=torch.float32)
+    got = torch.compile(step, fullgraph=True, backend=backend)(out, _meta(4, 64), _meta(4, 64),
+                                                               _meta(64), scale)  # fmt: skip
+    assert got.shape == (4, 64) and got.dtype == torch.float8_e4m3fn
+    nodes = [n for n in seen if str(n.target).startswith("rtcinfer.")]
+    assert [str(n.target) for n in nodes] == ["rtcinfer.fused_add_rmsnorm_quant",
+                                              "rtcinfer.rmsnorm_quant"]  # fmt: skip
+    assert nodes[0].args[4] is not None and nodes[0].args[5:] == (1.0, 1e-5, None)
+    assert nodes[1].args[3:] == (None, 0.5, 1e-6, "float8_e4m3fn")
+    for name, written in (("rmsnorm_quant", ["out"]),
+                          ("fused_add_rmsnorm_quant", ["out", "residual"])):  # fmt: skip
+        args = getattr(torch.ops.rtcinfer, name).default._schema.arguments
+        assert [a.name for a in args if a.alias_info and a.alias_info.is_write] == written
+
+
 def test_every_rope_form_is_one_node():
     seen = []
 
