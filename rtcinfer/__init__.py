@@ -17,6 +17,7 @@ if _gpu.nvidia_device_node():
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .attention.attention_sink import BatchAttentionWithAttentionSinkWrapper
 from .attention.batch_attention import BatchAttention
+from .attention.block_sparse import BlockSparseAttentionWrapper
 from .attention.cascade import (
     merge_sinks_in_place,
     merge_state,
@@ -69,6 +70,7 @@ __all__ = [
     "MultiLevelCascadeAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
+    "BlockSparseAttentionWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "append_paged_kv_cache",
     "check_errors",

@@ -418,3 +418,44 @@ def append_paged_kv_cache_ref(
         k_cache[dst] = keys[t].astype(k_cache.dtype)
         v_cache[dst] = values[t].astype(v_cache.dtype)
     return out
+
+
+# --- block-sparse attention ---
+
+
+def block_sparse_ref(q, k, v, indptr, indices, R: int, C: int, *, sm_scale: float, mask=None,
+                     causal: bool = False, logits_soft_cap: float = 0.0):  # fmt: skip
+    """Block-sparse attention as FlashInfer defines it: block row i, queries iR..min(iR + R, M)
+    of q [M, Hq, D], attends to the keys of its kept column blocks indices[indptr[i]:
+    indptr[i + 1]] in that order (block j: keys jC..jC + C of k, v [N, Hkv, D]), key c of a
+    kept block hidden where mask [nnz, R, C] is False; causal aligns the row's queries to the
+    bottom right of its kept keys. (o, lse) as attention_ref's."""
+    q, k, v = f64(q), f64(k), f64(v)
+    indptr, indices = np.asarray(indptr, np.int64), np.asarray(indices, np.int64)
+    M = q.shape[0]
+    o = np.zeros((M, q.shape[1], v.shape[2]))
+    lse = np.full((M, q.shape[1]), -np.inf)
+    for i in range(indptr.shape[0] - 1):
+        rows = np.arange(i * R, min(i * R + R, M))
+        blocks = indices[indptr[i] : indptr[i + 1]]
+        keys = (blocks[:, None] * C + np.arange(C)).reshape(-1)
+        seen = None
+        if mask is not None:
+            seen = np.asarray(mask)[indptr[i] : indptr[i + 1], : rows.size]  # [kept, rows, C]
+            seen = seen.transpose(1, 0, 2).reshape(rows.size, keys.size)
+        o[rows], lse[rows] = attention_ref(q[rows], k[keys], v[keys], sm_scale=sm_scale,
+                                           causal=causal, mask=seen,
+                                           logits_soft_cap=logits_soft_cap)  # fmt: skip
+    return o, lse
+
+
+def block_sparse_dense_mask(M: int, N: int, indptr, indices, R: int, C: int, mask=None):
+    """The M x N boolean matrix of the entries a block-sparse pattern keeps (and leaves
+    unmasked): its attention without causal masking is attention_ref with this mask."""
+    dense = np.zeros((M, N), bool)
+    for i in range(len(indptr) - 1):
+        rows = slice(i * R, min(i * R + R, M))
+        for n, j in enumerate(indices[indptr[i] : indptr[i + 1]]):
+            block = True if mask is None else np.asarray(mask)[indptr[i] + n, : min(R, M - i * R)]
+            dense[rows, j * C : (j + 1) * C] = block
+    return dense

@@ -32,6 +32,28 @@ FLASHINFER_0_7_2 = {
          "max_sequence_kv", "fixed_split_size", "disable_split_kv", "uniform_q_len"),
         (),
     ),
+    "BlockSparseAttentionWrapper.__init__": (
+        ("float_workspace_buffer", "backend"),
+        (),
+    ),
+    "BlockSparseAttentionWrapper.plan": (
+        ("indptr", "indices", "M", "N", "R", "C", "num_qo_heads", "num_kv_heads", "head_dim",
+         "mask", "packed_mask", "causal", "pos_encoding_mode", "use_fp16_qk_reduction",
+         "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta", "q_data_type",
+         "kv_data_type", "o_data_type", "non_blocking", "block_mask", "kv_block_lens",
+         "q2k_indices", "q2k_num", "kv_splits", "use_clc", "q_scale", "k_scale", "v_scale"),
+        (),
+    ),
+    "BlockSparseAttentionWrapper.run": (
+        ("q", "k", "v", "scale_q", "scale_k", "scale_v", "out", "lse", "return_lse",
+         "enable_pdl"),
+        (),
+    ),
+    "BlockSparseAttentionWrapper.forward": (
+        ("q", "k", "v", "scale_q", "scale_k", "scale_v", "pos_encoding_mode",
+         "use_fp16_qk_reduction", "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"),
+        (),
+    ),
     "fast_decode_plan": (
         ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
          "page_size", "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
@@ -342,6 +364,8 @@ FLASHINFER_0_7_2 = {
 # class -> its public methods and attributes
 FLASHINFER_0_7_2_METHODS = {
     "BatchAttention": ("plan", "prewarm_paged_kv_stride_variant", "run"),
+    "BlockSparseAttentionWrapper": ("begin_forward", "forward", "plan", "reset_workspace_buffer",
+                                    "run"),
     "BatchDecodeWithPagedKVCacheWrapper": (
         "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
         "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "resolved_backend", "run",
@@ -386,6 +410,7 @@ FLASHINFER_0_7_2_MODULES = {
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
     "quantization": ("packbits", "segment_packbits"),
+    "sparse": ("BlockSparseAttentionWrapper",),
     "rope": ("apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
              "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace",
              "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
