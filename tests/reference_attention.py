@@ -459,3 +459,21 @@ def block_sparse_dense_mask(M: int, N: int, indptr, indices, R: int, C: int, mas
             block = True if mask is None else np.asarray(mask)[indptr[i] + n, : min(R, M - i * R)]
             dense[rows, j * C : (j + 1) * C] = block
     return dense
+
+
+def multi_item_visible_ref(qo_len: int, kv_len: int, prefix_len: int, token_pos) -> np.ndarray:
+    """FlashInfer's multi-item scoring mask, element by element: bool [qo_len, kv_len]. Query i
+    sits at key position x = i + kv_len - qo_len; token t >= prefix_len is at position
+    token_pos[t - prefix_len] of its item (0: a delimiter). Key j is visible when j <= x, and,
+    for a query past the prefix, when j is in the prefix or x < j + token_pos[x - prefix_len]."""
+    visible = np.zeros((qo_len, kv_len), bool)
+    for i in range(qo_len):
+        x = i + kv_len - qo_len
+        for j in range(kv_len):
+            if j > x:
+                continue
+            if x < prefix_len or j < prefix_len:
+                visible[i, j] = True
+            else:
+                visible[i, j] = x < j + int(token_pos[x - prefix_len])
+    return visible

@@ -123,10 +123,10 @@ def test_paged_run_options_window_and_refusals():
         wrapper.run(q, cache, window_left=3)
     with pytest.raises(ValueError, match="not supported: kv_cache_sf"):
         wrapper.run(q, cache, kv_cache_sf=q)
-    with pytest.raises(ValueError, match="multi-item scoring"):
+    with pytest.raises(ValueError, match="multi-item scoring .prefix_len_ptr. defines the mask"):
         wrapper.plan(np.array([0, 3], np.int32), np.array([0, 2], np.int32),
                      np.array([1, 3], np.int32), np.array([5], np.int32), 8, 2, 128, 16,
-                     prefix_len_ptr=q)  # fmt: skip
+                     custom_mask=np.ones(15, bool), prefix_len_ptr=np.array([1]))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["sampling_from_probs", "top_k_sampling_from_probs",

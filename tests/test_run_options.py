@@ -65,19 +65,15 @@ def test_the_kernel_writes_its_own_form_and_given_hn_buffers_are_checked(kind):
         ro.kernel_lse(None, "ln", "TN", q_shape)
 
 
-def test_constructor_and_plan_options_without_a_counterpart_are_refused_by_name():
-    """The prefill wrappers' custom-variant options and plan()'s multi-item scoring share
-    run()'s refusal: each option given is named, under what it is."""
-    from rtcinfer.attention.prefill_args import check_backend, multi_item_scoring
+def test_constructor_options_without_a_counterpart_are_refused_by_name():
+    """The prefill wrappers' custom-variant options share run()'s refusal: each option given
+    is named, under what it is."""
+    from rtcinfer.attention.prefill_args import check_backend
 
     check_backend("fa3")
-    multi_item_scoring(None, None, 0, None)
     with pytest.raises(ValueError, match="custom attention variants not supported: "
                                          "jit_kwargs, variant_owns_mask$"):  # fmt: skip
         check_backend("auto", None, {"a": 1}, True)
-    with pytest.raises(ValueError, match="multi-item scoring not supported: "
-                                         "token_pos_in_items_len$"):  # fmt: skip
-        multi_item_scoring(None, None, 3, None)
 
 
 def test_refusals_scales_and_the_forward_check():

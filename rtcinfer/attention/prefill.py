@@ -8,9 +8,10 @@ single-request prefill (FlashInfer's names, argument meanings and defaults).
     o_i = softmax_j(s_ij) @ V;  lse_i = log2(sum_j exp(s_ij))   (0 and -inf without a key)
 
 Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
-causal mask. fp8 KV (kv_data_type float8_e4m3fn / float8_e5m2; k_scale and v_scale at
-run()) is widened to q's dtype in shared memory. Not built yet (a clear error when asked for):
-head_dim_vo != head_dim_qk, custom masks in CUDA-graph mode.
+causal mask; so does multi-item scoring (prefix_len_ptr and token_pos_in_items_ptr), the mask
+it defines built at plan() (attention/multi_item.py). fp8 KV (kv_data_type float8_e4m3fn /
+float8_e5m2; k_scale and v_scale at run()) is widened to q's dtype in shared memory. Not built
+yet (a clear error when asked for): head_dim_vo != head_dim_qk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
 from .decode_kernel import Config
 from .deprecated_forms import PagedForward, RaggedForward
+from .multi_item import scoring_masks
 from .paged_kv import (
     check_cache_view,
     check_paged_caches,
@@ -31,7 +33,7 @@ from .paged_kv import (
     paged_cache_fields,
 )
 from .planned import host_ints
-from .prefill_args import check_backend, multi_item_scoring, unsupported
+from .prefill_args import check_backend, unsupported
 from .prefill_plan import RAGGED_PAGE
 from .prefill_wrapper import PrefillWrapper
 from .run_options import refuse
@@ -65,8 +67,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
         FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
         ones without a counterpart here do)."""
         unsupported(head_dim_vo, head_dim_qk)
-        multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                           max_item_len_ptr)  # fmt: skip
         qo = host_ints("qo_indptr", qo_indptr)
         kv = host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -75,13 +75,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
                 f"qo_indptr ({qo.shape[0]} entries) and kv_indptr ({kv.shape[0]}) must describe "
                 "the same batch"
             )
+        items = (prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
+        masks, causal = scoring_masks(items, qo, kv_len, (custom_mask, packed_custom_mask),
+                                      causal)  # fmt: skip
         args = (num_qo_heads, num_kv_heads, head_dim_qk, RAGGED_PAGE, causal, pos_encoding_mode,
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
         batch = kv_len.shape[0]
-        self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args,
-                   (custom_mask, packed_custom_mask), fixed_split_size, disable_split_kv,
-                   int(kv[-1]))  # fmt: skip
+        self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args, masks,
+                   fixed_split_size, disable_split_kv, int(kv[-1]))  # fmt: skip
 
     def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
@@ -157,8 +159,6 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
         FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
         ones without a counterpart here do)."""
         unsupported(head_dim_vo, head_dim_qk)
-        multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                           max_item_len_ptr)  # fmt: skip
         qo = host_ints("qo_indptr", qo_indptr)
         indptr = host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = host_ints("paged_kv_indices", paged_kv_indices, widen=False)
@@ -172,11 +172,14 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
         _, _, kv_len, _ = _pages_and_lens(indptr, last, max(page, 1))
         indices, max_page = page_table_ids(indices, int(indptr[-1]),
                                            ("paged_kv_indices", "paged_kv_indptr"))  # fmt: skip
+        items = (prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
+        masks, causal = scoring_masks(items, qo, kv_len, (custom_mask, packed_custom_mask),
+                                      causal)  # fmt: skip
         args = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, pos_encoding_mode,
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
-        self._plan(qo, kv_len, indptr[:-1], indices, args, (custom_mask, packed_custom_mask),
-                   fixed_split_size, disable_split_kv, max_page + 1)  # fmt: skip
+        self._plan(qo, kv_len, indptr[:-1], indices, args, masks, fixed_split_size,
+                   disable_split_kv, max_page + 1)  # fmt: skip
 
     def workspace_size(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,

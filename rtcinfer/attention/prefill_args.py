@@ -58,18 +58,9 @@ seq_lens, seq_lens_q, block_tables, max_token_per_sequence, max_sequence_kv, v_i
     them; the backends here are those two, so they are ignored.
 uniform_q_len: a hint for FlashInfer's fa2 CUDA-graph scheduler; ignored (the plan sees the
     query lengths themselves).
-prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr: multi-item
-    scoring, not supported: a value other than the default raises.
+max_item_len_ptr: a hint for FlashInfer's multi-item scoring kernel; ignored (the mask is
+    built from prefix_len_ptr and token_pos_in_items_ptr: attention/multi_item.py).
 """
-
-
-def multi_item_scoring(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                       max_item_len_ptr) -> None:  # fmt: skip
-    """FlashInfer's multi-item scoring arguments, refused unless left at their defaults."""
-    refuse("multi-item scoring", prefix_len_ptr=prefix_len_ptr,
-           token_pos_in_items_ptr=token_pos_in_items_ptr,
-           token_pos_in_items_len=token_pos_in_items_len or None,
-           max_item_len_ptr=max_item_len_ptr)  # fmt: skip
 
 
 def unsupported(head_dim_vo, head_dim_qk) -> None:
