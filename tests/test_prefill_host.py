@@ -516,8 +516,8 @@ def test_warps_take_32_rows_where_that_was_measured_faster(tile_rows, head_dim, 
 def test_flashinfer_plan_arguments_bind_in_its_order(wrappers):
     """FlashInfer 0.7.2's positional order: ragged (..., pos_encoding_mode,
     use_fp16_qk_reduction, window_left, ...), paged (..., use_fp16_qk_reduction, sm_scale,
-    window_left, ...); its backend-specific arguments are taken and ignored, multi-item scoring
-    refused."""
+    window_left, ...); its backend-specific arguments are taken and ignored; multi-item
+    scoring plans a custom mask (causal off), its arrays refused without prefix_len_ptr."""
     prefill, _ = wrappers
     ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
     ragged.plan([0, 4], [0, 8], 8, 2, 128, None, None, None, True, "NONE", True, 17,
@@ -529,8 +529,13 @@ def test_flashinfer_plan_arguments_bind_in_its_order(wrappers):
                0.125, 5, q_data_type="bfloat16", block_tables=[[0]])  # fmt: skip
     attn = paged._launch.cfg.attn
     assert (attn.sm_scale, attn.window_left) == (0.125, 5)
-    with pytest.raises(ValueError, match="multi-item scoring .*token_pos_in_items_len"):
+    with pytest.raises(ValueError, match="token_pos_in_items_len need prefix_len_ptr"):
         paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, token_pos_in_items_len=3)
+    paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 128, 16, causal=True, q_data_type="bfloat16",
+               prefix_len_ptr=[2], token_pos_in_items_ptr=[0, 1, 2, 0, 1, 0],
+               token_pos_in_items_len=6)  # fmt: skip
+    cfg = paged._launch.cfg
+    assert cfg.custom_mask and not cfg.causal
 
 
 def test_flashinfer_run_options_refused_or_checked_before_any_launch(wrappers):
