@@ -48,6 +48,7 @@ from .attention.single_prefill import (
     single_prefill_with_kv_cache,
     single_prefill_with_kv_cache_return_lse,
 )
+from .attention.variable_block_sparse import VariableBlockSparseAttentionWrapper
 from .bitpack import packbits, segment_packbits
 from .errors import BadIndexError, check_errors
 from .norm import (
@@ -72,6 +73,7 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BlockSparseAttentionWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "VariableBlockSparseAttentionWrapper",
     "append_paged_kv_cache",
     "check_errors",
     "get_batch_indices_positions",

@@ -477,3 +477,32 @@ def multi_item_visible_ref(qo_len: int, kv_len: int, prefix_len: int, token_pos)
             else:
                 visible[i, j] = x < j + int(token_pos[x - prefix_len])
     return visible
+
+
+def variable_block_sparse_ref(q, k, v, block_mask_map, block_row_sz, block_col_sz, *,
+                              sm_scale: float, causal: bool = False):  # fmt: skip
+    """FlashInfer's variable block-sparse attention: q [Hq, L, D], k, v [Hkv, Lk, D]; kv head
+    h's row block r (its block_row_sz[h][r] queries, of each query head of h's group) attends
+    to the keys of the column blocks c with block_mask_map[h][r][c], in column order; causal
+    aligns the block's queries to the bottom right of its kept keys. (o [Hq, L, D], lse
+    [Hq, L]) as attention_ref's."""
+    q, k, v = f64(q), f64(k), f64(v)
+    hq, L, _ = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    o = np.zeros((hq, L, v.shape[2]))
+    lse = np.full((hq, L), -np.inf)
+    for h in range(hkv):
+        row0, col0 = np.cumsum(block_row_sz[h]) - block_row_sz[h], np.cumsum(block_col_sz[h])
+        col0 = col0 - np.asarray(block_col_sz[h])
+        for r, n in enumerate(block_row_sz[h]):
+            rows = np.arange(row0[r], row0[r] + n)
+            keys = [np.arange(col0[c], col0[c] + block_col_sz[h][c])
+                    for c in range(len(block_col_sz[h])) if block_mask_map[h][r][c]]  # fmt: skip
+            keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+            heads = slice(h * g, (h + 1) * g)
+            oi, li = attention_ref(q[heads, rows].transpose(1, 0, 2), k[h, keys][:, None],
+                                   v[h, keys][:, None], sm_scale=sm_scale,
+                                   causal=causal)  # fmt: skip
+            o[heads, rows], lse[heads, rows] = oi.transpose(1, 0, 2), li.T
+    return o, lse

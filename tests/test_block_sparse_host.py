@@ -47,7 +47,7 @@ def _paged_semantics(planned, q, k_pages, v_pages, sm_scale):
         keys = aref.gather_pages_ref(k_pages, pages, "NHD", kv_len)
         values = aref.gather_pages_ref(v_pages, pages, "NHD", kv_len)
         seen = None
-        if kw["custom_mask"] is not None:
+        if kw.get("custom_mask") is not None:
             seen = kw["custom_mask"][bits : bits + rows.size * kv_len].reshape(rows.size, kv_len)
             bits += rows.size * kv_len
         o[rows], lse[rows] = aref.attention_ref(q[rows], keys, values, sm_scale=sm_scale,

@@ -54,6 +54,25 @@ FLASHINFER_0_7_2 = {
          "use_fp16_qk_reduction", "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"),
         (),
     ),
+    "VariableBlockSparseAttentionWrapper.__init__": (
+        ("float_workspace_buffer", "backend"),
+        (),
+    ),
+    "VariableBlockSparseAttentionWrapper.plan": (
+        ("block_mask_map", "block_row_sz", "block_col_sz", "num_qo_heads", "num_kv_heads",
+         "head_dim", "causal", "pos_encoding_mode", "use_fp16_qk_reduction", "logits_soft_cap",
+         "sm_scale", "rope_scale", "rope_theta", "non_blocking", "q_data_type", "kv_data_type"),
+        (),
+    ),
+    "VariableBlockSparseAttentionWrapper.run": (
+        ("q", "k", "v", "out", "lse", "return_lse", "enable_pdl"),
+        (),
+    ),
+    "VariableBlockSparseAttentionWrapper.forward": (
+        ("q", "k", "v", "pos_encoding_mode", "use_fp16_qk_reduction", "logits_soft_cap",
+         "sm_scale", "rope_scale", "rope_theta"),
+        (),
+    ),
     "fast_decode_plan": (
         ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
          "page_size", "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type",
@@ -366,6 +385,7 @@ FLASHINFER_0_7_2_METHODS = {
     "BatchAttention": ("plan", "prewarm_paged_kv_stride_variant", "run"),
     "BlockSparseAttentionWrapper": ("begin_forward", "forward", "plan", "reset_workspace_buffer",
                                     "run"),
+    "VariableBlockSparseAttentionWrapper": ("forward", "plan", "reset_workspace_buffer", "run"),
     "BatchDecodeWithPagedKVCacheWrapper": (
         "begin_forward", "forward", "forward_return_lse", "is_cuda_graph_enabled", "plan",
         "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "resolved_backend", "run",
@@ -410,7 +430,7 @@ FLASHINFER_0_7_2_MODULES = {
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
     "quantization": ("packbits", "segment_packbits"),
-    "sparse": ("BlockSparseAttentionWrapper",),
+    "sparse": ("BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper"),
     "rope": ("apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",
              "apply_llama31_rope_pos_ids_inplace", "apply_rope", "apply_rope_inplace",
              "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_rope_with_cos_sin_cache",
