@@ -75,6 +75,7 @@ def test_bad_patterns_and_options_are_refused():
         ((keep, np.array([[4, 4], [4, 3]]), cols, 4, 2, 8), ValueError,
          r"block_row_sz: every kv head's blocks must add up .* \[8, 7\]"),
         ((keep, rows, -cols, 4, 2, 8), ValueError, "block_col_sz: expected non-negative"),
+        ((keep, rows * 1.0, cols, 4, 2, 8), TypeError, "block_row_sz: expected integer sizes"),
     ]  # fmt: skip
     for args, error, match in cases:
         with pytest.raises(error, match=match):

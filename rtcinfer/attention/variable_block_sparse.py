@@ -107,8 +107,11 @@ def _pattern(block_mask_map, block_row_sz, block_col_sz, hkv: int):
     """(kept bool [Hkv, MB, NB], rows int64 [Hkv, MB], cols int64 [Hkv, NB]) on the host,
     checked: the shapes agree, sizes are not negative, every kv head covers the same L x Lk."""
     kept = np.asarray(to_numpy(block_mask_map))
-    rows = np.asarray(to_numpy(block_row_sz)).astype(np.int64)
-    cols = np.asarray(to_numpy(block_col_sz)).astype(np.int64)
+    rows, cols = (np.asarray(to_numpy(x)) for x in (block_row_sz, block_col_sz))
+    for name, x in (("block_row_sz", rows), ("block_col_sz", cols)):
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected integer sizes, got {x.dtype}")
+    rows, cols = rows.astype(np.int64), cols.astype(np.int64)
     if kept.dtype != np.bool_ or kept.ndim != 3 or kept.shape[0] != hkv:
         raise ValueError(f"block_mask_map: expected bool [num_kv_heads = {hkv}, MB, NB], got "
                          f"{kept.dtype} {kept.shape}")  # fmt: skip
