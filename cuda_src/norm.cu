@@ -19,7 +19,8 @@
 // QUANT), QUANT, HIDDEN, VEC, LOAD_VEC, THREADS.
 
 static_assert(HIDDEN % VEC == 0 && VEC % LOAD_VEC == 0, "VEC divides HIDDEN, LOAD_VEC VEC");
-static_assert(QUANT == is_fp8<OT>() && (QUANT || IsSame<OT, T>::value), "out: T, or fp8 with QUANT");
+static_assert(QUANT == is_fp8<OT>() && (QUANT || IsSame<OT, T>::value),
+              "out: T, or fp8 with QUANT");
 constexpr int NVEC = HIDDEN / VEC;
 constexpr int ITEMS = (NVEC + THREADS - 1) / THREADS;
 constexpr bool FUSED = OP == NormOp::FUSED_ADD_RMS || OP == NormOp::GEMMA_FUSED_ADD_RMS;
@@ -112,6 +113,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
       if constexpr (LAYER) load_vec(b_ahead[i], bias + col(i));
     }
   }
+  // The fp8 output's scale, loaded beside the row (its reciprocal is taken after the sums).
+  const float scale_in = !QUANT ? 1.f : p.scale != nullptr ? __ldg(p.scale) : p.scale_value;
   cp_async_wait_all();
 
   if constexpr (FUSED) {  // x + residual, rounded to T, stored as the new residual
@@ -152,8 +155,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) norm_kernel(const __grid_c
     }
   }
   const float inv_rms = rsqrtf(block_sum<THREADS>(sq, scratch) * (1.f / HIDDEN) + p.eps);
-  // Read after the reduction: its latency hides behind the row's loads and the barriers.
-  const float out_scale = QUANT ? 1.f / (p.scale != nullptr ? *p.scale : p.scale_value) : 1.f;
+  const float out_scale = 1.f / scale_in;  // here, not at the load: no wait on it before
 
   OT* o_row = out + row_offset(row, n1, p.os0, p.os1);
 #pragma unroll
