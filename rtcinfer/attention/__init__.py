@@ -1,7 +1,8 @@
-"""Attention over paged and contiguous KV caches: batch and single decode and prefill, the
-merge of attention states (cascade, attention sinks), and the paged cache's bookkeeping
-(append, lengths, positions). As a module it also holds FlashInfer's `flashinfer.attention`
-names (BatchAttention, BatchAttentionWithAttentionSinkWrapper)."""
+"""Attention over paged and contiguous KV caches: batch and single decode and prefill,
+block-sparse attention on the paged prefill, the merge of attention states (cascade, attention
+sinks), and the paged cache's bookkeeping (append, lengths, positions). As a module it also
+holds FlashInfer's `flashinfer.attention` names (BatchAttention,
+BatchAttentionWithAttentionSinkWrapper)."""
 
 
 def __getattr__(name: str):
