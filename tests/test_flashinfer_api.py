@@ -2,7 +2,7 @@
 from flashinfer-python 0.7.2.post1's sources): every FlashInfer parameter is accepted under its
 name, FlashInfer's positional parameters are positional here in the same order (a call written
 for FlashInfer binds each argument to the same parameter), and the wrappers have FlashInfer's
-methods, but for the backend-specific ones in NOT_PROVIDED."""
+methods."""
 
 import importlib
 import inspect
@@ -443,9 +443,6 @@ FLASHINFER_0_7_2_MODULES = {
 }
 # fmt: on
 
-# The backend FlashInfer resolved (one kernel family here)
-NOT_PROVIDED = {"resolved_backend"}
-
 
 def _ours(name: str):
     owner, _, method = name.partition(".")
@@ -476,8 +473,7 @@ def test_flashinfer_calls_bind_the_same_parameters(name):
 @pytest.mark.parametrize("cls", sorted(FLASHINFER_0_7_2_METHODS))
 def test_wrappers_have_flashinfer_methods(cls):
     ours = getattr(rtcinfer, cls)
-    missing = [m for m in FLASHINFER_0_7_2_METHODS[cls]
-               if m not in NOT_PROVIDED and not hasattr(ours, m)]  # fmt: skip
+    missing = [m for m in FLASHINFER_0_7_2_METHODS[cls] if not hasattr(ours, m)]
     assert not missing, f"{cls} lacks {missing}"
 
 
@@ -503,3 +499,24 @@ def test_flashinfer_module_paths(module):
     ours = importlib.import_module(f"rtcinfer.{module}")
     for name in FLASHINFER_0_7_2_MODULES[module]:
         assert getattr(ours, name) is getattr(rtcinfer, name), f"rtcinfer.{module}.{name}"
+
+
+def test_resolved_backend_names_the_kernel_family():
+    """FlashInfer's names: the CUDA-core decode "fa2"; the tensor-core route the prefill
+    kernel's family ("fa3": warpgroup MMAs, "fa2": mma.sync), "auto" before a plan; a backend
+    given by name reports itself."""
+    from types import SimpleNamespace
+
+    wrapper = object.__new__(rtcinfer.BatchDecodeWithPagedKVCacheWrapper)
+    wrapper._backend, wrapper._tc = "auto", None
+    assert wrapper.resolved_backend == "fa2"
+    wrapper._tc = SimpleNamespace(_launch=None)
+    assert wrapper.resolved_backend == "auto"
+    for wgmma, name in ((True, "fa3"), (False, "fa2")):
+        spec = SimpleNamespace(wgmma=wgmma)
+        wrapper._tc._launch = SimpleNamespace(
+            launch=SimpleNamespace(kernel=SimpleNamespace(spec=spec))
+        )
+        assert wrapper.resolved_backend == name
+    wrapper._backend = "fa2"
+    assert wrapper.resolved_backend == "fa2"

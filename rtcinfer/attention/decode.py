@@ -122,6 +122,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         paged_kv_last_page_len_buffer=None, backend="auto", jit_args=None,
     ):  # fmt: skip
         check_backend(backend, jit_args)
+        self._backend = backend
         workspace = float_workspace_buffer
         super().__init__(workspace, kv_layout, use_cuda_graph)
         if self._graph:
@@ -156,6 +157,21 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
     def use_tensor_cores(self) -> bool:
         """Whether plan() and run() go through the prefill kernel (use_tensor_cores=True)."""
         return self._tc is not None
+
+    @property
+    def resolved_backend(self) -> str:
+        """FlashInfer's name for what backend="auto" resolved to: "fa2" for the CUDA-core
+        decode; with use_tensor_cores=True the prefill kernel the latest plan launches, "fa3"
+        where it multiplies with warpgroup MMAs (sm_90a), "fa2" where with mma.sync ("auto"
+        before the first plan). A backend given by name reports itself, as FlashInfer's."""
+        if self._backend != "auto":
+            return self._backend
+        if self._tc is None:
+            return "fa2"
+        planned = self._tc._launch
+        if planned is None:
+            return "auto"
+        return "fa3" if planned.launch.kernel.spec.wgmma else "fa2"
 
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
         """PlannedWrapper.reset_workspace_buffer, for the prefill wrapper of
