@@ -87,3 +87,26 @@ def test_bad_patterns_and_options_are_refused():
         w.run(np.zeros((4, 7, 8)), np.zeros((2, 6, 8)), np.zeros((2, 6, 8)))
     with pytest.raises(ValueError, match="not supported: out"):
         w.run(np.zeros((4, 8, 8)), np.zeros((2, 6, 8)), np.zeros((2, 6, 8)), out=np.zeros(1))
+
+
+def test_kept_keys_is_each_requests_columns_in_order():
+    """The vectorized page list against a loop over (kv head, row block, column block), with
+    empty blocks and empty requests among them."""
+    from rtcinfer.attention.variable_block_sparse import _kept_keys
+
+    rng = np.random.default_rng(3)
+    hkv, mb, nb = 3, 5, 7
+    cols = rng.integers(0, 4, (hkv, nb))
+    cols[:, -1] += 20 - cols.sum(1)  # every head's columns add up to 20
+    kept = rng.random((hkv, mb, nb)) < 0.4
+    lengths, pages = _kept_keys(kept, cols, 20)
+    want = []
+    for h in range(hkv):
+        starts = np.cumsum(cols[h]) - cols[h]
+        for r in range(mb):
+            keys = [h * 20 + s + i for c in range(nb) if kept[h, r, c]
+                    for s in [starts[c]] for i in range(cols[h, c])]  # fmt: skip
+            want.append(keys)
+    assert lengths.tolist() == [len(k) for k in want]
+    assert pages.tolist() == [p for k in want for p in k]
+    assert _kept_keys(np.zeros((2, 2, 2), bool), np.ones((2, 2), int), 2)[1].size == 0

@@ -48,18 +48,9 @@ class VariableBlockSparseAttentionWrapper:
                              f"({num_kv_heads})")  # fmt: skip
         kept, rows, cols = _pattern(block_mask_map, block_row_sz, block_col_sz, hkv)
         L, Lk = int(rows[0].sum()), int(cols[0].sum())
-        col_start = np.cumsum(cols, axis=1) - cols  # [Hkv, NB]: each column block's first key
-        tokens = []  # each request's keys, as page ids: kv head h's key j is page h * Lk + j
-        for h in range(hkv):
-            ranges = [h * Lk + np.arange(s, s + n)
-                      for s, n in zip(col_start[h], cols[h], strict=True)]  # fmt: skip
-            for r in range(rows.shape[1]):
-                picked = [ranges[c] for c in np.flatnonzero(kept[h, r])]
-                tokens.append(np.concatenate(picked) if picked else np.zeros(0, np.int64))
-        lengths = np.array([t.size for t in tokens], np.int64)
+        lengths, indices = _kept_keys(kept, cols, Lk)
         qo_indptr = np.concatenate([[0], np.cumsum(rows.reshape(-1))])
         indptr = np.concatenate([[0], np.cumsum(lengths)])
-        indices = np.concatenate(tokens) if tokens else np.zeros(0, np.int64)
         self._prefill.plan(qo_indptr, indptr, indices, np.ones(lengths.size, np.int64),
                            int(num_qo_heads) // hkv, 1, head_dim, 1, causal=causal,
                            pos_encoding_mode=pos_encoding_mode,
@@ -126,6 +117,20 @@ def _pattern(block_mask_map, block_row_sz, block_col_sz, hkv: int):
             raise ValueError(f"{name}: every kv head's blocks must add up to the same length, "
                              f"got {totals.tolist()}")  # fmt: skip
     return kept, rows, cols
+
+
+def _kept_keys(kept, cols, Lk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys a request, page ids) of the (kv head, row block) requests in that order: request
+    (h, r) holds the keys of the column blocks c with kept[h, r, c], in column order, kv head
+    h's key j being page h * Lk + j."""
+    hkv, mb, _ = kept.shape
+    h, r, c = np.nonzero(kept)  # row-major: by request, then by column
+    sizes = cols[h, c]
+    first = h * Lk + (np.cumsum(cols, axis=1) - cols)[h, c]  # each kept block's first page
+    ends = np.cumsum(sizes)
+    pages = np.repeat(first - (ends - sizes), sizes) + np.arange(int(ends[-1]) if ends.size else 0)
+    lengths = np.bincount(h * mb + r, weights=sizes, minlength=hkv * mb).astype(np.int64)
+    return lengths, pages.astype(np.int64)
 
 
 def _check_shape(name: str, x, shape: tuple) -> None:
