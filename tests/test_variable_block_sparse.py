@@ -23,16 +23,22 @@ def _sizes(rng, total: int, blocks: int, heads: int) -> np.ndarray:
                                   axis=1))  # fmt: skip
 
 
+def _problem(rng, hq, hkv, L, Lk, d, blocks):
+    """(rows, cols, keep, q, k, v): `blocks` (row, column) blocks a kv head, about 40% kept."""
+    rows, cols = _sizes(rng, L, blocks[0], hkv), _sizes(rng, Lk, blocks[1], hkv)
+    keep = rng.random((hkv, *blocks)) < 0.4
+    q = random_values(rng, (hq, L, d), "bfloat16")
+    k = random_values(rng, (hkv, Lk, d), "bfloat16")
+    v = random_values(rng, (hkv, Lk, d), "bfloat16")
+    return rows, cols, keep, q, k, v
+
+
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_variable_block_sparse(hq, hkv, causal):
     rng = np.random.default_rng(hq + 3 * hkv + causal)
     L, Lk, d = 300, 500, 128
-    rows, cols = _sizes(rng, L, 6, hkv), _sizes(rng, Lk, 9, hkv)
-    keep = rng.random((hkv, 6, 9)) < 0.4
-    q = random_values(rng, (hq, L, d), "bfloat16")
-    k = random_values(rng, (hkv, Lk, d), "bfloat16")
-    v = random_values(rng, (hkv, Lk, d), "bfloat16")
+    rows, cols, keep, q, k, v = _problem(rng, hq, hkv, L, Lk, d, (6, 9))
     wrapper = rtcinfer.VariableBlockSparseAttentionWrapper()
     wrapper.plan(to_gpu(keep), to_gpu(rows.astype(np.int32)), to_gpu(cols.astype(np.int32)),
                  hq, hkv, d, causal=causal, q_data_type="bfloat16")  # fmt: skip
@@ -49,11 +55,7 @@ def test_pytorch_inputs():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(5)
     hq, hkv, L, Lk, d = 8, 2, 128, 128, 64
-    rows, cols = _sizes(rng, L, 4, hkv), _sizes(rng, Lk, 4, hkv)
-    keep = rng.random((hkv, 4, 4)) < 0.5
-    q = random_values(rng, (hq, L, d), "bfloat16")
-    k = random_values(rng, (hkv, Lk, d), "bfloat16")
-    v = random_values(rng, (hkv, Lk, d), "bfloat16")
+    rows, cols, keep, q, k, v = _problem(rng, hq, hkv, L, Lk, d, (4, 4))
     wrapper = rtcinfer.VariableBlockSparseAttentionWrapper()
     wrapper.plan(keep, rows, cols, hq, hkv, d, q_data_type="bfloat16")
     o = wrapper.run(*(torch.from_dlpack(to_gpu(x)) for x in (q, k, v)))
