@@ -235,3 +235,31 @@ def test_plans_on_the_device_and_plan_arrays_are_one_node_each(planned):
              o_data_type="float16")  # fmt: skip
     compiled(*args)
     assert len(graphs) == 1
+
+
+def test_block_sparse_runs_compile_to_one_run_each(planned):
+    """The block-sparse wrappers' run(): their views (and the variable form's GQA layout
+    copies) around one attention_run node, no graph break, outputs in the caller's layout."""
+    import rtcinfer
+
+    bsr = rtcinfer.BlockSparseAttentionWrapper()
+    bsr.plan(np.array([0, 1, 3]), np.array([1, 0, 1]), 8, 8, 4, 4, 8, 2, 64,
+             q_data_type="bfloat16", o_data_type="bfloat16")  # fmt: skip
+    variable = rtcinfer.VariableBlockSparseAttentionWrapper()
+    variable.plan(np.ones((2, 2, 3), bool), np.array([[3, 5], [4, 4]]),
+                  np.array([[2, 2, 4], [1, 6, 1]]), 8, 2, 64, q_data_type="bfloat16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, v, q_heads, k_heads, v_heads):
+        o, lse = bsr.run(q, k, v, return_lse=True)
+        return o, lse, variable.run(q_heads, k_heads, v_heads)
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    o, lse, o_heads = compiled(meta(8, 8, 64), meta(8, 2, 64), meta(8, 2, 64), meta(8, 8, 64),
+                               meta(2, 8, 64), meta(2, 8, 64))  # fmt: skip
+    assert o.shape == (8, 8, 64) and lse.shape == (8, 8) and o_heads.shape == (8, 8, 64)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.attention_run"] * 2
