@@ -116,3 +116,34 @@ def test_bad_patterns_are_refused_by_name():
             w.plan(**{**ok, **change})
     with pytest.raises(RuntimeError, match="plan"):
         _wrapper().run("q", np.zeros((8, 1, 8)), np.zeros((8, 1, 8)))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_patterns_and_options(seed):
+    """Random block sizes (1 x 1 up to ones larger than the matrix's rows), sparse and dense
+    patterns, masks, causal: the planned batch, by the paged wrapper's contract, is the block-
+    sparse attention by block rows (and, without causal, the dense matrix of kept entries)."""
+    rng = np.random.default_rng(1000 + seed)
+    R, C = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    M, N = int(rng.integers(0, 40)), C * int(rng.integers(1, 7))
+    MB, NB = -(-M // R), N // C
+    keep = rng.random((MB, NB)) < rng.choice([0.0, 0.3, 1.0])
+    indptr = np.concatenate([[0], np.cumsum(keep.sum(1))]).astype(np.int64)
+    indices = np.concatenate([rng.permutation(np.flatnonzero(r)) for r in keep] +
+                             [np.zeros(0, np.int64)]).astype(np.int32)  # fmt: skip
+    mask = rng.random((indices.size, R, C)) < 0.6 if rng.random() < 0.5 else None
+    causal = bool(rng.random() < 0.5) and mask is None  # a custom mask replaces causal
+    q = rng.standard_normal((M, 2, 8))
+    k, v = rng.standard_normal((N, 1, 8)), rng.standard_normal((N, 1, 8))
+    w = _wrapper()
+    w.plan(indptr, indices, M, N, R, C, 2, 1, 8, mask=mask, causal=causal)
+    got = _paged_semantics(w._prefill.planned, q, k.reshape(NB, C, 1, 8), v.reshape(NB, C, 1, 8),
+                           0.5)  # fmt: skip
+    want = aref.block_sparse_ref(q, k, v, indptr, indices, R, C, sm_scale=0.5, mask=mask,
+                                 causal=causal)  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    if not causal:
+        dense = aref.block_sparse_dense_mask(M, N, indptr, indices, R, C, mask)
+        o_dense, _ = aref.attention_ref(q, k, v, sm_scale=0.5, mask=dense)
+        np.testing.assert_allclose(got[0], o_dense, atol=1e-12)
