@@ -106,9 +106,10 @@ def test_bad_patterns_are_refused_by_name():
         (dict(N=10), ValueError, r"N \(10\) must be a multiple of the block columns C \(4\)"),
         (dict(M=12), ValueError, r"indptr: expected ceil\(M / R\) \+ 1 = 4 entries"),
         (dict(indices=np.array([0, 2])), ValueError, "column block 2 is outside 0..1"),
-        (dict(indices=np.array([0])), ValueError, "indptr keeps 2 blocks, got 1 indices"),
-        (dict(R=0), ValueError, "at least 1 x 1"),
-        (dict(M=8.0), TypeError, "M: expected a non-negative int"),
+        (dict(indices=np.array([0, -1])), ValueError, r"indices\[1\] \(-1\) is not a valid"),
+        (dict(indices=np.array([0])), ValueError, r"indices must have at least indptr\[-1\] \(2\)"),
+        (dict(R=0), ValueError, "R must be >= 1, got 0"),
+        (dict(M=8.0), TypeError, "M must be an integer, got 8.0"),
         (dict(mask=np.ones((2, 4, 3), bool)), ValueError, r"mask: expected bool \[2, 4, 4\]"),
     ]
     for change, error, match in cases:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..interop.arrays import to_numpy
+from ..plan._checks import as_int
+from .paged_kv import page_table_ids
 from .planned import host_ints
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .run_options import refuse
@@ -55,9 +57,8 @@ class BlockSparseAttentionWrapper:
                kv_block_lens=kv_block_lens, q2k_indices=q2k_indices, q2k_num=q2k_num,
                kv_splits=kv_splits, use_clc=use_clc, q_scale=q_scale, k_scale=k_scale,
                v_scale=v_scale)  # fmt: skip
-        M, N, R, C = (_count(name, x) for name, x in (("M", M), ("N", N), ("R", R), ("C", C)))
-        if R < 1 or C < 1:
-            raise ValueError(f"the block size R x C must be at least 1 x 1, got {R} x {C}")
+        M, N = as_int("M", M, minimum=0), as_int("N", N, minimum=0)
+        R, C = as_int("R", R, minimum=1), as_int("C", C, minimum=1)
         if N % C:
             raise ValueError(f"N ({N}) must be a multiple of the block columns C ({C})")
         rows_ptr = host_ints("indptr", indptr)
@@ -68,12 +69,9 @@ class BlockSparseAttentionWrapper:
                 f"indptr: expected ceil(M / R) + 1 = {row_blocks + 1} entries (M = {M} rows in "
                 f"blocks of {R}), got {rows_ptr.shape[0]}"
             )
-        kept = int(rows_ptr[-1]) if rows_ptr.size else 0
-        if kept > blocks.shape[0]:
-            raise ValueError(f"indices: indptr keeps {kept} blocks, got {blocks.shape[0]} indices")
-        if kept and not (0 <= blocks[:kept].min() and blocks[:kept].max() < N // C):
-            bad = blocks[:kept][(blocks[:kept] < 0) | (blocks[:kept] >= N // C)][0]
-            raise ValueError(f"indices: column block {int(bad)} is outside 0..{N // C - 1}")
+        blocks, largest = page_table_ids(blocks, int(rows_ptr[-1]))  # the kept ones, ids >= 0
+        if largest >= N // C:  # run() checks the pages against k and v; N is known here
+            raise ValueError(f"indices: column block {largest} is outside 0..{N // C - 1}")
         qo_indptr = np.minimum(np.arange(row_blocks + 1, dtype=np.int64) * R, M)
         custom = None
         if mask is not None and packed_mask is None:
@@ -121,12 +119,6 @@ class BlockSparseAttentionWrapper:
             raise ValueError(f"{name}: expected shape ({self.N}, num_kv_heads, head_dim), got "
                              f"{shape}")  # fmt: skip
         return x.reshape(self.N // self.C, self.C, shape[1], shape[2])
-
-
-def _count(name: str, x) -> int:
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
-        raise TypeError(f"{name}: expected a non-negative int, got {x!r}")
-    return int(x)
 
 
 def _row_major_mask(mask, rows_ptr, qo_indptr, R: int, C: int) -> np.ndarray:
