@@ -11,7 +11,6 @@ prefill kernel with one query per request, the group's heads packed into 16-row 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,7 +18,6 @@ import numpy as np
 
 from ..interop import Prepared
 from ..interop.arrays import torch_compiling
-from ..interop.dtypes import itemsize
 from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
@@ -28,22 +26,11 @@ from .cascade import merge_sinks_in_place
 from .decode_array import PlanArrays
 from .decode_kernel import THREADS, Config, ctas_per_sm, kernel, kv_scales, make_config, plan_kernel
 from .decode_plan import Capacity, pack_plan
-from .decode_run import check_run_arrays, run_fields
+from .decode_run import prepared_run
 from .decode_tensor_cores import plan_tensor_cores
 from .deprecated_forms import DecodeForward
-from .paged_kv import (
-    cache_views,
-    kv_pair,
-    page_table_ids,
-)
-from .planned import (
-    PlannedWrapper,
-    host_ints,
-    kept_fill,
-    run_outputs,
-    weak_hooks,
-    write_run_arguments,
-)
+from .paged_kv import kv_pair, page_table_ids
+from .planned import PlannedWrapper, host_ints, kept_fill
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .prefill_args import check_backend
 from .run_options import refuse
@@ -417,51 +404,7 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
 
     def _prepare_run(self, infos, align, static) -> Prepared:
         """Validate run()'s arrays against the plan's configuration (once per signature)."""
-        cfg, batch, with_lse = static
-        q, k, v, out, lse = infos
-        five_d = v is None
-        o_shape = (batch, cfg.num_qo_heads, cfg.head_dim)
-        check_run_arrays(q, k, v, cfg, self._kv_layout, batch)
-        outs = run_outputs(out, lse, o_shape, cfg.o_dtype, with_lse)
-        num_pages = k.shape[0]
-        empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
-        fields = {} if empty else run_fields(q, k, v, out, lse, self._kv_layout, cfg)
-        v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset
-        graph = self._graph
-        ref = weakref.ref(self)
-
-        def run(stream, device, ptrs, scalars):
-            wrapper = ref()
-            if wrapper is None:
-                raise RuntimeError("the BatchDecodeWithPagedKVCacheWrapper was deleted")
-            st = wrapper._launch
-            if st.batch != batch or (st.cfg is not cfg and st.cfg != cfg):
-                raise RuntimeError(
-                    "plan() changed the batch or configuration since this run() was traced; "
-                    "trace it again"
-                )
-            if st.max_page >= num_pages:
-                raise ValueError(
-                    f"indices holds page id {st.max_page}, but the cache has {num_pages} pages"
-                )
-            if empty:
-                return
-            launch = st.launch
-            launch.lock.acquire()
-            try:
-                write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
-                                    scalars)  # fmt: skip
-                if launch.empty:
-                    return
-                wrapper._note_capture(stream, batch)
-                wrapper._order(stream)
-                launch(stream, device)
-            finally:
-                launch.lock.release()
-
-        on_trace, preload = weak_hooks(self)
-        return Prepared(tuple(outs), run, preload=preload, command_buffer=graph,
-                        on_trace=on_trace)  # fmt: skip
+        return prepared_run(self, infos, static)
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

@@ -1,11 +1,17 @@
 """The arrays of a batch decode run() against its plan's configuration: the checks, and the
 DecodeParams fields that depend only on their signature (shared by run() on the wrapper's plan,
-attention/decode.py, and run(plan_array=...), attention/decode_array.py)."""
+attention/decode.py, and run(plan_array=...), attention/decode_array.py); and the prepared
+launch of run() on the wrapper's plan."""
 
 from __future__ import annotations
 
+import weakref
+
+from ..interop import Prepared
+from ..interop.dtypes import itemsize
 from .decode_kernel import Config
-from .paged_kv import check_paged_caches, paged_cache_fields
+from .paged_kv import cache_views, check_paged_caches, paged_cache_fields
+from .planned import run_outputs, weak_hooks, write_run_arguments
 
 
 def check_run_arrays(q, k, v, cfg: Config, kv_layout: str, batch: int | None) -> None:
@@ -40,4 +46,56 @@ def run_fields(q, k, v, out, lse, kv_layout: str, cfg: Config) -> dict:
     return fields
 
 
-__all__ = ["check_run_arrays", "run_fields"]
+def prepared_run(wrapper, infos, static) -> Prepared:
+    """The prepared launch of a decode wrapper's run() for one signature of its arrays, checked
+    against the plan's configuration once. Each launch reads the wrapper's latest plan (the
+    wrapper weakly held: a dropped wrapper is collected) and writes only the call's pointers
+    and scalars into it."""
+    cfg, batch, with_lse = static
+    q, k, v, out, lse = infos
+    kv_layout = wrapper._kv_layout
+    five_d = v is None
+    o_shape = (batch, cfg.num_qo_heads, cfg.head_dim)
+    check_run_arrays(q, k, v, cfg, kv_layout, batch)
+    outs = run_outputs(out, lse, o_shape, cfg.o_dtype, with_lse)
+    num_pages = k.shape[0]
+    empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
+    fields = {} if empty else run_fields(q, k, v, out, lse, kv_layout, cfg)
+    v_offset = cache_views(k, v, kv_layout, itemsize(k.dtype))[1].offset
+    ref = weakref.ref(wrapper)
+
+    def run(stream, device, ptrs, scalars):
+        wrapper = ref()
+        if wrapper is None:
+            raise RuntimeError("the BatchDecodeWithPagedKVCacheWrapper was deleted")
+        st = wrapper._launch
+        if st.batch != batch or (st.cfg is not cfg and st.cfg != cfg):
+            raise RuntimeError(
+                "plan() changed the batch or configuration since this run() was traced; "
+                "trace it again"
+            )
+        if st.max_page >= num_pages:
+            raise ValueError(
+                f"indices holds page id {st.max_page}, but the cache has {num_pages} pages"
+            )
+        if empty:
+            return
+        launch = st.launch
+        launch.lock.acquire()
+        try:
+            write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
+                                scalars)  # fmt: skip
+            if launch.empty:
+                return
+            wrapper._note_capture(stream, batch)
+            wrapper._order(stream)
+            launch(stream, device)
+        finally:
+            launch.lock.release()
+
+    on_trace, preload = weak_hooks(wrapper)
+    return Prepared(tuple(outs), run, preload=preload, command_buffer=wrapper._graph,
+                    on_trace=on_trace)  # fmt: skip
+
+
+__all__ = ["check_run_arrays", "prepared_run", "run_fields"]
