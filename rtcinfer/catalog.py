@@ -162,8 +162,9 @@ def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
     head_dim 64/128/256, query tiles of 16 (four warps on the keys), 64 and 128 rows, causal,
     custom mask or neither, RoPE or ALiBi, soft cap, fp8 KV, the 2-stage ring (small shared
-    memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128), and the
-    warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm)."""
+    memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128), the
+    warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm), and v of fewer
+    dims than q and k (head_dim_vo)."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=16),
@@ -196,6 +197,12 @@ def prefill_specs() -> list:
         # paged 128-row tiles, registers capped for two CTAs a SM
         spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True),
         spec("float16", "float16", 128, 128, True, "NONE", True, wgmma=True),
+        # v of fewer dims than q and k (192 / 128), the mma.sync kernel: 24-chunk K rows
+        spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, head_dim_vo=128),
+        spec(
+            "float16", "float16", 192, 64, False, "ALIBI", True, custom_mask=True, head_dim_vo=128
+        ),
+        spec("bfloat16", "float16", 192, 16, True, head_dim_vo=128),
     ]
 
 

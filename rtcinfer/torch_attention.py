@@ -46,9 +46,12 @@ def attention_run(wrapper, q, k, v, k_scale, v_scale, window_left):
 
 
 def _fake_outputs(wrapper: int, q):
-    """(o, lse) as a run gives them: q's shape in the plan's output dtype, [rows, Hq] float32."""
-    o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())  # a canonical dtype name
-    return q.new_empty(q.shape, dtype=o_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+    """(o, lse) as a run gives them: o [rows, Hq, D_vo] in the plan's output dtype, lse
+    [rows, Hq] float32."""
+    w = _wrapper(wrapper)
+    o_dtype = getattr(torch, w._plan_o_dtype())  # a canonical dtype name
+    o = q.new_empty(w._plan_o_shape(tuple(q.shape)), dtype=o_dtype)
+    return o, q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @attention_run.register_fake
@@ -134,7 +137,8 @@ def single_prefill_op(q, k, v, custom_mask, packed_custom_mask, o_dtype, causal,
 
 @single_prefill_op.register_fake
 def _(q, k, v, custom_mask, packed_custom_mask, o_dtype, *rest):
-    return q.new_empty(q.shape, dtype=o_dtype or q.dtype), q.new_empty(
+    o_shape = (*q.shape[:2], v.shape[-1])  # v's head_dim
+    return q.new_empty(o_shape, dtype=o_dtype or q.dtype), q.new_empty(
         q.shape[:2], dtype=torch.float32
     )
 

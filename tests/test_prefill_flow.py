@@ -37,29 +37,30 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
     online softmax, the warps' merge, then the direct write or the partials merged by the
     last arrival in chunk order; a warp's rows (the mask-skip test's unit) are spec.warp_rows
     of them; a ragged kernel addresses row page_ids[0] + token. k_flat, v_flat: the caches'
-    elements, addressed by the byte strides over itemsize 2."""
-    d = spec.head_dim
+    elements, addressed by the byte strides over itemsize 2; v's rows (and o's) have
+    spec.dim_vo elements, k's spec.head_dim."""
+    d, dv = spec.head_dim, spec.dim_vo
     items = buf[items_at(d) : items_at(d) + ITEM_INTS * int(buf[0])].view(WORK_ITEM)
     num_kv_heads = q.shape[1] // p.group_size
     group, rows_n, kv_tile = p.group_size, spec.tile_rows, spec.kv_tile
     kv_warps = 4 if rows_n == 16 else 1
     warp_keys = kv_tile // kv_warps
     wr = spec.warp_rows
-    o = np.full(q.shape, np.nan)
+    o = np.full((*q.shape[:2], dv), np.nan)
     lse = np.full(q.shape[:2], np.nan)
     partials, arrivals = {}, {}
     log2e = 1 / np.log(2)
 
-    def kv_row(flat, base_head, page_stride, token_stride, w, token):
+    def kv_row(flat, base_head, page_stride, token_stride, w, token, dims):
         if token >= w["kv_end"]:
-            return np.zeros(d)  # zero-filled past the item's keys
+            return np.zeros(dims)  # zero-filled past the item's keys
         if spec.ragged:  # paged_kv.cuh's ONE_PAGE
             at = ((int(buf[w["page_ids"]]) + token) * token_stride + base_head) // 2
-            return flat[at : at + d]
+            return flat[at : at + dims]
         div = fast_div(token, p.div_magic, p.div_shift)
         page = int(buf[w["page_ids"] + div])
         at = (page * page_stride + (token - div * p.page_size) * token_stride + base_head) // 2
-        return flat[at : at + d]
+        return flat[at : at + dims]
 
     for kv_head in range(num_kv_heads):
         for w in items:
@@ -72,16 +73,16 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
                                                np.where(valid, head, 0)], 0)  # fmt: skip
             key_first = w["kv_begin"] - w["kv_begin"] % kv_tile
             tiles = -(-(w["kv_end"] - key_first) // kv_tile) if w["kv_begin"] < w["kv_end"] else 0
-            st = [(np.full(rows_n, -np.inf), np.zeros(rows_n), np.zeros((rows_n, d)))
+            st = [(np.full(rows_n, -np.inf), np.zeros(rows_n), np.zeros((rows_n, dv)))
                   for _ in range(kv_warps)]  # fmt: skip
             for tile in range(tiles):
                 for kw in range(kv_warps):
                     lo = key_first + tile * kv_tile + kw * warp_keys
                     keys = lo + np.arange(warp_keys)
                     k = np.stack([kv_row(k_flat, kv_head * fields["k_head"], fields["k_page"],
-                                         fields["k_token"], w, t) for t in keys])  # fmt: skip
+                                         fields["k_token"], w, t, d) for t in keys])  # fmt: skip
                     v = np.stack([kv_row(v_flat, kv_head * fields["v_head"], fields["v_page"],
-                                         fields["v_token"], w, t) for t in keys])  # fmt: skip
+                                         fields["v_token"], w, t, dv) for t in keys])  # fmt: skip
                     x = qrows @ k.T * p.qk_scale * log2e
                     for rw in range(rows_n // wr):  # a row warp's rows
                         r = slice(wr * rw, wr * rw + wr)
@@ -208,7 +209,7 @@ def test_the_kernels_flow_reproduces_attention(wrappers, monkeypatch, flow, qo, 
     p.qk_scale, p.v_scale = 0.25, 1.0  # exact in float32
     q_info = info(q.shape)
     cache_info = info(cache.shape)
-    fields = wrapper._run_fields(q_info, cache_info, None, None, None, st.cfg.attn)
+    fields = wrapper._run_fields(q_info, cache_info, None, None, None, st.cfg)
     flat = cache.reshape(-1)
     v_offset = cache_views(cache_info, None, "NHD", 2)[1].offset  # V of the 5-D cache, bytes
     o, lse = prefill_flow(packed["plan"], p, fields, st.launch.kernel.spec, q, flat,
@@ -251,11 +252,80 @@ def test_the_kernels_flow_over_a_ragged_cache(wrappers, causal):
         p = st.launch.params
         p.qk_scale, p.v_scale = 0.25, 1.0
         fields = wrapper._run_fields(info(q.shape), info(k.shape), info(v.shape), None, None,
-                                     st.cfg.attn)  # fmt: skip
+                                     st.cfg)  # fmt: skip
         o, lse = prefill_flow(packed["plan"], p, fields, st.launch.kernel.spec, q,
                               k.reshape(-1), v.reshape(-1))  # fmt: skip
         for b in range(len(qo)):
             qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
             o_ref, lse_ref = aref.attention_ref(q[qs], k[ks], v[ks], sm_scale=0.25, causal=causal)
+            np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
+            np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
+
+
+@pytest.mark.parametrize("form", ["ragged", "NHD", "HND"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernels_flow_with_fewer_value_dims(wrappers, form, causal):
+    """head_dim_qk 192 over head_dim_vo 128 (DeepSeek's prefill): k rows of 192 elements, v
+    rows and o rows of 128, through the real plans (split and whole; ragged, and a paged
+    (k_cache, v_cache) pair in either layout, v with a padded token stride of its own)."""
+    from . import reference_attention as aref
+
+    prefill, packed = wrappers
+    rng = np.random.default_rng(7 + causal)
+    qo, kv = np.array([5, 0, 90, 17]), np.array([40, 9, 150, 17])
+    hkv, group, d, dv, page = 2, 2, 192, 128, 16
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hkv * group, d))
+    for split in (dict(fixed_split_size=2), dict(disable_split_kv=True)):
+        if form == "ragged":
+            kv_indptr = np.concatenate([[0], np.cumsum(kv)])
+            k = rng.standard_normal((int(kv_indptr[-1]), hkv, d))
+            v_wide = rng.standard_normal((int(kv_indptr[-1]), hkv, dv + 64))
+            v = v_wide[:, :, :dv]  # a view: token stride of dv + 64 elements
+            wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+            wrapper.plan(qo_indptr, kv_indptr, hkv * group, hkv, d, dv, causal=causal,
+                         sm_scale=0.25, q_data_type="bfloat16",
+                         **dict(split, fixed_split_size=32) if "fixed_split_size" in split
+                         else split)  # fmt: skip
+            k_info, v_info = info(k.shape), info(v_wide.shape)
+            v_info = type(v_info)(v.shape, v_info.strides, v_info.dtype, v_info.offset)
+            keys = [(k[a:b], v[a:b]) for a, b in zip(kv_indptr[:-1], kv_indptr[1:], strict=True)]
+            k_flat, v_flat = k.reshape(-1), v_wide.reshape(-1)
+        else:
+            pages = -(-kv // page)
+            indptr = np.concatenate([[0], np.cumsum(pages)])
+            num_pages = int(indptr[-1]) + 2
+            indices = rng.permutation(num_pages)[: indptr[-1]]
+            last = np.where(pages > 0, kv - (pages - 1) * page, 0)
+            shape_k, shape_v = (num_pages, page, hkv, d), (num_pages, page, hkv, dv)
+            if form == "HND":
+                shape_k, shape_v = (num_pages, hkv, page, d), (num_pages, hkv, page, dv)
+            k_cache, v_cache = rng.standard_normal(shape_k), rng.standard_normal(shape_v)
+            wrapper = prefill.BatchPrefillWithPagedKVCacheWrapper(kv_layout=form)
+            wrapper.plan(qo_indptr, indptr, indices, last, hkv * group, hkv, d, page,
+                         head_dim_vo=dv, causal=causal, sm_scale=0.25, q_data_type="bfloat16",
+                         **split)  # fmt: skip
+            k_info, v_info = info(shape_k), info(shape_v)
+            keys = []
+            for b in range(len(qo)):
+                tokens = np.arange(kv[b])
+                ids = indices[indptr[b] + tokens // page]
+                if form == "NHD":
+                    keys.append((k_cache[ids, tokens % page], v_cache[ids, tokens % page]))
+                else:
+                    keys.append((k_cache[ids, :, tokens % page], v_cache[ids, :, tokens % page]))
+            k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+        st = wrapper._launch
+        spec = st.launch.kernel.spec
+        assert (spec.head_dim, spec.dim_vo, spec.wgmma) == (d, dv, False)
+        assert (getattr(st.plan, "num_slots", 0) > 0) == ("fixed_split_size" in split)
+        p = st.launch.params
+        p.qk_scale, p.v_scale = 0.25, 1.0
+        fields = wrapper._run_fields(info(q.shape), k_info, v_info, None, None, st.cfg)
+        o, lse = prefill_flow(packed["plan"], p, fields, spec, q, k_flat, v_flat)
+        assert o.shape == (q.shape[0], hkv * group, dv)
+        for b in range(len(qo)):
+            qs = slice(qo_indptr[b], qo_indptr[b + 1])
+            o_ref, lse_ref = aref.attention_ref(q[qs], *keys[b], sm_scale=0.25, causal=causal)
             np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
             np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))

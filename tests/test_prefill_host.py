@@ -101,7 +101,7 @@ def test_configurations_keep_the_hash_of_their_fields(wrappers):
     wrapper.plan([0, 20], [0, 60], 8, 2, 128, causal=True, q_data_type="bfloat16")
     again = wrapper._launch.cfg
     assert again == first and hash(again) == hash(first)
-    assert hash(first) == hash((first.attn, first.causal, first.custom_mask))
+    assert hash(first) == hash((first.attn, first.causal, first.custom_mask, first.head_dim_vo))
     attn = first.attn
     assert hash(attn) == hash(tuple(getattr(attn, f) for f in attn.__dataclass_fields__))
     assert {(first, 10, False): "prepared"}.get((again, 10, False)) == "prepared"
@@ -138,7 +138,10 @@ def test_paged_plan_reads_the_table(wrappers):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(head_dim_vo=64), ValueError, r"head_dim_vo \(64\) != head_dim_qk"),
+        (dict(head_dim_vo=64), ValueError,
+         r"^head_dim_vo 64 != head_dim_qk 128: not with this pair \(the pairs taken: "
+         r"\(192, 128\)\)$"),
+        (dict(head_dim_vo=128.0), TypeError, "head_dim_vo must be an int or None"),
         (dict(kv_data_type="float16"), TypeError, "kv_data_type must be q's dtype"),
         (dict(causal=1), TypeError, "causal must be a bool"),
         (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None or >= 0"),
@@ -731,3 +734,63 @@ def test_tensor_core_decode_workspace_size_is_its_prefill_wrappers(wrappers):
     assert tc._tc._launch is None and tc._q_len == 1
     tc.plan(*table, 8, 2, 128, 16, q_data_type="bfloat16", q_len_per_req=2)
     assert size == tc._tc._ws.capacity.offsets()["end"] + ALIGN
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kv_data_type="float8_e4m3fn"), r"not with KV float8_e4m3fn \(16-bit KV of q's "
+                                             r"dtype\)$"),
+        (dict(pos_encoding_mode="ROPE_LLAMA"), r"not with in-kernel RoPE \(apply it to q and k "),
+        (dict(head_dim_vo=64), r"not with this pair .*; KV float8_e5m2", ),
+    ],
+)  # fmt: skip
+def test_fewer_value_dims_are_refused_where_the_kernel_lacks_them(wrappers, kwargs, match):
+    """head_dim_vo != head_dim_qk: a pair of DIM_PAIRS, 16-bit KV, RoPE outside the kernel;
+    each missing condition named."""
+    prefill, _ = wrappers
+    kwargs = {"head_dim_vo": 128, **kwargs}
+    if kwargs["head_dim_vo"] == 64:
+        kwargs["kv_data_type"] = "float8_e5m2"
+    wrapper = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    with pytest.raises(ValueError, match=match):
+        wrapper.plan([0, 4], [0, 8], 8, 2, 192, q_data_type="bfloat16", **kwargs)
+
+
+def test_fewer_value_dims_check_v_and_o_and_refuse_a_5d_cache(wrappers):
+    """With head_dim_vo 128 beside 192: v must have 128 dims (ragged and paged pair), a 5-D
+    paged cache (one head_dim) is refused by name, q keeps 192; head_dim_vo equal to
+    head_dim_qk is the plain plan (no head_dim_vo in the configuration)."""
+    prefill, _ = wrappers
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan([0, 4], [0, 8], 8, 2, 192, head_dim_vo=128, q_data_type="bfloat16")
+    cfg = ragged._launch.cfg
+    assert (cfg.attn.head_dim, cfg.dim_vo, cfg.head_dim_vo) == (192, 128, 128)
+    assert ragged._plan_o_shape((4, 8, 192)) == (4, 8, 128)
+    with pytest.raises(ValueError, match=r"^v: expected shape \(nnz_kv, 2, 128\)"):
+        ragged._check_kv(cfg, info((8, 2, 192)), info((8, 2, 192)))
+    with pytest.raises(ValueError, match=r"^k: expected shape \(nnz_kv, 2, 192\)"):
+        ragged._check_kv(cfg, info((8, 2, 128)), info((8, 2, 128)))
+    with pytest.raises(ValueError, match="must have the same rows"):
+        ragged._check_kv(cfg, info((8, 2, 192)), info((9, 2, 128)))
+    ragged._check_kv(cfg, info((8, 2, 192)), info((8, 2, 128)))
+    from rtcinfer.attention.prefill_args import check_query
+
+    assert check_query(info((4, 8, 192)), 4, cfg) == (4, 8, 128)
+    with pytest.raises(ValueError, match=r"q: expected shape \(4, 8, 192\)"):
+        check_query(info((4, 8, 128)), 4, cfg)
+
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan([0, 4], [0, 1], [0], [8], 8, 2, 192, 16, head_dim_vo=128,
+               q_data_type="bfloat16")  # fmt: skip
+    cfg = paged._launch.cfg
+    paged._check_kv(cfg, info((3, 16, 2, 192)), info((3, 16, 2, 128)))
+    with pytest.raises(ValueError, match=r"^v_cache: expected shape \(num_pages, 16, 2, 128\)"):
+        paged._check_kv(cfg, info((3, 16, 2, 192)), info((3, 16, 2, 192)))
+    with pytest.raises(ValueError, match=r"one array holds k and v of one head_dim.*pass a "
+                                         r"\(k_cache, v_cache\) pair$"):  # fmt: skip
+        paged._check_kv(cfg, info((3, 2, 16, 2, 192)), None)
+
+    same = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    same.plan([0, 4], [0, 8], 8, 2, 128, head_dim_vo=128, q_data_type="bfloat16")
+    assert same._launch.cfg.head_dim_vo is None and same._launch.cfg.dim_vo == 128

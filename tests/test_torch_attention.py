@@ -263,3 +263,40 @@ def test_block_sparse_runs_compile_to_one_run_each(planned):
                                meta(2, 8, 64), meta(2, 8, 64))  # fmt: skip
     assert o.shape == (8, 8, 64) and lse.shape == (8, 8) and o_heads.shape == (8, 8, 64)
     assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.attention_run"] * 2
+
+
+def test_runs_with_fewer_value_dims_give_outputs_of_v_dims(planned):
+    """head_dim_qk 192 over head_dim_vo 128: the ragged and paged (pair) runs and
+    single_prefill trace to one node each with o of 128 dims."""
+    import rtcinfer
+
+    _, prefill = planned
+    ragged = prefill.BatchPrefillWithRaggedKVCacheWrapper()
+    qo = np.array([0, 5, 12], np.int32)
+    ragged.plan(qo, np.array([0, 9, 30], np.int32), 8, 2, 192, 128, causal=True,
+                q_data_type="bfloat16")  # fmt: skip
+    paged = prefill.BatchPrefillWithPagedKVCacheWrapper()
+    paged.plan(qo, *decode_tables([9, 21]), 8, 2, 192, 16, head_dim_vo=128, causal=True,
+               q_data_type="bfloat16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, v, k_cache, v_cache):
+        o_ragged, lse = ragged.run(q, k, v, return_lse=True)
+        o_paged = paged.run(q, (k_cache, v_cache))
+        o_single = rtcinfer.single_prefill_with_kv_cache(q, k, v, causal=True)
+        return o_ragged, lse, o_paged, o_single
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    o_ragged, lse, o_paged, o_single = compiled(
+        meta(12, 8, 192), meta(30, 2, 192), meta(30, 2, 128), meta(3, 16, 2, 192),
+        meta(3, 16, 2, 128),
+    )  # fmt: skip
+    assert o_ragged.shape == o_paged.shape == o_single.shape == (12, 8, 128)
+    assert lse.shape == (12, 8)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.attention_run", "rtcinfer.attention_run", "rtcinfer.single_prefill",
+    ]  # fmt: skip

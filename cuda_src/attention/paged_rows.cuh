@@ -13,18 +13,42 @@
 // written again only after a barrier that follows its last issue (the caller's schedule).
 // RaggedRows (ragged K/V, PagedTileLoader's ONE_PAGE form) has the same calls; its rows need no
 // table.
+// K rows of ROW_BYTES, V rows of V_ROW_BYTES: equal, thread i moves chunk i % CHUNKS of K's and
+// V's rows i / CHUNKS + pass * ROWS_PER_PASS; fewer V bytes (head_dim_vo < head_dim_qk), each
+// tile is walked on its own (issue_rows).
 #pragma once
 
-template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL>
+// cp.async of the rows [0, TILE) of a tile whose row r starts at base + offset(r) (bytes), rows
+// from `rows_in` on zero-filled: thread i moves chunk i % CHUNKS of row i / CHUNKS, THREADS
+// pieces apart (whatever ROW_BYTES / 16 is: 24 chunks at head_dim 192).
+template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL, typename Offset>
+RTC_DEVICE void issue_rows(uint32_t tile, const char* base, int rows_in, Offset offset) {
+  constexpr int CHUNKS = ROW_BYTES / 16;
+#pragma unroll
+  for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
+    const int row = i / CHUNKS, chunk = i % CHUNKS;
+    const bool valid = row < rows_in;
+    uint32_t dst;
+    if constexpr (CANONICAL)
+      dst = wgmma_tile_offset<TILE, ROW_BYTES>(row, chunk);
+    else
+      dst = tile_offset<ROW_BYTES>(row, chunk);
+    cp_async_16(tile + dst, valid ? offset(row) + chunk * 16 : base, valid);
+  }
+}
+
+template <int TILE, int ROW_BYTES, int V_ROW_BYTES, int THREADS, bool CANONICAL>
 struct PagedRowTable {
+  static constexpr bool SAME = ROW_BYTES == V_ROW_BYTES;
   static constexpr int CHUNKS = ROW_BYTES / 16;
-  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
-  static constexpr int PASSES = TILE / ROWS_PER_PASS;
+  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;  // SAME's passes
+  static constexpr int PASSES = SAME ? TILE / ROWS_PER_PASS : 0;
   static constexpr int BYTES = 2 * TILE * 16;  // [2 buffers][TILE] (K, V) int64 offset pairs
-  static_assert(THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0, "whole rows per pass");
+  static_assert(!SAME || (THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0),
+                "whole rows per pass");
   static_assert(THREADS >= TILE, "a maker thread per row");
 
-  const char* k_base;  // K of this kv head at page 0, slot 0, plus this thread's chunk
+  const char* k_base;  // K of this kv head at page 0, slot 0, plus this thread's chunk (SAME)
   const char* v_base;
   longlong2* table;      // shared memory, BYTES
   const int* page_ids;   // this request's page list
@@ -36,7 +60,7 @@ struct PagedRowTable {
   // kv head `kv_head` of work item w's request; `t`: the table (shared memory)
   template <typename Params, typename Item>
   RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, longlong2* t) {
-    const int chunk = threadIdx.x % CHUNKS;
+    const int chunk = SAME ? threadIdx.x % CHUNKS : 0;
     k_base = p.k_cache + kv_head * p.k_head + chunk * 16;
     v_base = p.v_cache + kv_head * p.v_head + chunk * 16;
     table = t, page_ids = p.plan + w.page_ids, page_div = FastDiv{p.div_magic, p.div_shift};
@@ -65,6 +89,14 @@ struct PagedRowTable {
   }
 
   RTC_DEVICE void issue(int t0, int b, uint32_t k_tile, uint32_t v_tile) const {
+    if constexpr (!SAME) {
+      const longlong2* rows = table + b * TILE;
+      issue_rows<TILE, ROW_BYTES, THREADS, CANONICAL>(
+          k_tile, k_base, token_end - t0, [&](int row) { return k_base + rows[row].x; });
+      issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
+          v_tile, v_base, token_end - t0, [&](int row) { return v_base + rows[row].y; });
+      return;
+    }
     const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
 #pragma unroll
     for (int pass = 0; pass < PASSES; ++pass) {
@@ -82,23 +114,43 @@ struct PagedRowTable {
   }
 };
 
-template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL>
+template <int TILE, int ROW_BYTES, int V_ROW_BYTES, int THREADS, bool CANONICAL>
 struct RaggedRows {
   static constexpr int BYTES = 0;
-  using Loader = PagedTileLoader<TILE, ROW_BYTES, THREADS, true, CANONICAL>;
+  static constexpr bool SAME = ROW_BYTES == V_ROW_BYTES;
+  struct NoLoader {};
+  using Loader =  // SAME: one loader for K and V; else issue_rows for each
+      Conditional<SAME, PagedTileLoader<TILE, ROW_BYTES, THREADS, true, CANONICAL>, NoLoader>;
   Loader loader;
+  const char* k;  // !SAME: this kv head's row 0 of K and V
+  const char* v;
+  int k_token, v_token, first_row, token_end;
 
   // request rows from the one page id (its first row), no table
   template <typename Params, typename Item>
   RTC_DEVICE void init(const Params& p, const Item& w, int kv_head, longlong2*) {
-    loader.init(p.k_cache + kv_head * p.k_head, 0, p.k_token, p.v_cache + kv_head * p.v_head, 0,
-                p.v_token, p.plan + w.page_ids, FastDiv{1, 0}, 1, w.kv_end);
+    if constexpr (SAME) {
+      loader.init(p.k_cache + kv_head * p.k_head, 0, p.k_token, p.v_cache + kv_head * p.v_head,
+                  0, p.v_token, p.plan + w.page_ids, FastDiv{1, 0}, 1, w.kv_end);
+    } else {
+      k = p.k_cache + kv_head * p.k_head, v = p.v_cache + kv_head * p.v_head;
+      k_token = static_cast<int>(p.k_token), v_token = static_cast<int>(p.v_token);
+      first_row = __ldg(p.plan + w.page_ids), token_end = w.kv_end;
+    }
   }
   RTC_DEVICE void prefetch(int) {}
   template <typename Params>
   RTC_DEVICE void prepare(int, int, const Params&) {}
   RTC_DEVICE void issue(int t0, int, uint32_t k_tile, uint32_t v_tile) const {
-    const int none[Loader::PASSES] = {};
-    loader.issue(none, t0, k_tile, v_tile);
+    if constexpr (SAME) {
+      const int none[Loader::PASSES] = {};
+      loader.issue(none, t0, k_tile, v_tile);
+    } else {
+      const int row0 = first_row + t0;
+      issue_rows<TILE, ROW_BYTES, THREADS, CANONICAL>(
+          k_tile, k, token_end - t0, [&](int row) { return offset_wide(k, row0 + row, k_token); });
+      issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
+          v_tile, v, token_end - t0, [&](int row) { return offset_wide(v, row0 + row, v_token); });
+    }
   }
 };

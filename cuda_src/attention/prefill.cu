@@ -24,7 +24,8 @@
 // fp8 KV (KVT e4m3 / e5m2) lands in the ring as bytes and is widened exactly: to QT into a
 // staging tile as each tile lands, or (FP8_DIRECT) to fp16 in registers as the MMAs load it;
 // k_scale folds into qk_scale, v_scale into the output.
-// Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM, TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
+// Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM (q's and k's), HEAD_DIM_VO (v's and o's: HEAD_DIM,
+// or fewer, as DeepSeek's 192 / 128, with 16-bit KV, without RoPE or wgmma), TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
 // of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
 // WGMMA (sm_90a: each warpgroup's 64 rows multiply by wgmma, S = Q K^T with Q and K from
@@ -65,23 +66,30 @@ constexpr bool STAGED = FP8 && !FP8_DIRECT;
 // (a negative qk_scale negates the Q tile instead: see fold_scale()). Not at head_dim 64,
 // where it tips ptxas into a 128-register allocation that spills on sm_80.
 constexpr bool FOLD = !ALIBI && !SOFT_CAP && HEAD_DIM >= 128;
-constexpr int ROW_BYTES = HEAD_DIM * 2;      // a 16-bit row (Q, K and V as the MMAs read them)
-constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K or V row in the ring
-constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a row
+constexpr int ROW_BYTES = HEAD_DIM * 2;      // a 16-bit Q or K row (as the MMAs read them)
+constexpr int V_ROW_BYTES = HEAD_DIM_VO * 2;  // a 16-bit V row, and o's rows on their way out
+constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K row in the ring (and V's, fp8)
+constexpr int V_RING_ROW_BYTES = HEAD_DIM_VO * sizeof(KVT);  // a V row in the ring
+constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a Q or K row
 constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
-constexpr int DIM_TILES = HEAD_DIM / 8;      // n-tiles of O
+constexpr int DIM_TILES = HEAD_DIM_VO / 8;   // n-tiles of O
 constexpr int KEY_TILES = WARP_KEYS / 8;     // n-tiles of S per warp
 constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
 // Q fragments held in registers for the whole item, or re-read from shared memory per k-step
 constexpr bool Q_IN_REGS = HEAD_DIM <= 128 && ROW_BLOCKS == 1 && !WGMMA;
 constexpr int Q_BYTES = TILE_ROWS * ROW_BYTES;
-constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K or V tile
-constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K or V tile in the ring
-constexpr int RING_BYTES = STAGES * 2 * RING_TILE_BYTES;
+constexpr int TILE_BYTES = KV_TILE * ROW_BYTES;          // a 16-bit K tile (V's, fp8)
+constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K tile in the ring
+constexpr int STAGE_BYTES = RING_TILE_BYTES + KV_TILE * V_RING_ROW_BYTES;  // K, then V
+constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 constexpr int STAGING_BYTES = STAGED ? 2 * TILE_BYTES : 0;  // the widened K and V
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head_dim 64, 128 or 256");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256,
+              "head_dim 64, 128, 192 or 256");
+static_assert(HEAD_DIM_VO == HEAD_DIM ||
+                  (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE && !WGMMA),
+              "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE, no wgmma");
 static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
 static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
               (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");
@@ -109,11 +117,11 @@ constexpr bool Q_HALF = FP8_DIRECT && IsBf16<QT>::value;
 // The K/V rows' stream: a table of row offsets over a paged cache, rows from one start ragged.
 template <bool R>
 struct KvRowsOf {
-  using type = PagedRowTable<KV_TILE, KV_ROW_BYTES, THREADS, WGMMA>;
+  using type = PagedRowTable<KV_TILE, KV_ROW_BYTES, V_RING_ROW_BYTES, THREADS, WGMMA>;
 };
 template <>
 struct KvRowsOf<true> {
-  using type = RaggedRows<KV_TILE, KV_ROW_BYTES, THREADS, WGMMA>;
+  using type = RaggedRows<KV_TILE, KV_ROW_BYTES, V_RING_ROW_BYTES, THREADS, WGMMA>;
 };
 using KvRows = typename KvRowsOf<RAGGED>::type;
 constexpr int TABLE_BYTES = KvRows::BYTES;
@@ -131,10 +139,10 @@ struct PrefillParams {
   const QT* q;            // [nnz_q, Hq, HEAD_DIM], strides (q_stride_n, q_stride_h, 1)
   const char* k_cache;    // K(page, slot, head) at page * k_page + slot * k_token
   const char* v_cache;    //   + head * k_head bytes (NHD/HND; ragged: pages of one token row)
-  OT* o;                  // [nnz_q, Hq, HEAD_DIM], strides (o_stride_n, o_stride_h, 1)
+  OT* o;                  // [nnz_q, Hq, HEAD_DIM_VO], strides (o_stride_n, o_stride_h, 1)
   float* lse;             // [nnz_q, Hq], strides (lse_stride_n, 1); may be null
   const int* plan;        // [ITEMS_AT] + PrefillWorkItem[capacity] + page ids
-  float* partial_o;       // [slots, Hkv, TILE_ROWS, HEAD_DIM]
+  float* partial_o;       // [slots, Hkv, TILE_ROWS, HEAD_DIM_VO]
   float* partial_lse;     // [slots, Hkv, TILE_ROWS]
   int* counters;          // [tiles, Hkv], zero between launches
   const uint8_t* mask;    // CUSTOM_MASK: packed bits, little-endian within a byte: (query i,
@@ -300,12 +308,12 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
       for (int b = 0; b < ROW_BLOCKS; ++b) p_fragment<MT>(a[b], s[b][2 * j], s[b][2 * j + 1]);
 #pragma unroll
-      for (int c = 0; c < HEAD_DIM / 16; ++c) {
+      for (int c = 0; c < HEAD_DIM_VO / 16; ++c) {
         uint32_t vb[2][2];
         if constexpr (FP8_DIRECT)  // vb[0]: the chunk's even dims, vb[1]: its odd ones
           load_v_pair_fp8(vb, v_tile, key_w / 16 + j, c, lane);
         else
-          load_v_pair<ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
+          load_v_pair<V_ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
         for (int b = 0; b < ROW_BLOCKS; ++b)
 #pragma unroll
@@ -346,8 +354,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   const int key_first = w.kv_begin - w.kv_begin % KV_TILE;  // an aligned start: see the header
   const int num_tiles = w.kv_begin < w.kv_end ? (w.kv_end - key_first + KV_TILE - 1) / KV_TILE
                                               : 0;
-  auto k_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES; };
-  auto v_tile = [&](int stage) { return ring + stage * 2 * RING_TILE_BYTES + RING_TILE_BYTES; };
+  auto k_tile = [&](int stage) { return ring + stage * STAGE_BYTES; };
+  auto v_tile = [&](int stage) { return ring + stage * STAGE_BYTES + RING_TILE_BYTES; };
   // The ring's first LOOK tiles; tile s's row offsets in table buffer s % 2 (paged_rows.cuh).
   KvRows kv;
   kv.init(p, w, kv_head, table_s);
@@ -407,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     if (next + 1 < num_tiles) kv.prepare(key_first + (next + 1) * KV_TILE, (next + 1) % 2, p);
     // The K and V the MMAs read: the ring's stage (16-bit, or fp8 read directly), or the
     // staging tiles the other fp8 tiles are widened into.
-    unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * 2 * RING_TILE_BYTES;
+    unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * STAGE_BYTES;
     unsigned char* k_mma = STAGED ? staging : ring_k;
     constexpr int V_AT = STAGED ? TILE_BYTES : RING_TILE_BYTES;  // V after K
     if constexpr (STAGED) {

@@ -52,11 +52,12 @@ RTC_DEVICE float close_row(State& s) {
 
 // The rows' results (the tile's only item, KV_WARPS == 1), normalized, through shared memory
 // to o: each warp writes its rows' fragments into its own rows of `o_tile` (the Q tile's bytes,
-// free once every warp is past its last MMA: the caller's barrier), swizzled by 16-byte chunk,
+// free once every warp is past its last MMA: the caller's barrier; o's rows, V_ROW_BYTES, are
+// no longer than Q's), swizzled by 16-byte chunk,
 // then stores whole rows in 16-byte pieces. (Straight from the fragments, a store instruction
 // puts 4 bytes into each of 8 rows: 8 of every 32 bytes the L2 receives are used.) lse from
 // the fragments. o's rows are 16-byte aligned (checked on the host).
-static_assert(sizeof(OT) == 2, "a 16-bit o row is a Q row");
+static_assert(sizeof(OT) == 2 && V_ROW_BYTES <= ROW_BYTES, "a 16-bit o row fits a Q row");
 RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const PrefillParams& p,
                            unsigned char* o_tile, int kv_head, int warp, int lane) {
   const int g = lane / 4, t = lane % 4;
@@ -67,7 +68,7 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
     const int row = WARP_ROWS * warp + warp_row(i, g);
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n)
-      *reinterpret_cast<uint32_t*>(o_tile + tile_offset<ROW_BYTES>(row, n) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(o_tile + tile_offset<V_ROW_BYTES>(row, n) + 4 * t) =
           pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
     const int packed = first + warp_row(i, g);
     if (p.lse != nullptr && t == 0 && packed < rows_in) {
@@ -76,13 +77,14 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
     }
   }
   __syncwarp();
-  constexpr int PIECES = WARP_ROWS * CHUNKS;  // 16-byte pieces of the warp's rows
+  constexpr int O_CHUNKS = V_ROW_BYTES / 16;
+  constexpr int PIECES = WARP_ROWS * O_CHUNKS;  // 16-byte pieces of the warp's rows
 #pragma unroll
   for (int k = lane; k < PIECES; k += 32) {
-    const int r = k / CHUNKS, c = k % CHUNKS, packed = first + r;
+    const int r = k / O_CHUNKS, c = k % O_CHUNKS, packed = first + r;
     if (packed >= rows_in) continue;
-    const uint4 piece =
-        *reinterpret_cast<const uint4*>(o_tile + tile_offset<ROW_BYTES>(WARP_ROWS * warp + r, c));
+    const uint4 piece = *reinterpret_cast<const uint4*>(
+        o_tile + tile_offset<V_ROW_BYTES>(WARP_ROWS * warp + r, c));
     const PackedRow rw = unpack_row(packed, p);
     OT* o = p.o + (w.qo_start + rw.query) * p.o_stride_n +
             (kv_head * p.group_size + rw.head) * p.o_stride_h;
@@ -110,7 +112,7 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
     } else {
       const int row = WARP_ROWS * warp + warp_row(i, g);
       const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
-      float* o = p.partial_o + at * HEAD_DIM;
+      float* o = p.partial_o + at * HEAD_DIM_VO;
 #pragma unroll
       for (int n = 0; n < DIM_TILES; ++n)
         *reinterpret_cast<float2*>(o + 8 * n + 2 * t) =
@@ -124,7 +126,7 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
 // by the last CTA of the tile: thread (row, 4 dims) walks the slots. With M = max lse_k and
 // w_k = 2^(lse_k - M): o = sum_k w_k o_k / sum_k w_k, lse = M + log2(sum_k w_k).
 RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int kv_head) {
-  constexpr int VECS = HEAD_DIM / 4;
+  constexpr int VECS = HEAD_DIM_VO / 4;
   for (int i = threadIdx.x; i < TILE_ROWS * VECS; i += THREADS) {
     const int row = i / VECS, d = (i % VECS) * 4;
     const int packed = w.tile_row + row;
@@ -136,7 +138,8 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     for (int k = 0; k < w.merge_count; ++k) {
       const int64_t at =
           (static_cast<int64_t>(w.merge_slot + k) * gridDim.x + kv_head) * TILE_ROWS + row;
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial_o + at * HEAD_DIM + d));
+      const float4 v =
+          __ldcg(reinterpret_cast<const float4*>(p.partial_o + at * HEAD_DIM_VO + d));
       AttentionState<4> part;
       const float o4[4] = {v.x, v.y, v.z, v.w};
       part.set_normalized(o4, __ldcg(p.partial_lse + at));

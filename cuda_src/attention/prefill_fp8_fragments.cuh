@@ -67,7 +67,7 @@ RTC_DEVICE void unpermute_dims(State (&st)[ROWS], int lane) {
 #pragma unroll
   for (int i = 0; i < ROWS; ++i)
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 16; ++d) {
+    for (int d = 0; d < HEAD_DIM_VO / 16; ++d) {
       float* o = st[i].o + 4 * d;
       float from_lo[4], from_hi[4];
 #pragma unroll

@@ -34,7 +34,7 @@ RTC_DEVICE void pv_wgmma(State (&st)[ROWS], const float (&s)[N][4], uint32_t v_t
   wgmma_fence();  // after the writes of a and of the rescaled o
 #pragma unroll
   for (int j = 0; j < KV_TILE / 16; ++j)
-    wgmma_rs<MT, HEAD_DIM>(st[0].o, st[1].o, a[j], v + j * 128);
+    wgmma_rs<MT, HEAD_DIM_VO>(st[0].o, st[1].o, a[j], v + j * 128);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(st[0].o);

@@ -394,6 +394,10 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
                         return_lse=True, window_left=window_left,
                         plan_array=plan_array)  # fmt: skip
 
+    def _plan_o_shape(self, q_shape: tuple) -> tuple:
+        """o's shape for q of `q_shape`: q's (torch_attention's fake outputs)."""
+        return q_shape
+
     def _plan_o_dtype(self) -> str:
         """The current plan's output dtype (torch_attention's fake outputs)."""
         if self._tc is not None:

@@ -290,8 +290,10 @@ class Config:
 def make_config(
     num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
     logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale, rope_scale, rope_theta,
+    head_dims=HEAD_DIMS,
 ) -> Config:  # fmt: skip
-    """Validate the static arguments of plan() / single decode; errors name what was received."""
+    """Validate the static arguments of plan() / single decode; errors name what was received
+    (head_dims: those the caller's kernels take)."""
     num_qo_heads = as_int("num_qo_heads", num_qo_heads, minimum=1)
     num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
     if num_qo_heads % num_kv_heads:
@@ -299,8 +301,8 @@ def make_config(
             f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     head_dim = as_int("head_dim", head_dim)
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if head_dim not in head_dims:
+        raise ValueError(f"head_dim must be one of {head_dims}, got {head_dim}")
     if pos_encoding_mode not in POS_ENCODING_MODES:
         raise ValueError(
             f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {pos_encoding_mode!r}"

@@ -25,7 +25,7 @@ class _PrefillForward:
         asked = make_prefill_config(a.num_qo_heads, a.num_kv_heads, a.head_dim, a.page_size,
                                     causal, pos_encoding_mode, window_left, logits_soft_cap,
                                     a.q_dtype, a.kv_dtype, a.o_dtype, sm_scale, rope_scale,
-                                    rope_theta, cfg.custom_mask)  # fmt: skip
+                                    rope_theta, cfg.custom_mask, cfg.head_dim_vo)  # fmt: skip
         check_forward(asked, cfg)
 
 

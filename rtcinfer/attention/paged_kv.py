@@ -137,16 +137,24 @@ def check_cache_view(name: str, offset: int, dims, strides, itemsize: int, d_str
         )
 
 
-def check_paged_caches(k, v, cfg, kv_layout: str) -> None:
+def check_paged_caches(k, v, cfg, kv_layout: str, head_dim_vo: int | None = None) -> None:
     """A paged cache (5-D `k` with `v` None, or a k, v pair; interop's ArrayInfo) against a
-    plan's configuration `cfg` (page_size, num_kv_heads, head_dim, kv_dtype), by name."""
+    plan's configuration `cfg` (page_size, num_kv_heads, head_dim, kv_dtype), by name;
+    head_dim_vo: v's head_dim where it differs from k's (a pair only)."""
     tokens_heads = (cfg.page_size, cfg.num_kv_heads)
     if kv_layout == "HND":
         tokens_heads = tokens_heads[::-1]
     storage = kv_storage(cfg.kv_dtype)
+    dim_vo = cfg.head_dim if head_dim_vo is None else head_dim_vo
+    if v is None and dim_vo != cfg.head_dim:
+        raise ValueError(
+            f"paged_kv_cache: one array holds k and v of one head_dim, but the plan's v has "
+            f"{dim_vo} dims beside k's {cfg.head_dim}: pass a (k_cache, v_cache) pair"
+        )
     caches = [("paged_kv_cache", k)] if v is None else [("k_cache", k), ("v_cache", v)]
     for name, cache in caches:
-        expect = (*((2,) if v is None else ()), *tokens_heads, cfg.head_dim)
+        dim = dim_vo if name == "v_cache" else cfg.head_dim
+        expect = (*((2,) if v is None else ()), *tokens_heads, dim)
         if cache.shape[1:] != expect or cache.dtype not in storage:
             raise ValueError(
                 f"{name}: expected shape (num_pages, {', '.join(map(str, expect))}) and "

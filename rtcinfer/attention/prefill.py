@@ -10,8 +10,9 @@ single-request prefill (FlashInfer's names, argument meanings and defaults).
 Custom masks (boolean or packed, FlashInfer's layout: attention/prefill_mask.py) replace the
 causal mask; so does multi-item scoring (prefix_len_ptr and token_pos_in_items_ptr), the mask
 it defines built at plan() (attention/multi_item.py). fp8 KV (kv_data_type float8_e4m3fn /
-float8_e5m2; k_scale and v_scale at run()) is widened to q's dtype in shared memory. Not built
-yet (a clear error when asked for): head_dim_vo != head_dim_qk.
+float8_e5m2; k_scale and v_scale at run()) is widened to q's dtype in shared memory. V may
+have fewer dims than q and k (head_dim_vo: DeepSeek's 192 / 128, 16-bit KV, RoPE outside the
+kernel; o has v's dims), as a ragged pair or a paged (k_cache, v_cache) pair.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .paged_kv import (
     paged_cache_fields,
 )
 from .planned import host_ints
-from .prefill_args import check_backend, unsupported
+from .prefill_args import check_backend
 from .prefill_plan import RAGGED_PAGE
 from .prefill_wrapper import PrefillWrapper
 from .run_options import refuse
@@ -42,7 +43,8 @@ from .run_options import refuse
 class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
     """Batch prefill over ragged K and V: request b's queries are rows
     qo_indptr[b]:qo_indptr[b + 1] of q [nnz_q, Hq, D], its keys rows kv_indptr[b]:kv_indptr[b + 1]
-    of k, v [nnz_kv, Hkv, D] (any token and head strides, head_dim contiguous)."""
+    of k [nnz_kv, Hkv, D] and v [nnz_kv, Hkv, D_vo] (any token and head strides, head_dim
+    contiguous; D_vo = head_dim_vo, D by default)."""
 
     def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
@@ -66,7 +68,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
 
         FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
         ones without a counterpart here do)."""
-        unsupported(head_dim_vo, head_dim_qk)
         qo = host_ints("qo_indptr", qo_indptr)
         kv = host_ints("kv_indptr", kv_indptr)
         kv_len, _ = indptr_counts("kv_indptr", kv)
@@ -83,12 +84,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
                 rope_scale, rope_theta)  # fmt: skip
         batch = kv_len.shape[0]
         self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args, masks,
-                   fixed_split_size, disable_split_kv, int(kv[-1]))  # fmt: skip
+                   fixed_split_size, disable_split_kv, int(kv[-1]), head_dim_vo)  # fmt: skip
 
     def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
             kv_cache_sf=None, plan_array=None, sinks=None):  # fmt: skip
-        """o [nnz_q, Hq, D] (and lse [nnz_q, Hq] float32, base 2, when return_lse); plan_array:
+        """o [nnz_q, Hq, D_vo] (and lse [nnz_q, Hq] float32, base 2, when return_lse); plan_array:
         a plan_array() on the device, read instead of the latest plan (prefill_array.py).
         q_scale and k_scale multiply the logits, v_scale the output (FlashInfer's calibration
         scales); lse_base="ln" / lse_layout="HN": FlashInfer's other LSE forms
@@ -102,15 +103,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
 
     def _check_kv(self, cfg, k, v) -> None:
         attn = cfg.attn
-        for name, x in (("k", k), ("v", v)):
-            if x is None or x.ndim != 3 or x.shape[1:] != (attn.num_kv_heads, attn.head_dim) or (
+        for name, x, dim in (("k", k, attn.head_dim), ("v", v, cfg.dim_vo)):
+            if x is None or x.ndim != 3 or x.shape[1:] != (attn.num_kv_heads, dim) or (
                 x.dtype not in kv_storage(attn.kv_dtype)):  # fmt: skip
                 raise ValueError(
-                    f"{name}: expected shape (nnz_kv, {attn.num_kv_heads}, {attn.head_dim}) and "
+                    f"{name}: expected shape (nnz_kv, {attn.num_kv_heads}, {dim}) and "
                     f"dtype {attn.kv_dtype}, got {None if x is None else (x.shape, x.dtype)}"
                 )
-        if k.shape != v.shape:
-            raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k {k.shape} and v {v.shape} must have the same rows")
 
     def _kv_fields(self, k, v, attn: Config) -> dict:
         item = itemsize(k.dtype)
@@ -158,7 +159,6 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
 
         FlashInfer 0.7.2's parameters, in its order (PLAN_NOTES in prefill_args.py: what the
         ones without a counterpart here do)."""
-        unsupported(head_dim_vo, head_dim_qk)
         qo = host_ints("qo_indptr", qo_indptr)
         indptr = host_ints("paged_kv_indptr", paged_kv_indptr)
         indices = host_ints("paged_kv_indices", paged_kv_indices, widen=False)
@@ -179,7 +179,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                 rope_scale, rope_theta)  # fmt: skip
         self._plan(qo, kv_len, indptr[:-1], indices, args, masks, fixed_split_size,
-                   disable_split_kv, max_page + 1)  # fmt: skip
+                   disable_split_kv, max_page + 1, head_dim_vo)  # fmt: skip
 
     def workspace_size(
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -203,8 +203,9 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
             window_left=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
             uses_spcompress=None, plan_array=None):  # fmt: skip
-        """o [nnz_q, Hq, D] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
-        batch decode: one [pages, 2, ...] array or a (k, v) pair, NHD or HND; plan_array: a
+        """o [nnz_q, Hq, D_vo] (and lse when return_lse) for q [nnz_q, Hq, D]; the cache as in
+        batch decode: one [pages, 2, ...] array or a (k, v) pair (v's last dim D_vo, the plan's
+        head_dim_vo: a pair where it differs from D), NHD or HND; plan_array: a
         plan_array() on the device (prefill_array.py). The scales and LSE forms as in the
         ragged wrapper's run(); window_left may repeat the plan's (None: the plan's);
         use_fp16_softmax is a precision hint (the softmax stays fp32); sinks: [Hq] float32
@@ -223,7 +224,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
                          lse_base, lse_layout, window_left, sinks)  # fmt: skip
 
     def _check_kv(self, cfg, k, v) -> None:
-        check_paged_caches(k, v, cfg.attn, self._kv_layout)
+        check_paged_caches(k, v, cfg.attn, self._kv_layout, cfg.dim_vo)
 
     def _kv_fields(self, k, v, attn: Config) -> dict:
         return paged_cache_fields(k, v, self._kv_layout)

@@ -1,6 +1,6 @@
 """The prefill API's arguments checked: plan()'s made into a PrefillConfig, FlashInfer's that
 select nothing here (the backends, one kernel serving them all; PLAN_NOTES; the options with no
-counterpart, raised; head_dim_vo), the CUDA-graph mask buffer (its size reserves room in the
+counterpart, raised), the CUDA-graph mask buffer (its size reserves room in the
 workspace), and run()'s q, out and lse strides (io_fields)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..interop.arrays import dtype_name
-from .decode_kernel import Config, keeps_hash, make_config
+from .decode_kernel import HEAD_DIMS, Config, keeps_hash, make_config
+from .prefill_kernel import DIM_PAIRS, check_dims
 from .run_options import refuse
 
 
@@ -18,23 +19,39 @@ from .run_options import refuse
 @dataclass(frozen=True)
 class PrefillConfig:
     """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
-    RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's)."""
+    RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's);
+    head_dim_vo: v's and o's head_dim where it is not q's and k's (attn.head_dim), else None."""
 
     attn: Config
     causal: bool
     custom_mask: bool = False
+    head_dim_vo: int | None = None
+
+    @property
+    def dim_vo(self) -> int:
+        """v's and o's head_dim."""
+        return self.attn.head_dim if self.head_dim_vo is None else self.head_dim_vo
 
 
 def make_prefill_config(num_qo_heads, num_kv_heads, head_dim, page_size, causal,
                         pos_encoding_mode, window_left, logits_soft_cap, q_dtype, kv_dtype,
-                        o_dtype, sm_scale, rope_scale, rope_theta,
-                        custom_mask=False) -> PrefillConfig:  # fmt: skip
+                        o_dtype, sm_scale, rope_scale, rope_theta, custom_mask=False,
+                        head_dim_vo=None) -> PrefillConfig:  # fmt: skip
+    """plan()'s static arguments checked (head_dim: q's and k's; head_dim_vo: v's, None for
+    the same: prefill_kernel.check_dims)."""
+    if head_dim_vo is not None:
+        if isinstance(head_dim_vo, bool) or not isinstance(head_dim_vo, (int, np.integer)):
+            raise TypeError(f"head_dim_vo must be an int or None, got {head_dim_vo!r}")
+        head_dim_vo = None if head_dim_vo == head_dim else int(head_dim_vo)
+    # q's and k's head_dim: the usual ones, or a pair's beside v's fewer
+    qk_dims = HEAD_DIMS if head_dim_vo is None else HEAD_DIMS + tuple(qk for qk, _ in DIM_PAIRS)
     attn = make_config(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                        window_left, logits_soft_cap, q_dtype, kv_dtype, o_dtype, sm_scale,
-                       rope_scale, rope_theta)  # fmt: skip
+                       rope_scale, rope_theta, qk_dims)  # fmt: skip
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask))
+    check_dims(attn.head_dim, head_dim_vo, attn.q_dtype, attn.kv_dtype, attn.pos_encoding_mode)
+    return PrefillConfig(attn, bool(causal) and not custom_mask, bool(custom_mask), head_dim_vo)
 
 
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names; one kernel here serves them all
@@ -63,13 +80,6 @@ max_item_len_ptr: a hint for FlashInfer's multi-item scoring kernel; ignored (th
 """
 
 
-def unsupported(head_dim_vo, head_dim_qk) -> None:
-    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-        raise ValueError(
-            f"head_dim_vo ({head_dim_vo}) != head_dim_qk ({head_dim_qk}) is not supported yet"
-        )
-
-
 def mask_capacity_bytes(custom_mask_buf) -> int | None:
     """The packed-mask bytes a CUDA-graph wrapper reserves, from FlashInfer's custom_mask_buf
     (a uint8 device buffer: its size; the mask itself travels in the workspace), or None."""
@@ -80,23 +90,24 @@ def mask_capacity_bytes(custom_mask_buf) -> int | None:
     return int(np.prod(custom_mask_buf.shape))
 
 
-def check_query(q, rows: int, attn) -> tuple:
-    """q [rows, Hq, D] of the plan's dtype; returns that shape (o's)."""
+def check_query(q, rows: int, cfg: PrefillConfig) -> tuple:
+    """q [rows, Hq, D] of the plan's dtype; returns o's shape, [rows, Hq, D_vo]."""
+    attn = cfg.attn
     shape = (rows, attn.num_qo_heads, attn.head_dim)
     if q.shape != shape or q.dtype != attn.q_dtype:
         raise ValueError(
             f"q: expected shape {shape} and dtype {attn.q_dtype} (the plan), "
             f"got {q.shape} and {q.dtype}"
         )
-    return shape
+    return (rows, attn.num_qo_heads, cfg.dim_vo)
 
 
-def io_fields(q, out, lse, attn) -> dict:
+def io_fields(q, out, lse, cfg: PrefillConfig) -> dict:
     """Strides (elements) of q, o and lse, checked; out and lse may be None (dense outputs);
-    attn: the plan's Config (head counts, head_dim)."""
-    o_strides = out.strides if out is not None else (attn.num_qo_heads * attn.head_dim,
-                                                      attn.head_dim, 1)  # fmt: skip
-    lse_strides = lse.strides if lse is not None else (attn.num_qo_heads, 1)
+    cfg: the plan's configuration (head counts, o's head_dim)."""
+    heads, dim = cfg.attn.num_qo_heads, cfg.dim_vo
+    o_strides = out.strides if out is not None else (heads * dim, dim, 1)
+    lse_strides = lse.strides if lse is not None else (heads, 1)
     if q.strides[2] != 1 or o_strides[2] != 1 or lse_strides[1] != 1:
         raise ValueError(
             f"q, out and lse must be contiguous in their last dimension, got strides "
@@ -122,5 +133,4 @@ __all__ = [
     "check_query",
     "io_fields",
     "mask_capacity_bytes",
-    "unsupported",
 ]

@@ -93,7 +93,7 @@ class PrefillPlanArrays:
         attn = cfg.attn
         q, k, v, out, lse, plan = infos
         st = self._launch
-        o_shape = check_query(q, nnz_q, attn)
+        o_shape = check_query(q, nnz_q, cfg)
         self._check_kv(cfg, k, v)
         if plan.shape != (cap.plan_ints,) or plan.dtype != "int32":
             raise ValueError(
@@ -107,17 +107,17 @@ class PrefillPlanArrays:
         outs = run_outputs(out, lse, o_shape, attn.o_dtype, with_lse)
         counters = cap.max_tiles * cap.num_kv_heads
         rows = cap.max_slots * cap.num_kv_heads * cap.tile_rows  # partial rows (the region's)
-        scratch = (OutSlot((counters,), "int32"), OutSlot((rows * (attn.head_dim + 1),), "float32"))
+        scratch = (OutSlot((counters,), "int32"), OutSlot((rows * (cfg.dim_vo + 1),), "float32"))
         base = st.launch
         launch = Launch(base.kernel, base.grid, base.block)
         p = launch.params
         ctypes.memmove(ctypes.addressof(p), ctypes.addressof(base.params), ctypes.sizeof(p))
         empty = q.size == 0
-        for name, value in ({} if empty else self._run_fields(q, k, v, out, lse, attn)).items():
+        for name, value in ({} if empty else self._run_fields(q, k, v, out, lse, cfg)).items():
             setattr(p, name, value)
         v_offset = cache_views(k, v, self._kv_layout, k.itemsize)[1].offset if v is None else None
         mask_at = 4 * cap.mask_at if cfg.custom_mask else None
-        run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * rows * attn.head_dim,
+        run = plan_array_run(launch, len(SLOTS), with_lse, v_offset, 4 * rows * cfg.dim_vo,
                              counters, mask_at, empty)  # fmt: skip
         self._note_array_cache(k.shape[0])
         return Prepared((*outs, *scratch), run, preload=launch.preload, scratch=len(scratch))

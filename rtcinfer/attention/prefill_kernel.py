@@ -1,8 +1,8 @@
 """The prefill kernel seen from the host: its spec (cuda_src/attention/prefill.cu).
 
-One kernel per (dtypes (KV: q's or fp8), head_dim, query tile, KV tile, pipeline depth, causal
-or custom mask, position encoding, soft cap); lengths, page ids and the work list arrive
-through the plan.
+One kernel per (dtypes (KV: q's or fp8), head_dim (q's and k's; v's where it differs), query
+tile, KV tile, pipeline depth, causal or custom mask, position encoding, soft cap); lengths,
+page ids and the work list arrive through the plan.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from ..plan.prefill import choose_tile_rows
 from .decode_kernel import PosEncoding
 
 HEAD_DIMS = (64, 128, 256)
+# (head_dim_qk, head_dim_vo) pairs of different dims: DeepSeek's prefill (MLA's keys with their
+# RoPE part, 128 + 64, over values of 128), as FlashInfer's batch prefill takes them
+DIM_PAIRS = ((192, 128),)
 TILE_ROWS = (16, 64, 128)
 
 
@@ -44,6 +47,9 @@ class PrefillSpec:
     # fp8 K/V read by the MMAs straight from the ring, widened to fp16 in registers (16-row
     # tiles without RoPE; prefill_fp8_fragments.cuh), instead of widened into staging tiles.
     fp8_direct: bool = False
+    # v's and o's head_dim where it is not q's and k's (DeepSeek's 192 / 128: DIM_PAIRS); 16-bit
+    # KV, RoPE outside the kernel, the mma.sync kernel
+    head_dim_vo: int | None = None
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
@@ -58,13 +64,17 @@ class PrefillSpec:
         """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile."""
         return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
 
+    @property
+    def dim_vo(self) -> int:
+        return self.head_dim if self.head_dim_vo is None else self.head_dim_vo
+
     @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8 (but
         fp8_direct's), RoPE frequencies, a paged cache's row-offset table (two tiles of K and V
         int64 offsets), a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
-        ring = self.stages * 2 * self.kv_tile * self.head_dim * itemsize(self.kv_dtype)
+        ring = self.stages * self.kv_tile * (self.head_dim + self.dim_vo) * itemsize(self.kv_dtype)
         widened = self.kv_dtype in FP8_DTYPES and not self.fp8_direct
         staging = 2 * self.kv_tile * row if widened else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
@@ -77,6 +87,7 @@ class PrefillSpec:
             KVT=self.kv_dtype,
             OT=self.o_dtype,
             HEAD_DIM=self.head_dim,
+            HEAD_DIM_VO=self.dim_vo,
             TILE_ROWS=self.tile_rows,
             KV_TILE=self.kv_tile,
             STAGES=self.stages,
@@ -97,7 +108,7 @@ class PrefillSpec:
 def prefill_spec(
     q_dtype, o_dtype, head_dim, tile_rows, causal=False, pos_encoding_mode="NONE", soft_cap=False,
     max_smem=227 * 1024, custom_mask=False, kv_dtype=None, ragged=False, warp_rows=None,
-    wgmma=False, fp8_direct=None,
+    wgmma=False, fp8_direct=None, head_dim_vo=None,
 ) -> PrefillSpec:  # fmt: skip
     """The kernel for a configuration: K/V tiles of 64 keys (32 at head_dim 256 beside a Q
     tile of 64 rows; 32 with two row blocks a warp), as deep a ring (3 or 2 stages) as fits
@@ -117,7 +128,12 @@ def prefill_spec(
     shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
     the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256), 3 stages where
     they fit; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
-    stages)."""
+    stages). `head_dim_vo` (DIM_PAIRS): v's dims where they are fewer than q's and k's, in the
+    mma.sync kernel with 16-row warps and 64-key tiles, 16-bit KV, RoPE outside the kernel."""
+    if head_dim_vo is not None and head_dim_vo != head_dim:
+        return _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
+                                  pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype,
+                                  ragged, warp_rows, wgmma)  # fmt: skip
     direct_fits = (kv_dtype in FP8_DTYPES and tile_rows == 16
                    and pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
     if fp8_direct is None:
@@ -180,6 +196,36 @@ def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
     return wide if wide.smem_bytes <= max_smem else None
 
 
+def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmma=False,
+               warp_rows=None) -> None:  # fmt: skip
+    """Raise ValueError unless the kernel takes v of head_dim_vo dims beside q and k of
+    head_dim: equal, or a pair of DIM_PAIRS over 16-bit KV of q's dtype with RoPE outside the
+    kernel (in the mma.sync kernel, 16-row warps)."""
+    if head_dim_vo is None or head_dim_vo == head_dim:
+        return
+    problems = [what for what, bad in (
+        (f"this pair (the pairs taken: {', '.join(map(str, DIM_PAIRS))})",
+         (head_dim, head_dim_vo) not in DIM_PAIRS),
+        (f"KV {kv_dtype} (16-bit KV of q's dtype)", kv_dtype not in (None, q_dtype)),
+        ("in-kernel RoPE (apply it to q and k before the call)", pos_encoding_mode == "ROPE_LLAMA"),
+        ("the warpgroup-MMA kernel", wgmma),
+        (f"warp_rows {warp_rows} (16)", warp_rows not in (None, 16)),
+    ) if bad]  # fmt: skip
+    if problems:
+        raise ValueError(f"head_dim_vo {head_dim_vo} != head_dim_qk {head_dim}: not with "
+                         + "; ".join(problems))  # fmt: skip
+
+
+def _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
+                       pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype, ragged,
+                       warp_rows, wgmma) -> PrefillSpec:  # fmt: skip
+    """prefill_spec's kernel for q and k of head_dim dims over v of head_dim_vo."""
+    check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmma, warp_rows)
+    return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
+                    pos_encoding_mode, soft_cap, q_dtype, ragged, 16, False, max_smem,
+                    head_dim_vo=head_dim_vo)  # fmt: skip
+
+
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
     """Whether prefill on `arch` takes the warpgroup-MMA kernel: on sm_90a where it covers the
     configuration, unless RTCINFER_PREFILL_WGMMA=0 (the mma.sync kernel everywhere)."""
@@ -198,13 +244,13 @@ def wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
 
 def _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
              pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, wgmma, max_smem,
-             stage_choices=(3, 2), min_ctas=0, fp8_direct=False):  # fmt: skip
+             stage_choices=(3, 2), min_ctas=0, fp8_direct=False, head_dim_vo=None):  # fmt: skip
     """The first configuration of stage_choices whose ring fits in max_smem."""
     for stages in stage_choices:
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
                            kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma,
-                           min_ctas, bool(fp8_direct))  # fmt: skip
+                           min_ctas, bool(fp8_direct), head_dim_vo)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
@@ -240,9 +286,11 @@ def kernel(spec: PrefillSpec) -> Kernel:
 
 
 __all__ = [
+    "DIM_PAIRS",
     "HEAD_DIMS",
     "PrefillSpec",
     "TILE_ROWS",
+    "check_dims",
     "kernel",
     "prefill_spec",
     "specs_for",

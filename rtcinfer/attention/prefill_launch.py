@@ -27,9 +27,11 @@ def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
-    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
+    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs
+    (not where v's head_dim differs from k's: prefill_kernel.check_dims)."""
     a = cfg.attn
-    return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
+    return cfg.head_dim_vo is None and use_wgmma(device_arch(device), 128, a.pos_encoding_mode,
+                                                 a.q_dtype, a.kv_dtype)  # fmt: skip
 
 
 def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
@@ -39,7 +41,8 @@ def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
     return prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
                         cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
-                        wgmma=wgmma and tile_rows in (64, 128))  # fmt: skip
+                        wgmma=wgmma and tile_rows in (64, 128),
+                        head_dim_vo=cfg.head_dim_vo)  # fmt: skip
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool,

@@ -6,7 +6,7 @@ Device layout (each region 256-byte aligned, the plan first):
                           header | RoPE | items | page ids | packed mask | requests table
     counters   int32[max_tiles * num_kv_heads]                  merge arrivals, zero at rest
     lse        float32[max_slots * num_kv_heads * tile_rows]    partial LSE of split tiles
-    o          float32[max_slots * num_kv_heads * tile_rows, head_dim]   partial outputs
+    o          float32[max_slots * num_kv_heads * tile_rows, head_dim_vo]   partial outputs
 
 The header is [num_work, 0, 0, 0], then D ints of RoPE frequencies (head_dim / 2 float32
 (hi, lo) pairs in turns per position; zero without RoPE); the work items are the kernel's
@@ -22,7 +22,7 @@ requests table at `requests_at` (room for max_requests requests; none when 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,8 @@ assert len(ITEM_COLUMN) == ITEM_INTS and all(
 ), "PrefillWorkItem is all int32 fields"
 HEADER_INTS = 4
 RAGGED_PAGE = 1 << 30  # a ragged request is one page of this many token slots
+# a Capacity's counts (the rest is its shape)
+_COUNTS = ("max_work", "max_pages", "max_tiles", "max_slots", "max_mask_ints", "max_requests")
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,14 @@ class Capacity:
     max_slots: int
     num_kv_heads: int
     tile_rows: int
-    head_dim: int
+    head_dim: int  # q's and k's (the RoPE frequencies' room)
     max_mask_ints: int = 0  # the packed custom mask's room in the plan region
     max_requests: int = 0  # the requests table's room (prefill_items.py), in requests
+    head_dim_vo: int | None = None  # v's and o's (the partial outputs' rows), None: head_dim
+
+    @property
+    def dim_vo(self) -> int:
+        return self.head_dim if self.head_dim_vo is None else self.head_dim_vo
 
     @property
     def mask_at(self) -> int:
@@ -74,7 +81,7 @@ class Capacity:
             "plan": 4 * self.plan_ints,
             "counters": 4 * self.max_tiles * self.num_kv_heads,
             "lse": 4 * rows,
-            "o": 4 * rows * self.head_dim,
+            "o": 4 * rows * self.dim_vo,
         })  # fmt: skip
 
     @property
@@ -83,20 +90,12 @@ class Capacity:
         return self.offsets()["lse"]
 
     def _shape(self) -> tuple:
-        return self.num_kv_heads, self.tile_rows, self.head_dim
+        return self.num_kv_heads, self.tile_rows, self.head_dim, self.dim_vo
 
     def covers(self, other: Capacity) -> bool:
         """Whether this layout serves `other`: the same shape and every count at least its."""
         return self._shape() == other._shape() and all(
-            getattr(self, f) >= getattr(other, f)
-            for f in (
-                "max_work",
-                "max_pages",
-                "max_tiles",
-                "max_slots",
-                "max_mask_ints",
-                "max_requests",
-            )
+            getattr(self, f) >= getattr(other, f) for f in _COUNTS
         )
 
     def grown(self, need: Capacity) -> Capacity:
@@ -108,10 +107,7 @@ class Capacity:
         def grow(have: int, want: int) -> int:
             return have if have >= want else max(want, 2 * have)
 
-        return Capacity(grow(self.max_work, need.max_work), grow(self.max_pages, need.max_pages),
-                        grow(self.max_tiles, need.max_tiles), grow(self.max_slots, need.max_slots),
-                        *need._shape(), grow(self.max_mask_ints, need.max_mask_ints),
-                        grow(self.max_requests, need.max_requests))  # fmt: skip
+        return replace(need, **{f: grow(getattr(self, f), getattr(need, f)) for f in _COUNTS})
 
 
 @dataclass(frozen=True)

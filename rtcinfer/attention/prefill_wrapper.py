@@ -19,7 +19,7 @@ from ..launch import Launch
 from ..plan.prefill import PrefillPlan, TilePlan
 from . import prefill_launch as launches
 from .cascade import merge_sinks_in_place
-from .decode_kernel import Config, kv_scales
+from .decode_kernel import kv_scales
 from .paged_kv import cache_views
 from .planned import PlannedWrapper, kept_fill, run_outputs, weak_hooks, write_run_arguments
 from .prefill_args import (
@@ -101,12 +101,12 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         self._kernels = {}  # chosen_kernel's cache for this configuration
 
     def _plan(self, qo_indptr, kv_len, first_page, page_ids, args, masks, fixed_split_size,
-              disable_split_kv, num_kv_rows) -> None:  # fmt: skip
+              disable_split_kv, num_kv_rows, head_dim_vo=None) -> None:  # fmt: skip
         """Plan (qo_indptr, kv_len) over the page list `page_ids` (request b's from
         first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find;
         masks: plan()'s (custom_mask, packed_custom_mask)."""
         custom = masks[0] is not None or masks[1] is not None
-        cfg = self._configure((*args, custom), make_prefill_config, self._setup)
+        cfg = self._configure((*args, custom, head_dim_vo), make_prefill_config, self._setup)
         rows = int(qo_indptr[-1])
         mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
         kw = dict(device_items=True, kernels=self._kernels, keep=partial(self._kept_launch, cfg))
@@ -124,7 +124,8 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                                 plan.num_slots, cfg.attn.num_kv_heads,
                                 launch.kernel.spec.tile_rows, cfg.attn.head_dim,
                                 mask.ints if host_mask else 0,
-                                plan.batch_size if isinstance(plan, TilePlan) else 0)  # fmt: skip
+                                plan.batch_size if isinstance(plan, TilePlan) else 0,
+                                cfg.dim_vo)  # fmt: skip
         # The mask travels with the plan (a host mask; any mask of a graph wrapper, copied
         # on the device behind the upload) or is read where it lies (a device mask).
         in_plan = mask is not None and (mask.host is not None or self._graph)
@@ -166,8 +167,8 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                 room = self._mask_bytes if self._mask_bytes is not None else mask.nbytes
                 mask_ints = -(-room // 4)
             capacity = Capacity(work, self._max_pages, tiles, work, attn.num_kv_heads,
-                                tile_rows, attn.head_dim, mask_ints,
-                                self._max_batch)  # fmt: skip
+                                tile_rows, attn.head_dim, mask_ints, self._max_batch,
+                                cfg.dim_vo)  # fmt: skip
             fixed = self._fixed = GraphCapacity(cfg, tile_rows, rows, capacity)
         elif rows > fixed.rows:
             raise ValueError(
@@ -240,15 +241,21 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             raise RuntimeError("plan() must be called before run()")
         return self._launch.cfg.attn.o_dtype
 
+    def _plan_o_shape(self, q_shape: tuple) -> tuple:
+        """o's shape for q of `q_shape` under the current plan (its head_dim_vo)."""
+        if self._launch is None:
+            raise RuntimeError("plan() must be called before run()")
+        return (*q_shape[:-1], self._launch.cfg.dim_vo)
+
     def _prepare_run(self, infos, align, static) -> Prepared:
         cfg, nnz_q, with_lse = static
         attn = cfg.attn
         q, k, v, out, lse = infos
-        o_shape = check_query(q, nnz_q, attn)
+        o_shape = check_query(q, nnz_q, cfg)
         self._check_kv(cfg, k, v)
         outs = run_outputs(out, lse, o_shape, attn.o_dtype, with_lse)
         empty = q.size == 0
-        fields = {} if empty else self._run_fields(q, k, v, out, lse, attn)
+        fields = {} if empty else self._run_fields(q, k, v, out, lse, cfg)
         five_d = v is None  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
         v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset if five_d else 0
         num_kv_rows = k.shape[0]
@@ -282,9 +289,9 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
                         on_trace=on_trace)  # fmt: skip
 
-    def _run_fields(self, q, k, v, out, lse, attn: Config) -> dict:
-        fields = self._kv_fields(k, v, attn)
-        fields.update(io_fields(q, out, lse, attn))
+    def _run_fields(self, q, k, v, out, lse, cfg: PrefillConfig) -> dict:
+        fields = self._kv_fields(k, v, cfg.attn)
+        fields.update(io_fields(q, out, lse, cfg))
         return fields
 
 

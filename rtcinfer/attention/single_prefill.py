@@ -40,7 +40,8 @@ def single_prefill_with_kv_cache(
     q: [qo_len, Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any token and
     head strides with a contiguous head_dim; qo_len <= kv_len is the usual append case, but any
     lengths work (queries before the first key see nothing under the causal mask). D in
-    (64, 128, 256). Returns o [qo_len, Hq, D] (o_dtype, default q's), and also
+    (64, 128, 256); v's last dim D_vo may be fewer (192 / 128: prefill_kernel.DIM_PAIRS, 16-bit
+    KV, RoPE outside the kernel). Returns o [qo_len, Hq, D_vo] (o_dtype, default q's), and also
     lse [qo_len, Hq] float32 (base 2) when return_lse. The work list depends only on the
     shapes: it is built and uploaded once per signature. QK products accumulate in fp32
     whatever use_fp16_qk_reduction says. The fp8 scales (scale_q, scale_k, scale_v, k_scale,
@@ -86,12 +87,13 @@ def _prepare(infos, align, static) -> Prepared:
     rope_scale, rope_theta, with_lse = static[7:]
     q, k, v, mask = infos
     check_layout(kv_layout)
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape != v.shape:
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(
             f"expected q [qo_len, Hq, D] and k, v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] "
             f"(HND), got q {q.shape}, k {k.shape}, v {v.shape}"
         )
     qo_len, num_qo_heads, head_dim = q.shape
+    head_dim_vo = v.shape[2]
     (kv_len, num_kv_heads), (k_token, k_head) = token_head(k.shape, k.strides, kv_layout)
     _, (v_token, v_head) = token_head(v.shape, v.strides, kv_layout)
     if k.shape[2] != head_dim or v.dtype != k.dtype:
@@ -101,7 +103,8 @@ def _prepare(infos, align, static) -> Prepared:
         )
     cfg = make_prefill_config(num_qo_heads, num_kv_heads, head_dim, RAGGED_PAGE, causal,
                               pos_encoding_mode, window_left, cap, q.dtype, k.dtype, o_dtype,
-                              sm_scale, rope_scale, rope_theta, mask is not None)  # fmt: skip
+                              sm_scale, rope_scale, rope_theta, mask is not None,
+                              head_dim_vo)  # fmt: skip
     if mask is not None and (mask.dtype != "uint8" or mask.size < -(-qo_len * kv_len // 8)):
         raise ValueError(
             f"the custom mask packs qo_len x kv_len = {qo_len} x {kv_len} bits: expected "
@@ -120,13 +123,13 @@ def _prepare(infos, align, static) -> Prepared:
     )
     plan_buffer = device_copy(host, device, "single_prefill_with_kv_cache")
 
-    outs = [OutSlot((qo_len, num_qo_heads, head_dim), attn.o_dtype)]
+    outs = [OutSlot((qo_len, num_qo_heads, head_dim_vo), attn.o_dtype)]
     if with_lse:
         outs.append(OutSlot((qo_len, num_qo_heads), "float32"))
     split = plan.num_slots > 0
     counters = plan.num_tiles * num_kv_heads
     if split:
-        scratch = split_scratch(plan.num_slots * num_kv_heads * tile_rows, head_dim, counters)
+        scratch = split_scratch(plan.num_slots * num_kv_heads * tile_rows, head_dim_vo, counters)
         outs.append(scratch.slot)
     p = launch.params
     p.plan = plan_buffer.ptr
@@ -137,7 +140,7 @@ def _prepare(infos, align, static) -> Prepared:
     p.k_page = p.k_token = k_token * item
     p.v_page = p.v_token = v_token * item
     p.k_head, p.v_head = k_head * item, v_head * item
-    for name, value in io_fields(q, None, None, attn).items():
+    for name, value in io_fields(q, None, None, cfg).items():
         setattr(p, name, value)
     p.qk_scale, p.v_scale = attn.sm_scale, 1.0
     n_lse = 1 if with_lse else 0
