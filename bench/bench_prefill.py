@@ -41,7 +41,9 @@ from rtcinfer.interop.dtypes import numpy_dtype
 PAGE = 16
 # 64 prompts of 16 to 240 tokens (mean ~128), the same every run
 MIXED = tuple(int(n) for n in np.random.default_rng(1).integers(16, 241, 64))
-# label, qo_len of each request, keys cached before its queries, Hq, Hkv, head_dim, causal
+# label, qo_len of each request, keys cached before its queries, Hq, Hkv, head_dim (or q's and
+# v's: (192, 128), DeepSeek's prefill, with its 16 heads a GPU at 8-way tensor parallelism;
+# paged as a (k_cache, v_cache) pair), causal
 ROWS = [
     ("1 x 4096", (4096,), 0, 32, 8, 128, True),
     ("1 x 16384", (16384,), 0, 32, 8, 128, True),
@@ -58,6 +60,8 @@ ROWS = [
     ("16 x 1024, MHA (Hkv 32)", (1024,) * 16, 0, 32, 32, 128, True),
     ("4 x 4096, head_dim 64", (4096,) * 4, 0, 32, 8, 64, True),
     ("4 x 4096, head_dim 256", (4096,) * 4, 0, 32, 8, 256, True),
+    ("4 x 4096, head_dim 192 / 128, Hq = Hkv 16", (4096,) * 4, 0, 16, 16, (192, 128), True),
+    ("16 x 1024, head_dim 192 / 128, Hq = Hkv 16", (1024,) * 16, 0, 16, 16, (192, 128), True),
 ]  # fmt: skip
 FORMS = {"ragged": "BatchPrefillWithRaggedKVCacheWrapper",
          "paged": "BatchPrefillWithPagedKVCacheWrapper"}  # fmt: skip
@@ -131,13 +135,23 @@ def plan_tables(form: str, qo_len: np.ndarray, kv_len: np.ndarray, rng) -> tuple
     return (indptr_of(qo_len), *page_table(kv_len, rng))
 
 
-def kv_arrays(form: str, tables: tuple, hkv: int, head_dim: int) -> tuple:
-    """The K/V arrays run() takes after q: ragged (k, v) [nnz_kv, Hkv, D] each; paged one
-    [pages, 2, PAGE, Hkv, D] cache."""
+def kv_arrays(form: str, tables: tuple, hkv: int, head_dim: int, head_dim_vo: int) -> tuple:
+    """The K/V arrays run() takes after q: ragged (k, v) [nnz_kv, Hkv, D] each (v: D_vo);
+    paged one [pages, 2, PAGE, Hkv, D] cache, or k and v [pages, PAGE, Hkv, D or D_vo] (a
+    pair, passed as one argument) where the dims differ."""
+    rows = int(tables[1][-1])
     if form == "ragged":
-        shape = (int(tables[1][-1]), hkv, head_dim)
-        return tuple(random_cache(shape, "bfloat16") for _ in range(2))
-    return (random_cache((int(tables[1][-1]), 2, PAGE, hkv, head_dim), "bfloat16"),)
+        return (random_cache((rows, hkv, head_dim), "bfloat16"),
+                random_cache((rows, hkv, head_dim_vo), "bfloat16"))  # fmt: skip
+    if head_dim != head_dim_vo:
+        dims = (head_dim, head_dim_vo)
+        return tuple(random_cache((rows, PAGE, hkv, d), "bfloat16") for d in dims)
+    return (random_cache((rows, 2, PAGE, hkv, head_dim), "bfloat16"),)
+
+
+def run_arguments(form: str, kv: list, head_dim: int, head_dim_vo: int) -> list:
+    """kv_arrays' arrays as run() takes them (a paged pair as one (k, v) argument)."""
+    return [tuple(kv)] if form == "paged" and head_dim != head_dim_vo else kv
 
 
 def flashinfer_wrapper(fi, torch, wrappers: dict, form: str, backend: str):
@@ -162,18 +176,19 @@ def flashinfer_tables(torch, form: str, tables: tuple) -> list:
     return tensors
 
 
-def flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal, tq, tkv):
+def flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal, tq, tkv,
+                     head_dim_vo, tout):  # fmt: skip
     """views() of FlashInfer's run() on the batch (None if its plan fails)."""
     wrapper = flashinfer_wrapper(fi, torch, wrappers, form, backend)
     if wrapper is None:
         return None
     try:
-        wrapper.plan(*flashinfer_tables(torch, form, tables), *dims, causal=causal,
-                     q_data_type=torch.bfloat16)  # fmt: skip
+        wrapper.plan(*flashinfer_tables(torch, form, tables), *dims, head_dim_vo=head_dim_vo,
+                     causal=causal, q_data_type=torch.bfloat16)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
         print(f"# flashinfer {form} {backend} plan failed: {type(e).__name__}: {str(e)[:200]}")
         return None
-    tout = torch.empty_like(tq)
+    tout = torch.empty_like(tout)
     return peer_views(f"flashinfer {form} {backend}",
                       lambda: wrapper.run(tq, *tkv, out=tout))  # fmt: skip
 
@@ -181,34 +196,38 @@ def flashinfer_views(fi, torch, wrappers, form, backend, tables, dims, causal, t
 def prefill_rows(table: Table, form: str, fi, torch, wrappers: dict, rng) -> None:
     cp = cupy()
     bf16 = numpy_dtype("bfloat16")
-    for label, qo_lens, prefix, hq, hkv, head_dim, causal in ROWS:
+    for label, qo_lens, prefix, hq, hkv, head_dims, causal in ROWS:
+        head_dim, head_dim_vo = head_dims if isinstance(head_dims, tuple) else (head_dims,) * 2
         qo_len = np.array(qo_lens, dtype=np.int32)
         kv_len = qo_len + prefix
         tables = plan_tables(form, qo_len, kv_len, rng)
-        kv = kv_arrays(form, tables, hkv, head_dim)
+        kv = kv_arrays(form, tables, hkv, head_dim, head_dim_vo)
         dims = (hq, hkv, head_dim) + ((PAGE,) if form == "paged" else ())
         q = random_cache((int(qo_len.sum()), hq, head_dim), "bfloat16")
-        out = cp.empty(q.shape, dtype=bf16)
+        out = cp.empty((q.shape[0], hq, head_dim_vo), dtype=bf16)
         wrapper = getattr(rtcinfer, FORMS[form])()
-        wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
-        cupy_graph = graph_time_us(lambda: wrapper.run(q, *kv, out=out))
+        plan_kw = dict(head_dim_vo=head_dim_vo, causal=causal, q_data_type="bfloat16")
+        wrapper.plan(*tables, *dims, **plan_kw)
+        run_kv = run_arguments(form, list(kv), head_dim, head_dim_vo)
+        cupy_graph = graph_time_us(lambda: wrapper.run(q, *run_kv, out=out))  # noqa: B023
         mma_sync = None
         if wrapper._launch.launch.kernel.spec.wgmma:
             with mma_sync_kernel():
                 alt = getattr(rtcinfer, FORMS[form])()
-                alt.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
-            mma_sync = graph_time_us(lambda: alt.run(q, *kv, out=out))  # noqa: B023
+                alt.plan(*tables, *dims, **plan_kw)
+            mma_sync = graph_time_us(lambda: alt.run(q, *run_kv, out=out))  # noqa: B023
         (tq, tout, *tkv), is_torch = callers(q, out, *kv)
-        ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)
-        flops = 4 * head_dim * hq * visible_pairs(qo_len, kv_len, causal)
+        tkv = run_arguments(form, tkv, head_dim, head_dim_vo)
+        ours = views(lambda: wrapper.run(tq, *tkv, out=tout), torch_graph=is_torch)  # noqa: B023
+        flops = 2 * (head_dim + head_dim_vo) * hq * visible_pairs(qo_len, kv_len, causal)
         tflops = flops / ours.graph / 1e6
         theirs = fa3 = None
         if fi is not None and torch is not None:
             theirs = flashinfer_views(fi, torch, wrappers, form, "fa2", tables, dims, causal,
-                                      tq, tkv)  # fmt: skip
-            if head_dim in FA3_HEAD_DIMS:
+                                      tq, tkv, head_dim_vo, tout)  # fmt: skip
+            if head_dim in FA3_HEAD_DIMS and head_dim_vo == head_dim:
                 fa3 = flashinfer_views(fi, torch, wrappers, form, "fa3", tables, dims, causal,
-                                       tq, tkv)  # fmt: skip
+                                       tq, tkv, head_dim_vo, tout)  # fmt: skip
         fa3_graph = None if fa3 is None else fa3.graph
         table.add(label, *ours.cells(), cupy_graph, mma_sync, tflops,
                   100 * tflops / gemm_tflops(),
