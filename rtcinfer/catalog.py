@@ -197,12 +197,14 @@ def prefill_specs() -> list:
         # paged 128-row tiles, registers capped for two CTAs a SM
         spec("bfloat16", "bfloat16", 128, 128, True, wgmma=True),
         spec("float16", "float16", 128, 128, True, "NONE", True, wgmma=True),
-        # v of fewer dims than q and k (192 / 128), the mma.sync kernel: 24-chunk K rows
+        # v of fewer dims than q and k (192 / 128): 24-chunk K rows, both kernels
         spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, head_dim_vo=128),
         spec(
             "float16", "float16", 192, 64, False, "ALIBI", True, custom_mask=True, head_dim_vo=128
         ),
         spec("bfloat16", "float16", 192, 16, True, head_dim_vo=128),
+        spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, wgmma=True, head_dim_vo=128),
+        spec("float16", "float16", 192, 64, False, custom_mask=True, wgmma=True, head_dim_vo=128),
     ]
 
 

@@ -53,16 +53,17 @@ def swizzled(x: np.ndarray) -> np.ndarray:
     return smem
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim, head_dim_vo", [(64, 64), (128, 128), (256, 256), (192, 128)])
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
-def test_one_warp_computes_s_and_o_exactly(head_dim, dtype):
+def test_one_warp_computes_s_and_o_exactly(head_dim, head_dim_vo, dtype):
+    """(192, 128): Q and K rows of 24 chunks (swizzled within each 8-chunk group), V's of 16."""
     rng = np.random.default_rng(head_dim)
     tile_rows, keys, warp = 64, 32, 2  # the warp's rows: 32..47 of the Q tile
     q = rng.standard_normal((tile_rows, head_dim)).astype(dtype)
     k = rng.standard_normal((keys, head_dim)).astype(dtype)
-    v = rng.standard_normal((keys, head_dim)).astype(dtype)
+    v = rng.standard_normal((keys, head_dim_vo)).astype(dtype)
     q_s, k_s, v_s = swizzled(q), swizzled(k), swizzled(v)
-    row_bytes = 2 * head_dim
+    row_bytes, v_row_bytes = 2 * head_dim, 2 * head_dim_vo
 
     # S = Q K^T: n-tile n holds keys 8n..8n+7 (C layout: rows g, g + 8; keys 2t, 2t + 1)
     s = [np.zeros((4, 32)) for _ in range(keys // 8)]
@@ -79,16 +80,16 @@ def test_one_warp_computes_s_and_o_exactly(head_dim, dtype):
             np.testing.assert_allclose(s[n][r], expect[got_rows, got_keys], rtol=1e-12)
 
     # O = P V with P = S rounded to the 16-bit type, through p_fragment and load_v_pair
-    o = [np.zeros((4, 32)) for _ in range(head_dim // 8)]
+    o = [np.zeros((4, 32)) for _ in range(head_dim_vo // 8)]
     for j in range(keys // 16):
         a = p_fragment(s[2 * j], s[2 * j + 1], dtype)
-        for c in range(head_dim // 16):
-            b = load_v_pair(v_s, j, c, row_bytes)
+        for c in range(head_dim_vo // 16):
+            b = load_v_pair(v_s, j, c, v_row_bytes)
             for h in range(2):
                 o[2 * c + h] = mma(o[2 * c + h], a, b[h], dtype)
     p = expect.astype(dtype).astype(np.float64)
     expect_o = p @ v.astype(np.float64)
-    for n in range(head_dim // 8):
+    for n in range(head_dim_vo // 8):
         for r in range(4):
             rows, dims = G + 8 * (r // 2), 8 * n + 2 * T + r % 2
             np.testing.assert_allclose(o[n][r], expect_o[rows, dims], rtol=1e-10, atol=1e-10)

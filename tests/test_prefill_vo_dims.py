@@ -44,10 +44,21 @@ def batch(rng, qo, extra, hq=8, hkv=2, dtype="bfloat16"):
     return q, k, v, qo_indptr, kv_indptr
 
 
+@pytest.fixture(params=["default", "mma_sync"])
+def kernel(request, monkeypatch):
+    """The device's own kernel (warpgroup MMAs on sm_90a for 64- and 128-row tiles), and the
+    mma.sync one everywhere (RTCINFER_PREFILL_WGMMA=0, read at a configuration's first plan)."""
+    if request.param == "mma_sync":
+        monkeypatch.setenv("RTCINFER_PREFILL_WGMMA", "0")
+    else:
+        monkeypatch.delenv("RTCINFER_PREFILL_WGMMA", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("split", [False, True])
-def test_ragged(causal, feature, split):
+def test_ragged(kernel, causal, feature, split):
     rng = np.random.default_rng(zlib.crc32(repr(("vo", causal, feature, split)).encode()))
     qo = [int(x) for x in rng.permutation(LENGTHS)]
     extra = [int(x) for x in rng.integers(0, 200, len(qo))]
@@ -68,7 +79,7 @@ def test_ragged(causal, feature, split):
     ([33, 200, 5], [0, 100, 600]),        # 64- and 128-row tiles
     ([1, 2, 1, 3], [700, 40, 0, 2000]),   # decode-like: 16-row tiles, four warps on the keys
 ])  # fmt: skip
-def test_dtypes_groups_and_tiles(dtype, group, qo, extra):
+def test_dtypes_groups_and_tiles(kernel, dtype, group, qo, extra):
     rng = np.random.default_rng(group * 10 + len(qo) + (dtype == "float16"))
     q, k, v, qo_indptr, kv_indptr = batch(rng, qo, extra, hq=2 * group, hkv=2, dtype=dtype)
     wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
@@ -101,7 +112,7 @@ def paged_pair(k, v, kv_indptr, indptr, indices, num_pages, page_size, layout):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("split", [False, True])
-def test_paged_append(layout, page_size, split):
+def test_paged_append(kernel, layout, page_size, split):
     rng = np.random.default_rng(page_size + (layout == "HND") * 7 + split * 3)
     qo = [16, 0, 1, 129, 40]
     extra = [2048 - 16, 3, 0, 17, 300]
@@ -118,7 +129,7 @@ def test_paged_append(layout, page_size, split):
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_custom_mask_over_a_paged_pair(split):
+def test_custom_mask_over_a_paged_pair(kernel, split):
     rng = np.random.default_rng(41 + split)
     qo, extra = [30, 1, 0, 77], [10, 200, 5, 0]
     q, k, v, qo_indptr, kv_indptr = batch(rng, qo, extra)

@@ -51,8 +51,25 @@ def test_wgmma_spec_shapes():
         prefill_spec("bfloat16", "bfloat16", 128, 16, True, wgmma=True)
 
 
+def test_wgmma_spec_with_fewer_value_dims():
+    """192 / 128: the wgmma kernel with K rows of three 64-dim column blocks and V's of two;
+    the 128-row tile alone on its SM (3 stages, no register cap), the 64-row one in 2 stages
+    (two fit an SM); 16-row tiles refused by name."""
+    big = prefill_spec("bfloat16", "bfloat16", 192, 128, True, wgmma=True, head_dim_vo=128)
+    small = prefill_spec("bfloat16", "bfloat16", 192, 64, True, ragged=True, wgmma=True,
+                         head_dim_vo=128)  # fmt: skip
+    assert (big.wgmma, big.stages, big.min_ctas, big.kv_tile, big.dim_vo) == (True, 3, 0, 64, 128)
+    table = 2 * 2 * 64 * 8
+    assert big.smem_bytes == 128 * 384 + 3 * 64 * (384 + 256) + table + 16
+    assert (small.wgmma, small.stages, small.smem_bytes) == (True, 2, 64 * 384 + 2 * 64 * 640 + 16)
+    assert 2 * small.smem_bytes <= 228 * 1024
+    assert "constexpr int HEAD_DIM_VO = 128;" in big.prelude()
+    with pytest.raises(ValueError, match="wgmma with 16-row tiles: 64 or 128 rows"):
+        prefill_spec("bfloat16", "bfloat16", 192, 16, True, wgmma=True, head_dim_vo=128)
+
+
 @pytest.mark.parametrize("cc,expect", [((9, 0), True), ((8, 0), False), ((12, 0), False)])
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [128, 256, (192, 128)])
 def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
     import rtcinfer
     from rtcinfer.attention import prefill_wrapper
@@ -65,10 +82,11 @@ def test_plan_takes_the_devices_kernel(monkeypatch, cc, expect, head_dim):
     monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
     qo = np.array([0, 512, 1024], dtype=np.int32)  # long prompts: 128-row tiles where they fit
+    head_dim, head_dim_vo = head_dim if isinstance(head_dim, tuple) else (head_dim, None)
     wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
-    wrapper.plan(qo, qo, 32, 8, head_dim, causal=True, q_data_type="bfloat16")
+    wrapper.plan(qo, qo, 32, 8, head_dim, head_dim_vo, causal=True, q_data_type="bfloat16")
     spec = wrapper._launch.launch.kernel.spec
-    assert spec.wgmma is expect
+    assert spec.wgmma is expect and spec.dim_vo == (head_dim_vo or head_dim)
     assert spec.tile_rows == (64 if head_dim == 256 and not expect else 128)
 
 

@@ -25,7 +25,7 @@
 // staging tile as each tile lands, or (FP8_DIRECT) to fp16 in registers as the MMAs load it;
 // k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM (q's and k's), HEAD_DIM_VO (v's and o's: HEAD_DIM,
-// or fewer, as DeepSeek's 192 / 128, with 16-bit KV, without RoPE or wgmma), TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
+// or fewer, as DeepSeek's 192 / 128, with 16-bit KV, without RoPE), TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
 // POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
 // of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
 // WGMMA (sm_90a: each warpgroup's 64 rows multiply by wgmma, S = Q K^T with Q and K from
@@ -88,8 +88,8 @@ constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256,
               "head_dim 64, 128, 192 or 256");
 static_assert(HEAD_DIM_VO == HEAD_DIM ||
-                  (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE && !WGMMA),
-              "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE, no wgmma");
+                  (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE),
+              "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE");
 static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
 static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
               (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");

@@ -128,8 +128,8 @@ def prefill_spec(
     shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
     the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256), 3 stages where
     they fit; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
-    stages). `head_dim_vo` (DIM_PAIRS): v's dims where they are fewer than q's and k's, in the
-    mma.sync kernel with 16-row warps and 64-key tiles, 16-bit KV, RoPE outside the kernel."""
+    stages). `head_dim_vo` (DIM_PAIRS): v's dims where they are fewer than q's and k's, with
+    16-row warps and 64-key tiles, 16-bit KV, RoPE outside the kernel (_unequal_dims_spec)."""
     if head_dim_vo is not None and head_dim_vo != head_dim:
         return _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
                                   pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype,
@@ -196,11 +196,11 @@ def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
     return wide if wide.smem_bytes <= max_smem else None
 
 
-def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmma=False,
+def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode,
                warp_rows=None) -> None:  # fmt: skip
     """Raise ValueError unless the kernel takes v of head_dim_vo dims beside q and k of
     head_dim: equal, or a pair of DIM_PAIRS over 16-bit KV of q's dtype with RoPE outside the
-    kernel (in the mma.sync kernel, 16-row warps)."""
+    kernel (16-row warps)."""
     if head_dim_vo is None or head_dim_vo == head_dim:
         return
     problems = [what for what, bad in (
@@ -208,7 +208,6 @@ def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmm
          (head_dim, head_dim_vo) not in DIM_PAIRS),
         (f"KV {kv_dtype} (16-bit KV of q's dtype)", kv_dtype not in (None, q_dtype)),
         ("in-kernel RoPE (apply it to q and k before the call)", pos_encoding_mode == "ROPE_LLAMA"),
-        ("the warpgroup-MMA kernel", wgmma),
         (f"warp_rows {warp_rows} (16)", warp_rows not in (None, 16)),
     ) if bad]  # fmt: skip
     if problems:
@@ -219,10 +218,16 @@ def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmm
 def _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
                        pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype, ragged,
                        warp_rows, wgmma) -> PrefillSpec:  # fmt: skip
-    """prefill_spec's kernel for q and k of head_dim dims over v of head_dim_vo."""
-    check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, wgmma, warp_rows)
+    """prefill_spec's kernel for q and k of head_dim dims over v of head_dim_vo: 64-key tiles,
+    16-row warps; with `wgmma` (64- or 128-row tiles) the warpgroup-MMA kernel, whose 128-row
+    tile has an SM to itself (3 stages where they fit) and whose 64-row tile leaves room for
+    two (2 stages), as a guess not yet measured."""
+    check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, warp_rows)
+    if wgmma and tile_rows not in (64, 128):
+        raise ValueError(f"wgmma with {tile_rows}-row tiles: 64 or 128 rows")
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
-                    pos_encoding_mode, soft_cap, q_dtype, ragged, 16, False, max_smem,
+                    pos_encoding_mode, soft_cap, q_dtype, ragged, 16, wgmma, max_smem,
+                    stage_choices=(3, 2) if not wgmma or tile_rows == 128 else (2,),
                     head_dim_vo=head_dim_vo)  # fmt: skip
 
 

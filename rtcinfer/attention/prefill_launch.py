@@ -27,11 +27,9 @@ def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
-    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs
-    (not where v's head_dim differs from k's: prefill_kernel.check_dims)."""
+    """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
     a = cfg.attn
-    return cfg.head_dim_vo is None and use_wgmma(device_arch(device), 128, a.pos_encoding_mode,
-                                                 a.q_dtype, a.kv_dtype)  # fmt: skip
+    return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
 
 
 def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
