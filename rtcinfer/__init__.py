@@ -34,6 +34,7 @@ from .attention.page import (
     get_batch_indices_positions,
     get_seq_lens,
 )
+from .attention.pod import BatchPODWithPagedKVCacheWrapper, PODWithPagedKVCacheWrapper
 from .attention.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -67,12 +68,14 @@ __all__ = [
     "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchPODWithPagedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BlockSparseAttentionWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "PODWithPagedKVCacheWrapper",
     "VariableBlockSparseAttentionWrapper",
     "append_paged_kv_cache",
     "check_errors",

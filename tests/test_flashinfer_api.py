@@ -32,6 +32,40 @@ FLASHINFER_0_7_2 = {
          "max_sequence_kv", "fixed_split_size", "disable_split_kv", "uniform_q_len"),
         (),
     ),
+    "PODWithPagedKVCacheWrapper.__init__": (
+        ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "paged_kv_indptr_buffer",
+         "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer", "jit_args"),
+        (),
+    ),
+    "PODWithPagedKVCacheWrapper.plan": (
+        ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+         "page_size", "pos_encoding_mode", "window_left", "q_data_type", "kv_data_type",
+         "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking"),
+        (),
+    ),
+    "PODWithPagedKVCacheWrapper.run": (
+        ("q_p", "k_p", "v_p", "q_d", "paged_kv_cache_d", "custom_mask_p", "packed_custom_mask_p",
+         "causal_p", "kv_layout_p", "pos_encoding_mode_p", "sm_scale_p", "window_left_p",
+         "rope_scale_p", "rope_theta_p", "return_lse_p", "custom_mask_d", "packed_custom_mask_d",
+         "causal_d", "kv_layout_d", "pos_encoding_mode_d", "sm_scale_d", "window_left_d",
+         "rope_scale_d", "rope_theta_d", "q_scale", "k_scale", "v_scale", "return_lse_d",
+         "use_fp16_qk_reduction", "enable_pdl"),
+        (),
+    ),
+    "BatchPODWithPagedKVCacheWrapper.__init__": (("float_workspace_buffer", "kv_layout"), ()),
+    "BatchPODWithPagedKVCacheWrapper.plan": (
+        ("qo_indptr_p", "kv_indptr_p", "kv_indices_p", "last_page_len_p", "qo_indptr_d",
+         "kv_indptr_d", "kv_indices_d", "last_page_len_d", "num_qo_heads", "num_kv_heads",
+         "head_dim", "page_size", "pos_encoding_mode", "window_left", "q_data_type",
+         "kv_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking"),
+        (),
+    ),
+    "BatchPODWithPagedKVCacheWrapper.run": (
+        ("q_p", "paged_kv_cache_p", "q_d", "paged_kv_cache_d", "custom_mask_p",
+         "packed_custom_mask_p", "causal_p", "q_scale", "k_scale", "v_scale", "return_lse",
+         "use_fp16_qk_reduction", "enable_pdl"),
+        (),
+    ),
     "BlockSparseAttentionWrapper.__init__": (
         ("float_workspace_buffer", "backend"),
         (),
@@ -407,6 +441,9 @@ FLASHINFER_0_7_2_METHODS = {
         "begin_forward", "forward", "prewarm_paged_kv_stride_variant", "reset_workspace_buffer"
     ),
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": (),
+    "PODWithPagedKVCacheWrapper": ("begin_forward", "is_cuda_graph_enabled", "plan",
+                                   "reset_workspace_buffer", "run"),
+    "BatchPODWithPagedKVCacheWrapper": ("begin_forward", "is_cuda_graph_enabled", "plan", "run"),
     "MultiLevelCascadeAttentionWrapper": (
         "begin_forward", "forward", "is_cuda_graph_enabled", "plan",
         "prewarm_paged_kv_stride_variant", "reset_workspace_buffer", "run"
@@ -429,6 +466,7 @@ FLASHINFER_0_7_2_MODULES = {
     "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
+    "pod": ("BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper"),
     "quantization": ("packbits", "segment_packbits"),
     "sparse": ("BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper"),
     "rope": ("apply_llama31_rope", "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids",

@@ -47,7 +47,7 @@ def pages_of_keys(kv_indptr, kv_indices, kv_len, page_size: int):
 
 class BatchAttention:
     """FlashInfer's BatchAttention(kv_layout, device): plan(qo_indptr, kv_indptr, kv_indices,
-    kv_len_arr, ...) then run(q, kv_cache) -> (o [nnz_q, Hq, D], lse [nnz_q, Hq], base 2)."""
+    kv_len_arr, ...) then run(q, kv_cache) -> (o [nnz_q, Hq, D_vo], lse [nnz_q, Hq], base 2)."""
 
     def __init__(self, kv_layout="NHD", device="cuda"):
         _check_device(device)
