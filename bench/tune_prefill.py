@@ -18,15 +18,23 @@ import numpy as np
 
 import rtcinfer
 from bench.bench_decode import random_cache
-from bench.bench_prefill import FORMS, MIXED, PAGE, kv_arrays, plan_tables, visible_pairs
+from bench.bench_prefill import (
+    FORMS,
+    MIXED,
+    PAGE,
+    kv_arrays,
+    plan_tables,
+    run_arguments,
+    visible_pairs,
+)
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer import jit
-from rtcinfer.attention import prefill as prefill_module
+from rtcinfer.attention import prefill_launch
 from rtcinfer.attention.prefill_kernel import PrefillSpec
 from rtcinfer.gpu import arch_of
 from rtcinfer.interop.dtypes import numpy_dtype
 
-# label, qo_len of each request, Hq, Hkv, head_dim, causal
+# label, qo_len of each request, Hq, Hkv, head_dim (or (q's, v's)), causal
 SHAPES = [
     ("4 x 4096", (4096,) * 4, 32, 8, 128, True),
     ("4 x 4096, non-causal", (4096,) * 4, 32, 8, 128, False),
@@ -34,6 +42,8 @@ SHAPES = [
     ("32 x 512", (512,) * 32, 32, 8, 128, True),
     ("4 x 4096, head_dim 256", (4096,) * 4, 32, 8, 256, True),
     ("64 x 16-240 (mixed)", MIXED, 32, 8, 128, True),
+    ("4 x 4096, head_dim 192 / 128", (4096,) * 4, 16, 16, (192, 128), True),
+    ("16 x 1024, head_dim 192 / 128", (1024,) * 16, 16, 16, (192, 128), True),
 ]
 # (query tile rows, rows per warp, wgmma, min CTAs per SM): mma.sync with 16 rows a warp, or 32
 # (two MMA row blocks) in 128-row tiles; warpgroup MMAs (sm_90a) over 64-row warpgroups, 64-key
@@ -41,25 +51,27 @@ SHAPES = [
 TILES = ((64, 16, False, 0), (128, 16, False, 0), (128, 32, False, 0), (64, 16, True, 0),
          (128, 16, True, 0), (128, 16, True, 2))  # fmt: skip
 # the paged cache (page 16, permuted pages) for these shapes, wgmma configurations only
-PAGED = ("4 x 4096", "16 x 1024", "32 x 512", "64 x 16-240 (mixed)")
+PAGED = ("4 x 4096", "16 x 1024", "32 x 512", "64 x 16-240 (mixed)",
+         "4 x 4096, head_dim 192 / 128")  # fmt: skip
 KV_TILES = (32, 64)
 STAGES = (2, 3)
 
 
 def forced(tile_rows: int, warp_rows: int, kv_tile: int, stages: int, wgmma: bool = False,
            min_ctas: int = 0):  # fmt: skip
-    """prefill_spec and pick_tile_rows replaced by one fixed configuration."""
+    """prefill_launch's prefill_spec and pick_tile_rows (what plan() asks) replaced by one
+    fixed configuration."""
 
     def spec(q_dtype, o_dtype, head_dim, rows, causal=False, pos_encoding_mode="NONE",
              soft_cap=False, max_smem=0, custom_mask=False, kv_dtype=None,
-             ragged=False, **_):  # fmt: skip
+             ragged=False, head_dim_vo=None, **_):  # fmt: skip
         return PrefillSpec(q_dtype, o_dtype, head_dim, rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
-                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma,
-                           min_ctas)  # fmt: skip
+                           kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma, min_ctas,
+                           False, None if head_dim_vo == head_dim else head_dim_vo)  # fmt: skip
 
-    prefill_module.prefill_spec = spec
-    prefill_module.pick_tile_rows = lambda cfg, qo_indptr, **_: tile_rows
+    prefill_launch.prefill_spec = spec
+    prefill_launch.pick_tile_rows = lambda cfg, qo_indptr, **_: tile_rows
 
 
 def main(forms: tuple[str, ...] = ("ragged", "paged")) -> Tables:
@@ -75,17 +87,19 @@ def main(forms: tuple[str, ...] = ("ragged", "paged")) -> Tables:
     rng = np.random.default_rng(0)
     cases = [(form, shape) for form in forms for shape in SHAPES
              if form == "ragged" or shape[0] in PAGED]  # fmt: skip
-    for form, (label, qo_lens, hq, hkv, head_dim, causal) in cases:
+    for form, (label, qo_lens, hq, hkv, head_dims, causal) in cases:
+        head_dim, head_dim_vo = head_dims if isinstance(head_dims, tuple) else (head_dims,) * 2
         qo_len = np.array(qo_lens, dtype=np.int32)
         tables = plan_tables(form, qo_len, qo_len, rng)
-        kv = kv_arrays(form, tables, hkv, head_dim)
+        kv = run_arguments(form, list(kv_arrays(form, tables, hkv, head_dim, head_dim_vo)),
+                           head_dim, head_dim_vo)  # fmt: skip
         dims = (hq, hkv, head_dim) + ((PAGE,) if form == "paged" else ())
         q = random_cache((int(qo_len.sum()), hq, head_dim), "bfloat16")
-        out = cp.empty(q.shape, dtype=bf16)
-        flops = 4 * head_dim * hq * visible_pairs(qo_len, qo_len, causal)
+        out = cp.empty((q.shape[0], hq, head_dim_vo), dtype=bf16)
+        flops = 2 * (head_dim + head_dim_vo) * hq * visible_pairs(qo_len, qo_len, causal)
         for (rows, warp_rows, wgmma, min_ctas), kv_tile, stages in itertools.product(
                 TILES, KV_TILES, STAGES):  # fmt: skip
-            if warp_rows == 32 and kv_tile == 64:
+            if warp_rows == 32 and (kv_tile == 64 or head_dim_vo != head_dim):
                 continue  # S of 32 rows x 64 keys would not fit in registers beside O
             if wgmma and (kv_tile != 64 or arch != "sm_90a"):
                 continue  # 64-key tiles; sm_90a only
@@ -94,13 +108,15 @@ def main(forms: tuple[str, ...] = ("ragged", "paged")) -> Tables:
             if min_ctas and (stages != 2 or head_dim > 128):
                 continue  # two CTAs need the 2-stage ring's shared memory
             forced(rows, warp_rows, kv_tile, stages, wgmma, min_ctas)
-            spec = prefill_module.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal,
-                                               ragged=form == "ragged")  # fmt: skip
+            spec = prefill_launch.prefill_spec("bfloat16", "bfloat16", head_dim, rows, causal,
+                                               ragged=form == "ragged",
+                                               head_dim_vo=head_dim_vo)  # fmt: skip
             if spec.smem_bytes > max_smem:
                 continue
             wrapper = getattr(rtcinfer, FORMS[form])()
             try:
-                wrapper.plan(*tables, *dims, causal=causal, q_data_type="bfloat16")
+                wrapper.plan(*tables, *dims, head_dim_vo=head_dim_vo, causal=causal,
+                             q_data_type="bfloat16")  # fmt: skip
                 us = graph_time_us(lambda w=wrapper: w.run(q, *kv, out=out))  # noqa: B023
             except Exception as e:  # noqa: BLE001 - a configuration that fails is reported
                 print(f"# {label} {form} {rows}/{warp_rows}/{kv_tile}/{stages}: "

@@ -317,7 +317,7 @@ def test_the_kernels_flow_with_fewer_value_dims(wrappers, form, causal):
             k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
         st = wrapper._launch
         spec = st.launch.kernel.spec
-        assert (spec.head_dim, spec.dim_vo, spec.wgmma) == (d, dv, False)
+        assert (spec.head_dim, spec.dim_vo) == (d, dv)  # (either kernel: the same flow)
         assert (getattr(st.plan, "num_slots", 0) > 0) == ("fixed_split_size" in split)
         p = st.launch.params
         p.qk_scale, p.v_scale = 0.25, 1.0

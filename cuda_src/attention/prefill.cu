@@ -25,9 +25,10 @@
 // staging tile as each tile lands, or (FP8_DIRECT) to fp16 in registers as the MMAs load it;
 // k_scale folds into qk_scale, v_scale into the output.
 // Prelude: QT, KVT (QT or fp8), OT, HEAD_DIM (q's and k's), HEAD_DIM_VO (v's and o's: HEAD_DIM,
-// or fewer, as DeepSeek's 192 / 128, with 16-bit KV, without RoPE), TILE_ROWS, KV_TILE, STAGES, CAUSAL, CUSTOM_MASK,
-// POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP, SMEM_BYTES, RAGGED (K/V rows
-// of a request contiguous from its one page id: paged_kv.cuh's ONE_PAGE), WARP_ROWS (16 or 32),
+// or fewer, as DeepSeek's 192 / 128, with 16-bit KV, without RoPE), TILE_ROWS, KV_TILE,
+// STAGES, CAUSAL, CUSTOM_MASK, POS_ENCODING (PosEncoding: NONE, ROPE_LLAMA or ALIBI), SOFT_CAP,
+// SMEM_BYTES, RAGGED (K/V rows of a request contiguous from its one page id: paged_kv.cuh's
+// ONE_PAGE), WARP_ROWS (16 or 32),
 // WGMMA (sm_90a: each warpgroup's 64 rows multiply by wgmma, S = Q K^T with Q and K from
 // shared memory and O += P V with P from registers; the Q, K and V tiles then use wgmma's
 // canonical layout, wgmma.cuh; 16-row warps, 64-key tiles, 16-bit KV, no in-kernel RoPE),
