@@ -29,6 +29,7 @@ from .attention.decode import (
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
     fast_decode_plan,
 )
+from .attention.mla import BatchMLAPagedAttentionWrapper
 from .attention.page import (
     append_paged_kv_cache,
     get_batch_indices_positions,
@@ -68,6 +69,7 @@ __all__ = [
     "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchDecodeWithSharedPrefixPagedKVCacheWrapper",
+    "BatchMLAPagedAttentionWrapper",
     "BatchPODWithPagedKVCacheWrapper",
     "BatchPrefillWithSharedPrefixPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",

@@ -163,8 +163,8 @@ def prefill_specs() -> list:
     head_dim 64/128/256, query tiles of 16 (four warps on the keys), 64 and 128 rows, causal,
     custom mask or neither, RoPE or ALiBi, soft cap, fp8 KV, the 2-stage ring (small shared
     memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128), the
-    warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm), and v of fewer
-    dims than q and k (head_dim_vo)."""
+    warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm), v of fewer
+    dims than q and k (head_dim_vo), and MLA."""
     spec = prefill_kernel.prefill_spec
     return [
         spec("bfloat16", "bfloat16", 128, 128, True, warp_rows=16),
@@ -205,6 +205,9 @@ def prefill_specs() -> list:
         spec("bfloat16", "float16", 192, 16, True, head_dim_vo=128),
         spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, wgmma=True, head_dim_vo=128),
         spec("float16", "float16", 192, 64, False, custom_mask=True, wgmma=True, head_dim_vo=128),
+        # MLA (attention/mla.py): K of ckv + kpe, V's 128-dim slices; 64- and 16-row tiles
+        prefill_kernel.mla_spec("bfloat16", "bfloat16", 64, True),
+        prefill_kernel.mla_spec("float16", "bfloat16", 16),
     ]
 
 

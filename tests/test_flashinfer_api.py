@@ -32,6 +32,24 @@ FLASHINFER_0_7_2 = {
          "max_sequence_kv", "fixed_split_size", "disable_split_kv", "uniform_q_len"),
         (),
     ),
+    "BatchMLAPagedAttentionWrapper.__init__": (
+        ("float_workspace_buffer", "use_cuda_graph", "qo_indptr", "kv_indptr", "kv_indices",
+         "kv_len_arr", "backend"),
+        (),
+    ),
+    "BatchMLAPagedAttentionWrapper.plan": (
+        ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv",
+         "head_dim_kpe", "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type",
+         "use_profiler"),
+        ("query_layout", "kv_cache_layout", "lse_mode", "output_dtype", "output_scale",
+         "scale_mode", "skip_softmax", "enable_pdl", "use_sinks"),
+    ),
+    "BatchMLAPagedAttentionWrapper.run": (
+        ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out", "lse", "return_lse",
+         "profiler_buffer", "kv_len", "page_table", "return_lse_base_on_e", "o_scale"),
+        ("query", "kv_cache", "ckv_scale", "ckv_scale_arr", "kpe_scale", "sinks",
+         "skip_softmax_threshold_scale_factor", "bmm1_scale", "bmm2_scale"),
+    ),
     "PODWithPagedKVCacheWrapper.__init__": (
         ("float_workspace_buffer", "kv_layout", "use_cuda_graph", "paged_kv_indptr_buffer",
          "paged_kv_indices_buffer", "paged_kv_last_page_len_buffer", "jit_args"),
@@ -441,6 +459,7 @@ FLASHINFER_0_7_2_METHODS = {
         "begin_forward", "forward", "prewarm_paged_kv_stride_variant", "reset_workspace_buffer"
     ),
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper": (),
+    "BatchMLAPagedAttentionWrapper": ("plan", "run"),
     "PODWithPagedKVCacheWrapper": ("begin_forward", "is_cuda_graph_enabled", "plan",
                                    "reset_workspace_buffer", "run"),
     "BatchPODWithPagedKVCacheWrapper": ("begin_forward", "is_cuda_graph_enabled", "plan", "run"),
@@ -466,6 +485,7 @@ FLASHINFER_0_7_2_MODULES = {
     "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
+    "mla": ("BatchMLAPagedAttentionWrapper",),
     "pod": ("BatchPODWithPagedKVCacheWrapper", "PODWithPagedKVCacheWrapper"),
     "quantization": ("packbits", "segment_packbits"),
     "sparse": ("BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper"),

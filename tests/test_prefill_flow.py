@@ -29,7 +29,7 @@ def fast_div(n, magic, shift):
     return ((n * magic >> 32) + n) >> shift
 
 
-def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
+def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_flat=None):
     """prefill_kernel's control flow in float64 (no ALiBi, RoPE or soft cap): items read from
     the packed plan, rows of GQA-packed queries, KV tiles from the aligned key below kv_begin
     split between the warps sharing rows, K/V rows addressed through the page ids, the
@@ -38,15 +38,19 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
     last arrival in chunk order; a warp's rows (the mask-skip test's unit) are spec.warp_rows
     of them; a ragged kernel addresses row page_ids[0] + token. k_flat, v_flat: the caches'
     elements, addressed by the byte strides over itemsize 2; v's rows (and o's) have
-    spec.dim_vo elements, k's spec.head_dim."""
+    spec.dim_vo elements, k's spec.head_dim. MLA (spec.mla): q is q_nope | q_pe along its last
+    axis, [nnz, Hq, 576]; K's rows are ckv's 512 (k_flat at the k_* strides) then kpe's 64
+    (kpe_flat at the v_* strides); kv head s is V's slice s (ckv at the k_* offsets + s v_head
+    bytes), every slice over all Hq heads, writing o's dims 128 s.. (o [nnz, Hq, 512]) and,
+    slice 0, the LSE."""
     d, dv = spec.head_dim, spec.dim_vo
     items = buf[items_at(d) : items_at(d) + ITEM_INTS * int(buf[0])].view(WORK_ITEM)
-    num_kv_heads = q.shape[1] // p.group_size
+    num_kv_heads = 4 if spec.mla else q.shape[1] // p.group_size
     group, rows_n, kv_tile = p.group_size, spec.tile_rows, spec.kv_tile
     kv_warps = 4 if rows_n == 16 else 1
     warp_keys = kv_tile // kv_warps
     wr = spec.warp_rows
-    o = np.full((*q.shape[:2], dv), np.nan)
+    o = np.full((*q.shape[:2], 512 if spec.mla else dv), np.nan)
     lse = np.full(q.shape[:2], np.nan)
     partials, arrivals = {}, {}
     log2e = 1 / np.log(2)
@@ -67,7 +71,7 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
             packed = w["tile_row"] + np.arange(rows_n)
             valid = packed < w["qo_len"] * group
             query = packed // group
-            head = kv_head * group + packed % group
+            head = (0 if spec.mla else kv_head * group) + packed % group
             pos = query + w["kv_len"] - w["qo_len"]
             qrows = np.where(valid[:, None], q[w["qo_start"] + np.where(valid, query, 0),
                                                np.where(valid, head, 0)], 0)  # fmt: skip
@@ -79,10 +83,19 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
                 for kw in range(kv_warps):
                     lo = key_first + tile * kv_tile + kw * warp_keys
                     keys = lo + np.arange(warp_keys)
-                    k = np.stack([kv_row(k_flat, kv_head * fields["k_head"], fields["k_page"],
-                                         fields["k_token"], w, t, d) for t in keys])  # fmt: skip
-                    v = np.stack([kv_row(v_flat, kv_head * fields["v_head"], fields["v_page"],
-                                         fields["v_token"], w, t, dv) for t in keys])  # fmt: skip
+
+                    def rows(flat, head_bytes, strides, dims, w=w, keys=keys):
+                        page, token = (fields[f"{strides}_page"], fields[f"{strides}_token"])
+                        return np.stack([kv_row(flat, head_bytes, page, token, w, t, dims)
+                                         for t in keys])  # fmt: skip
+
+                    if spec.mla:  # ckv | kpe; V: ckv's slice kv_head
+                        k = np.concatenate([rows(k_flat, 0, "k", 512), rows(kpe_flat, 0, "v", 64)],
+                                           axis=1)  # fmt: skip
+                        v = rows(k_flat, kv_head * fields["v_head"], "k", dv)
+                    else:
+                        k = rows(k_flat, kv_head * fields["k_head"], "k", d)
+                        v = rows(v_flat, kv_head * fields["v_head"], "v", dv)
                     x = qrows @ k.T * p.qk_scale * log2e
                     for rw in range(rows_n // wr):  # a row warp's rows
                         r = slice(wr * rw, wr * rw + wr)
@@ -125,8 +138,12 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
             out = out * p.v_scale
             state = np.where(dd > 0, m + np.log2(np.where(dd > 0, dd, 1)), -np.inf)
             rows_q, rows_h = w["qo_start"] + query[valid], head[valid]
+            dims = slice(dv * kv_head, dv * kv_head + dv) if spec.mla else slice(None)
+            writes_lse = not spec.mla or kv_head == 0
             if w["slot"] < 0:
-                o[rows_q, rows_h], lse[rows_q, rows_h] = out[valid], state[valid]
+                o[rows_q, rows_h, dims] = out[valid]
+                if writes_lse:
+                    lse[rows_q, rows_h] = state[valid]
                 continue
             partials[(w["slot"], kv_head)] = (out, state)
             key = (w["tile"], kv_head)
@@ -140,9 +157,11 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None):
             total = sum(wts)
             merged = sum(wt[:, None] * po for wt, (po, _) in zip(wts, parts, strict=True))
             merged = merged / np.where(total > 0, total, 1)[:, None]
-            o[rows_q, rows_h] = merged[valid]
-            lse[rows_q, rows_h] = np.where(total > 0, mm + np.log2(np.where(total > 0, total, 1)),
-                                           -np.inf)[valid]  # fmt: skip
+            o[rows_q, rows_h, dims] = merged[valid]
+            if writes_lse:
+                lse[rows_q, rows_h] = np.where(total > 0,
+                                               mm + np.log2(np.where(total > 0, total, 1)),
+                                               -np.inf)[valid]  # fmt: skip
     return o, lse
 
 
@@ -329,3 +348,57 @@ def test_the_kernels_flow_with_fewer_value_dims(wrappers, form, causal):
             o_ref, lse_ref = aref.attention_ref(q[qs], *keys[b], sm_scale=0.25, causal=causal)
             np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
             np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, qo, extra, page", [
+    (16, [1, 1, 1, 1, 1], [0, 300, 40, 999, 16], 16),  # decode: 16-row tiles, 4 warps on keys
+    (8, [3, 40, 0, 7], [5, 100, 9, 0], 1),             # 64-row tiles, one-token pages
+])  # fmt: skip
+def test_the_kernels_flow_over_mla(wrappers, causal, heads, qo, extra, page):
+    """BatchMLAPagedAttentionWrapper's plan and run() fields read by prefill_flow as the MLA
+    kernel reads them (K from ckv and kpe, V's four slices, all heads a slice) give float64
+    MLA: softmax((q_nope . ckv + q_pe . kpe) sm_scale) @ ckv over each request's pages."""
+    from rtcinfer.attention import mla
+
+    from . import reference_attention as aref
+
+    prefill, packed = wrappers
+    rng = np.random.default_rng(heads + causal)
+    qo, kv = np.array(qo), np.array(qo) + np.array(extra)
+    pages = np.maximum(-(-kv // page), 1)  # a request with no keys keeps a page listed
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    num_pages = int(indptr[-1]) + 2
+    indices = rng.permutation(num_pages)[: indptr[-1]].astype(np.int32)
+    ckv = rng.standard_normal((num_pages, page, 512))
+    kpe = rng.standard_normal((num_pages, page, 64))
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    q_nope = rng.standard_normal((int(qo_indptr[-1]), heads, 512))
+    q_pe = rng.standard_normal((int(qo_indptr[-1]), heads, 64))
+    wrapper = mla.BatchMLAPagedAttentionWrapper()
+    wrapper.plan(qo_indptr, indptr, indices, kv.astype(np.int32), heads, 512, 64, page, causal,
+                 0.0625, "bfloat16", "bfloat16")  # fmt: skip
+    st = wrapper._launch
+    spec = st.launch.kernel.spec
+    assert spec.mla and (spec.head_dim, spec.dim_vo) == (576, 128)
+    assert spec.tile_rows == (16 if heads == 16 else 64)
+    if heads == 16:  # long keys, few tiles: split, the partials merged by slice too
+        assert getattr(st.plan, "num_slots", 0) > 0
+    p = st.launch.params
+    p.qk_scale, p.v_scale = 0.0625, 1.0
+    infos = [info(x.shape) for x in (q_nope, q_pe, ckv, kpe)]
+    fields = mla._run_fields(*infos, None, None, (q_nope.shape[0], heads, 512))
+    o, lse = prefill_flow(packed["plan"], p, fields, spec, np.concatenate([q_nope, q_pe], -1),
+                          ckv.reshape(-1), None, kpe_flat=kpe.reshape(-1))  # fmt: skip
+    for b in range(len(qo)):
+        qs = slice(qo_indptr[b], qo_indptr[b + 1])
+        tokens = np.arange(kv[b])
+        ids = indices[indptr[b] + tokens // page]
+        k = np.concatenate([ckv[ids, tokens % page], kpe[ids, tokens % page]], -1)[:, None]
+        v = ckv[ids, tokens % page][:, None]
+        o_ref, lse_ref = aref.attention_ref(np.concatenate([q_nope[qs], q_pe[qs]], -1), k, v,
+                                            sm_scale=0.0625, causal=causal)  # fmt: skip
+        np.testing.assert_allclose(o[qs], o_ref, rtol=1e-9, atol=1e-12)
+        np.testing.assert_array_equal(np.isneginf(lse[qs]), np.isneginf(lse_ref))
+        finite = np.isfinite(lse_ref)
+        np.testing.assert_allclose(lse[qs][finite], lse_ref[finite], rtol=1e-9)

@@ -15,14 +15,16 @@
 // table.
 // K rows of ROW_BYTES, V rows of V_ROW_BYTES: equal, thread i moves chunk i % CHUNKS of K's and
 // V's rows i / CHUNKS + pass * ROWS_PER_PASS; fewer V bytes (head_dim_vo < head_dim_qk), each
-// tile is walked on its own (issue_rows).
+// tile is walked on its own (issue_rows). SPLIT > 0 (a paged table only; MLA): a K row's first
+// SPLIT bytes come from k_base + the row's first offset, the rest from k2_base + its second
+// offset, and V's rows from v_base + its first (V is the first part of K, sliced).
 #pragma once
 
-// cp.async of the rows [0, TILE) of a tile whose row r starts at base + offset(r) (bytes), rows
-// from `rows_in` on zero-filled: thread i moves chunk i % CHUNKS of row i / CHUNKS, THREADS
-// pieces apart (whatever ROW_BYTES / 16 is: 24 chunks at head_dim 192).
-template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL, typename Offset>
-RTC_DEVICE void issue_rows(uint32_t tile, const char* base, int rows_in, Offset offset) {
+// cp.async of the rows [0, TILE) of a tile whose row r's 16-byte chunk c is at source(r, c),
+// rows from `rows_in` on zero-filled (from `base`): thread i moves chunk i % CHUNKS of row
+// i / CHUNKS, THREADS pieces apart (whatever ROW_BYTES / 16 is: 24 chunks at head_dim 192).
+template <int TILE, int ROW_BYTES, int THREADS, bool CANONICAL, typename Source>
+RTC_DEVICE void issue_rows(uint32_t tile, const char* base, int rows_in, Source source) {
   constexpr int CHUNKS = ROW_BYTES / 16;
 #pragma unroll
   for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
@@ -33,11 +35,11 @@ RTC_DEVICE void issue_rows(uint32_t tile, const char* base, int rows_in, Offset 
       dst = wgmma_tile_offset<TILE, ROW_BYTES>(row, chunk);
     else
       dst = tile_offset<ROW_BYTES>(row, chunk);
-    cp_async_16(tile + dst, valid ? offset(row) + chunk * 16 : base, valid);
+    cp_async_16(tile + dst, valid ? source(row, chunk) : base, valid);
   }
 }
 
-template <int TILE, int ROW_BYTES, int V_ROW_BYTES, int THREADS, bool CANONICAL>
+template <int TILE, int ROW_BYTES, int V_ROW_BYTES, int THREADS, bool CANONICAL, int SPLIT = 0>
 struct PagedRowTable {
   static constexpr bool SAME = ROW_BYTES == V_ROW_BYTES;
   static constexpr int CHUNKS = ROW_BYTES / 16;
@@ -47,9 +49,11 @@ struct PagedRowTable {
   static_assert(!SAME || (THREADS % CHUNKS == 0 && TILE % ROWS_PER_PASS == 0),
                 "whole rows per pass");
   static_assert(THREADS >= TILE, "a maker thread per row");
+  static_assert(SPLIT % 16 == 0 && SPLIT < ROW_BYTES && (SPLIT == 0 || !SAME), "whole chunks");
 
   const char* k_base;  // K of this kv head at page 0, slot 0, plus this thread's chunk (SAME)
   const char* v_base;
+  const char* k2_base;   // SPLIT: the second part of K's rows
   longlong2* table;      // shared memory, BYTES
   const int* page_ids;   // this request's page list
   FastDiv page_div;
@@ -65,6 +69,7 @@ struct PagedRowTable {
     v_base = p.v_cache + kv_head * p.v_head + chunk * 16;
     table = t, page_ids = p.plan + w.page_ids, page_div = FastDiv{p.div_magic, p.div_shift};
     page_size = p.page_size, token_end = w.kv_end;
+    if constexpr (SPLIT > 0) k2_base = p.kpe_cache;
   }
 
   RTC_DEVICE void prefetch(int t0) {
@@ -92,9 +97,15 @@ struct PagedRowTable {
     if constexpr (!SAME) {
       const longlong2* rows = table + b * TILE;
       issue_rows<TILE, ROW_BYTES, THREADS, CANONICAL>(
-          k_tile, k_base, token_end - t0, [&](int row) { return k_base + rows[row].x; });
+          k_tile, k_base, token_end - t0, [&](int row, int chunk) {
+            if constexpr (SPLIT > 0)
+              if (chunk >= SPLIT / 16) return k2_base + rows[row].y + (chunk * 16 - SPLIT);
+            return k_base + rows[row].x + chunk * 16;
+          });
       issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
-          v_tile, v_base, token_end - t0, [&](int row) { return v_base + rows[row].y; });
+          v_tile, v_base, token_end - t0, [&](int row, int chunk) {
+            return v_base + (SPLIT > 0 ? rows[row].x : rows[row].y) + chunk * 16;
+          });
       return;
     }
     const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
@@ -148,9 +159,11 @@ struct RaggedRows {
     } else {
       const int row0 = first_row + t0;
       issue_rows<TILE, ROW_BYTES, THREADS, CANONICAL>(
-          k_tile, k, token_end - t0, [&](int row) { return offset_wide(k, row0 + row, k_token); });
+          k_tile, k, token_end - t0,
+          [&](int row, int chunk) { return offset_wide(k, row0 + row, k_token) + chunk * 16; });
       issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
-          v_tile, v, token_end - t0, [&](int row) { return offset_wide(v, row0 + row, v_token); });
+          v_tile, v, token_end - t0,
+          [&](int row, int chunk) { return offset_wide(v, row0 + row, v_token) + chunk * 16; });
     }
   }
 };

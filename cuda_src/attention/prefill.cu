@@ -33,7 +33,12 @@
 // shared memory and O += P V with P from registers; the Q, K and V tiles then use wgmma's
 // canonical layout, wgmma.cuh; 16-row warps, 64-key tiles, 16-bit KV, no in-kernel RoPE),
 // MIN_CTAS (the launch bounds' CTAs per SM, registers then capped at 64K / (MIN_CTAS THREADS);
-// 0: no cap asked), FP8_DIRECT (below).
+// 0: no cap asked), FP8_DIRECT (below), MLA (below).
+// MLA (DeepSeek's latent attention, the absorbed form: one latent KV head shared by all Hq
+// heads, group_size = Hq): q's rows are q (MLA_CKV dims) then q_pe (64), K's rows ckv (MLA_CKV,
+// from k_cache) then kpe (64, from kpe_cache), V = ckv. blockIdx.x is not a kv head but a
+// slice of HEAD_DIM_VO dims of V and o (v_cache = ckv, v_head the slice's bytes); every slice
+// computes S whole, for all Hq heads, and writes its dims of o (slice 0 the LSE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -86,8 +91,13 @@ constexpr int STAGE_BYTES = RING_TILE_BYTES + KV_TILE * V_RING_ROW_BYTES;  // K,
 constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 constexpr int STAGING_BYTES = STAGED ? 2 * TILE_BYTES : 0;  // the widened K and V
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256,
-              "head_dim 64, 128, 192 or 256");
+constexpr int MLA_CKV = 512;  // MLA: the latent (ckv) dims of q and k; the rest are RoPE's
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256 ||
+                  (MLA && HEAD_DIM == MLA_CKV + 64),
+              "head_dim 64, 128, 192 or 256; MLA 512 + 64");
+static_assert(!MLA || (HEAD_DIM_VO == 128 && !FP8 && !ROPE && !ALIBI && !WGMMA && !RAGGED &&
+                       !CUSTOM_MASK),
+              "MLA: 128-dim slices of V, 16-bit KV, a paged cache, mma.sync, no ALiBi or mask");
 static_assert(HEAD_DIM_VO == HEAD_DIM ||
                   (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE),
               "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE");
@@ -118,7 +128,8 @@ constexpr bool Q_HALF = FP8_DIRECT && IsBf16<QT>::value;
 // The K/V rows' stream: a table of row offsets over a paged cache, rows from one start ragged.
 template <bool R>
 struct KvRowsOf {
-  using type = PagedRowTable<KV_TILE, KV_ROW_BYTES, V_RING_ROW_BYTES, THREADS, WGMMA>;
+  using type = PagedRowTable<KV_TILE, KV_ROW_BYTES, V_RING_ROW_BYTES, THREADS, WGMMA,
+                             MLA ? MLA_CKV * 2 : 0>;
 };
 template <>
 struct KvRowsOf<true> {
@@ -159,6 +170,12 @@ struct PrefillParams {
   float qk_scale;         // sm_scale * q_scale * k_scale
   float soft_cap;         // 0: none
   float v_scale;
+  // MLA: q_pe [nnz_q, Hq, 64], strides (qpe_stride_n, qpe_stride_h, 1); kpe rows at kpe_cache +
+  // page * v_page + slot * v_token (the v_* strides are kpe's; V's rows, ckv's, are read at
+  // v_cache + the k_* offsets, v_cache = ckv and v_head the slice's bytes; k_head = 0)
+  const QT* q_pe;
+  const char* kpe_cache;
+  int64_t qpe_stride_n, qpe_stride_h;
 };
 
 #include "prefill_rows.cuh"
@@ -171,8 +188,15 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
     const int packed = w.tile_row + row;
     const bool valid = packed < w.qo_len * p.group_size;
     const PackedRow r = unpack_row(packed, p);
-    const QT* src = p.q + (w.qo_start + r.query) * p.q_stride_n +
-                    (kv_head * p.group_size + r.head) * p.q_stride_h + chunk * 8;
+    const QT* src;
+    if constexpr (MLA)  // every head; q_pe's dims past the latent ones
+      src = chunk < MLA_CKV / 8
+                ? p.q + (w.qo_start + r.query) * p.q_stride_n + r.head * p.q_stride_h + chunk * 8
+                : p.q_pe + (w.qo_start + r.query) * p.qpe_stride_n + r.head * p.qpe_stride_h +
+                      (chunk - MLA_CKV / 8) * 8;
+    else
+      src = p.q + (w.qo_start + r.query) * p.q_stride_n +
+            (kv_head * p.group_size + r.head) * p.q_stride_h + chunk * 8;
     cp_async_16(q_tile + mma_tile_offset<TILE_ROWS>(row, chunk), valid ? src : p.q, valid);
   }
   cp_async_commit();

@@ -71,9 +71,12 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
       *reinterpret_cast<uint32_t*>(o_tile + tile_offset<V_ROW_BYTES>(row, n) + 4 * t) =
           pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
     const int packed = first + warp_row(i, g);
-    if (p.lse != nullptr && t == 0 && packed < rows_in) {
+    if (p.lse != nullptr && t == 0 && packed < rows_in && writes_lse(kv_head)) {
       const PackedRow r = unpack_row(packed, p);
-      p.lse[(w.qo_start + r.query) * p.lse_stride_n + kv_head * p.group_size + r.head] = lse;
+      if constexpr (MLA)
+        p.lse[(w.qo_start + r.query) * p.lse_stride_n + r.head] = lse;
+      else
+        p.lse[(w.qo_start + r.query) * p.lse_stride_n + kv_head * p.group_size + r.head] = lse;
     }
   }
   __syncwarp();
@@ -88,6 +91,8 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
     const PackedRow rw = unpack_row(packed, p);
     OT* o = p.o + (w.qo_start + rw.query) * p.o_stride_n +
             (kv_head * p.group_size + rw.head) * p.o_stride_h;
+    if constexpr (MLA)  // every slice takes all heads, writing its own dims
+      o = p.o + (w.qo_start + rw.query) * p.o_stride_n + rw.head * p.o_stride_h + o_dim0(kv_head);
     *reinterpret_cast<uint4*>(o + 8 * c) = piece;
   }
 }
@@ -102,12 +107,13 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
     if (!rows.valid[i]) continue;
     if (w.slot < 0) {
       OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
+      if constexpr (MLA) o += o_dim0(kv_head);
 #pragma unroll
       for (int n = 0; n < DIM_TILES; ++n) {
         o[8 * n + 2 * t] = from_float<OT>(st[i].o[2 * n] * p.v_scale);
         o[8 * n + 2 * t + 1] = from_float<OT>(st[i].o[2 * n + 1] * p.v_scale);
       }
-      if (p.lse != nullptr && t == 0)
+      if (p.lse != nullptr && t == 0 && writes_lse(kv_head))
         p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
     } else {
       const int row = WARP_ROWS * warp + warp_row(i, g);
@@ -132,7 +138,7 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     const int packed = w.tile_row + row;
     if (packed >= w.qo_len * p.group_size) continue;
     const PackedRow r = unpack_row(packed, p);
-    const int query = r.query, head = kv_head * p.group_size + r.head;
+    const int query = r.query, head = MLA ? r.head : kv_head * p.group_size + r.head;
     AttentionState<4> acc;
     acc.init();
     for (int k = 0; k < w.merge_count; ++k) {
@@ -147,8 +153,10 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     }
     acc.normalize();
     OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
+    if constexpr (MLA) o += o_dim0(kv_head);
     *reinterpret_cast<uint2*>(o) =  // 8 bytes at an 8-byte multiple of an aligned row
         make_uint2(pack2<OT>(acc.o[0], acc.o[1]), pack2<OT>(acc.o[2], acc.o[3]));
-    if (p.lse != nullptr && d == 0) p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
+    if (p.lse != nullptr && d == 0 && writes_lse(kv_head))
+      p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
   }
 }

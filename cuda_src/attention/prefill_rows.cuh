@@ -14,6 +14,13 @@ RTC_DEVICE PackedRow unpack_row(int packed, const PrefillParams& p) {
   return {query, packed - query * p.group_size};
 }
 
+// MLA: every slice (kv_head) takes all Hq heads (a packed row's head is its q / o head, where
+// it is kv_head * group_size + its index elsewhere); o_dim0: o's first dim that slice kv_head
+// writes (HEAD_DIM_VO kv_head); writes_lse: whether it writes the LSE (slice 0 of the identical
+// ones).
+RTC_DEVICE int o_dim0(int kv_head) { return MLA ? kv_head * HEAD_DIM_VO : 0; }
+RTC_DEVICE bool writes_lse(int kv_head) { return !MLA || kv_head == 0; }
+
 // The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half).
 RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }
 
@@ -34,7 +41,7 @@ struct Rows {
       const PackedRow r = unpack_row(packed, p);
       valid[i] = packed < w.qo_len * p.group_size;
       query[i] = r.query;
-      head[i] = kv_head * p.group_size + r.head;
+      head[i] = MLA ? r.head : kv_head * p.group_size + r.head;  // (MLA: above)
       pos[i] = query[i] + w.kv_len - w.qo_len;
       slope[i] = ALIBI ? alibi_slope(head[i], p.num_qo_heads) : 0.f;
       mask_bit[i] = 8 * static_cast<int64_t>(w.mask_byte) +

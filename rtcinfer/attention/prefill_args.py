@@ -20,12 +20,15 @@ from .run_options import refuse
 class PrefillConfig:
     """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
     RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's);
-    head_dim_vo: v's and o's head_dim where it is not q's and k's (attn.head_dim), else None."""
+    head_dim_vo: v's and o's head_dim where it is not q's and k's (attn.head_dim), else None;
+    mla: MLA's kernel (attention/mla.py: attn's kv heads are V's slices, its q heads Hq of
+    each)."""
 
     attn: Config
     causal: bool
     custom_mask: bool = False
     head_dim_vo: int | None = None
+    mla: bool = False
 
     @property
     def dim_vo(self) -> int:

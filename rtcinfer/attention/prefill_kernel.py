@@ -50,6 +50,9 @@ class PrefillSpec:
     # v's and o's head_dim where it is not q's and k's (DeepSeek's 192 / 128: DIM_PAIRS); 16-bit
     # KV, RoPE outside the kernel, the mma.sync kernel
     head_dim_vo: int | None = None
+    # MLA (attention/mla.py): head_dim 576 (ckv 512 + kpe 64, from two caches and two query
+    # arrays), slices of 128 dims of V = ckv as the grid's kv heads
+    mla: bool = False
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("PrefillParams", "PrefillWorkItem")
@@ -101,6 +104,7 @@ class PrefillSpec:
             WGMMA=self.wgmma,
             MIN_CTAS=self.min_ctas,
             FP8_DIRECT=self.fp8_direct,
+            MLA=self.mla,
         )
 
 
@@ -231,6 +235,24 @@ def _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causa
                     head_dim_vo=head_dim_vo)  # fmt: skip
 
 
+MLA_CKV, MLA_KPE, MLA_SLICE = 512, 64, 128  # MLA's latent and RoPE dims; V's dims a CTA
+
+
+@functools.lru_cache(maxsize=64)
+def mla_spec(q_dtype, o_dtype, tile_rows, causal=False, max_smem=227 * 1024) -> PrefillSpec:
+    """MLA's kernel (prefill.cu's MLA, attention/mla.py): K rows of ckv + kpe (576 dims), V
+    slices of 128 dims of ckv as the grid's kv heads, a paged cache, 16-row warps; 64-row
+    tiles over 32-key K/V tiles (Q's 1152-byte rows leave room for 64 query rows beside a
+    ring of them), 16-row ones (four warps on a tile's keys) over 64-key tiles; 3 stages where
+    they fit, else 2 (ValueError where neither does: 16-row tiles need 200 KB)."""
+    if tile_rows not in (16, 64):
+        raise ValueError(f"MLA takes 16- or 64-row query tiles, got {tile_rows}")
+    kv_tile = 64 if tile_rows == 16 else 32
+    return _fitting(q_dtype, o_dtype, MLA_CKV + MLA_KPE, tile_rows, kv_tile, causal, False, "NONE",
+                    False, q_dtype, False, 16, False, max_smem, head_dim_vo=MLA_SLICE,
+                    mla=True)  # fmt: skip
+
+
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
     """Whether prefill on `arch` takes the warpgroup-MMA kernel: on sm_90a where it covers the
     configuration, unless RTCINFER_PREFILL_WGMMA=0 (the mma.sync kernel everywhere)."""
@@ -249,13 +271,14 @@ def wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:
 
 def _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
              pos_encoding_mode, soft_cap, kv_dtype, ragged, warp_rows, wgmma, max_smem,
-             stage_choices=(3, 2), min_ctas=0, fp8_direct=False, head_dim_vo=None):  # fmt: skip
+             stage_choices=(3, 2), min_ctas=0, fp8_direct=False, head_dim_vo=None,
+             mla=False):  # fmt: skip
     """The first configuration of stage_choices whose ring fits in max_smem."""
     for stages in stage_choices:
         spec = PrefillSpec(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, stages, bool(causal),
                            bool(custom_mask), pos_encoding_mode, bool(soft_cap),
                            kv_dtype or q_dtype, bool(ragged), warp_rows, wgmma,
-                           min_ctas, bool(fp8_direct), head_dim_vo)  # fmt: skip
+                           min_ctas, bool(fp8_direct), head_dim_vo, mla)  # fmt: skip
         if spec.smem_bytes <= max_smem:
             return spec
     raise ValueError(
@@ -297,6 +320,7 @@ __all__ = [
     "TILE_ROWS",
     "check_dims",
     "kernel",
+    "mla_spec",
     "prefill_spec",
     "specs_for",
     "use_wgmma",

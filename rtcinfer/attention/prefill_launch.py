@@ -13,29 +13,42 @@ from ..plan import prefill as planner
 from ..plan.prefill import PrefillPlan, TilePlan
 from .decode_kernel import fast_div
 from .prefill_args import PrefillConfig
-from .prefill_kernel import kernel, prefill_spec, use_wgmma, wide_decode_spec
+from .prefill_kernel import kernel, mla_spec, prefill_spec, use_wgmma, wide_decode_spec
 from .prefill_plan import RAGGED_PAGE
 
 MAX_GRID_Y = 65535
 
 
-def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
-    """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on)."""
+def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False,
+                   max_smem: int | None = None) -> int:  # fmt: skip
+    """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on);
+    MLA: 16 for up to 16 packed rows a request where that kernel fits max_smem, else 64."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    return planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+    rows = planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+    if cfg.mla:
+        if rows == 16 and max_smem is not None:
+            try:
+                mla_spec(attn.q_dtype, attn.o_dtype, 16, cfg.causal, max_smem)
+            except ValueError:  # its ring does not fit
+                return 64
+        return 16 if rows == 16 else 64
+    return rows
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
     """Whether the device runs the configuration's 64- and 128-row tiles on warpgroup MMAs."""
     a = cfg.attn
-    return use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype, a.kv_dtype)
+    return not cfg.mla and use_wgmma(device_arch(device), 128, a.pos_encoding_mode, a.q_dtype,
+                                     a.kv_dtype)  # fmt: skip
 
 
 def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
     """prefill_spec's kernel of a configuration and tile (warpgroup MMAs for 64- and 128-row
     tiles where wgmma)."""
     attn = cfg.attn
+    if cfg.mla:
+        return mla_spec(attn.q_dtype, attn.o_dtype, tile_rows, cfg.causal, max_smem)
     return prefill_spec(attn.q_dtype, attn.o_dtype, attn.head_dim, tile_rows, cfg.causal,
                         attn.pos_encoding_mode, attn.logits_soft_cap > 0, max_smem,
                         cfg.custom_mask, attn.kv_dtype, attn.page_size == RAGGED_PAGE,
@@ -94,10 +107,10 @@ def plan_launch(
     kernels = {} if kernels is None else kernels
     wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
-        tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
+        tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma, max_smem=max_smem)
     # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
     # (a CUDA graph, a plan array) fixes the kernel
-    wide = (max_work is None and tile_rows == 16
+    wide = (max_work is None and tile_rows == 16 and not cfg.mla
             and wide_decode_spec(spec_for(cfg, 16, max_smem, False), max_smem) is not None
             and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms))  # fmt: skip
     k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, wide)

@@ -65,6 +65,8 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
 
     RUN_SLOTS = ("q", "k", "v", "out", "lse")
     RUN_GIVEN = ("out", "lse")
+    # plan()'s static arguments (plan's, the custom mask flag, head_dim_vo) -> PrefillConfig
+    make_config = staticmethod(make_prefill_config)
 
     def __init__(self, workspace=None, kv_layout="NHD", use_cuda_graph=False,
                  qo_indptr_buf=None, max_pages=None, custom_mask_buf=None):  # fmt: skip
@@ -106,7 +108,7 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         first_page[b]) and upload it; `num_kv_rows` is how many pages run() must find;
         masks: plan()'s (custom_mask, packed_custom_mask)."""
         custom = masks[0] is not None or masks[1] is not None
-        cfg = self._configure((*args, custom, head_dim_vo), make_prefill_config, self._setup)
+        cfg = self._configure((*args, custom, head_dim_vo), self.make_config, self._setup)
         rows = int(qo_indptr[-1])
         mask = packed_mask(*masks, np.diff(qo_indptr), kv_len, self._device) if custom else None
         kw = dict(device_items=True, kernels=self._kernels, keep=partial(self._kept_launch, cfg))
@@ -158,7 +160,7 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             attn = cfg.attn
             num_sms, max_smem = self._limits
             wgmma = launches.chosen_kernel(self._kernels, cfg, self._device, max_smem)
-            tile_rows = launches.pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
+            tile_rows = launches.pick_tile_rows(cfg, qo_indptr, wgmma=wgmma, max_smem=max_smem)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
             _, ctas = launches.chosen_kernel(self._kernels, cfg, self._device, max_smem, tile_rows)
             work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
