@@ -47,8 +47,8 @@ class Batch:
             ids = self.indices[self.indptr[b] + t // self.page]
             ckv, kpe = self.ckv[ids, t % self.page], self.kpe[ids, t % self.page]
             q = np.concatenate([self.q_nope[qs], self.q_pe[qs]], -1)
-            outs.append(aref.attention_ref(q, np.concatenate([ckv, kpe], -1)[:, None],
-                                           ckv[:, None], sm_scale=SCALE, causal=causal))  # fmt: skip
+            k = np.concatenate([ckv, kpe], -1)[:, None]
+            outs.append(aref.attention_ref(q, k, ckv[:, None], sm_scale=SCALE, causal=causal))
         return np.concatenate([o for o, _ in outs]), np.concatenate([s for _, s in outs])
 
     def device(self):
