@@ -163,13 +163,18 @@ def warmup(args) -> int:
 
 
 def clear_cache(args) -> int:
-    """Delete what the cache wrote (see _OURS), then its folders if that left them empty."""
+    """Delete what the cache wrote (see _OURS, and the toolchain memos: toolchain.py), then its
+    folders if that left them empty."""
     root = jit.cache_dir()
     n = len(_cache_entries())
     for path in _cache_files():
         path.unlink(missing_ok=True)
+    for path in (root / "toolchain").glob("*.json"):
+        path.unlink(missing_ok=True)
     for folder in (
-        [*root.glob("sm_*"), *root.glob("compute_*"), root / "failed"] if root.is_dir() else []
+        [*root.glob("sm_*"), *root.glob("compute_*"), root / "failed", root / "toolchain"]
+        if root.is_dir()
+        else []
     ):
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()

@@ -117,7 +117,13 @@ def test_demo_on_gpu(cache_dir, capsys):
 
 
 def test_clear_cache_deletes_only_what_the_cache_wrote(cache_dir, few_specs, capsys):
+    """The modules, a half-written entry and the toolchain memo go (a fresh process writes the
+    memo: forget() makes this one do so too); files the cache did not write stay."""
+    from rtcinfer import toolchain
+
+    toolchain.forget()
     cli.main(["warmup", "--model", "llama3-8b", "--arch", "sm_80"])
+    assert list((cache_dir / "toolchain").glob("*.json"))
     (cache_dir / "notes.txt").write_text("keep")
     (cache_dir / "data").mkdir()
     (cache_dir / "data" / "kernel.cu").write_text("keep")
