@@ -69,17 +69,19 @@ def pod_rows(table: Table, fi, torch, rng) -> None:
                   *peer_cells(ours, theirs))  # fmt: skip
 
 
-def flashinfer_pod(fi, torch, tables, arrays):
-    """FlashInfer's PODWithPagedKVCacheWrapper's three views (None if it fails)."""
+def flashinfer_pod(fi, torch, tables, arrays, name="PODWithPagedKVCacheWrapper"):
+    """FlashInfer's POD wrapper `name` planned on `tables` (host arrays, as its plan()
+    takes them after the wrapper), its three views of run(*arrays, causal_p=True) (None if
+    it fails)."""
     try:
-        wrapper = fi.PODWithPagedKVCacheWrapper(
-            torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")  # fmt: skip
+        wrapper = getattr(fi, name)(
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")  # fmt: skip
         wrapper.plan(*(torch.from_numpy(a).cuda() for a in tables), HQ, HKV, D, PAGE,
                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
-        print(f"# flashinfer POD wrapper failed: {type(e).__name__}: {str(e)[:200]}")
+        print(f"# flashinfer {name} failed: {type(e).__name__}: {str(e)[:200]}")
         return None
-    return peer_views("flashinfer POD", lambda: wrapper.run(*arrays, causal_p=True))
+    return peer_views(f"flashinfer {name}", lambda: wrapper.run(*arrays, causal_p=True))
 
 
 def batch_pod_rows(table: Table, fi, torch, rng) -> None:
@@ -104,23 +106,11 @@ def batch_pod_rows(table: Table, fi, torch, rng) -> None:
                        torch_graph=is_torch)  # fmt: skip
         theirs = None
         if fi is not None and torch is not None:
-            theirs = flashinfer_batch_pod(fi, torch, (qo_p, *tables_p, qo_d, *tables_d),
-                                          (tq_p, tcache, tq_d, tcache))  # fmt: skip
+            theirs = flashinfer_pod(fi, torch, (qo_p, *tables_p, qo_d, *tables_d),
+                                    (tq_p, tcache, tq_d, tcache),
+                                    "BatchPODWithPagedKVCacheWrapper")  # fmt: skip
         table.add(label, *ours.cells(), serial.graph, ratio(ours.graph, serial.graph),
                   *peer_cells(ours, theirs))  # fmt: skip
-
-
-def flashinfer_batch_pod(fi, torch, tables, arrays):
-    """FlashInfer's BatchPODWithPagedKVCacheWrapper's three views (None if it fails)."""
-    try:
-        wrapper = fi.BatchPODWithPagedKVCacheWrapper(
-            torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")  # fmt: skip
-        wrapper.plan(*(torch.from_numpy(a).cuda() for a in tables), HQ, HKV, D, PAGE,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - a peer failing must not stop the bench
-        print(f"# flashinfer batch POD wrapper failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
-    return peer_views("flashinfer batch POD", lambda: wrapper.run(*arrays, causal_p=True))
 
 
 def main() -> Tables:

@@ -94,6 +94,21 @@ class FakeArray:
 
 
 @contextlib.contextmanager
+def attention_without_a_gpu(monkeypatch) -> None:
+    """planning_without_a_gpu for the decode and prefill wrappers (and those built on them):
+    the device's limits (132 SMs, 227 KB), two decode CTAs a SM, one prefill CTA a SM, the
+    plan packed by packing_upload."""
+    from rtcinfer.attention import decode, prefill_wrapper
+    from rtcinfer.launch import Kernel
+
+    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
+    planning_without_a_gpu(monkeypatch, regions, packing_upload)
+    monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
+    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+
+
 def cupy_without_a_gpu(monkeypatch):
     """Within: CuPy arrays of device 0 over made-up, 256-byte aligned addresses with no memory
     behind them (for calls whose launches are recorded, never made): CuPy's allocator hands

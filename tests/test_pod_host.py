@@ -8,21 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .fakes import packing_upload, planning_without_a_gpu
+from .fakes import attention_without_a_gpu
 
 
 @pytest.fixture
 def pod(monkeypatch):
     """rtcinfer.attention.pod with its wrappers planning without a GPU."""
-    from rtcinfer.attention import decode, pod, prefill_wrapper
-    from rtcinfer.launch import Kernel
+    from rtcinfer.attention import pod
 
-    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, packing_upload)
-    monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
-    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+    attention_without_a_gpu(monkeypatch)
     return pod
 
 

@@ -15,18 +15,20 @@ from .test_prefill import check, random_masks, reference
 pytestmark = pytest.mark.gpu
 
 
-def replay_after_each_plan(wrapper, rows: int, kv_rows: int, plans, rng) -> None:
+def replay_after_each_plan(wrapper, rows: int, kv_rows: int, plans, rng,
+                           dims=(128, 128)) -> None:  # fmt: skip
     """Plan each (qo, kv, plan keywords, masks or None) of `plans` on a ragged use_cuda_graph
     wrapper whose run() over q [rows] was captured once, after the first plan, on a CuPy
     stream; replay, and check the rows of that plan against float64 attention (causal
-    without masks)."""
+    without masks). dims: (head_dim_qk, head_dim_vo)."""
     import cupy
 
-    q_all = random_values(rng, (rows, 8, 128), "bfloat16")
-    k_all = random_values(rng, (kv_rows, 2, 128), "bfloat16")
-    v_all = random_values(rng, (kv_rows, 2, 128), "bfloat16")
+    d, dv = dims
+    q_all = random_values(rng, (rows, 8, d), "bfloat16")
+    k_all = random_values(rng, (kv_rows, 2, d), "bfloat16")
+    v_all = random_values(rng, (kv_rows, 2, dv), "bfloat16")
     q, k, v = to_gpu(q_all), to_gpu(k_all), to_gpu(v_all)
-    out = cupy.empty((rows, 8, 128), dtype=q.dtype)
+    out = cupy.empty((rows, 8, dv), dtype=q.dtype)
     lse = cupy.empty((rows, 8), dtype=np.float32)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -37,7 +39,7 @@ def replay_after_each_plan(wrapper, rows: int, kv_rows: int, plans, rng) -> None
             if masks is not None:
                 kw = {**kw, "custom_mask": masks[1]}
                 masks = masks[0]
-            wrapper.plan(qo_indptr, kv_indptr, 8, 2, 128, causal=masks is None,
+            wrapper.plan(qo_indptr, kv_indptr, 8, 2, d, dv, causal=masks is None,
                          q_data_type="bfloat16", **kw)  # fmt: skip
             if i == 0:  # compile and load outside the capture, then capture
                 wrapper.run(q, k, v, out=out, lse=lse)
@@ -50,14 +52,16 @@ def replay_after_each_plan(wrapper, rows: int, kv_rows: int, plans, rng) -> None
             stream.synchronize()
             n = int(qo_indptr[-1])
             expect = reference(q_all[:n], k_all, v_all, qo_indptr, kv_indptr, masks=masks,
-                               causal=masks is None, sm_scale=1 / np.sqrt(128))  # fmt: skip
+                               causal=masks is None, sm_scale=1 / np.sqrt(d))  # fmt: skip
             check(out[:n], lse[:n], *expect, "bfloat16")
 
 
-def test_cuda_graph_replays_after_replan():
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+def test_cuda_graph_replays_after_replan(dims):
     """A graph captured around run() of a use_cuda_graph wrapper replays correctly after plans
     with new lengths, fewer rows and requests, split and not (q padded to the first plan's
-    rows; rows past a plan are left alone)."""
+    rows; rows past a plan are left alone); dims: (head_dim_qk, head_dim_vo), v of fewer dims
+    too."""
     import cupy
 
     wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper(
@@ -67,7 +71,7 @@ def test_cuda_graph_replays_after_replan():
     plans = [([100, 150, 50, 0], [900, 150, 1000, 0]), ([1, 1, 1], [8000, 1, 0]),
              ([300], [300]), ([7, 0, 100, 90], [2000, 30, 100, 90])]  # fmt: skip
     replay_after_each_plan(wrapper, 300, 9000, [(qo, kv, {}, None) for qo, kv in plans],
-                           np.random.default_rng(21))  # fmt: skip
+                           np.random.default_rng(21), dims)  # fmt: skip
 
 
 @pytest.mark.parametrize("on_device", [False, True])

@@ -2,8 +2,8 @@
 128: DeepSeek's prefill) on the GPU against the float64 reference: ragged and paged (a
 (k_cache, v_cache) pair, NHD and HND), causal and not, every mask and logit feature the
 kernel keeps, GQA, both 16-bit dtypes, split and whole plans, strided v and given outputs,
-CUDA-graph replay after re-plans, PyTorch (eager and torch.compile) and JAX (eager and
-jax.jit)."""
+PyTorch (eager and torch.compile) and JAX (eager and jax.jit); CUDA-graph replays after
+re-plans: test_prefill_graph.py."""
 
 from __future__ import annotations
 
@@ -178,47 +178,6 @@ def test_single_prefill(causal, qo_len, kv_len):
     assert o.shape == (qo_len, 8, D_VO)
     indptr = np.array([0, qo_len]), np.array([0, kv_len])
     check(o, lse, *reference(q, k, v, *indptr, causal=causal, sm_scale=SM_SCALE), "float16")
-
-
-def test_cuda_graph_replays_after_replan():
-    """A graph captured around run() of a use_cuda_graph ragged wrapper with v of 128 dims
-    replays each later plan (new lengths, split and whole) correctly."""
-    import cupy
-
-    rng = np.random.default_rng(23)
-    rows, kv_rows = 300, 9000
-    q_all = random_values(rng, (rows, 8, D_QK), "bfloat16")
-    k_all = random_values(rng, (kv_rows, 2, D_QK), "bfloat16")
-    v_all = random_values(rng, (kv_rows, 2, D_VO), "bfloat16")
-    q, k, v = to_gpu(q_all), to_gpu(k_all), to_gpu(v_all)
-    out = cupy.empty((rows, 8, D_VO), dtype=q.dtype)
-    lse = cupy.empty((rows, 8), dtype=np.float32)
-    wrapper = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper(
-        use_cuda_graph=True, qo_indptr_buf=cupy.empty(5, np.int32),
-        kv_indptr_buf=cupy.empty(5, np.int32),
-    )  # fmt: skip
-    plans = [([100, 150, 50, 0], [900, 150, 1000, 0]), ([1, 1, 1], [8000, 1, 0]),
-             ([300], [300]), ([7, 0, 100, 90], [2000, 30, 100, 90])]  # fmt: skip
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for i, (qo, kv) in enumerate(plans):
-            qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
-            kv_indptr = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
-            wrapper.plan(qo_indptr, kv_indptr, 8, 2, D_QK, D_VO, causal=True,
-                         q_data_type="bfloat16")  # fmt: skip
-            if i == 0:
-                wrapper.run(q, k, v, out=out, lse=lse)
-                stream.synchronize()
-                stream.begin_capture()
-                wrapper.run(q, k, v, out=out, lse=lse)
-                graph = stream.end_capture()
-            out.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            n = int(qo_indptr[-1])
-            expect = reference(q_all[:n], k_all, v_all, qo_indptr, kv_indptr, causal=True,
-                               sm_scale=SM_SCALE)  # fmt: skip
-            check(out[:n], lse[:n], *expect, "bfloat16")
 
 
 def test_torch_eager_and_compiled():

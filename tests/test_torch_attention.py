@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .fakes import packing_upload, planning_without_a_gpu
+from .fakes import attention_without_a_gpu
 
 torch = pytest.importorskip("torch")
 
@@ -15,15 +15,9 @@ torch = pytest.importorskip("torch")
 @pytest.fixture
 def planned(monkeypatch):
     """Decode and prefill modules whose wrappers plan without a GPU."""
-    from rtcinfer.attention import decode, prefill, prefill_wrapper
-    from rtcinfer.launch import Kernel
+    from rtcinfer.attention import decode, prefill
 
-    regions = dict.fromkeys(("plan", "counters", "lse", "o", "end"), 0)
-    planning_without_a_gpu(monkeypatch, regions, packing_upload)
-    monkeypatch.setattr(decode, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(decode, "ctas_per_sm", lambda spec, device: 2)
-    monkeypatch.setattr(prefill_wrapper, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
+    attention_without_a_gpu(monkeypatch)
     return decode, prefill
 
 

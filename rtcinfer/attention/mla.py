@@ -18,8 +18,6 @@ tiles for up to 16 of them where the kernel fits, 64 else). q, the caches and o 
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from ..interop import OutSlot, Prepared
@@ -27,7 +25,7 @@ from ..interop.dtypes import itemsize
 from ..plan._checks import as_int
 from .decode_kernel import make_config
 from .paged_kv import check_cache_view, page_table_ids
-from .planned import host_ints, weak_hooks
+from .planned import host_ints
 from .prefill_args import PrefillConfig
 from .prefill_kernel import MLA_CKV, MLA_KPE, MLA_SLICE
 from .prefill_wrapper import PrefillWrapper
@@ -180,43 +178,19 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
                                  f"{given.shape} and {given.dtype}")  # fmt: skip
         empty = nnz_q == 0
         fields = {} if empty else _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape)
-        num_pages = ckv.shape[0]
-        ref = weakref.ref(self)
 
-        def run(stream, device, ptrs, scalars):
-            wrapper = ref()
-            if wrapper is None:
-                raise RuntimeError("the BatchMLAPagedAttentionWrapper was deleted")
-            st = wrapper._launch
-            if st.nnz_q != nnz_q or (st.cfg is not cfg and st.cfg != cfg):
-                raise RuntimeError("plan() changed the batch or configuration since this run()")
-            if st.num_kv_rows > num_pages:
-                raise ValueError(
-                    f"the plan reads {st.num_kv_rows} pages, but the caches have {num_pages}"
-                )
-            if empty:
-                return
-            launch = st.launch
-            launch.lock.acquire()
-            try:
-                p = launch.params
-                if launch.tag is not fields:
-                    for name, value in fields.items():
-                        setattr(p, name, value)
-                    launch.tag = fields
-                p.q, p.q_pe, p.k_cache, p.kpe_cache = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-                p.v_cache = ptrs[2]  # V = ckv, sliced by v_head
-                p.o = ptrs[6]
-                p.lse = ptrs[7] if with_lse else 0
-                p.qk_scale, p.v_scale = scalars
-                wrapper._order(stream)
-                launch(stream, device)
-            finally:
-                launch.lock.release()
+        def write(launch, ptrs, scalars):  # slots: q_nope, q_pe, ckv, kpe, out, lse; o, lse
+            p = launch.params
+            if launch.tag is not fields:
+                for name, value in fields.items():
+                    setattr(p, name, value)
+                launch.tag = fields
+            p.q, p.q_pe, p.k_cache, p.kpe_cache = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
+            p.v_cache = ptrs[2]  # V = ckv, sliced by v_head
+            p.o, p.lse = ptrs[6], ptrs[7] if with_lse else 0
+            p.qk_scale, p.v_scale = scalars
 
-        on_trace, preload = weak_hooks(self)
-        return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
-                        on_trace=on_trace)  # fmt: skip
+        return self._prepared(outs, static, ckv.shape[0], empty, write)
 
 
 def _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape) -> dict:
