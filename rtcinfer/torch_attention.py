@@ -75,6 +75,27 @@ def _(wrapper, q, k, v, plan_array, k_scale, v_scale, window_left):
 
 
 @torch.library.custom_op(
+    "rtcinfer::mla_run", mutates_args=(),
+    schema="(int wrapper, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache) -> "
+           "(Tensor, Tensor)",
+)  # fmt: skip
+def mla_run(wrapper, q_nope, q_pe, ckv_cache, kpe_cache):
+    return tuple(_wrapper(wrapper)._compiled_run(q_nope, q_pe, ckv_cache, kpe_cache))
+
+
+@mla_run.register_fake
+def _(wrapper, q_nope, q_pe, ckv_cache, kpe_cache):
+    o_dtype = getattr(torch, _wrapper(wrapper)._plan_o_dtype())
+    return (q_nope.new_empty(q_nope.shape, dtype=o_dtype),
+            q_nope.new_empty(q_nope.shape[:2], dtype=torch.float32))  # fmt: skip
+
+
+def mla(wrapper, q_nope, q_pe, ckv_cache, kpe_cache) -> tuple:
+    """An MLA wrapper's (o, lse) while PyTorch compiles: one mla_run node."""
+    return torch.ops.rtcinfer.mla_run(wrapper._number, q_nope, q_pe, ckv_cache, kpe_cache)
+
+
+@torch.library.custom_op(
     "rtcinfer::decode_device_plan", mutates_args=(),
     schema="(int wrapper, Tensor indptr, Tensor indices, Tensor last_page_len, int num_pages) "
            "-> Tensor",
@@ -186,6 +207,8 @@ __all__ = [
     "attention_run",
     "attention_run_plan_array",
     "decode_device_plan",
+    "mla",
+    "mla_run",
     "device_plan",
     "run",
     "single",

@@ -2,7 +2,8 @@
 o = softmax((q_nope . ckv + q_pe . kpe) sm_scale) @ ckv over each request's pages: decode and
 prefill batches (causal and not), 16 and 128 heads (16- and 64-row tiles), page sizes 1, 16 and
 64 with permuted pages, split plans, given outputs, LSE in base 2 and e, CUDA-graph replay
-after re-plans, and PyTorch / JAX / CuPy arrays."""
+after re-plans, and PyTorch (eager and torch.compile) / JAX (eager and jax.jit) / CuPy
+arrays."""
 
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ def test_framework_arrays(framework):
         o, lse = wrapper.run(*arrays, return_lse=True)
         assert isinstance(o, torch.Tensor)
         check(o, lse, *expect)
+        step = torch.compile(lambda *a: wrapper.run(*a, return_lse=True), fullgraph=True)
+        check(*step(*arrays), *expect)
         return
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":

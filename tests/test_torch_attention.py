@@ -294,3 +294,30 @@ def test_runs_with_fewer_value_dims_give_outputs_of_v_dims(planned):
     assert [s for s in seen if s.startswith("rtcinfer.")] == [
         "rtcinfer.attention_run", "rtcinfer.attention_run", "rtcinfer.single_prefill",
     ]  # fmt: skip
+
+
+def test_the_mla_run_is_one_node(planned):
+    """BatchMLAPagedAttentionWrapper.run under torch.compile(fullgraph=True): one mla_run node,
+    o [nnz, H, 512] in the plan's output dtype; the LSE in base e is run()'s own scaling."""
+    import rtcinfer
+
+    wrapper = rtcinfer.BatchMLAPagedAttentionWrapper()
+    wrapper.plan(np.array([0, 1, 2], np.int32), *decode_tables([40, 3])[:2],
+                 np.array([40, 3], np.int32), 16, 512, 64, 16, False, 0.1, "bfloat16",
+                 "bfloat16", output_dtype="float16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q_nope, q_pe, ckv, kpe):
+        o = wrapper.run(q_nope, q_pe, ckv, kpe)
+        o2, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+        return o, o2, lse
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    o, o2, lse = compiled(meta(2, 16, 512), meta(2, 16, 64), meta(4, 16, 512), meta(4, 16, 64))
+    assert o.shape == o2.shape == (2, 16, 512) and o.dtype == torch.float16
+    assert lse.shape == (2, 16) and lse.dtype == torch.float32
+    assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.mla_run"] * 2

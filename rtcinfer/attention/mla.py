@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interop import OutSlot, Prepared
+from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..plan._checks import as_int
 from .decode_kernel import make_config
@@ -139,15 +140,33 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
         base = "ln" if return_lse_base_on_e else "log2"
         with_lse = bool(return_lse) or lse is not None
         written = lse if base == "log2" else None
-        arrays = (q_nope, q_pe, ckv_cache, kpe_cache, out, written)
-        scalars = (st.cfg.attn.sm_scale, 1.0)
-        result = self._call(arrays, (st.cfg, st.nnz_q, with_lse), scalars)
+        if torch_compiling(q_nope):  # one custom op node (rtcinfer/torch_attention.py)
+            from .. import torch_attention
+
+            o, s = torch_attention.mla(self, q_nope, q_pe, ckv_cache, kpe_cache)
+            if out is not None:
+                o = out.copy_(o)
+            if written is not None:
+                s = written.copy_(s)
+            result = (o, s) if with_lse else o
+        else:
+            arrays = (q_nope, q_pe, ckv_cache, kpe_cache, out, written)
+            scalars = (st.cfg.attn.sm_scale, 1.0)
+            result = self._call(arrays, (st.cfg, st.nnz_q, with_lse), scalars)
         if not with_lse:
             return result
         o, s = result
         if base != "log2":
             s = finish_lse(s, base, "NH", lse)
         return (o, s) if return_lse else o
+
+    def _compiled_run(self, q_nope, q_pe, ckv_cache, kpe_cache) -> tuple:
+        """(o, lse) of run() with the current plan (torch_attention's mla_run at run time)."""
+        st = self._launch
+        if st is None:
+            raise RuntimeError("plan() must be called before run()")
+        return self._call((q_nope, q_pe, ckv_cache, kpe_cache, None, None),
+                          (st.cfg, st.nnz_q, True), (st.cfg.attn.sm_scale, 1.0))  # fmt: skip
 
     def _prepare_run(self, infos, align, static) -> Prepared:
         cfg, nnz_q, with_lse = static
