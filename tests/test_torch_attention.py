@@ -321,3 +321,38 @@ def test_the_mla_run_is_one_node(planned):
     assert o.shape == o2.shape == (2, 16, 512) and o.dtype == torch.float16
     assert lse.shape == (2, 16) and lse.dtype == torch.float32
     assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.mla_run"] * 2
+
+
+def test_the_pod_wrappers_compile_to_their_two_sides(planned):
+    """POD under torch.compile(fullgraph=True): the prefill side's node and the decode side's
+    (one after the other: XLA-like tracing owns the streams), shaped as run() returns them."""
+    import rtcinfer
+
+    pod = rtcinfer.PODWithPagedKVCacheWrapper()
+    pod.plan(*decode_tables([40, 3]), 8, 2, 64, 16, q_data_type="bfloat16")
+    batch = rtcinfer.BatchPODWithPagedKVCacheWrapper()
+    qo_p = np.array([0, 5, 12], np.int32)
+    batch.plan(qo_p, *decode_tables([9, 21]), np.array([0, 1, 2], np.int32),
+               *decode_tables([40, 3]), 8, 2, 64, 16, q_data_type="bfloat16")  # fmt: skip
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q_p, k_p, v_p, q_d, cache, q_bp):
+        out_p, out_d = pod.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+        (bp, lse_p), (bd, lse_d) = batch.run(q_bp, cache, q_d, cache, return_lse=True)
+        return out_p, out_d, bp, bd, lse_p, lse_d
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    out_p, out_d, bp, bd, lse_p, lse_d = compiled(
+        meta(5, 8, 64), meta(9, 2, 64), meta(9, 2, 64), meta(2, 8, 64), meta(10, 2, 16, 2, 64),
+        meta(12, 8, 64),
+    )  # fmt: skip
+    assert out_p.shape == (5, 8, 64) and out_d.shape == bd.shape == (2, 8, 64)
+    assert bp.shape == (12, 8, 64) and lse_p.shape == (12, 8) and lse_d.shape == (2, 8)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.single_prefill", "rtcinfer.attention_run", "rtcinfer.attention_run",
+        "rtcinfer.attention_run",
+    ]  # fmt: skip
