@@ -139,7 +139,7 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
             raise RuntimeError("plan() must be called before run()")
         base = "ln" if return_lse_base_on_e else "log2"
         with_lse = bool(return_lse) or lse is not None
-        written = lse if base == "log2" else None
+        written = lse  # the kernel's base-2 LSE, then (base e) scaled in place
         if torch_compiling(q_nope):  # one custom op node (rtcinfer/torch_attention.py)
             from .. import torch_attention
 
@@ -157,7 +157,7 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
             return result
         o, s = result
         if base != "log2":
-            s = finish_lse(s, base, "NH", lse)
+            s = finish_lse(s, base, "NH")
         return (o, s) if return_lse else o
 
     def _compiled_run(self, q_nope, q_pe, ckv_cache, kpe_cache) -> tuple:
