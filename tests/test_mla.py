@@ -1,9 +1,9 @@
 """BatchMLAPagedAttentionWrapper on the GPU against float64 MLA (absorbed form):
 o = softmax((q_nope . ckv + q_pe . kpe) sm_scale) @ ckv over each request's pages: decode and
-prefill batches (causal and not), 16 and 128 heads (16- and 64-row tiles), page sizes 1, 16 and
-64 with permuted pages, split plans, given outputs, LSE in base 2 and e, CUDA-graph replay
-after re-plans, and PyTorch (eager and torch.compile) / JAX (eager and jax.jit) / CuPy
-arrays."""
+prefill batches (causal and not), 16 and 128 heads, page sizes 1, 16 and 64 with permuted
+pages, 64- and 32-key K tiles (sm_80's shared memory), split plans, given outputs, LSE in base
+2 and e, CUDA-graph replay after re-plans, and PyTorch (eager and torch.compile) / JAX (eager
+and jax.jit) / CuPy arrays."""
 
 from __future__ import annotations
 
@@ -65,16 +65,25 @@ def check(o, lse, o_ref, lse_ref, dtype="bfloat16"):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, qo, kv, page", [
-    (16, [1] * 7, [1, 17, 300, 4096, 0, 65, 1000], 1),   # decode, 16-row tiles
-    (128, [1] * 3, [33, 2000, 7], 64),                   # decode, 64-row tiles (2 a query)
+    (16, [1] * 7, [1, 17, 300, 4096, 0, 65, 1000], 1),   # decode, a query a tile
+    (128, [1] * 3, [33, 2000, 7], 64),                   # decode, 8 tiles a query
     (16, [40, 1, 130, 0], [40, 300, 200, 9], 16),         # prefill and append
     (128, [5, 20], [5, 600], 16),
 ])  # fmt: skip
-def test_mla_batches(causal, heads, qo, kv, page):
+@pytest.mark.parametrize("smem_kb", [None, 163])
+def test_mla_batches(monkeypatch, smem_kb, causal, heads, qo, kv, page):
+    """smem_kb 163: the device's shared memory taken as sm_80's (32-key K tiles)."""
+    from rtcinfer.attention import prefill_wrapper
+
+    if smem_kb is not None:
+        limits = prefill_wrapper.device_limits
+        monkeypatch.setattr(prefill_wrapper, "device_limits",
+                            lambda device: (limits(device)[0], smem_kb * 1024))  # fmt: skip
     rng = np.random.default_rng(heads + page + causal + len(qo))
     batch = Batch(rng, qo, kv, heads, page)
     wrapper = rtcinfer.BatchMLAPagedAttentionWrapper()
     batch.plan(wrapper, causal)
+    assert wrapper._launch.launch.kernel.spec.kv_tile == (32 if smem_kb else 64)
     o, lse = wrapper.run(*batch.device(), return_lse=True)
     assert o.shape == (int(batch.qo_indptr[-1]), heads, 512)
     check(o, lse, *batch.reference(causal))

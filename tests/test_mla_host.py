@@ -1,6 +1,6 @@
 """BatchMLAPagedAttentionWrapper without a GPU: plan() checks (FlashInfer's dims, the batch, the
-keys against the pages, the options it does not take), its configuration (four V slices as
-the kernel's kv heads, all heads in each), and run()'s checks of q_nope, q_pe, the caches and
+keys against the pages, the options it does not take), its configuration (one kv head of all
+the heads), and run()'s checks of q_nope, q_pe, the caches and
 the outputs (the kernel's flow itself: test_prefill_flow.py)."""
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ def planned(mla, heads=16, lens=(5, 40), page=16, **kw):
     return wrapper
 
 
-def test_the_configuration_slices_v_and_keeps_every_head(mla):
+def test_the_configuration_is_one_kv_head_of_every_head(mla):
     wrapper = planned(mla, heads=16)
     cfg = wrapper._launch.cfg
     a = cfg.attn
-    assert cfg.mla and (a.num_kv_heads, a.group_size, a.head_dim, cfg.dim_vo) == (4, 16, 576, 128)
+    assert cfg.mla and (a.num_kv_heads, a.group_size, a.head_dim, cfg.dim_vo) == (1, 16, 576, 512)
     assert a.sm_scale == 0.1 and not cfg.causal
-    p = wrapper._launch.launch.params
-    assert (p.group_size, wrapper._launch.launch.grid[0]) == (16, 4)
+    launch = wrapper._launch.launch
+    assert (launch.params.group_size, launch.grid[0], launch.block[0]) == (16, 1, 128)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -92,10 +92,10 @@ def test_run_refuses_the_options_it_lacks_before_touching_arrays(mla):
 
 
 def test_strides_reach_the_kernel_as_mla_reads_them(mla):
-    """k_* strides are ckv's, v_* kpe's, v_head one slice of ckv (bytes), k_head 0."""
+    """k_* strides are ckv's, v_* kpe's (the row table's second offsets), no head offsets."""
     fields = mla._run_fields(info((3, 8, 512)), info((3, 8, 64)), info((10, 16, 512)),
                              info((10, 16, 64)), None, None, (3, 8, 512))  # fmt: skip
     assert fields["k_page"] == 16 * 512 * 2 and fields["k_token"] == 512 * 2
     assert fields["v_page"] == 16 * 64 * 2 and fields["v_token"] == 64 * 2
-    assert (fields["k_head"], fields["v_head"]) == (0, 256)
+    assert (fields["k_head"], fields["v_head"]) == (0, 0)
     assert (fields["q_stride_n"], fields["qpe_stride_n"], fields["o_stride_h"]) == (4096, 512, 512)

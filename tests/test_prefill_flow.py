@@ -39,18 +39,17 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
     of them; a ragged kernel addresses row page_ids[0] + token. k_flat, v_flat: the caches'
     elements, addressed by the byte strides over itemsize 2; v's rows (and o's) have
     spec.dim_vo elements, k's spec.head_dim. MLA (spec.mla): q is q_nope | q_pe along its last
-    axis, [nnz, Hq, 576]; K's rows are ckv's 512 (k_flat at the k_* strides) then kpe's 64
-    (kpe_flat at the v_* strides); kv head s is V's slice s (ckv at the k_* offsets + s v_head
-    bytes), every slice over all Hq heads, writing o's dims 128 s.. (o [nnz, Hq, 512]) and,
-    slice 0, the LSE."""
+    axis, [nnz, Hq, 576]; one kv head; K's rows are ckv's 512 (k_flat at the k_* strides) then
+    kpe's 64 (kpe_flat at the v_* strides), V's their ckv part (o [nnz, Hq, 512]; the four
+    warps a row warp each take a quarter of its dims, the same sums as one)."""
     d, dv = spec.head_dim, spec.dim_vo
     items = buf[items_at(d) : items_at(d) + ITEM_INTS * int(buf[0])].view(WORK_ITEM)
-    num_kv_heads = 4 if spec.mla else q.shape[1] // p.group_size
+    num_kv_heads = q.shape[1] // p.group_size
     group, rows_n, kv_tile = p.group_size, spec.tile_rows, spec.kv_tile
     kv_warps = 4 if rows_n == 16 else 1
     warp_keys = kv_tile // kv_warps
     wr = spec.warp_rows
-    o = np.full((*q.shape[:2], 512 if spec.mla else dv), np.nan)
+    o = np.full((*q.shape[:2], dv), np.nan)
     lse = np.full(q.shape[:2], np.nan)
     partials, arrivals = {}, {}
     log2e = 1 / np.log(2)
@@ -71,7 +70,7 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
             packed = w["tile_row"] + np.arange(rows_n)
             valid = packed < w["qo_len"] * group
             query = packed // group
-            head = (0 if spec.mla else kv_head * group) + packed % group
+            head = kv_head * group + packed % group
             pos = query + w["kv_len"] - w["qo_len"]
             qrows = np.where(valid[:, None], q[w["qo_start"] + np.where(valid, query, 0),
                                                np.where(valid, head, 0)], 0)  # fmt: skip
@@ -89,10 +88,9 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
                         return np.stack([kv_row(flat, head_bytes, page, token, w, t, dims)
                                          for t in keys])  # fmt: skip
 
-                    if spec.mla:  # ckv | kpe; V: ckv's slice kv_head
-                        k = np.concatenate([rows(k_flat, 0, "k", 512), rows(kpe_flat, 0, "v", 64)],
-                                           axis=1)  # fmt: skip
-                        v = rows(k_flat, kv_head * fields["v_head"], "k", dv)
+                    if spec.mla:  # ckv | kpe; V: the ckv part
+                        v = rows(k_flat, 0, "k", dv)
+                        k = np.concatenate([v, rows(kpe_flat, 0, "v", 64)], axis=1)
                     else:
                         k = rows(k_flat, kv_head * fields["k_head"], "k", d)
                         v = rows(v_flat, kv_head * fields["v_head"], "v", dv)
@@ -138,12 +136,8 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
             out = out * p.v_scale
             state = np.where(dd > 0, m + np.log2(np.where(dd > 0, dd, 1)), -np.inf)
             rows_q, rows_h = w["qo_start"] + query[valid], head[valid]
-            dims = slice(dv * kv_head, dv * kv_head + dv) if spec.mla else slice(None)
-            writes_lse = not spec.mla or kv_head == 0
             if w["slot"] < 0:
-                o[rows_q, rows_h, dims] = out[valid]
-                if writes_lse:
-                    lse[rows_q, rows_h] = state[valid]
+                o[rows_q, rows_h], lse[rows_q, rows_h] = out[valid], state[valid]
                 continue
             partials[(w["slot"], kv_head)] = (out, state)
             key = (w["tile"], kv_head)
@@ -157,11 +151,9 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
             total = sum(wts)
             merged = sum(wt[:, None] * po for wt, (po, _) in zip(wts, parts, strict=True))
             merged = merged / np.where(total > 0, total, 1)[:, None]
-            o[rows_q, rows_h, dims] = merged[valid]
-            if writes_lse:
-                lse[rows_q, rows_h] = np.where(total > 0,
-                                               mm + np.log2(np.where(total > 0, total, 1)),
-                                               -np.inf)[valid]  # fmt: skip
+            o[rows_q, rows_h] = merged[valid]
+            lse[rows_q, rows_h] = np.where(total > 0, mm + np.log2(np.where(total > 0, total, 1)),
+                                           -np.inf)[valid]  # fmt: skip
     return o, lse
 
 
@@ -352,13 +344,14 @@ def test_the_kernels_flow_with_fewer_value_dims(wrappers, form, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, qo, extra, page", [
-    (16, [1, 1, 1, 1, 1], [0, 300, 40, 999, 16], 16),  # decode: 16-row tiles, 4 warps on keys
-    (8, [3, 40, 0, 7], [5, 100, 9, 0], 1),             # 64-row tiles, one-token pages
+    (16, [1, 1, 1, 1, 1], [0, 300, 40, 999, 16], 16),  # decode: a query a tile
+    (8, [3, 40, 0, 7], [5, 100, 9, 0], 1),             # two queries a tile, one-token pages
 ])  # fmt: skip
 def test_the_kernels_flow_over_mla(wrappers, causal, heads, qo, extra, page):
     """BatchMLAPagedAttentionWrapper's plan and run() fields read by prefill_flow as the MLA
-    kernel reads them (K from ckv and kpe, V's four slices, all heads a slice) give float64
-    MLA: softmax((q_nope . ckv + q_pe . kpe) sm_scale) @ ckv over each request's pages."""
+    kernel reads them (K from ckv and kpe, V their ckv part, one kv head of all the heads)
+    give float64 MLA: softmax((q_nope . ckv + q_pe . kpe) sm_scale) @ ckv over each request's
+    pages."""
     from rtcinfer.attention import mla
 
     from . import reference_attention as aref
@@ -380,8 +373,7 @@ def test_the_kernels_flow_over_mla(wrappers, causal, heads, qo, extra, page):
                  0.0625, "bfloat16", "bfloat16")  # fmt: skip
     st = wrapper._launch
     spec = st.launch.kernel.spec
-    assert spec.mla and (spec.head_dim, spec.dim_vo) == (576, 128)
-    assert spec.tile_rows == (16 if heads == 16 else 64)
+    assert spec.mla and (spec.head_dim, spec.dim_vo, spec.tile_rows) == (576, 512, 16)
     if heads == 16:  # long keys, few tiles: split, the partials merged by slice too
         assert getattr(st.plan, "num_slots", 0) > 0
     p = st.launch.params

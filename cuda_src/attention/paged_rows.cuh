@@ -15,9 +15,9 @@
 // table.
 // K rows of ROW_BYTES, V rows of V_ROW_BYTES: equal, thread i moves chunk i % CHUNKS of K's and
 // V's rows i / CHUNKS + pass * ROWS_PER_PASS; fewer V bytes (head_dim_vo < head_dim_qk), each
-// tile is walked on its own (issue_rows). SPLIT > 0 (a paged table only; MLA): a K row's first
-// SPLIT bytes come from k_base + the row's first offset, the rest from k2_base + its second
-// offset, and V's rows from v_base + its first (V is the first part of K, sliced).
+// tile is walked on its own (issue_rows); V_ROW_BYTES 0: no V stream (MLA reads V from the K
+// tile). SPLIT > 0 (a paged table only; MLA): a K row's first SPLIT bytes come from k_base +
+// the row's first offset, the rest from k2_base + its second offset.
 #pragma once
 
 // cp.async of the rows [0, TILE) of a tile whose row r's 16-byte chunk c is at source(r, c),
@@ -102,10 +102,10 @@ struct PagedRowTable {
               if (chunk >= SPLIT / 16) return k2_base + rows[row].y + (chunk * 16 - SPLIT);
             return k_base + rows[row].x + chunk * 16;
           });
-      issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
-          v_tile, v_base, token_end - t0, [&](int row, int chunk) {
-            return v_base + (SPLIT > 0 ? rows[row].x : rows[row].y) + chunk * 16;
-          });
+      if constexpr (V_ROW_BYTES > 0)
+        issue_rows<TILE, V_ROW_BYTES, THREADS, CANONICAL>(
+            v_tile, v_base, token_end - t0,
+            [&](int row, int chunk) { return v_base + rows[row].y + chunk * 16; });
       return;
     }
     const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;

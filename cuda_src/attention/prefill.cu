@@ -36,9 +36,10 @@
 // 0: no cap asked), FP8_DIRECT (below), MLA (below).
 // MLA (DeepSeek's latent attention, the absorbed form: one latent KV head shared by all Hq
 // heads, group_size = Hq): q's rows are q (MLA_CKV dims) then q_pe (64), K's rows ckv (MLA_CKV,
-// from k_cache) then kpe (64, from kpe_cache), V = ckv. blockIdx.x is not a kv head but a
-// slice of HEAD_DIM_VO dims of V and o (v_cache = ckv, v_head the slice's bytes); every slice
-// computes S whole, for all Hq heads, and writes its dims of o (slice 0 the LSE).
+// from k_cache) then kpe (64, from kpe_cache), V = ckv = the first MLA_CKV dims of the K tile
+// (no V in the ring). DIM_WARPS = 4 warps share each row warp's rows and keys: each computes S
+// whole and accumulates its quarter of O's HEAD_DIM_VO = MLA_CKV dims (WARP_DIMS), writing
+// them (warp 0 of the four the LSE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -52,8 +53,9 @@
 constexpr int ROW_BLOCKS = WARP_ROWS / 16;         // 16-row MMA blocks of a warp
 constexpr int ROWS = 2 * ROW_BLOCKS;               // rows of a thread (g and g + 8 of each block)
 constexpr int ROW_WARPS = TILE_ROWS / WARP_ROWS;   // warps along the rows
-constexpr int KV_WARPS = TILE_ROWS == 16 ? 4 : 1;  // warps on the same rows, splitting the keys
-constexpr int WARPS = ROW_WARPS * KV_WARPS;
+constexpr int DIM_WARPS = MLA ? 4 : 1;  // warps on the same rows and keys, splitting O's dims
+constexpr int KV_WARPS = TILE_ROWS == 16 && !MLA ? 4 : 1;  // on the same rows, splitting keys
+constexpr int WARPS = ROW_WARPS * KV_WARPS * DIM_WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a warp takes
 constexpr bool ALIBI = POS_ENCODING == PosEncoding::ALIBI;
@@ -73,12 +75,15 @@ constexpr bool STAGED = FP8 && !FP8_DIRECT;
 // where it tips ptxas into a 128-register allocation that spills on sm_80.
 constexpr bool FOLD = !ALIBI && !SOFT_CAP && HEAD_DIM >= 128;
 constexpr int ROW_BYTES = HEAD_DIM * 2;      // a 16-bit Q or K row (as the MMAs read them)
-constexpr int V_ROW_BYTES = HEAD_DIM_VO * 2;  // a 16-bit V row, and o's rows on their way out
+constexpr int WARP_DIMS = HEAD_DIM_VO / DIM_WARPS;  // O's dims a warp accumulates
+constexpr int O_ROW_BYTES = WARP_DIMS * 2;  // a warp's piece of an o row on its way out
+// the V tile's rows as the MMAs read them (MLA: the K tile's); a V row in the ring (MLA: none)
+constexpr int V_ROW_BYTES = MLA ? HEAD_DIM * 2 : HEAD_DIM_VO * 2;
 constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(KVT);  // a K row in the ring (and V's, fp8)
-constexpr int V_RING_ROW_BYTES = HEAD_DIM_VO * sizeof(KVT);  // a V row in the ring
+constexpr int V_RING_ROW_BYTES = MLA ? 0 : HEAD_DIM_VO * sizeof(KVT);
 constexpr int CHUNKS = ROW_BYTES / 16;       // 16-byte pieces of a Q or K row
 constexpr int K_STEPS = HEAD_DIM / 16;       // k-steps of Q K^T
-constexpr int DIM_TILES = HEAD_DIM_VO / 8;   // n-tiles of O
+constexpr int DIM_TILES = WARP_DIMS / 8;     // n-tiles of O a warp holds
 constexpr int KEY_TILES = WARP_KEYS / 8;     // n-tiles of S per warp
 constexpr int HEADER_INTS = 4;               // plan: num_work, 3 spare, then RoPE frequencies
 constexpr int ITEMS_AT = HEADER_INTS + HEAD_DIM;  // (hi, lo) float pairs, then the work items
@@ -95,9 +100,9 @@ constexpr int MLA_CKV = 512;  // MLA: the latent (ckv) dims of q and k; the rest
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256 ||
                   (MLA && HEAD_DIM == MLA_CKV + 64),
               "head_dim 64, 128, 192 or 256; MLA 512 + 64");
-static_assert(!MLA || (HEAD_DIM_VO == 128 && !FP8 && !ROPE && !ALIBI && !WGMMA && !RAGGED &&
-                       !CUSTOM_MASK),
-              "MLA: 128-dim slices of V, 16-bit KV, a paged cache, mma.sync, no ALiBi or mask");
+static_assert(!MLA || (HEAD_DIM_VO == MLA_CKV && WARP_ROWS == 16 && !FP8 && !ROPE && !ALIBI &&
+                       !WGMMA && !RAGGED && !CUSTOM_MASK),
+              "MLA: V = ckv, 16-row warps, 16-bit KV, a paged cache, mma.sync, no ALiBi or mask");
 static_assert(HEAD_DIM_VO == HEAD_DIM ||
                   (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE),
               "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE");
@@ -333,10 +338,12 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
       for (int b = 0; b < ROW_BLOCKS; ++b) p_fragment<MT>(a[b], s[b][2 * j], s[b][2 * j + 1]);
 #pragma unroll
-      for (int c = 0; c < HEAD_DIM_VO / 16; ++c) {
+      for (int c = 0; c < WARP_DIMS / 16; ++c) {
         uint32_t vb[2][2];
         if constexpr (FP8_DIRECT)  // vb[0]: the chunk's even dims, vb[1]: its odd ones
           load_v_pair_fp8(vb, v_tile, key_w / 16 + j, c, lane);
+        else if constexpr (MLA)  // this warp's dims of the K tile's ckv part
+          load_v_pair<V_ROW_BYTES>(vb, v_tile, j, c + dim_warp() * (WARP_DIMS / 16), lane);
         else
           load_v_pair<V_ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
@@ -364,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   if (item >= __ldg(p.plan)) return;
   const int kv_head = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int row_warp = warp / KV_WARPS, kv_warp = warp % KV_WARPS;
+  const int row_warp = warp / (KV_WARPS * DIM_WARPS), kv_warp = warp / DIM_WARPS % KV_WARPS;
   const uint32_t q_tile = smem_addr(smem), ring = q_tile + Q_BYTES;
   unsigned char* staging = smem + Q_BYTES + RING_BYTES;
   float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
@@ -442,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
     // staging tiles the other fp8 tiles are widened into.
     unsigned char* ring_k = smem + Q_BYTES + (tile % STAGES) * STAGE_BYTES;
     unsigned char* k_mma = STAGED ? staging : ring_k;
-    constexpr int V_AT = STAGED ? TILE_BYTES : RING_TILE_BYTES;  // V after K
+    constexpr int V_AT = STAGED ? TILE_BYTES : MLA ? 0 : RING_TILE_BYTES;  // V after K (MLA: K)
     if constexpr (STAGED) {
       // (The barrier at the top of this iteration: the previous MMAs are done with it.)
       widen_tiles(staging, ring_k, ring_k + RING_TILE_BYTES);

@@ -52,26 +52,28 @@ RTC_DEVICE float close_row(State& s) {
 
 // The rows' results (the tile's only item, KV_WARPS == 1), normalized, through shared memory
 // to o: each warp writes its rows' fragments into its own rows of `o_tile` (the Q tile's bytes,
-// free once every warp is past its last MMA: the caller's barrier; o's rows, V_ROW_BYTES, are
-// no longer than Q's), swizzled by 16-byte chunk,
+// free once every warp is past its last MMA: the caller's barrier; a warp's pieces of o's rows,
+// O_ROW_BYTES, in its own region: DIM_WARPS of them fit), swizzled by 16-byte chunk,
 // then stores whole rows in 16-byte pieces. (Straight from the fragments, a store instruction
 // puts 4 bytes into each of 8 rows: 8 of every 32 bytes the L2 receives are used.) lse from
 // the fragments. o's rows are 16-byte aligned (checked on the host).
-static_assert(sizeof(OT) == 2 && V_ROW_BYTES <= ROW_BYTES, "a 16-bit o row fits a Q row");
+static_assert(sizeof(OT) == 2 && DIM_WARPS * O_ROW_BYTES <= ROW_BYTES,
+              "the warps' 16-bit pieces of an o row fit a Q row");
 RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const PrefillParams& p,
                            unsigned char* o_tile, int kv_head, int warp, int lane) {
   const int g = lane / 4, t = lane % 4;
   const int rows_in = w.qo_len * p.group_size, first = w.tile_row + WARP_ROWS * warp;
+  if constexpr (DIM_WARPS > 1) o_tile += dim_warp() * TILE_ROWS * O_ROW_BYTES;
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     const float lse = close_row(st[i]);
     const int row = WARP_ROWS * warp + warp_row(i, g);
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n)
-      *reinterpret_cast<uint32_t*>(o_tile + tile_offset<V_ROW_BYTES>(row, n) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(o_tile + tile_offset<O_ROW_BYTES>(row, n) + 4 * t) =
           pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
     const int packed = first + warp_row(i, g);
-    if (p.lse != nullptr && t == 0 && packed < rows_in && writes_lse(kv_head)) {
+    if (p.lse != nullptr && t == 0 && packed < rows_in && writes_lse()) {
       const PackedRow r = unpack_row(packed, p);
       if constexpr (MLA)
         p.lse[(w.qo_start + r.query) * p.lse_stride_n + r.head] = lse;
@@ -80,19 +82,19 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
     }
   }
   __syncwarp();
-  constexpr int O_CHUNKS = V_ROW_BYTES / 16;
+  constexpr int O_CHUNKS = O_ROW_BYTES / 16;
   constexpr int PIECES = WARP_ROWS * O_CHUNKS;  // 16-byte pieces of the warp's rows
 #pragma unroll
   for (int k = lane; k < PIECES; k += 32) {
     const int r = k / O_CHUNKS, c = k % O_CHUNKS, packed = first + r;
     if (packed >= rows_in) continue;
     const uint4 piece = *reinterpret_cast<const uint4*>(
-        o_tile + tile_offset<V_ROW_BYTES>(WARP_ROWS * warp + r, c));
+        o_tile + tile_offset<O_ROW_BYTES>(WARP_ROWS * warp + r, c));
     const PackedRow rw = unpack_row(packed, p);
     OT* o = p.o + (w.qo_start + rw.query) * p.o_stride_n +
             (kv_head * p.group_size + rw.head) * p.o_stride_h;
-    if constexpr (MLA)  // every slice takes all heads, writing its own dims
-      o = p.o + (w.qo_start + rw.query) * p.o_stride_n + rw.head * p.o_stride_h + o_dim0(kv_head);
+    if constexpr (MLA)  // the one kv head takes all heads; this warp writes its dims
+      o = p.o + (w.qo_start + rw.query) * p.o_stride_n + rw.head * p.o_stride_h + o_dim0();
     *reinterpret_cast<uint4*>(o + 8 * c) = piece;
   }
 }
@@ -107,23 +109,24 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
     if (!rows.valid[i]) continue;
     if (w.slot < 0) {
       OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
-      if constexpr (MLA) o += o_dim0(kv_head);
+      if constexpr (MLA) o += o_dim0();
 #pragma unroll
       for (int n = 0; n < DIM_TILES; ++n) {
         o[8 * n + 2 * t] = from_float<OT>(st[i].o[2 * n] * p.v_scale);
         o[8 * n + 2 * t + 1] = from_float<OT>(st[i].o[2 * n + 1] * p.v_scale);
       }
-      if (p.lse != nullptr && t == 0 && writes_lse(kv_head))
+      if (p.lse != nullptr && t == 0 && writes_lse())
         p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
     } else {
       const int row = WARP_ROWS * warp + warp_row(i, g);
       const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
       float* o = p.partial_o + at * HEAD_DIM_VO;
+      if constexpr (MLA) o += o_dim0();
 #pragma unroll
       for (int n = 0; n < DIM_TILES; ++n)
         *reinterpret_cast<float2*>(o + 8 * n + 2 * t) =
             make_float2(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
-      if (t == 0) p.partial_lse[at] = lse;
+      if (t == 0 && writes_lse()) p.partial_lse[at] = lse;
     }
   }
 }
@@ -153,10 +156,10 @@ RTC_DEVICE void merge_tile(const PrefillWorkItem& w, const PrefillParams& p, int
     }
     acc.normalize();
     OT* o = p.o + (w.qo_start + query) * p.o_stride_n + head * p.o_stride_h + d;
-    if constexpr (MLA) o += o_dim0(kv_head);
+    
     *reinterpret_cast<uint2*>(o) =  // 8 bytes at an 8-byte multiple of an aligned row
         make_uint2(pack2<OT>(acc.o[0], acc.o[1]), pack2<OT>(acc.o[2], acc.o[3]));
-    if (p.lse != nullptr && d == 0 && writes_lse(kv_head))
+    if (p.lse != nullptr && d == 0)
       p.lse[(w.qo_start + query) * p.lse_stride_n + head] = acc.lse();
   }
 }

@@ -14,12 +14,13 @@ RTC_DEVICE PackedRow unpack_row(int packed, const PrefillParams& p) {
   return {query, packed - query * p.group_size};
 }
 
-// MLA: every slice (kv_head) takes all Hq heads (a packed row's head is its q / o head, where
-// it is kv_head * group_size + its index elsewhere); o_dim0: o's first dim that slice kv_head
-// writes (HEAD_DIM_VO kv_head); writes_lse: whether it writes the LSE (slice 0 of the identical
-// ones).
-RTC_DEVICE int o_dim0(int kv_head) { return MLA ? kv_head * HEAD_DIM_VO : 0; }
-RTC_DEVICE bool writes_lse(int kv_head) { return !MLA || kv_head == 0; }
+// This warp's share of O's dims among the DIM_WARPS on its rows (MLA), o's first dim of it,
+// and whether it writes its rows' LSE (the first of them: the others hold the same). MLA's
+// one kv head takes all Hq heads (a packed row's head is its q / o head, where it is kv_head *
+// group_size + its index elsewhere).
+RTC_DEVICE int dim_warp() { return DIM_WARPS > 1 ? threadIdx.x / 32 % DIM_WARPS : 0; }
+RTC_DEVICE int o_dim0() { return dim_warp() * WARP_DIMS; }
+RTC_DEVICE bool writes_lse() { return dim_warp() == 0; }
 
 // The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half).
 RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }

@@ -9,11 +9,11 @@ ckv_cache [pages, page_size, 512] and kpe_cache [pages, page_size, 64]; request 
 the first kv_len_arr[b] tokens of pages kv_indices[kv_indptr[b]:kv_indptr[b + 1]].
 
 It runs on the batch prefill kernel (prefill.cu's MLA): K's rows are ckv + kpe (576 dims, read
-from both caches), V = ckv in four slices of 128 dims, each slice a column of the grid (the
-kernel's kv heads) that computes S for all H heads of its queries and writes its dims of o.
-The plan is a paged prefill plan whose packed rows are the H heads of each query (16-row query
-tiles for up to 16 of them where the kernel fits, 64 else). q, the caches and o are 16-bit
-(o may be the other 16-bit type).
+from both caches into shared memory once), V their ckv part; four warps take each 16 query
+rows, each computing the scores of all the tile's keys and a quarter of o's 512 dims. The plan
+is a paged prefill plan of one kv head whose packed rows are the H heads of each query
+(16-row query tiles for up to 16 of them, 64 else). q, the caches and o are 16-bit (o may be
+the other 16-bit type).
 """
 
 from __future__ import annotations
@@ -28,28 +28,27 @@ from .decode_kernel import make_config
 from .paged_kv import check_cache_view, page_table_ids
 from .planned import host_ints
 from .prefill_args import PrefillConfig
-from .prefill_kernel import MLA_CKV, MLA_KPE, MLA_SLICE
+from .prefill_kernel import MLA_CKV, MLA_KPE
 from .prefill_wrapper import PrefillWrapper
 from .run_options import finish_lse, refuse
 
-SLICES = MLA_CKV // MLA_SLICE  # V's slices: the grid's "kv heads"
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's names for the kernels that compute this form
 
 
 def make_mla_config(num_heads, page_size, causal, sm_scale, q_dtype, kv_dtype, o_dtype,
                     custom_mask=False, head_dim_vo=None) -> PrefillConfig:  # fmt: skip
-    """MLA's configuration: SLICES kv heads of num_heads query heads each (the kernel's group),
-    head_dim ckv + kpe, v's 128 dims a slice (custom_mask and head_dim_vo: PrefillWrapper's
-    _plan passes them; MLA has none)."""
+    """MLA's configuration: one kv head of num_heads query heads (the kernel's group), head_dim
+    ckv + kpe, v's the ckv dims (custom_mask and head_dim_vo: PrefillWrapper's _plan passes
+    them; MLA has none)."""
     heads = as_int("num_heads", num_heads, minimum=1)
-    attn = make_config(SLICES * heads, SLICES, MLA_CKV + MLA_KPE, page_size, "NONE", -1, None,
+    attn = make_config(heads, 1, MLA_CKV + MLA_KPE, page_size, "NONE", -1, None,
                        q_dtype, kv_dtype, o_dtype, sm_scale, None, None,
                        head_dims=(MLA_CKV + MLA_KPE,))  # fmt: skip
     if attn.kv_dtype != attn.q_dtype:
         raise TypeError(f"kv_data_type must be q's dtype ({attn.q_dtype}), got {attn.kv_dtype}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    return PrefillConfig(attn, bool(causal), False, MLA_SLICE, mla=True)
+    return PrefillConfig(attn, bool(causal), False, MLA_CKV, mla=True)
 
 
 class BatchMLAPagedAttentionWrapper(PrefillWrapper):
@@ -205,7 +204,7 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
                     setattr(p, name, value)
                 launch.tag = fields
             p.q, p.q_pe, p.k_cache, p.kpe_cache = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-            p.v_cache = ptrs[2]  # V = ckv, sliced by v_head
+            p.v_cache = ptrs[2]  # (V is read from the K tile: ckv's dims)
             p.o, p.lse = ptrs[6], ptrs[7] if with_lse else 0
             p.qk_scale, p.v_scale = scalars
 
@@ -216,7 +215,7 @@ def _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape) -> dict:
     """The kernel's strides for run()'s arrays (interop's ArrayInfo), checked: rows of q_nope,
     q_pe and o 16-byte aligned with a contiguous last dim; each cache [pages, page_size, D]
     with 16-byte aligned pages and tokens. MLA's fields (prefill.cu's PrefillParams): k_* are
-    ckv's strides, v_* kpe's, v_head a slice of ckv's dims (bytes), k_head 0."""
+    ckv's strides, v_* kpe's (the row table's second offsets), k_head = v_head = 0."""
     item = itemsize(ckv.dtype)
     for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("out", out)):
         if x is None:
@@ -239,8 +238,8 @@ def _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape) -> dict:
         qpe_stride_n=q_pe.strides[0], qpe_stride_h=q_pe.strides[1],
         o_stride_n=o_strides[0], o_stride_h=o_strides[1], lse_stride_n=lse_stride,
         k_page=ckv.strides[0] * item, k_token=ckv.strides[1] * item, k_head=0,
-        v_page=kpe.strides[0] * item, v_token=kpe.strides[1] * item, v_head=MLA_SLICE * item,
+        v_page=kpe.strides[0] * item, v_token=kpe.strides[1] * item, v_head=0,
     )  # fmt: skip
 
 
-__all__ = ["BatchMLAPagedAttentionWrapper", "SLICES", "make_mla_config"]
+__all__ = ["BatchMLAPagedAttentionWrapper", "make_mla_config"]

@@ -51,7 +51,7 @@ class PrefillSpec:
     # KV, RoPE outside the kernel, the mma.sync kernel
     head_dim_vo: int | None = None
     # MLA (attention/mla.py): head_dim 576 (ckv 512 + kpe 64, from two caches and two query
-    # arrays), slices of 128 dims of V = ckv as the grid's kv heads
+    # arrays), V = ckv read from the K tile, four warps a row warp, each a quarter of O's dims
     mla: bool = False
     source: ClassVar[str] = "attention/prefill.cu"
     kernels: ClassVar[tuple[str, ...]] = ("prefill_kernel",)
@@ -64,7 +64,10 @@ class PrefillSpec:
 
     @property
     def threads(self) -> int:
-        """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile."""
+        """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile; MLA:
+        four warps a row warp, splitting O's dims."""
+        if self.mla:
+            return 4 * 32 * self.tile_rows // self.warp_rows
         return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
 
     @property
@@ -77,7 +80,8 @@ class PrefillSpec:
         fp8_direct's), RoPE frequencies, a paged cache's row-offset table (two tiles of K and V
         int64 offsets), a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
-        ring = self.stages * self.kv_tile * (self.head_dim + self.dim_vo) * itemsize(self.kv_dtype)
+        v_ring = 0 if self.mla else self.dim_vo  # MLA's V is the K tile's first dims
+        ring = self.stages * self.kv_tile * (self.head_dim + v_ring) * itemsize(self.kv_dtype)
         widened = self.kv_dtype in FP8_DTYPES and not self.fp8_direct
         staging = 2 * self.kv_tile * row if widened else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
@@ -235,22 +239,27 @@ def _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causa
                     head_dim_vo=head_dim_vo)  # fmt: skip
 
 
-MLA_CKV, MLA_KPE, MLA_SLICE = 512, 64, 128  # MLA's latent and RoPE dims; V's dims a CTA
+MLA_CKV, MLA_KPE = 512, 64  # MLA's latent and RoPE dims
 
 
 @functools.lru_cache(maxsize=64)
 def mla_spec(q_dtype, o_dtype, tile_rows, causal=False, max_smem=227 * 1024) -> PrefillSpec:
-    """MLA's kernel (prefill.cu's MLA, attention/mla.py): K rows of ckv + kpe (576 dims), V
-    slices of 128 dims of ckv as the grid's kv heads, a paged cache, 16-row warps; 64-row
-    tiles over 32-key K/V tiles (Q's 1152-byte rows leave room for 64 query rows beside a
-    ring of them), 16-row ones (four warps on a tile's keys) over 64-key tiles; 3 stages where
-    they fit, else 2 (ValueError where neither does: 16-row tiles need 200 KB)."""
-    if tile_rows not in (16, 64):
-        raise ValueError(f"MLA takes 16- or 64-row query tiles, got {tile_rows}")
-    kv_tile = 64 if tile_rows == 16 else 32
-    return _fitting(q_dtype, o_dtype, MLA_CKV + MLA_KPE, tile_rows, kv_tile, causal, False, "NONE",
-                    False, q_dtype, False, 16, False, max_smem, head_dim_vo=MLA_SLICE,
-                    mla=True)  # fmt: skip
+    """MLA's kernel (prefill.cu's MLA, attention/mla.py): K rows of ckv + kpe (576 dims) in
+    the ring, V = their ckv part; 16-row query tiles, four warps on them, each computing the
+    tile's scores and a quarter of O's 512 dims (64-row tiles, sixteen warps, would cap
+    registers at 128 a thread and spill); 64-key K tiles where two stages fit (200 KB:
+    sm_90), else 32-key ones; 3 stages where they fit, else 2."""
+    if tile_rows != 16:
+        raise ValueError(f"MLA takes 16-row query tiles, got {tile_rows}")
+    error = None
+    for kv_tile in (64, 32):
+        try:
+            return _fitting(q_dtype, o_dtype, MLA_CKV + MLA_KPE, tile_rows, kv_tile, causal,
+                            False, "NONE", False, q_dtype, False, 16, False, max_smem,
+                            head_dim_vo=MLA_CKV, mla=True)  # fmt: skip
+        except ValueError as e:  # too much shared memory: fewer keys a tile
+            error = e
+    raise error
 
 
 def use_wgmma(arch, tile_rows, pos_encoding_mode, q_dtype, kv_dtype) -> bool:

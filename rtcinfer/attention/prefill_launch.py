@@ -19,21 +19,14 @@ from .prefill_plan import RAGGED_PAGE
 MAX_GRID_Y = 65535
 
 
-def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False,
-                   max_smem: int | None = None) -> int:  # fmt: skip
+def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
     """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on);
-    MLA: 16 for up to 16 packed rows a request where that kernel fits max_smem, else 64."""
+    MLA: 16 (mla_spec)."""
+    if cfg.mla:
+        return 16
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    rows = planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
-    if cfg.mla:
-        if rows == 16 and max_smem is not None:
-            try:
-                mla_spec(attn.q_dtype, attn.o_dtype, 16, cfg.causal, max_smem)
-            except ValueError:  # its ring does not fit
-                return 64
-        return 16 if rows == 16 else 64
-    return rows
+    return planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
@@ -107,7 +100,7 @@ def plan_launch(
     kernels = {} if kernels is None else kernels
     wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
-        tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma, max_smem=max_smem)
+        tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
     # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
     # (a CUDA graph, a plan array) fixes the kernel
     wide = (max_work is None and tile_rows == 16 and not cfg.mla

@@ -160,7 +160,7 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             attn = cfg.attn
             num_sms, max_smem = self._limits
             wgmma = launches.chosen_kernel(self._kernels, cfg, self._device, max_smem)
-            tile_rows = launches.pick_tile_rows(cfg, qo_indptr, wgmma=wgmma, max_smem=max_smem)
+            tile_rows = launches.pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
             tiles = -(-rows * attn.group_size // tile_rows) + self._max_batch
             _, ctas = launches.chosen_kernel(self._kernels, cfg, self._device, max_smem, tile_rows)
             work = max(tiles, num_sms * ctas // attn.num_kv_heads, 1)
