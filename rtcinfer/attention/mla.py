@@ -208,7 +208,7 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
             p.o, p.lse = ptrs[6], ptrs[7] if with_lse else 0
             p.qk_scale, p.v_scale = scalars
 
-        return self._prepared(outs, static, ckv.shape[0], empty, write)
+        return self._prepared(outs, static, ckv.shape[0], empty, fields, write=write)
 
 
 def _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape) -> dict:

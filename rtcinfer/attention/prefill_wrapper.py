@@ -260,20 +260,17 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
         fields = {} if empty else self._run_fields(q, k, v, out, lse, cfg)
         five_d = v is None  # one [pages, 2, ...] array: V is K shifted by one step of dim 1
         v_offset = cache_views(k, v, self._kv_layout, itemsize(k.dtype))[1].offset if five_d else 0
+        return self._prepared(outs, static, k.shape[0], empty, fields,
+                              v_offset if five_d else None)  # fmt: skip
 
-        def write(launch, ptrs, scalars):
-            write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
-                                scalars)  # fmt: skip
-
-        return self._prepared(outs, static, k.shape[0], empty, write)
-
-    def _prepared(self, outs, static, num_kv_rows: int, empty: bool, write) -> Prepared:
+    def _prepared(self, outs, static, num_kv_rows: int, empty: bool, fields: dict,
+                  v_offset: int | None = None, write=None) -> Prepared:  # fmt: skip
         """The Prepared of a run() on the current plan, whose launch checks first that the plan
-        is still the one `static` (cfg, nnz_q, ...) was made for and that the cache's
-        num_kv_rows rows (pages) hold the ones it reads; `write(launch, ptrs, scalars)` fills
-        the call's pointers and scalars in, under the launch's lock (nothing runs when
-        `empty`)."""
-        cfg, nnz_q = static[:2]
+        is still the one `static` (cfg, nnz_q, with_lse) was made for and that the cache's
+        num_kv_rows rows (pages) hold the ones it reads, then, under the launch's lock, fills
+        in the call's fields, pointers and scalars (write_run_arguments, or `write(launch,
+        ptrs, scalars)` for other slots) and launches (nothing when `empty`)."""
+        cfg, nnz_q, with_lse = static
         ref = weakref.ref(self)
 
         def run(stream, device, ptrs, scalars):
@@ -293,7 +290,10 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             launch = st.launch
             launch.lock.acquire()
             try:
-                write(launch, ptrs, scalars)
+                if write is None:
+                    write_run_arguments(launch, fields, ptrs, v_offset, with_lse, scalars)
+                else:
+                    write(launch, ptrs, scalars)
                 wrapper._order(stream)
                 launch(stream, device)
             finally:
