@@ -93,7 +93,6 @@ class FakeArray:
         self.flags = types.SimpleNamespace(c_contiguous=dense)
 
 
-@contextlib.contextmanager
 def attention_without_a_gpu(monkeypatch) -> None:
     """planning_without_a_gpu for the decode and prefill wrappers (and those built on them):
     the device's limits (132 SMs, 227 KB), two decode CTAs a SM, one prefill CTA a SM, the
@@ -109,6 +108,7 @@ def attention_without_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr(Kernel, "occupancy", lambda self, device, threads: 1)
 
 
+@contextlib.contextmanager
 def cupy_without_a_gpu(monkeypatch):
     """Within: CuPy arrays of device 0 over made-up, 256-byte aligned addresses with no memory
     behind them (for calls whose launches are recorded, never made): CuPy's allocator hands
