@@ -32,6 +32,7 @@ from .attention.decode import (
 from .attention.mla import BatchMLAPagedAttentionWrapper
 from .attention.page import (
     append_paged_kv_cache,
+    append_paged_mla_kv_cache,
     get_batch_indices_positions,
     get_seq_lens,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "PODWithPagedKVCacheWrapper",
     "VariableBlockSparseAttentionWrapper",
     "append_paged_kv_cache",
+    "append_paged_mla_kv_cache",
     "check_errors",
     "get_batch_indices_positions",
     "get_seq_lens",

@@ -245,6 +245,11 @@ FLASHINFER_0_7_2 = {
         ("q", "paged_kv_cache"),
         (),
     ),
+    "append_paged_mla_kv_cache": (
+        ("append_ckv", "append_kpe", "batch_indices", "positions", "ckv_cache", "kpe_cache",
+         "kv_indices", "kv_indptr", "kv_last_page_len"),
+        (),
+    ),
     "append_paged_kv_cache": (
         ("append_key", "append_value", "batch_indices", "positions", "paged_kv_cache",
          "kv_indices", "kv_indptr", "kv_last_page_len", "kv_layout"),
@@ -482,7 +487,8 @@ FLASHINFER_0_7_2_MODULES = {
                "single_decode_with_kv_cache"),
     "norm": ("fused_add_rmsnorm", "fused_add_rmsnorm_quant", "gemma_fused_add_rmsnorm",
              "gemma_rmsnorm", "layernorm", "rmsnorm", "rmsnorm_quant"),
-    "page": ("append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens"),
+    "page": ("append_paged_kv_cache", "append_paged_mla_kv_cache", "get_batch_indices_positions",
+             "get_seq_lens"),
     "prefill": ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
                 "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"),
     "mla": ("BatchMLAPagedAttentionWrapper",),

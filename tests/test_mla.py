@@ -167,3 +167,44 @@ def test_cuda_graph_replays_after_replan():
             graph.launch(stream)
             stream.synchronize()
             check(out, lse, *batch.reference(False))
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch", "jax"])
+def test_append_then_attend(framework):
+    """append_paged_mla_kv_cache writes new tokens' ckv and kpe rows where the table puts them
+    (the caller's caches in place; for JAX the returned copies), and MLA over the appended
+    cache matches float64 over the same rows."""
+    rng = np.random.default_rng(12)
+    batch = Batch(rng, [1, 1, 1], [30, 17, 64], 16, 16)
+    new = [3, 1, 0]  # the last tokens of each request are the appended ones
+    rows = np.concatenate([np.arange(k - n, k) for k, n in zip(batch.kv, new, strict=True)])
+    b_idx = np.repeat(np.arange(3), new).astype(np.int32)
+    ckv_new = random_values(rng, (len(rows), 512), "bfloat16")
+    kpe_new = random_values(rng, (len(rows), 64), "bfloat16")
+    table = (batch.indices, batch.indptr,
+             (batch.kv - (-(-batch.kv // 16) - 1) * 16).astype(np.int32))  # fmt: skip
+    host = (ckv_new, kpe_new, b_idx, rows.astype(np.int32), batch.ckv, batch.kpe, *table)
+    arrays = [to_gpu(x) for x in host]
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        arrays = [torch.from_dlpack(x) for x in arrays]
+    elif framework == "jax":
+        jax = pytest.importorskip("jax")
+        if jax.default_backend() != "gpu":
+            pytest.skip("JAX has no GPU backend here")
+        arrays = [jax.numpy.asarray(x) for x in host]
+    ckv_cache, kpe_cache = rtcinfer.append_paged_mla_kv_cache(*arrays)
+    for t, (b, p) in enumerate(zip(b_idx, rows, strict=True)):
+        page = batch.indices[batch.indptr[b] + p // 16]
+        batch.ckv[page, p % 16], batch.kpe[page, p % 16] = ckv_new[t], kpe_new[t]
+    np.testing.assert_array_equal(to_host(ckv_cache), batch.ckv.astype(np.float64))
+    np.testing.assert_array_equal(to_host(kpe_cache), batch.kpe.astype(np.float64))
+    wrapper = rtcinfer.BatchMLAPagedAttentionWrapper()
+    batch.plan(wrapper, True)
+    q_nope, q_pe = to_gpu(batch.q_nope), to_gpu(batch.q_pe)
+    if framework == "torch":
+        q_nope, q_pe = torch.from_dlpack(q_nope), torch.from_dlpack(q_pe)
+    elif framework == "jax":
+        q_nope, q_pe = jax.numpy.asarray(batch.q_nope), jax.numpy.asarray(batch.q_pe)
+    check(*wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True),
+          *batch.reference(True))  # fmt: skip

@@ -47,7 +47,6 @@ def _table():
 @pytest.mark.parametrize(
     "v_cache",
     [
-        np.zeros((3, 16, 2, 64), np.float16),  # another head_dim
         np.zeros((1, 16, 2, 128), np.float16),  # fewer pages
         np.zeros((3, 16, 2, 128), np.float32),  # another dtype
         np.zeros((3, 2, 16, 2, 128), np.float16),  # a 5-D cache in a pair
@@ -57,7 +56,7 @@ def test_a_kv_pair_must_match(v_cache):
     keys = np.zeros((2, 2, 128), np.float16)
     idx = np.zeros(2, np.int32)
     k_cache = np.zeros((3, 16, 2, 128), np.float16)
-    with pytest.raises(ValueError, match="pair must be two .* of one shape and dtype"):
+    with pytest.raises(ValueError, match="pair must be two .* of one dtype and shape but for"):
         prepare(page._APPEND_PAIR, (keys, keys, idx, idx, k_cache, v_cache, *_table()), ("NHD",))
 
 
@@ -183,6 +182,47 @@ def test_append_into_a_pair_and_the_vector_width(monkeypatch):
     arrays = (keys[:0], keys[:0], idx[:0], idx[:0], k_cache, k_cache, *_table())
     empty = prepare(page._APPEND_PAIR, arrays, ("NHD",))
     assert launched(monkeypatch, empty, [0] * 11)[0].empty
+
+
+def test_append_into_a_pair_of_two_head_dims(monkeypatch):
+    """A pair whose head dims differ (DeepSeek's K 192 / V 128; MLA's ckv 512 / kpe 64): each
+    row's units cover the longer, the kernel copying what each holds; the value rows checked
+    against V's head_dim."""
+    idx = np.zeros(4, np.int32)
+    for dk, dv in ((192, 128), (64, 512)):
+        keys, values = np.zeros((4, 2, dk), np.float16), np.zeros((4, 2, dv), np.float16)
+        k_cache = np.zeros((3, 16, 2, dk), np.float16)
+        v_cache = np.zeros((3, 16, 2, dv), np.float16)
+        prep = prepare(page._APPEND_PAIR, (keys, values, idx, idx, k_cache, v_cache, *_table()),
+                       ("NHD",))  # fmt: skip
+        launch, p = launched(monkeypatch, prep, [0x100 * (i + 1) for i in range(11)])
+        assert launch.kernel.spec == page.PageSpec(2 * dk, 16, "int32", "int32", 2 * dv)
+        assert p["units"] == 4 * 2 * 2 * max(dk, dv) // 16
+        assert (p["kt"], p["vt"], p["value_token"]) == (4 * dk, 4 * dv, 4 * dv)
+        assert f"V_ROW_BYTES = {2 * dv};" in launch.kernel.spec.prelude()
+        with pytest.raises(ValueError, match=rf"append_value: expected \[nnz, 2, {dv}\]"):
+            prepare(page._APPEND_PAIR, (keys, keys, idx, idx, k_cache, v_cache, *_table()),
+                    ("NHD",))  # fmt: skip
+    same = page._append_kernel(256, 256, 16, ("int32", "int32")).spec
+    assert same == page.PageSpec(256, 16) and "V_ROW_BYTES = 256;" in same.prelude()
+
+
+def test_mla_append_is_a_pair_of_one_head(monkeypatch):
+    """append_paged_mla_kv_cache hands append_paged_kv_cache views with a head dim of one
+    (the caller's arrays, written in place) and returns the caches; wrong ranks raise first."""
+    calls = []
+    monkeypatch.setattr(page, "append_paged_kv_cache", lambda *a, **k: calls.append(a) or a[4])
+    ckv, kpe = np.zeros((3, 512), np.float16), np.zeros((3, 64), np.float16)
+    ckv_cache, kpe_cache = np.zeros((5, 16, 512), np.float16), np.zeros((5, 16, 64), np.float16)
+    idx = np.zeros(3, np.int32)
+    out = page.append_paged_mla_kv_cache(ckv, kpe, idx, idx, ckv_cache, kpe_cache, *_table())
+    assert out[0] is ckv_cache and out[1] is kpe_cache
+    ((key, value, _, _, (k_cache, v_cache), *_),) = calls
+    assert key.shape == (3, 1, 512) and value.shape == (3, 1, 64)
+    assert k_cache.shape == (5, 16, 1, 512) and v_cache.shape == (5, 16, 1, 64)
+    assert np.shares_memory(k_cache, ckv_cache) and np.shares_memory(v_cache, kpe_cache)
+    with pytest.raises(ValueError, match=r"append_ckv: expected 2 dims"):
+        page.append_paged_mla_kv_cache(ckv[None], kpe, idx, idx, ckv_cache, kpe_cache, *_table())
 
 
 def test_index_ops(monkeypatch):

@@ -216,3 +216,28 @@ def test_jax_eager_and_jitted():
     o, lse = step(jq, jk, jv)
     assert o.shape == (q.shape[0], 8, D_VO)
     check(o, lse, *expect, "bfloat16")
+
+
+def test_append_into_a_pair_of_two_head_dims():
+    """append_paged_kv_cache into a (k_cache [.., 192], v_cache [.., 128]) pair: each row where
+    the table puts it, in K's and V's own widths; the rest of the caches untouched."""
+    rng = np.random.default_rng(31)
+    pages, page, hkv = 6, 16, 2
+    k_cache = random_values(rng, (pages, page, hkv, D_QK), "bfloat16")
+    v_cache = random_values(rng, (pages, page, hkv, D_VO), "bfloat16")
+    kv_len = np.array([20, 5], np.int32)
+    indptr, indices = np.array([0, 2, 3], np.int32), np.array([4, 0, 2], np.int32)
+    last = np.array([4, 5], np.int32)
+    b_idx, pos = np.array([0, 0, 1], np.int32), np.array([18, 19, 4], np.int32)
+    keys = random_values(rng, (3, hkv, D_QK), "bfloat16")
+    values = random_values(rng, (3, hkv, D_VO), "bfloat16")
+    k_dev, v_dev = to_gpu(k_cache), to_gpu(v_cache)
+    rtcinfer.append_paged_kv_cache(to_gpu(keys), to_gpu(values), to_gpu(b_idx), to_gpu(pos),
+                                   (k_dev, v_dev), to_gpu(indices), to_gpu(indptr),
+                                   to_gpu(last))  # fmt: skip
+    for t, (b, p) in enumerate(zip(b_idx, pos, strict=True)):
+        assert p < kv_len[b]
+        pg = indices[indptr[b] + p // page]
+        k_cache[pg, p % page], v_cache[pg, p % page] = keys[t], values[t]
+    np.testing.assert_array_equal(to_host(k_dev), k_cache.astype(np.float64))
+    np.testing.assert_array_equal(to_host(v_dev), v_cache.astype(np.float64))

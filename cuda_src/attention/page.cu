@@ -17,7 +17,9 @@
 // uniform append, which the compiler folded back into kv_indptr[b]; and, forcing that read and
 // the K/V reads ahead of everything, a kernel whose CTAs resolve each token's page once in
 // shared memory (two dependent reads instead of three): equal times.
-// Prelude: ROW_BYTES (head_dim * itemsize), VEC (bytes per unit), THREADS (per CTA), IDX (the
+// Prelude: ROW_BYTES (head_dim * itemsize of K), V_ROW_BYTES (V's: ROW_BYTES, or another where
+// a (k, v) pair's head dims differ, as MLA's ckv and kpe: a row of units covers the longer, each
+// copying what it holds of K's and of V's), VEC (bytes per unit), THREADS (per CTA), IDX (the
 // page table's and the index kernels' arrays: int32_t or int64_t, as the caller gives them),
 // ROW_IDX (append's batch_indices and positions, likewise), the BadIndex enum. 64-bit entries
 // are checked in 64 bits before they narrow.
@@ -27,8 +29,10 @@
 // A copy unit as one machine word of VEC bytes (a struct of chars would live in VEC registers).
 using Unit = Conditional<VEC == 16, uint4, Conditional<VEC == 8, uint2, Conditional<VEC == 4,
              uint32_t, Conditional<VEC == 2, uint16_t, uint8_t>>>>;
-constexpr int UNITS = ROW_BYTES / VEC;  // units per (token, head) row
-static_assert(ROW_BYTES % VEC == 0, "whole units per row");
+constexpr int UNIT_ROW_BYTES = ROW_BYTES > V_ROW_BYTES ? ROW_BYTES : V_ROW_BYTES;
+constexpr int UNITS = UNIT_ROW_BYTES / VEC;  // units per (token, head) row
+constexpr bool EVERY_K = ROW_BYTES == UNIT_ROW_BYTES, EVERY_V = V_ROW_BYTES == UNIT_ROW_BYTES;
+static_assert(ROW_BYTES % VEC == 0 && V_ROW_BYTES % VEC == 0, "whole units per row");
 
 struct AppendParams {
   const char* key;              // [nnz, H, D] at t * key_token + h * key_head (bytes)
@@ -76,9 +80,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int64_t row = u / UNITS;
   const int byte = int(u - row * UNITS) * VEC;
   const int t = head_div.div(int(row)), h = int(row) - t * num_heads;
-  const Unit k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
-  const Unit v =
-      __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
+  const bool has_k = EVERY_K || byte < ROW_BYTES, has_v = EVERY_V || byte < V_ROW_BYTES;
+  Unit k, v;
+  if (has_k) k = __ldcs(reinterpret_cast<const Unit*>(key + t * key_token + h * key_head + byte));
+  if (has_v)
+    v = __ldcs(reinterpret_cast<const Unit*>(value + t * value_token + h * value_head + byte));
   const ROW_IDX b_entry = __ldg(batch_indices + t), p_entry = __ldg(positions + t);
   if (b_entry < 0 || p_entry < 0) return;  // padding
   // Every thread of a bad row skips it; its first unit's thread reports it (once per row).
@@ -124,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     return;
   }
   const int slot = p - page_in_request * page_size;
-  *reinterpret_cast<Unit*>(k_cache + int64_t(page) * kp + slot * kt + h * kh + byte) = k;
-  *reinterpret_cast<Unit*>(v_cache + int64_t(page) * vp + slot * vt + h * vh + byte) = v;
+  if (has_k) *reinterpret_cast<Unit*>(k_cache + int64_t(page) * kp + slot * kt + h * kh + byte) = k;
+  if (has_v) *reinterpret_cast<Unit*>(v_cache + int64_t(page) * vp + slot * vt + h * vh + byte) = v;
 }
 
 struct SeqLensParams {

@@ -40,6 +40,7 @@ class PageSpec:
     vec: int  # bytes per copy unit
     index_dtype: str = "int32"  # of the page table / the index ops' arrays (int32 or int64)
     row_index_dtype: str = "int32"  # of append's batch_indices and positions
+    v_row_bytes: int = 0  # V's head_dim * itemsize where a (k, v) pair's differ; 0: row_bytes
     source: ClassVar[str] = "attention/page.cu"
     kernels: ClassVar[tuple[str, ...]] = (
         "append_kernel",
@@ -56,6 +57,7 @@ class PageSpec:
     def prelude(self) -> str:
         return jit.prelude(
             ROW_BYTES=self.row_bytes,
+            V_ROW_BYTES=self.v_row_bytes or self.row_bytes,
             VEC=self.vec,
             THREADS=THREADS,
             IDX=self.index_dtype,
@@ -98,25 +100,27 @@ def _check_csr(indptr_name: str, indptr, rows_name: str, rows) -> tuple[int, str
 
 def _pair_error(shapes) -> ValueError:
     return ValueError(
-        f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one shape and dtype, "
-        f"got {shapes}"
+        f"a (k_cache, v_cache) pair must be two [pages, ...] arrays of one dtype and shape but "
+        f"for their head_dim, got {shapes}"
     )
 
 
-def _check_cache(caches, kv_layout: str) -> tuple[str, int, int]:
-    """(dtype, heads, head_dim) of the cache: one [pages, 2, ...] array or a (k, v) pair."""
+def _check_cache(caches, kv_layout: str) -> tuple[str, int, int, int]:
+    """(dtype, heads, K's head_dim, V's) of the cache: one [pages, 2, ...] array or a (k, v)
+    pair (whose head dims may differ)."""
     check_layout(kv_layout)
     pair = len(caches) == 2
     dtype = caches[0].dtype
     inner = caches[0].shape[1:] if pair else caches[0].shape[2:]
     if pair and (
-        any(c.ndim != 4 or c.dtype != dtype for c in caches) or caches[0].shape != caches[1].shape
+        any(c.ndim != 4 or c.dtype != dtype for c in caches)
+        or caches[0].shape[:-1] != caches[1].shape[:-1]
     ):
         raise _pair_error([(c.shape, c.dtype) for c in caches])
     if not pair and (caches[0].ndim != 5 or caches[0].shape[1] != 2):
         raise ValueError(f"paged_kv_cache must be [pages, 2, ...], got {caches[0].shape}")
     (_, num_heads), _ = token_head(inner, (0, 0, 0), kv_layout)
-    return dtype, num_heads, inner[-1]
+    return dtype, num_heads, inner[-1], caches[-1].shape[-1]
 
 
 def _check_append(
@@ -125,9 +129,9 @@ def _check_append(
     """The checks of append_paged_kv_cache's arguments (table: kv_indices, kv_indptr,
     kv_last_page_len); returns (the cache's dtype, the table's index dtype, that of
     batch_indices and positions)."""
-    dtype, num_heads, head_dim = _check_cache(caches, kv_layout)
-    expect = (num_heads, head_dim)
-    for name, x in (("append_key", key), ("append_value", value)):
+    dtype, num_heads, head_dim, head_dim_v = _check_cache(caches, kv_layout)
+    for name, x, expect in (("append_key", key, (num_heads, head_dim)),
+                            ("append_value", value, (num_heads, head_dim_v))):  # fmt: skip
         if x.ndim != 3 or x.shape[1:] != expect or x.dtype != dtype:
             raise ValueError(
                 f"{name}: expected [nnz, {expect[0]}, {expect[1]}] of dtype {dtype} (the "
@@ -194,30 +198,33 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, in
     """(the append launch, V's byte offset from K in a 5-D cache). Strides are in bytes for the
     kernel's byte copy; an empty append launches nothing and is not checked further."""
     nnz, num_heads, row_bytes = key.shape[0], key.shape[1], key.shape[2] * item
+    v_row_bytes = value.shape[2] * item  # (a pair's head dims may differ)
     pair = len(caches) == 2
     k_view, v_view = cache_views(caches[0], caches[1] if pair else None, kv_layout, item)
     v_offset = v_view.offset
     names = ("k_cache", "v_cache") if pair else ("paged_kv_cache",) * 2
     caches = caches if pair else caches * 2
     if nnz == 0 or num_heads == 0:
-        return Launch(_append_kernel(row_bytes, 16, index), (0, 1, 1), (THREADS, 1, 1)), v_offset
+        kernel = _append_kernel(row_bytes, v_row_bytes, 16, index)
+        return Launch(kernel, (0, 1, 1), (THREADS, 1, 1)), v_offset
     cache_strides = [k_view.page, k_view.token, k_view.head, v_view.page, v_view.token,
                      v_view.head]  # fmt: skip
     src = [key.strides[0] * item, key.strides[1] * item]
     src += [value.strides[0] * item, value.strides[1] * item]
     strides = [v_offset, *src, *cache_strides]
     vec = 16  # bytes per copy unit: every pointer (V's too) and stride a multiple of it
-    while vec > 1 and (row_bytes % vec or align % vec or any(s % vec for s in strides)):
+    while vec > 1 and (row_bytes % vec or v_row_bytes % vec or align % vec
+                       or any(s % vec for s in strides)):  # fmt: skip
         vec //= 2
     named = (("append_key", key), ("append_value", value), *zip(names, caches, strict=True))
     for name, x in named:
         if x.shape[-1] > 1 and x.strides[-1] != 1:
             got = tuple(s * item for s in x.strides)
             raise ValueError(f"{name}: head_dim must be contiguous, got strides {got} (bytes)")
-    units = nnz * num_heads * (row_bytes // vec)
+    units = nnz * num_heads * (max(row_bytes, v_row_bytes) // vec)
     page_size = token_head(caches[0].shape, caches[0].strides, kv_layout)[0][0]
-    launch = Launch(_append_kernel(row_bytes, vec, index), (-(-units // THREADS), 1, 1),
-                    (THREADS, 1, 1))  # fmt: skip
+    launch = Launch(_append_kernel(row_bytes, v_row_bytes, vec, index),
+                    (-(-units // THREADS), 1, 1), (THREADS, 1, 1))  # fmt: skip
     p = launch.params
     p.key_token, p.key_head, p.value_token, p.value_head = src
     p.kp, p.kt, p.kh, p.vp, p.vt, p.vh = cache_strides
@@ -227,9 +234,10 @@ def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, in
     return launch, v_offset
 
 
-def _append_kernel(row_bytes: int, vec: int, index) -> Kernel:
+def _append_kernel(row_bytes: int, v_row_bytes: int, vec: int, index) -> Kernel:
     """index: (the table's index dtype, batch_indices and positions')."""
-    return Kernel(PageSpec(row_bytes, vec, *index), "append_kernel", "AppendParams")
+    v = 0 if v_row_bytes == row_bytes else v_row_bytes
+    return Kernel(PageSpec(row_bytes, vec, *index, v), "append_kernel", "AppendParams")
 
 
 _ROWS = ("append_key", "append_value", "batch_indices", "positions")
@@ -273,6 +281,28 @@ def append_paged_kv_cache(
         check_layout(kv_layout)
         raise _pair_error([(tuple(c.shape), dtype_name(c)) for c in paged_kv_cache])
     return call(_APPEND_PAIR, (*head, *paged_kv_cache, *table), (kv_layout,))
+
+
+def append_paged_mla_kv_cache(
+    append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
+    kv_indptr, kv_last_page_len,
+):  # fmt: skip
+    """MLA's append (FlashInfer's): ckv_cache[page, slot] = append_ckv[t] and kpe_cache[page,
+    slot] = append_kpe[t], page and slot as append_paged_kv_cache finds them (its checks and
+    reports too). append_ckv [nnz, 512], append_kpe [nnz, 64]; ckv_cache [pages, page_size,
+    512], kpe_cache [pages, page_size, 64]: appended as a (k, v) pair of one head, through
+    views of the caller's arrays. Returns (ckv_cache, kpe_cache) (for JAX the updated
+    copies)."""
+    for name, x, rank in (("append_ckv", append_ckv, 2), ("append_kpe", append_kpe, 2),
+                          ("ckv_cache", ckv_cache, 3), ("kpe_cache", kpe_cache, 3)):  # fmt: skip
+        if len(getattr(x, "shape", ())) != rank:
+            raise ValueError(f"{name}: expected {rank} dims, got {getattr(x, 'shape', x)!r}")
+    caches = append_paged_kv_cache(append_ckv[:, None], append_kpe[:, None], batch_indices,
+                                   positions, (ckv_cache[:, :, None], kpe_cache[:, :, None]),
+                                   kv_indices, kv_indptr, kv_last_page_len)  # fmt: skip
+    if framework(ckv_cache) == "jax":  # new arrays: the head dim taken out again
+        return caches[0][:, :, 0], caches[1][:, :, 0]
+    return ckv_cache, kpe_cache
 
 
 def _prepare_seq_lens(infos, align: int, static: tuple) -> Prepared:
@@ -400,6 +430,7 @@ def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
 __all__ = [
     "PageSpec",
     "append_paged_kv_cache",
+    "append_paged_mla_kv_cache",
     "get_batch_indices_positions",
     "get_seq_lens",
     "specs_for",
