@@ -176,8 +176,8 @@ struct PrefillParams {
   float soft_cap;         // 0: none
   float v_scale;
   // MLA: q_pe [nnz_q, Hq, 64], strides (qpe_stride_n, qpe_stride_h, 1); kpe rows at kpe_cache +
-  // page * v_page + slot * v_token (the v_* strides are kpe's; V's rows, ckv's, are read at
-  // v_cache + the k_* offsets, v_cache = ckv and v_head the slice's bytes; k_head = 0)
+  // page * v_page + slot * v_token (the v_* strides are kpe's: V, ckv's part of K, is not
+  // loaded apart); k_cache = ckv, k_head = 0
   const QT* q_pe;
   const char* kpe_cache;
   int64_t qpe_stride_n, qpe_stride_h;
