@@ -402,3 +402,106 @@ def test_blocks_that_skip_the_masks_are_wholly_visible():
         assert sees.all(), (group, qo_len, kv_len, tile_row, warp, causal, window, lo)
         checked += 1
     assert checked > 500  # blocks that skip the masks were met often enough to mean something
+
+
+def mla_tiles(q, k_tiles, dtype, groups):
+    """prefill_mla.cuh's mla_tile transcribed for the four warps of a 16-row tile over the K
+    tiles in turn (scale 1, no mask): S of each warp's key group from the fragments, the
+    groups' row maxima pooled (shared memory: here the groups' values), the running state
+    rescaled alike in every warp, P written to a swizzled [16][KV_TILE] byte tile as the
+    kernel stores it, the sums pooled, O += P V from that tile and the K tile's first 512 dims,
+    each warp its 128. Returns (m, d, o) per warp: m [2][32], d [2][32] (a quad's first lane
+    holds the row's sum), o [2][32 n-tiles x 2][32] as State's o of rows g, g + 8."""
+    kv_tile = groups * 16
+    row_bytes, p_row_bytes = 2 * q.shape[1], 2 * kv_tile
+    q_s = swizzled(q)
+    warps = [dict(m=np.full((2, 32), -np.inf), d=np.zeros((2, 32)), o=np.zeros((2, 32, 32)))
+             for _ in range(4)]  # fmt: skip
+    for k in k_tiles:
+        k_s = swizzled(k)
+        s_of, maxima, sums = {}, {}, {}
+        for dw in range(4):
+            group = dw % groups
+            s = [np.zeros((4, 32)) for _ in range(2)]
+            for c in range(q.shape[1] // 16):
+                a = load_a_rows(q_s, 0, c, row_bytes)
+                b = load_k_pair(k_s, 16 * group, c, row_bytes)
+                s[0], s[1] = mma(s[0], a, b[0], dtype), mma(s[1], a, b[1], dtype)
+            s_of[dw] = s
+            part = [np.maximum.reduce([s[n][r] for n in range(2) for r in (2 * i, 2 * i + 1)])
+                    for i in range(2)]  # fmt: skip
+            for i in range(2):  # the quad's max: lanes 4g..4g + 3
+                part[i] = part[i].reshape(8, 4).max(axis=1).repeat(4)
+            if dw < groups:
+                maxima[group] = part
+        p_smem = np.zeros(16 * p_row_bytes, np.uint8)
+        for dw in range(4):
+            st, s, group = warps[dw], s_of[dw], dw % groups
+            base = np.zeros((2, 32))
+            for i in range(2):
+                tile_max = np.maximum.reduce([maxima[gr][i] for gr in range(groups)])
+                m_new = np.maximum(st["m"][i], tile_max)
+                off = np.where(np.isneginf(m_new), 0, m_new)
+                scale = np.exp2(st["m"][i] - off)
+                st["d"][i] *= scale
+                st["o"][i] *= scale
+                st["m"][i], base[i] = m_new, off
+            e = [np.stack([np.exp2(s[n][r] - base[r // 2]) for r in range(4)]) for n in range(2)]
+            s_of[dw] = e
+            if dw < groups:
+                sums[group] = [(e[0][2 * i] + e[0][2 * i + 1] + e[1][2 * i] + e[1][2 * i + 1])
+                               .reshape(8, 4).sum(axis=1).repeat(4) for i in range(2)]  # fmt: skip
+                for n in range(2):
+                    for i in range(2):
+                        key = 16 * group + 8 * n + 2 * T
+                        words = pack(e[n][2 * i], e[n][2 * i + 1], dtype)
+                        for lane in range(32):
+                            at = tile_offset(G[lane] + 8 * i, key[lane] // 8, p_row_bytes)
+                            at += 2 * (key[lane] % 8)
+                            p_smem[at : at + 4] = np.frombuffer(
+                                np.uint32(words[lane]).tobytes(), np.uint8)  # fmt: skip
+        for dw in range(4):
+            st = warps[dw]
+            for i in range(2):
+                total = sum(sums[gr][i] for gr in range(groups))
+                st["d"][i] += np.where(T == 0, total, 0.0)
+            for j in range(groups):
+                a = load_a_rows(p_smem, 0, j, p_row_bytes)
+                for c in range(128 // 16):
+                    b = load_v_pair(k_s, j, c + dw * 8, row_bytes)
+                    for h in range(2):
+                        n = 2 * c + h
+                        acc = np.stack([st["o"][0][2 * n], st["o"][0][2 * n + 1],
+                                        st["o"][1][2 * n], st["o"][1][2 * n + 1]])  # fmt: skip
+                        acc = mma(acc, a, b[h], dtype)
+                        st["o"][0][2 * n], st["o"][0][2 * n + 1] = acc[0], acc[1]
+                        st["o"][1][2 * n], st["o"][1][2 * n + 1] = acc[2], acc[3]
+    return warps
+
+
+@pytest.mark.parametrize("groups", [4, 2])  # 64- and 32-key K tiles
+def test_mla_tiles_pool_the_softmax_across_the_four_warps(groups):
+    """Four warps, two K tiles of 576-dim rows: each warp's (m, d, o) after the tiles is the
+    online softmax of S = Q K^T over all keys with o = P V over its 128 dims of the ckv part,
+    P rounded to 16 bits as the kernel rounds it (exact up to that rounding)."""
+    dtype = ml_dtypes.bfloat16
+    rng = np.random.default_rng(groups)
+    q = (rng.standard_normal((16, 576)) * 0.2).astype(dtype)
+    k_tiles = [(rng.standard_normal((16 * groups, 576)) * 0.2).astype(dtype) for _ in range(2)]
+    warps = mla_tiles(q, k_tiles, dtype, groups)
+    k_all = np.concatenate(k_tiles).astype(np.float64)
+    s = q.astype(np.float64) @ k_all.T  # [16, keys]
+    m = s.max(axis=1)
+    p = np.exp2(s - m[:, None])
+    o_ref = p @ k_all[:, :512]
+    rows, atol = [G, G + 8], 2e-2 * np.abs(o_ref).max()
+    for dw, st in enumerate(warps):
+        for i in range(2):
+            np.testing.assert_allclose(st["m"][i], m[rows[i]], rtol=1e-12)
+            d = st["d"][i].reshape(8, 4).sum(axis=1)  # close_row: the quad's sum
+            np.testing.assert_allclose(d, p.sum(axis=1)[rows[i][::4]], rtol=1e-9)
+            for n in range(16):  # dims 128 dw + 8n + 2t, + 1
+                for e in range(2):
+                    dims = 128 * dw + 8 * n + 2 * T + e
+                    np.testing.assert_allclose(st["o"][i][2 * n + e], o_ref[rows[i], dims],
+                                               rtol=2e-2, atol=atol)  # fmt: skip

@@ -37,9 +37,9 @@
 // MLA (DeepSeek's latent attention, the absorbed form: one latent KV head shared by all Hq
 // heads, group_size = Hq): q's rows are q (MLA_CKV dims) then q_pe (64), K's rows ckv (MLA_CKV,
 // from k_cache) then kpe (64, from kpe_cache), V = ckv = the first MLA_CKV dims of the K tile
-// (no V in the ring). DIM_WARPS = 4 warps share each row warp's rows and keys: each computes S
-// whole and accumulates its quarter of O's HEAD_DIM_VO = MLA_CKV dims (WARP_DIMS), writing
-// them (warp 0 of the four the LSE).
+// (no V in the ring). DIM_WARPS = 4 warps share the tile's 16 rows: they split S's keys, pool
+// the softmax through shared memory and each accumulates its quarter of O's HEAD_DIM_VO =
+// MLA_CKV dims (WARP_DIMS; prefill_mla.cuh), writing them (warp 0 of the four the LSE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
 // results): dims d and d + HEAD_DIM / 2 of a row at position x turn by 2 pi x f_d, f from the
 // plan's header (query positions as above, key j at j).
@@ -95,6 +95,11 @@ constexpr int RING_TILE_BYTES = KV_TILE * KV_ROW_BYTES;  // a K tile in the ring
 constexpr int STAGE_BYTES = RING_TILE_BYTES + KV_TILE * V_RING_ROW_BYTES;  // K, then V
 constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 constexpr int STAGING_BYTES = STAGED ? 2 * TILE_BYTES : 0;  // the widened K and V
+// MLA's exchange (prefill_mla.cuh): P [16][KV_TILE] 16-bit, then the key groups' row maxima
+// and sums
+constexpr int MLA_GROUPS = KV_TILE / 16;
+constexpr int P_ROW_BYTES = KV_TILE * 2;
+constexpr int MLA_XCHG_BYTES = MLA ? 16 * P_ROW_BYTES + 2 * MLA_GROUPS * 16 * 4 : 0;
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 constexpr int MLA_CKV = 512;  // MLA: the latent (ckv) dims of q and k; the rest are RoPE's
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256 ||
@@ -142,7 +147,9 @@ struct KvRowsOf<true> {
 };
 using KvRows = typename KvRowsOf<RAGGED>::type;
 constexpr int TABLE_BYTES = KvRows::BYTES;
-static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES + 16 == SMEM_BYTES,
+static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES + MLA_XCHG_BYTES +
+                      16 ==
+                  SMEM_BYTES,
               "layout");
 using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
 
@@ -210,6 +217,8 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
 #include "prefill_tiles.cuh"
 
 #include "prefill_wgmma.cuh"
+
+#include "prefill_mla.cuh"
 
 // One K/V tile (keys key0..key0 + KV_TILE - 1) into the warp's rows. s[b][n]: S of row block
 // b, key n-tile n; row i = 2b + h of the thread is element 2h, 2h + 1 of s[b][n].
@@ -342,8 +351,6 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
         uint32_t vb[2][2];
         if constexpr (FP8_DIRECT)  // vb[0]: the chunk's even dims, vb[1]: its odd ones
           load_v_pair_fp8(vb, v_tile, key_w / 16 + j, c, lane);
-        else if constexpr (MLA)  // this warp's dims of the K tile's ckv part
-          load_v_pair<V_ROW_BYTES>(vb, v_tile, j, c + dim_warp() * (WARP_DIMS / 16), lane);
         else
           load_v_pair<V_ROW_BYTES>(vb, v_tile, key_w / 16 + j, c, lane);
 #pragma unroll
@@ -376,7 +383,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   unsigned char* staging = smem + Q_BYTES + RING_BYTES;
   float2* freq_s = reinterpret_cast<float2*>(staging + STAGING_BYTES);
   longlong2* table_s = reinterpret_cast<longlong2*>(staging + STAGING_BYTES + FREQ_BYTES);
-  int* last_s = reinterpret_cast<int*>(staging + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES);
+  unsigned char* xchg = staging + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES;  // MLA's exchange
+  int* last_s = reinterpret_cast<int*>(xchg + MLA_XCHG_BYTES);
   if constexpr (ROPE)  // visible to all after the barrier below
     for (int i = threadIdx.x; i < HEAD_DIM / 2; i += THREADS)
       freq_s[i] = reinterpret_cast<const float2*>(p.plan + HEADER_INTS)[i];
@@ -460,9 +468,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       rope_tile<KV_TILE>(k_mma, freq_s, [&](int r) { return key0 + r; });
       __syncthreads();
     }
-    attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
-                key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask, row_warp,
-                kv_warp, lane, t);
+    if constexpr (MLA)
+      mla_tile<MLA_GROUPS>(st, q_tile, smem_addr(k_mma), xchg, key_first + tile * KV_TILE, rows,
+                           w, transform, p.window_left, lane);
+    else
+      attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
+                  key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask,
+                  row_warp, kv_warp, lane, t);
   }
   cp_async_wait<0>();
   if constexpr (KV_WARPS > 1) {

@@ -78,7 +78,7 @@ class PrefillSpec:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile, the K/V ring, the widened K/V tiles of fp8 (but
         fp8_direct's), RoPE frequencies, a paged cache's row-offset table (two tiles of K and V
-        int64 offsets), a flag."""
+        int64 offsets), MLA's exchange, a flag."""
         row = self.head_dim * itemsize(self.q_dtype)
         v_ring = 0 if self.mla else self.dim_vo  # MLA's V is the K tile's first dims
         ring = self.stages * self.kv_tile * (self.head_dim + v_ring) * itemsize(self.kv_dtype)
@@ -86,7 +86,9 @@ class PrefillSpec:
         staging = 2 * self.kv_tile * row if widened else 0
         freq = self.head_dim // 2 * 8 if self.pos_encoding_mode == "ROPE_LLAMA" else 0
         table = 0 if self.ragged else 2 * 2 * self.kv_tile * 8
-        return self.tile_rows * row + ring + staging + freq + table + 16
+        # MLA's exchange: P [16][kv_tile] 16-bit, the key groups' row maxima and sums
+        xchg = 16 * self.kv_tile * 2 + 2 * (self.kv_tile // 16) * 16 * 4 if self.mla else 0
+        return self.tile_rows * row + ring + staging + freq + table + xchg + 16
 
     def prelude(self) -> str:
         return jit.prelude(
@@ -245,10 +247,10 @@ MLA_CKV, MLA_KPE = 512, 64  # MLA's latent and RoPE dims
 @functools.lru_cache(maxsize=64)
 def mla_spec(q_dtype, o_dtype, tile_rows, causal=False, max_smem=227 * 1024) -> PrefillSpec:
     """MLA's kernel (prefill.cu's MLA, attention/mla.py): K rows of ckv + kpe (576 dims) in
-    the ring, V = their ckv part; 16-row query tiles, four warps on them, each computing the
-    tile's scores and a quarter of O's 512 dims (64-row tiles, sixteen warps, would cap
-    registers at 128 a thread and spill); 64-key K tiles where two stages fit (200 KB:
-    sm_90), else 32-key ones; 3 stages where they fit, else 2."""
+    the ring, V = their ckv part; 16-row query tiles, four warps on them splitting the
+    scores' keys and O's 512 dims (prefill_mla.cuh; 64-row tiles, sixteen warps, would cap
+    registers at 128 a thread); 64-key K tiles where two stages fit (sm_90), else 32-key
+    ones; 3 stages where they fit, else 2."""
     if tile_rows != 16:
         raise ValueError(f"MLA takes 16-row query tiles, got {tile_rows}")
     error = None
