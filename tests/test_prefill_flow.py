@@ -374,7 +374,7 @@ def test_the_kernels_flow_over_mla(wrappers, causal, heads, qo, extra, page):
     st = wrapper._launch
     spec = st.launch.kernel.spec
     assert spec.mla and (spec.head_dim, spec.dim_vo, spec.tile_rows) == (576, 512, 16)
-    if heads == 16:  # long keys, few tiles: split, the partials merged by slice too
+    if heads == 16:  # long keys, few tiles: split, the partials merged
         assert getattr(st.plan, "num_slots", 0) > 0
     p = st.launch.params
     p.qk_scale, p.v_scale = 0.0625, 1.0

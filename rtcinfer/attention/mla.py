@@ -11,10 +11,9 @@ the first kv_len_arr[b] tokens of pages kv_indices[kv_indptr[b]:kv_indptr[b + 1]
 It runs on the batch prefill kernel (prefill.cu's MLA): K's rows are ckv + kpe (576 dims, read
 from both caches into shared memory once), V their ckv part; four warps take each 16 query
 rows, splitting the scores' keys, pooling the softmax through shared memory, and each
-accumulating a quarter of o's 512 dims (prefill_mla.cuh). The plan
-is a paged prefill plan of one kv head whose packed rows are the H heads of each query
-(16-row query tiles for up to 16 of them, 64 else). q, the caches and o are 16-bit (o may be
-the other 16-bit type).
+accumulating a quarter of o's 512 dims (prefill_mla.cuh). The plan is a paged prefill plan of
+one kv head whose packed rows are the H heads of each query, in 16-row tiles (H / 16 of them
+a query at H > 16). q, the caches and o are 16-bit (o may be the other 16-bit type).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ class PrefillConfig:
     """The static part of a prefill plan: decode's Config (page_size: the paged cache's, or
     RAGGED_PAGE) and the mask: causal, or a custom one (which replaces it, as FlashInfer's);
     head_dim_vo: v's and o's head_dim where it is not q's and k's (attn.head_dim), else None;
-    mla: MLA's kernel (attention/mla.py: attn's kv heads are V's slices, its q heads Hq of
-    each)."""
+    mla: MLA's kernel (attention/mla.py: attn's one kv head takes all the heads, v is the
+    keys' first head_dim_vo dims)."""
 
     attn: Config
     causal: bool
