@@ -31,8 +31,8 @@ MIN_CHUNK_TOKENS = 256
 WAVE_SPLITS = 4
 WAVE_GAIN = 0.1
 
-# Query tile heights the kernel is built for (packed rows per CTA).
-TILE_ROWS = (16, 64, 128)
+# Query tile heights the kernel is built for (packed rows per CTA; 32: MLA's only).
+TILE_ROWS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True, eq=False)

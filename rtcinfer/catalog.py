@@ -205,10 +205,12 @@ def prefill_specs() -> list:
         spec("bfloat16", "float16", 192, 16, True, head_dim_vo=128),
         spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, wgmma=True, head_dim_vo=128),
         spec("float16", "float16", 192, 64, False, custom_mask=True, wgmma=True, head_dim_vo=128),
-        # MLA (attention/mla.py): K of ckv + kpe, V its ckv part, four warps a row warp; 64- and
-        # 32-key K tiles (sm_90's and sm_80's shared memory)
+        # MLA (attention/mla.py): K of ckv + kpe, V its ckv part, four warps a row warp; 16- and
+        # 32-row tiles, 64- and 32-key K tiles (sm_90's and sm_80's shared memory)
         prefill_kernel.mla_spec("bfloat16", "bfloat16", 16, True),
         prefill_kernel.mla_spec("float16", "bfloat16", 16, max_smem=163 * 1024),
+        prefill_kernel.mla_spec("bfloat16", "bfloat16", 32),
+        prefill_kernel.mla_spec("float16", "float16", 32, True, max_smem=163 * 1024),
     ]
 
 

@@ -37,7 +37,8 @@
 // MLA (DeepSeek's latent attention, the absorbed form: one latent KV head shared by all Hq
 // heads, group_size = Hq): q's rows are q (MLA_CKV dims) then q_pe (64), K's rows ckv (MLA_CKV,
 // from k_cache) then kpe (64, from kpe_cache), V = ckv = the first MLA_CKV dims of the K tile
-// (no V in the ring). DIM_WARPS = 4 warps share the tile's 16 rows: they split S's keys, pool
+// (no V in the ring). DIM_WARPS = 4 warps share each row warp's 16 rows (16- or 32-row tiles):
+// they split S's keys, pool
 // the softmax through shared memory and each accumulates its quarter of O's HEAD_DIM_VO =
 // MLA_CKV dims (WARP_DIMS; prefill_mla.cuh), writing them (warp 0 of the four the LSE).
 // ROPE_LLAMA rotates the Q tile once and each K tile as it lands, in shared memory (16-bit
@@ -99,7 +100,8 @@ constexpr int STAGING_BYTES = STAGED ? 2 * TILE_BYTES : 0;  // the widened K and
 // and sums
 constexpr int MLA_GROUPS = KV_TILE / 16;
 constexpr int P_ROW_BYTES = KV_TILE * 2;
-constexpr int MLA_XCHG_BYTES = MLA ? 16 * P_ROW_BYTES + 2 * MLA_GROUPS * 16 * 4 : 0;
+constexpr int MLA_WARP_XCHG = 16 * P_ROW_BYTES + 2 * MLA_GROUPS * 16 * 4;  // a row warp's
+constexpr int MLA_XCHG_BYTES = MLA ? ROW_WARPS * MLA_WARP_XCHG : 0;
 constexpr int FREQ_BYTES = ROPE ? HEAD_DIM / 2 * 8 : 0;
 constexpr int MLA_CKV = 512;  // MLA: the latent (ckv) dims of q and k; the rest are RoPE's
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 192 || HEAD_DIM == 256 ||
@@ -111,7 +113,8 @@ static_assert(!MLA || (HEAD_DIM_VO == MLA_CKV && WARP_ROWS == 16 && !FP8 && !ROP
 static_assert(HEAD_DIM_VO == HEAD_DIM ||
                   (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE),
               "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE");
-static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128, "16, 64 or 128 rows");
+static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128 || (MLA && TILE_ROWS == 32),
+              "16, 64 or 128 rows (MLA: 16 or 32)");
 static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
               (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");
 static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
@@ -469,8 +472,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       __syncthreads();
     }
     if constexpr (MLA)
-      mla_tile<MLA_GROUPS>(st, q_tile, smem_addr(k_mma), xchg, key_first + tile * KV_TILE, rows,
-                           w, transform, p.window_left, lane);
+      mla_tile<MLA_GROUPS>(st, q_tile, smem_addr(k_mma), xchg + row_warp * MLA_WARP_XCHG,
+                           key_first + tile * KV_TILE, rows, w, transform, p.window_left,
+                           row_warp, lane);
     else
       attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
                   key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask,

@@ -1,22 +1,23 @@
 // MLA's K tile (prefill.cu's MLA; included after attend_tile's helpers, instantiated by MLA
-// kernels only): the DIM_WARPS warps on the tile's 16 rows split the keys for S = Q K^T (a
+// kernels only): the DIM_WARPS warps on a row warp's 16 rows split the keys for S = Q K^T (a
 // 16-key group each: GROUPS of them, warps past GROUPS repeating one), pool their row maxima in
 // shared memory into one running max that every warp then holds alike, write P (16-bit) to a
 // shared [16][KV_TILE] tile with their row sums, and each accumulates O += P V over all the
 // tile's keys for its WARP_DIMS dims of V (the K tile's first MLA_CKV dims). Each warp's d
 // holds a row's whole sum in its quad's first thread (close_row adds the quad).
-//   xchg: [16][KV_TILE] P (tile_offset rows), then float maxima [GROUPS][16], sums [GROUPS][16]
+//   xchg (the row warp's): [16][KV_TILE] P (tile_offset rows), then float maxima [GROUPS][16],
+//   sums [GROUPS][16]
 #pragma once
 
-static_assert(!MLA || (TILE_ROWS == 16 && MLA_GROUPS <= DIM_WARPS && P_ROW_BYTES % 64 == 0),
-              "MLA: 16-row tiles, a 16-key group of S per warp at most, whole P rows");
+static_assert(!MLA || (MLA_GROUPS <= DIM_WARPS && P_ROW_BYTES % 64 == 0),
+              "MLA: a 16-key group of S per warp at most, whole P rows");
 
 template <int N>  // the tile's 16-key groups (a template: instantiated by MLA kernels only)
 RTC_DEVICE void mla_tile(State (&st)[ROWS], uint32_t q_tile, uint32_t k_tile,
                          unsigned char* xchg, int key0, const Rows& rows,
                          const PrefillWorkItem& w,
                          const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
-                         int lane) {
+                         int row_warp, int lane) {
   const int g = lane / 4, t = lane % 4, dw = dim_warp(), group = dw % N;
   const bool writer = dw < N;  // the first warp of each key group shares its results
   float* maxima = reinterpret_cast<float*>(xchg + 16 * P_ROW_BYTES);
@@ -27,7 +28,7 @@ RTC_DEVICE void mla_tile(State (&st)[ROWS], uint32_t q_tile, uint32_t k_tile,
 #pragma unroll
   for (int c = 0; c < K_STEPS; ++c) {
     uint32_t a[4], kb[2][2];
-    load_q(a, q_tile, 0, c, lane);
+    load_q(a, q_tile, 16 * row_warp, c, lane);
     load_k_pair<ROW_BYTES>(kb, k_tile, 16 * group, c, lane);
     mma_16816<MT>(s[0][0], s[0][1], s[0][2], s[0][3], a, kb[0][0], kb[0][1]);
     mma_16816<MT>(s[1][0], s[1][1], s[1][2], s[1][3], a, kb[1][0], kb[1][1]);
@@ -59,7 +60,7 @@ RTC_DEVICE void mla_tile(State (&st)[ROWS], uint32_t q_tile, uint32_t k_tile,
     if constexpr (FOLD) part[i] *= transform.scale;  // > 0: the scaled logits' max
     if (writer && t == 0) maxima[group * 16 + g + 8 * i] = part[i];
   }
-  __syncthreads();  // the groups' maxima (the CTA is this tile's DIM_WARPS warps)
+  __syncthreads();  // the groups' maxima (every warp of the CTA takes this step)
   float base[2], sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -21,6 +21,7 @@ from ..plan.prefill import choose_tile_rows
 from .decode_kernel import PosEncoding
 
 HEAD_DIMS = (64, 128, 256)
+SM80_SMEM = 163 * 1024  # the most shared memory a block of any sm_8x GPU may take
 # (head_dim_qk, head_dim_vo) pairs of different dims: DeepSeek's prefill (MLA's keys with their
 # RoPE part, 128 + 64, over values of 128), as FlashInfer's batch prefill takes them
 DIM_PAIRS = ((192, 128),)
@@ -59,8 +60,9 @@ class PrefillSpec:
 
     @property
     def min_sm(self) -> int:
-        """wgmma is sm_90a's own (see wgmma_supported)."""
-        return 90 if self.wgmma else 80
+        """wgmma is sm_90a's own (see wgmma_supported); so is a kernel whose shared memory
+        exceeds sm_80's 163 KB a block (no sm_8x GPU can launch it)."""
+        return 90 if self.wgmma or self.smem_bytes > SM80_SMEM else 80
 
     @property
     def threads(self) -> int:
@@ -88,6 +90,7 @@ class PrefillSpec:
         table = 0 if self.ragged else 2 * 2 * self.kv_tile * 8
         # MLA's exchange: P [16][kv_tile] 16-bit, the key groups' row maxima and sums
         xchg = 16 * self.kv_tile * 2 + 2 * (self.kv_tile // 16) * 16 * 4 if self.mla else 0
+        xchg *= self.tile_rows // 16  # a row warp's each
         return self.tile_rows * row + ring + staging + freq + table + xchg + 16
 
     def prelude(self) -> str:
@@ -247,12 +250,12 @@ MLA_CKV, MLA_KPE = 512, 64  # MLA's latent and RoPE dims
 @functools.lru_cache(maxsize=64)
 def mla_spec(q_dtype, o_dtype, tile_rows, causal=False, max_smem=227 * 1024) -> PrefillSpec:
     """MLA's kernel (prefill.cu's MLA, attention/mla.py): K rows of ckv + kpe (576 dims) in
-    the ring, V = their ckv part; 16-row query tiles, four warps on them splitting the
-    scores' keys and O's 512 dims (prefill_mla.cuh; 64-row tiles, sixteen warps, would cap
-    registers at 128 a thread); 64-key K tiles where two stages fit (sm_90), else 32-key
-    ones; 3 stages where they fit, else 2."""
-    if tile_rows != 16:
-        raise ValueError(f"MLA takes 16-row query tiles, got {tile_rows}")
+    the ring, V = their ckv part; 16- or 32-row query tiles, four warps on each 16 rows
+    splitting the scores' keys and O's 512 dims (prefill_mla.cuh; 64-row tiles, sixteen
+    warps, would cap registers at 128 a thread and spill); 64-key K tiles where two stages fit
+    (sm_90), else 32-key ones; 3 stages where they fit, else 2."""
+    if tile_rows not in (16, 32):
+        raise ValueError(f"MLA takes 16- or 32-row query tiles, got {tile_rows}")
     error = None
     for kv_tile in (64, 32):
         try:

@@ -21,12 +21,13 @@ MAX_GRID_Y = 65535
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
     """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on);
-    MLA: 16 (mla_spec)."""
-    if cfg.mla:
-        return 16
+    MLA (mla_spec): 16 where that would be 16 (up to 16 packed rows a request), else 32."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
-    return planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+    rows = planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
+    if cfg.mla:
+        return 16 if rows == 16 else 32
+    return rows
 
 
 def wgmma_on(cfg: PrefillConfig, device: int) -> bool:
