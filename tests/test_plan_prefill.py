@@ -260,7 +260,7 @@ def test_tile_height_follows_the_packed_query_length():
         (dict(qo_indptr=[0, 3, 2], kv_len=[3, 3]), ValueError, "non-decreasing"),
         (dict(qo_indptr=[0, 3], kv_len=[3, 4]), ValueError, r"kv_len must have shape \(1,\)"),
         (dict(qo_indptr=[0, 3], kv_len=[-1]), ValueError, r"kv_len\[0\] \(-1\)"),
-        (dict(qo_indptr=[0, 3], kv_len=[3], tile_rows=32), ValueError, "tile_rows must be"),
+        (dict(qo_indptr=[0, 3], kv_len=[3], tile_rows=48), ValueError, "tile_rows must be"),
         (dict(qo_indptr=[0, 3], kv_len=[3], causal=1), TypeError, "causal must be a bool"),
         (dict(qo_indptr=[0, 300], kv_len=[300], max_work=2), ValueError, "exceed max_work"),
     ],
