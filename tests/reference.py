@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from rtcinfer.interop.dtypes import numpy_dtype
@@ -57,7 +58,7 @@ def layernorm_ref(x, gamma, beta, eps=1e-6):
 def fp8_quant_ref(y, scale, dtype: str) -> np.ndarray:
     """y / scale saturated to fp8 `dtype`'s largest finite value (NaN stays NaN), in float64 and
     not yet rounded: the norms with an fp8 output round it (fp8_rounding_bounds)."""
-    top = float(np.finfo(numpy_dtype(dtype)).max)
+    top = float(ml_dtypes.finfo(numpy_dtype(dtype)).max)  # (NumPy's finfo may not know fp8)
     with np.errstate(invalid="ignore"):
         return np.clip(f64(y) / float(scale), -top, top)
 
@@ -67,7 +68,7 @@ def fp8_rounding_bounds(exact, dtype: str, rel: float = 1e-5) -> tuple[np.ndarra
     float64. A kernel that computes exact in fp32 (to ~1e-6) and rounds it to nearest lands in
     [lo, hi]: the rounding itself, or its neighbour where exact lies within rel of a midpoint."""
     exact = f64(exact)
-    top = float(np.finfo(numpy_dtype(dtype)).max)
+    top = float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
     low, high = exact - rel * np.abs(exact), exact + rel * np.abs(exact)
     return (round_to(np.clip(low, -top, top), dtype), round_to(np.clip(high, -top, top), dtype))
 

@@ -76,7 +76,8 @@ class BlockSparseAttentionWrapper:
         custom = None
         if mask is not None and packed_mask is None:
             custom = _row_major_mask(mask, rows_ptr, qo_indptr, R, C)
-        self._prefill.plan(qo_indptr, rows_ptr, blocks, np.full(row_blocks, C, np.int64),
+        last = np.where(np.diff(rows_ptr) > 0, C, 0)  # a block row with no kept block: no page
+        self._prefill.plan(qo_indptr, rows_ptr, blocks, last,
                            num_qo_heads, num_kv_heads, head_dim, C, custom_mask=custom,
                            packed_custom_mask=packed_mask, causal=causal,
                            pos_encoding_mode=pos_encoding_mode,
