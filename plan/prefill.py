@@ -31,8 +31,9 @@ MIN_CHUNK_TOKENS = 256
 WAVE_SPLITS = 4
 WAVE_GAIN = 0.1
 
-# Query tile heights the kernel is built for (packed rows per CTA; 32: MLA's only).
-TILE_ROWS = (16, 32, 64, 128)
+# Query tile heights the kernel is built for (packed rows per CTA; 32: MLA's only; 8: rows on
+# the MMAs' N side, for requests of up to 8 packed rows: decode and short verifications).
+TILE_ROWS = (8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,10 +192,10 @@ def _wave_cut_may_pay(num_tiles: int, budget: int, qo_len, kv_len) -> bool:
 
 def choose_tile_rows(qo_len: np.ndarray, group_size: int, head_dim: int,
                      wgmma: bool = False) -> int:  # fmt: skip
-    """Packed rows per query tile from the average packed query length: 16 for decode-like
-    batches (up to 16 rows per request), 64 for medium ones, 128 for long prompts (64 at
-    head_dim 256, whose accumulators would not fit 128 rows, except on the warpgroup-MMA
-    kernel, `wgmma`)."""
+    """Packed rows per query tile from the average packed query length: 8 for decode-like
+    batches of up to 8 rows per request (a GQA group of up to 8 heads), 16 up to 16 rows, 64
+    for medium ones, 128 for long prompts (64 at head_dim 256, whose accumulators would not
+    fit 128 rows, except on the warpgroup-MMA kernel, `wgmma`)."""
     return tile_rows_for(int(qo_len.sum()), qo_len.shape[0], group_size, head_dim, wgmma)
 
 
@@ -204,7 +205,7 @@ def tile_rows_for(queries: int, batch: int, group_size: int, head_dim: int,
     avg = queries * group_size / batch if batch else 0
     if avg > 64 and (head_dim < 256 or wgmma):
         return 128
-    return 64 if avg > 16 else 16
+    return 64 if avg > 16 else 16 if avg > 8 else 8
 
 
 def key_ranges(qo_len, kv_len, tile_request, tile_row, group_size, tile_rows, causal,

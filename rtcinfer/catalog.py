@@ -160,7 +160,7 @@ def decode_specs() -> list:
 
 def prefill_specs() -> list:
     """Every compile-time branch of the prefill kernel once: q fp16/bf16 with o of the other,
-    head_dim 64/128/256, query tiles of 16 (four warps on the keys), 64 and 128 rows, causal,
+    head_dim 64/128/256, query tiles of 8 and 16 (four warps on the keys), 64 and 128 rows, causal,
     custom mask or neither, RoPE or ALiBi, soft cap, fp8 KV, the 2-stage ring (small shared
     memory), ragged K/V, 16- and 32-row warps (32 is plan()'s choice at head_dim 128), the
     warpgroup-MMA kernel of sm_90a (compiled for that target only: its min_sm), v of fewer
@@ -204,6 +204,14 @@ def prefill_specs() -> list:
         ),
         spec("bfloat16", "float16", 192, 16, True, head_dim_vo=128),
         spec("bfloat16", "bfloat16", 192, 128, True, ragged=True, wgmma=True, head_dim_vo=128),
+        # 8-row tiles (keys on the MMAs' M side): fp8 read from the ring, widened (RoPE), a
+        # custom mask, ALiBi with a soft cap, ragged, head_dim 64 / 256, v of fewer dims
+        spec("bfloat16", "bfloat16", 128, 8, False),
+        spec("float16", "bfloat16", 128, 8, True, kv_dtype="float8_e4m3fn"),
+        spec("bfloat16", "bfloat16", 64, 8, False, "ROPE_LLAMA", kv_dtype="float8_e5m2"),
+        spec("float16", "float16", 128, 8, False, "ALIBI", True, custom_mask=True),
+        spec("bfloat16", "float16", 256, 8, True, ragged=True),
+        spec("float16", "float16", 192, 8, True, head_dim_vo=128),
         spec("float16", "float16", 192, 64, False, custom_mask=True, wgmma=True, head_dim_vo=128),
         # MLA (attention/mla.py): K of ckv + kpe, V its ckv part, four warps a row warp; 16- and
         # 32-row tiles, 64- and 32-key K tiles (sm_90's and sm_80's shared memory)

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.gpu
                                   "page1", "hnd_strided_tuple"])  # fmt: skip
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature, case, kv_dtype):
-    """The 16-row prefill kernel over fp8 KV the other way (fp8_direct=False: the tiles are
-    widened into staging tiles, 64-key tiles, 3 stages) gives the reference's results."""
+    """The prefill kernel's decode tiles over fp8 KV the other way (fp8_direct=False: the
+    tiles are widened into staging tiles, 64-key tiles, 3 stages) give the reference's
+    results."""
     with_decode_tiles(monkeypatch, fp8_direct=False, kv_tile=64, stages=3)
     spec = tensor_core_decode_checked(("tc staged", feature, case, kv_dtype))
     assert not spec.fp8_direct
@@ -26,7 +27,7 @@ def test_tensor_core_decode_widening_fp8_into_staging_tiles(monkeypatch, feature
 @pytest.mark.parametrize("feature", ["plain", "alibi_cap_window", "window0"])
 @pytest.mark.parametrize("case", ["group4", "group5_fp16", "d64", "page1"])
 def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
-    """16-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: plan()'s choice
+    """8-row tiles over 128-key K/V tiles in a 3-stage ring (32 keys a warp: plan()'s choice
     for a batch that leaves SMs idle, wide_decode_spec; forced here on every batch) give the
     reference's results."""
     from rtcinfer import jit

@@ -27,13 +27,13 @@ pytestmark = pytest.mark.gpu
 
 
 def with_decode_tiles(monkeypatch, **fields) -> None:
-    """plan()'s 16-row prefill kernels (the tensor-core decode's) with `fields` replaced."""
+    """plan()'s 8- and 16-row prefill kernels (the tensor-core decode's) with `fields` replaced."""
     from rtcinfer.attention import prefill_launch
     from rtcinfer.attention.prefill_kernel import prefill_spec
 
     def spec(*args, **kw):
         chosen = prefill_spec(*args, **kw)
-        return replace(chosen, **fields) if chosen.tile_rows == 16 else chosen
+        return replace(chosen, **fields) if chosen.tile_rows <= 16 else chosen
 
     monkeypatch.setattr(prefill_launch, "prefill_spec", spec)
 
@@ -59,11 +59,13 @@ def tensor_core_decode_checked(seed: tuple):
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_tensor_core_decode_through_the_prefill_kernel(feature, case, kv_dtype):
     """use_tensor_cores=True (the prefill kernel, one query per request) gives the reference's
-    results, as the decode kernel does: 16-row tiles up to 16 heads a group, 64 beyond; fp8
-    read from the ring by 16-row tiles without RoPE."""
+    results, as the decode kernel does: 8-row tiles (keys on the MMAs' M side) up to 8 heads a
+    group, 16-row ones up to 16, 64 beyond; fp8 read from the ring by 8- and 16-row tiles
+    without RoPE."""
     spec = tensor_core_decode_checked(("tc", feature, case, kv_dtype))
-    assert spec.tile_rows == (16 if {**BASE, **CASES[case]}["group_size"] <= 16 else 64)
-    assert spec.fp8_direct == (kv_dtype is not None and spec.tile_rows == 16
+    group = {**BASE, **CASES[case]}["group_size"]
+    assert spec.tile_rows == (8 if group <= 8 else 16 if group <= 16 else 64)
+    assert spec.fp8_direct == (kv_dtype is not None and spec.tile_rows <= 16
                                and feature != "rope")  # fmt: skip
 
 

@@ -245,12 +245,14 @@ def test_fixed_split_size_chunks_a_request_the_same_in_any_batch():
 
 
 def test_tile_height_follows_the_packed_query_length():
-    assert choose_tile_rows(np.array([1, 1, 1]), 4, 128) == 16  # decode-like
+    assert choose_tile_rows(np.array([1, 1, 1]), 4, 128) == 8  # decode-like: rows on N
+    assert choose_tile_rows(np.array([1, 1, 1]), 8, 128) == 8
+    assert choose_tile_rows(np.array([3, 3, 3]), 4, 128) == 16
     assert choose_tile_rows(np.array([8, 8]), 4, 128) == 64
     assert choose_tile_rows(np.array([512]), 4, 128) == 128
     assert choose_tile_rows(np.array([512]), 4, 256) == 64
     assert choose_tile_rows(np.array([512]), 4, 256, wgmma=True) == 128  # warpgroup MMAs
-    assert choose_tile_rows(np.array([], dtype=np.int64), 4, 128) == 16
+    assert choose_tile_rows(np.array([], dtype=np.int64), 4, 128) == 8
 
 
 @pytest.mark.parametrize(

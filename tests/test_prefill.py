@@ -420,9 +420,12 @@ def test_32_row_warps(monkeypatch, head_dim, variant):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_decode_like_batches_use_16_row_tiles(head_dim, split, kv_dtype):
+@pytest.mark.parametrize("tile_rows", [8, 16])
+def test_decode_like_batches_use_small_tiles(monkeypatch, head_dim, split, kv_dtype, tile_rows):
     """One query per request and speculative-verification lengths (2-4 queries, 4 heads a
-    group): 16-row tiles whose four warps split the keys, paged, with empty requests."""
+    group): tiles whose four warps split the keys, paged, with empty requests: 8 rows (plan()'s
+    choice here: keys on the MMAs' M side; a request of more rows takes several) and 16
+    (forced)."""
     rng = np.random.default_rng(head_dim + split)
     qo, extra = [1, 4, 2, 1, 3, 0, 1], [2000, 90, 0, 700, 16, 5, 0]
     q, _, _, qo_indptr, kv_indptr = ragged_batch(rng, qo, extra, d=head_dim)
@@ -435,11 +438,15 @@ def test_decode_like_batches_use_16_row_tiles(head_dim, split, kv_dtype):
         for t in range(n):
             page, slot = indices[indptr[b] + t // 16], t % 16
             cache[page, 0, slot], cache[page, 1, slot] = k[kv_indptr[b] + t], v[kv_indptr[b] + t]
+    if tile_rows == 16:
+        from rtcinfer.attention import prefill_launch
+
+        monkeypatch.setattr(prefill_launch, "pick_tile_rows", lambda cfg, qo_indptr, **_: 16)
     wrapper = rtcinfer.BatchPrefillWithPagedKVCacheWrapper()
     wrapper.plan(qo_indptr, indptr, indices, last, 8, 2, head_dim, 16, causal=True,
                  q_data_type="bfloat16", kv_data_type=kv_dtype,
                  disable_split_kv=not split, fixed_split_size=4 if split else None)  # fmt: skip
-    assert wrapper._launch.launch.kernel.spec.tile_rows == 16
+    assert wrapper._launch.launch.kernel.spec.tile_rows == tile_rows
     o, lse = wrapper.run(to_gpu(q), to_gpu(cache), return_lse=True)
     check(o, lse, *reference(q, k, v, qo_indptr, kv_indptr, causal=True,
                              sm_scale=1 / np.sqrt(head_dim)), "bfloat16")  # fmt: skip

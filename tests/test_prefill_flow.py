@@ -46,7 +46,7 @@ def prefill_flow(buf, p, fields, spec, q, k_flat, v_flat, mask_bits=None, kpe_fl
     items = buf[items_at(d) : items_at(d) + ITEM_INTS * int(buf[0])].view(WORK_ITEM)
     num_kv_heads = q.shape[1] // p.group_size
     group, rows_n, kv_tile = p.group_size, spec.tile_rows, spec.kv_tile
-    kv_warps = 4 if rows_n == 16 else 1
+    kv_warps = 4 if rows_n <= 16 and not spec.mla else 1
     warp_keys = kv_tile // kv_warps
     wr = spec.warp_rows
     o = np.full((*q.shape[:2], dv), np.nan)
@@ -168,7 +168,8 @@ FLOWS = {
 @pytest.mark.parametrize("flow", list(FLOWS))
 @pytest.mark.parametrize("qo, extra, group", [
     ([0, 1, 17, 130, 5], [40, 0, 100, 0, -5], 4),    # 64-row tiles, a zero-key request
-    ([1, 2, 1, 3], [300, 64, 0, 31], 4),             # decode-like: 16-row tiles, 4 warps
+    ([1, 2, 1, 3], [300, 64, 0, 31], 4),             # decode-like: 8-row tiles, 4 warps
+    ([3, 2, 4, 3], [300, 64, 0, 31], 4),             # 16-row tiles, 4 warps
     ([200, 90], [20, 500], 1),                       # 128-row tiles (MHA)
     ([200, 90], [20, 500], -32),                     # 128-row tiles, 32 rows a warp
 ])  # fmt: skip

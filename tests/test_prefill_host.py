@@ -461,7 +461,7 @@ def test_tensor_core_decode_plans_one_query_per_request(wrappers):
     items, _ = items_of(packed)
     assert set(items["qo_len"]) == {1} and set(items["kv_len"]) <= {21, 0, 33}
     st = wrapper._tc._launch
-    assert st.nnz_q == 3 and st.launch.kernel.spec.tile_rows == 16
+    assert st.nnz_q == 3 and st.launch.kernel.spec.tile_rows == 8  # 4 heads: keys on M
     assert not st.launch.kernel.spec.causal  # one query sees every key (the window aside)
     with pytest.raises(ValueError, match=r"run\(window_left=3\) differs"):
         wrapper.run(None, None, window_left=3)
@@ -469,15 +469,15 @@ def test_tensor_core_decode_plans_one_query_per_request(wrappers):
 
 @pytest.mark.parametrize("q_dtype, kv_dtype, batch, graph, keys", [
     ("bfloat16", None, 16, False, 128),  # 16 tiles x 8 heads <= 132 SMs: 128-key tiles
-    ("bfloat16", None, 17, False, 64),  # 136 CTAs: two a SM in 64-key tiles
+    ("bfloat16", None, 17, False, 64),  # 136 CTAs: in 64-key tiles
     ("bfloat16", None, 4, True, 64),  # a fixed capacity fixes the kernel
     ("float16", "float8_e4m3fn", 4, False, 128),  # fp8 read from the ring: 128-key tiles always
 ])  # fmt: skip
 def test_tensor_core_decode_of_a_small_batch_takes_128_key_tiles(wrappers, q_dtype, kv_dtype,
                                                                  batch, graph, keys):  # fmt: skip
-    """A decode batch too small to give every SM a CTA runs 16-row tiles over 128-key K/V tiles
-    in a 3-stage ring (wide_decode_spec); one that fills the GPU, or a CUDA-graph wrapper's,
-    64-key tiles."""
+    """A decode batch too small to give every SM a CTA runs 8-row tiles (a group of 4 heads)
+    over 128-key K/V tiles in a 3-stage ring (wide_decode_spec); one that fills the GPU, or a
+    CUDA-graph wrapper's, 64-key tiles."""
     from rtcinfer.attention.decode import BatchDecodeWithPagedKVCacheWrapper
 
     kw = {}
@@ -492,7 +492,7 @@ def test_tensor_core_decode_of_a_small_batch_takes_128_key_tiles(wrappers, q_dty
     wrapper.plan(np.arange(batch + 1), np.arange(batch), np.full(batch, 5), 32, 8, 128, 16,
                  q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
     spec = wrapper._tc._launch.launch.kernel.spec
-    assert (spec.tile_rows, spec.kv_tile) == (16, keys)
+    assert (spec.tile_rows, spec.kv_tile) == (8, keys)
     assert spec.stages == (3 if keys == 128 or kv_dtype is None else 2)
 
 

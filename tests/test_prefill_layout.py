@@ -505,3 +505,66 @@ def test_mla_tiles_pool_the_softmax_across_the_four_warps(groups):
                     dims = 128 * dw + 8 * n + 2 * T + e
                     np.testing.assert_allclose(st["o"][i][2 * n + e], o_ref[rows[i], dims],
                                                rtol=2e-2, atol=atol)  # fmt: skip
+
+
+def load_q_key_major(q_s, c, row_bytes, fp8):
+    """load_q_key_major: Q^T's B fragment of k-step c from the 8-row Q tile, row g: dims
+    16c + 2t.. and 16c + 8 + 2t.., or (FP8_DIRECT) K's permuted order, 16c + 4t.. and 4t + 2.."""
+    if fp8:
+        at = [tile_offset(g, 2 * c + t // 2, row_bytes) + 8 * (t % 2)
+              for g, t in zip(G, T, strict=True)]  # fmt: skip
+        words = np.stack([q_s[x : x + 8].view(np.uint32) for x in at])
+        return [words[:, 0], words[:, 1]]
+    return [np.array([q_s[x : x + 4].view(np.uint32)[0]
+                      for x in tile_offset(G, 2 * c + h, row_bytes) + 4 * T])
+            for h in range(2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_an_8_row_tile_puts_keys_on_the_m_side(kv, head_dim):
+    """KEY_MAJOR (prefill_key_major.cuh): four warps take keys 16w.. of a 64-key tile; S^T =
+    K Q^T from K's A fragments (load_k_rows, decode's, over the K tile: 16-bit, or the fp8
+    ring read directly) and Q^T's B fragments from the swizzled 8-row Q tile
+    (load_q_key_major), then O^T += V^T P^T with P^T by movmatrix: lane (g, t) holds S^T of
+    keys g, g + 8 for rows 2t, 2t + 1, and row 2t + i's o[2c + e] at dim o_dim_of(c, g, e), as
+    finish_rows_key_major writes it."""
+    from .test_decode_layout import Model, fill_tile, movmatrix_trans, storage
+
+    rng = np.random.default_rng(head_dim)
+    fp8 = kv.startswith("float8")
+    m = Model(head_dim, kv)  # load_k / load_v: load_k_rows / load_vt_rows; m.mt: MT
+    keys, warp_keys = 64, 16
+    q = rng.standard_normal((8, head_dim)).astype(m.mt)  # FP8_DIRECT's Q tile is fp16 (Q_HALF)
+    k = (rng.standard_normal((keys, head_dim)) * (2 if fp8 else 1)).astype(storage(kv))
+    v = (rng.standard_normal((keys, head_dim)) * (2 if fp8 else 1)).astype(storage(kv))
+    q_s, k_s, v_s = swizzled(q), fill_tile(k, m.row_bytes), fill_tile(v, m.row_bytes)
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for kv_warp in range(keys // warp_keys):
+        key_w = kv_warp * warp_keys
+        s = np.zeros((4, 32))
+        for c in range(0, head_dim // 16, 2):
+            a = m.load_k(k_s, key_w, c)
+            for h in range(2):
+                s = mma(s, a[h], load_q_key_major(q_s, c + h, 2 * head_dim, fp8), m.mt)
+        expect = k64[key_w : key_w + warp_keys] @ q.astype(np.float64).T  # S^T [16, 8]
+        for r in range(4):
+            np.testing.assert_allclose(s[r], expect[G + 8 * (r // 2), 2 * T + r % 2], rtol=1e-12)
+        p0 = movmatrix_trans(pack(s[0], s[1], m.mt))
+        p1 = movmatrix_trans(pack(s[2], s[3], m.mt))
+        o = [[np.zeros(32) for _ in range(head_dim // 8)] for _ in range(2)]  # st[i].o[e]
+        for c in range(0, head_dim // 16, 2):
+            a = m.load_v(v_s, key_w, c)
+            for h in range(2):
+                e = 2 * (c + h)
+                acc = mma(np.stack([o[0][e], o[1][e], o[0][e + 1], o[1][e + 1]]), a[h],
+                          [p0, p1], m.mt)  # fmt: skip
+                o[0][e], o[1][e], o[0][e + 1], o[1][e + 1] = acc
+        p = expect.astype(m.mt).astype(np.float64)  # P rounded to MT
+        expect_o = v64[key_w : key_w + warp_keys].T @ p  # O^T [D, 8]
+        for i in range(2):
+            for e in range(head_dim // 8):
+                c, hi = e // 2, e % 2
+                dims = 16 * c + (2 * G + hi if fp8 else G + 8 * hi)  # o_dim_of
+                np.testing.assert_allclose(o[i][e], expect_o[dims, 2 * T + i], rtol=1e-10,
+                                           atol=1e-10)  # fmt: skip

@@ -5,6 +5,7 @@
 // see decode.cu).
 // Checked against the PTX fragment layouts by the NumPy model in tests/test_decode_layout.py.
 #pragma once
+#include "key_major_fragments.cuh"
 
 // Head-dim index of element e (0, 1) of A-fragment register r of K block c (its first half).
 RTC_DEVICE int k_dim(int c, int r, int e, int t) {
@@ -13,51 +14,16 @@ RTC_DEVICE int k_dim(int c, int r, int e, int t) {
 }
 
 // Head-dim index of O^T accumulator row (g, or g + 8 when hi) of V block c.
-RTC_DEVICE int o_dim(int c, int g, bool hi) {
-  return FP8 ? 16 * c + 2 * g + hi : 16 * c + g + 8 * hi;
-}
+RTC_DEVICE int o_dim(int c, int g, bool hi) { return o_dim_of<FP8>(c, g, hi); }
 
 // A fragments of K for blocks c, c + 1 over the 16 tile rows starting at `row`.
 RTC_DEVICE void load_k(uint32_t (&a)[2][4], uint32_t tile, int row, int c, int lane) {
-  const int r = row + lane % 8 + 8 * (lane / 8 % 2);
-  if constexpr (FP8) {
-    uint32_t x[4];
-    ldmatrix_x4(x, tile + tile_offset<ROW_BYTES>(r, c + lane / 16));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {  // x[2i]: tokens 0-7, x[2i+1]: tokens 8-15 of block c + i
-      a[i][0] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i] & 0xffff);
-      a[i][1] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i + 1] & 0xffff);
-      a[i][2] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i] >> 16);
-      a[i][3] = fp8x2_to_half2_bits<FP8_KIND>(x[2 * i + 1] >> 16);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      ldmatrix_x4(a[i], tile + tile_offset<ROW_BYTES>(r, 2 * (c + i) + lane / 16));
-  }
+  load_k_rows<ROW_BYTES, FP8, FP8_KIND>(a, tile, row, c, lane);
 }
 
 // A fragments of V^T for blocks c, c + 1 over the 16 tile rows starting at `row`.
 RTC_DEVICE void load_v(uint32_t (&a)[2][4], uint32_t tile, int row, int c, int lane) {
-  if constexpr (FP8) {
-    uint32_t x[4];
-    const int r = row + lane % 8 + 8 * (lane / 8 % 2);
-    ldmatrix_x4_trans(x, tile + tile_offset<ROW_BYTES>(r, c + lane / 16));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {  // bytes (2t, 2g) (2t, 2g+1) (2t+1, 2g) (2t+1, 2g+1) -> rows
-      const uint32_t lo = __byte_perm(x[2 * i], 0, 0x3120);
-      const uint32_t hi = __byte_perm(x[2 * i + 1], 0, 0x3120);
-      a[i][0] = fp8x2_to_half2_bits<FP8_KIND>(lo & 0xffff);
-      a[i][1] = fp8x2_to_half2_bits<FP8_KIND>(lo >> 16);
-      a[i][2] = fp8x2_to_half2_bits<FP8_KIND>(hi & 0xffff);
-      a[i][3] = fp8x2_to_half2_bits<FP8_KIND>(hi >> 16);
-    }
-  } else {
-    const int r = row + lane % 8 + 8 * (lane / 16);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      ldmatrix_x4_trans(a[i], tile + tile_offset<ROW_BYTES>(r, 2 * (c + i) + lane / 8 % 2));
-  }
+  load_vt_rows<ROW_BYTES, FP8, FP8_KIND>(a, tile, row, c, lane);
 }
 
 // Rotate the K fragment x (block c) with its partner y (block c + BLOCKS / 2) to the positions

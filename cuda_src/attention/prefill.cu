@@ -51,11 +51,16 @@
 #include "variant.cuh"
 #include "wgmma.cuh"
 
-constexpr int ROW_BLOCKS = WARP_ROWS / 16;         // 16-row MMA blocks of a warp
+// An 8-row tile (KEY_MAJOR: decode, a query row per head of a GQA group of up to 8) puts the
+// keys on the MMAs' M side and its rows on their N side, S^T = K Q^T and O^T += V^T P^T (16 keys
+// x 8 rows, prefill_key_major.cuh), where a 16-row tile would multiply padding rows: a thread
+// then holds rows 2t and 2t + 1 (not g and g + 8).
+constexpr bool KEY_MAJOR = TILE_ROWS == 8;
+constexpr int ROW_BLOCKS = KEY_MAJOR ? 1 : WARP_ROWS / 16;  // 16-row MMA blocks of a warp
 constexpr int ROWS = 2 * ROW_BLOCKS;               // rows of a thread (g and g + 8 of each block)
 constexpr int ROW_WARPS = TILE_ROWS / WARP_ROWS;   // warps along the rows
 constexpr int DIM_WARPS = MLA ? 4 : 1;  // warps on the same rows and keys, splitting O's dims
-constexpr int KV_WARPS = TILE_ROWS == 16 && !MLA ? 4 : 1;  // on the same rows, splitting keys
+constexpr int KV_WARPS = TILE_ROWS <= 16 && !MLA ? 4 : 1;  // on the same rows, splitting keys
 constexpr int WARPS = ROW_WARPS * KV_WARPS * DIM_WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr int WARP_KEYS = KV_TILE / KV_WARPS;      // keys of each K/V tile a warp takes
@@ -113,10 +118,13 @@ static_assert(!MLA || (HEAD_DIM_VO == MLA_CKV && WARP_ROWS == 16 && !FP8 && !ROP
 static_assert(HEAD_DIM_VO == HEAD_DIM ||
                   (HEAD_DIM_VO % 64 == 0 && HEAD_DIM_VO < HEAD_DIM && !FP8 && !ROPE),
               "v's head_dim: q's, or fewer (whole 64s) with 16-bit KV, no RoPE");
-static_assert(TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128 || (MLA && TILE_ROWS == 32),
-              "16, 64 or 128 rows (MLA: 16 or 32)");
-static_assert((WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
-              (TILE_ROWS > 16 || WARP_ROWS == 16), "16 or 32 rows a warp; four warps at 16");
+static_assert(TILE_ROWS == 8 || TILE_ROWS == 16 || TILE_ROWS == 64 || TILE_ROWS == 128 ||
+                  (MLA && TILE_ROWS == 32),
+              "8, 16, 64 or 128 rows (MLA: 16 or 32)");
+static_assert(KEY_MAJOR ? WARP_ROWS == 8 && !MLA && !WGMMA
+                        : (WARP_ROWS == 16 || WARP_ROWS == 32) && TILE_ROWS % WARP_ROWS == 0 &&
+                              (TILE_ROWS > 16 || WARP_ROWS == 16),
+              "8 rows a warp in 8-row tiles, else 16 or 32; four warps at 16");
 static_assert(WARP_KEYS % 16 == 0 && STAGES >= 2, "whole 16-key steps, double buffering");
 static_assert(STAGES <= 3, "the row table's two buffers cover two tiles ahead");
 static_assert(FP8 || IsSame<QT, KVT>::value, "16-bit KV must match q's dtype");
@@ -154,7 +162,10 @@ static_assert(Q_BYTES + RING_BYTES + STAGING_BYTES + FREQ_BYTES + TABLE_BYTES + 
                       16 ==
                   SMEM_BYTES,
               "layout");
-using State = AttentionState<2 * DIM_TILES>;  // one row: dims 8n + 2t, 8n + 2t + 1 of n-tile n
+// o of one row in a thread: dims 8n + 2t, 8n + 2t + 1 of n-tile n; KEY_MAJOR: o_dim_of(c, g, e)
+// at o[2c + e] for each 16-dim block c
+constexpr int O_FLOATS = KEY_MAJOR ? DIM_TILES : 2 * DIM_TILES;
+using State = AttentionState<O_FLOATS>;
 
 #include "prefill_fragments.cuh"
 
@@ -224,6 +235,8 @@ RTC_DEVICE void load_q_tile(uint32_t q_tile, const PrefillWorkItem& w, const Pre
 #include "prefill_mla.cuh"
 
 #include "prefill_attend.cuh"
+
+#include "prefill_key_major.cuh"
 
 #include "prefill_epilogue.cuh"
 
@@ -295,9 +308,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
   uint32_t qf[Q_IN_REGS ? K_STEPS : 1][4];
   if constexpr (Q_IN_REGS)
 #pragma unroll
-    for (int c = 0; c < K_STEPS; ++c) load_q(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
+    for (int c = 0; c < K_STEPS; ++c)
+      if constexpr (KEY_MAJOR)
+        load_q_key_major(qf[c], q_tile, c, lane);
+      else
+        load_q(qf[c], q_tile, WARP_ROWS * row_warp, c, lane);
   Rows rows;
-  rows.init(w, p, kv_head, row_warp, g);
+  rows.init(w, p, kv_head, row_warp, g, t);
   State st[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) st[i].init();
@@ -331,6 +348,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       mla_tile<MLA_GROUPS>(st, q_tile, smem_addr(k_mma), xchg + row_warp * MLA_WARP_XCHG,
                            key_first + tile * KV_TILE, rows, w, transform, p.window_left,
                            row_warp, lane);
+    else if constexpr (KEY_MAJOR)
+      attend_tile_key_major(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
+                            key_first + tile * KV_TILE, rows, w, transform, p.window_left,
+                            p.mask, kv_warp, lane);
     else
       attend_tile(st, qf, q_tile, smem_addr(k_mma), smem_addr(k_mma + V_AT),
                   key_first + tile * KV_TILE, rows, w, transform, p.window_left, p.mask,
@@ -348,9 +369,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
       return;
     }
   }
-  if constexpr (FP8_DIRECT)
+  if constexpr (FP8_DIRECT && !KEY_MAJOR)
     if (kv_warp == 0) unpermute_dims(st, lane);
-  if (kv_warp == 0) finish_rows(st, rows, w, p, kv_head, row_warp, g, t);
+  if constexpr (KEY_MAJOR) {
+    if (kv_warp == 0) finish_rows_key_major(st, rows, w, p, kv_head, lane);
+  } else {
+    if (kv_warp == 0) finish_rows(st, rows, w, p, kv_head, row_warp, g, t);
+  }
   if (w.slot < 0) return;
 
   // A split tile: the last of its items merges the partials. The barrier orders this CTA's

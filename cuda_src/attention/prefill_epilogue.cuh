@@ -8,7 +8,7 @@
 // (lane L of every warp holds the same rows and dims; d is still per thread, so the partial
 // sums merge as they are and finish_rows reduces them). `scratch`: shared memory no longer in
 // use, [KV_WARPS - 1][FIELDS][32] floats.
-constexpr int STATE_FLOATS = 2 + 2 * DIM_TILES;  // m, d, o of one row
+constexpr int STATE_FLOATS = 2 + O_FLOATS;  // m, d, o of one row
 constexpr int COMBINE_BYTES = KV_WARPS > 1 ? (KV_WARPS - 1) * 2 * STATE_FLOATS * 32 * 4 : 0;
 static_assert(COMBINE_BYTES <= RING_BYTES, "the exchange fits in the ring");
 static_assert(KV_WARPS == 1 || ROWS == 2, "warps split the keys of 16-row tiles only");
@@ -22,7 +22,7 @@ RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, in
       float* row = mine + i * STATE_FLOATS * 32;
       row[0] = st[i].m, row[32] = st[i].d;
 #pragma unroll
-      for (int e = 0; e < 2 * DIM_TILES; ++e) row[(2 + e) * 32] = st[i].o[e];
+      for (int e = 0; e < O_FLOATS; ++e) row[(2 + e) * 32] = st[i].o[e];
     }
   }
   __syncthreads();
@@ -35,16 +35,22 @@ RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, in
         State other;
         other.m = row[0], other.d = row[32];
 #pragma unroll
-        for (int e = 0; e < 2 * DIM_TILES; ++e) other.o[e] = row[(2 + e) * 32];
+        for (int e = 0; e < O_FLOATS; ++e) other.o[e] = row[(2 + e) * 32];
         st[i].merge(other);
       }
   }
 }
 
-// A row's state closed: the partial sums of its four threads added, o normalized; its lse.
+// A row's state closed: the partial sums of its threads added (the four of a lane group;
+// KEY_MAJOR: the eight lanes of one t), o normalized; its lse.
 RTC_DEVICE float close_row(State& s) {
-  s.d += __shfl_xor_sync(0xffffffffu, s.d, 1);
-  s.d += __shfl_xor_sync(0xffffffffu, s.d, 2);
+  if constexpr (KEY_MAJOR) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) s.d += __shfl_xor_sync(0xffffffffu, s.d, off);
+  } else {
+    s.d += __shfl_xor_sync(0xffffffffu, s.d, 1);
+    s.d += __shfl_xor_sync(0xffffffffu, s.d, 2);
+  }
   const float lse = s.lse();
   s.normalize();
   return lse;
@@ -67,12 +73,12 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) {
     const float lse = close_row(st[i]);
-    const int row = WARP_ROWS * warp + warp_row(i, g);
+    const int row = WARP_ROWS * warp + warp_row(i, g, t);
 #pragma unroll
     for (int n = 0; n < DIM_TILES; ++n)
       *reinterpret_cast<uint32_t*>(o_tile + tile_offset<O_ROW_BYTES>(row, n) + 4 * t) =
           pack2<OT>(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
-    const int packed = first + warp_row(i, g);
+    const int packed = first + warp_row(i, g, t);
     if (p.lse != nullptr && t == 0 && packed < rows_in && writes_lse()) {
       const PackedRow r = unpack_row(packed, p);
       if constexpr (MLA)
@@ -100,7 +106,7 @@ RTC_DEVICE void store_rows(State (&st)[ROWS], const PrefillWorkItem& w, const Pr
 }
 
 // The rows' results: normalized and written to o / lse (the tile's only item, KV_WARPS > 1) or
-// as fp32 partials to the item's slot.
+// as fp32 partials to the item's slot (KEY_MAJOR: finish_rows_key_major).
 RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWorkItem& w,
                             const PrefillParams& p, int kv_head, int warp, int g, int t) {
 #pragma unroll
@@ -118,7 +124,7 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
       if (p.lse != nullptr && t == 0 && writes_lse())
         p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
     } else {
-      const int row = WARP_ROWS * warp + warp_row(i, g);
+      const int row = WARP_ROWS * warp + warp_row(i, g, t);
       const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
       float* o = p.partial_o + at * HEAD_DIM_VO;
       if constexpr (MLA) o += o_dim0();
@@ -127,6 +133,35 @@ RTC_DEVICE void finish_rows(State (&st)[ROWS], const Rows& rows, const PrefillWo
         *reinterpret_cast<float2*>(o + 8 * n + 2 * t) =
             make_float2(st[i].o[2 * n] * p.v_scale, st[i].o[2 * n + 1] * p.v_scale);
       if (t == 0 && writes_lse()) p.partial_lse[at] = lse;
+    }
+  }
+}
+
+// finish_rows of an 8-row tile: lane (g, t) holds dims o_dim_of(c, g, e) of rows 2t, 2t + 1
+// (o[2c + e]); lane g = 0 of a row writes its lse.
+RTC_DEVICE void finish_rows_key_major(State (&st)[ROWS], const Rows& rows,
+                                      const PrefillWorkItem& w, const PrefillParams& p,
+                                      int kv_head, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const float lse = close_row(st[i]);
+    if (!rows.valid[i]) continue;
+    if (w.slot < 0) {
+      OT* o = p.o + (w.qo_start + rows.query[i]) * p.o_stride_n + rows.head[i] * p.o_stride_h;
+#pragma unroll
+      for (int e = 0; e < O_FLOATS; ++e)
+        o[o_dim_of<FP8_DIRECT>(e / 2, g, e % 2)] = from_float<OT>(st[i].o[e] * p.v_scale);
+      if (p.lse != nullptr && g == 0)
+        p.lse[(w.qo_start + rows.query[i]) * p.lse_stride_n + rows.head[i]] = lse;
+    } else {
+      const int row = warp_row(i, g, t);
+      const int64_t at = (static_cast<int64_t>(w.slot) * gridDim.x + kv_head) * TILE_ROWS + row;
+      float* o = p.partial_o + at * HEAD_DIM_VO;
+#pragma unroll
+      for (int e = 0; e < O_FLOATS; ++e)
+        o[o_dim_of<FP8_DIRECT>(e / 2, g, e % 2)] = st[i].o[e] * p.v_scale;
+      if (g == 0) p.partial_lse[at] = lse;
     }
   }
 }

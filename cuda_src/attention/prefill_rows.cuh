@@ -22,8 +22,11 @@ RTC_DEVICE int dim_warp() { return DIM_WARPS > 1 ? threadIdx.x / 32 % DIM_WARPS 
 RTC_DEVICE int o_dim0() { return dim_warp() * WARP_DIMS; }
 RTC_DEVICE bool writes_lse() { return dim_warp() == 0; }
 
-// The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half).
-RTC_DEVICE int warp_row(int i, int g) { return 16 * (i / 2) + g + 8 * (i % 2); }
+// The warp's row of this thread's row i (g, g + 8 of each 16-row block: i = 2 block + half;
+// KEY_MAJOR: 2t + i).
+RTC_DEVICE int warp_row(int i, int g, int t) {
+  return KEY_MAJOR ? 2 * t + i : 16 * (i / 2) + g + 8 * (i % 2);
+}
 
 // This thread's ROWS rows: where they read and write, their query position and ALiBi slope;
 // rows past the request are inert.
@@ -35,10 +38,10 @@ struct Rows {
   int pos_first, pos_last;  // positions of the warp's first and last rows in the request
 
   RTC_DEVICE void init(const PrefillWorkItem& w, const PrefillParams& p, int kv_head, int warp,
-                       int g) {
+                       int g, int t) {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int packed = w.tile_row + WARP_ROWS * warp + warp_row(i, g);
+      const int packed = w.tile_row + WARP_ROWS * warp + warp_row(i, g, t);
       const PackedRow r = unpack_row(packed, p);
       valid[i] = packed < w.qo_len * p.group_size;
       query[i] = r.query;

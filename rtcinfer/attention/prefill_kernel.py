@@ -25,7 +25,7 @@ SM80_SMEM = 163 * 1024  # the most shared memory a block of any sm_8x GPU may ta
 # (head_dim_qk, head_dim_vo) pairs of different dims: DeepSeek's prefill (MLA's keys with their
 # RoPE part, 128 + 64, over values of 128), as FlashInfer's batch prefill takes them
 DIM_PAIRS = ((192, 128),)
-TILE_ROWS = (16, 64, 128)
+TILE_ROWS = (8, 16, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class PrefillSpec:
     q_dtype: str
     o_dtype: str
     head_dim: int
-    tile_rows: int  # packed query rows per CTA (16 per warp; a 16-row tile has 4 warps)
+    tile_rows: int  # packed query rows per CTA (16 per warp; 8- and 16-row tiles have 4 warps)
     kv_tile: int  # keys per pipeline stage
     stages: int
     causal: bool
@@ -42,7 +42,9 @@ class PrefillSpec:
     soft_cap: bool
     kv_dtype: str  # q's, or an fp8 type (widened to q's in shared memory)
     ragged: bool = False  # K/V rows of each request contiguous (no page table to read)
-    warp_rows: int = 16  # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles
+    # packed rows per warp: 16, or 32 (two MMA row blocks) in 128-row tiles; 8 in 8-row tiles
+    # (the rows on the MMAs' N side, prefill_key_major.cuh)
+    warp_rows: int = 16
     wgmma: bool = False  # sm_90a: warpgroup MMAs over 64-row blocks (16-row warps, 64-key tiles)
     min_ctas: int = 0  # CTAs per SM the registers must leave room for (launch bounds; 0: none)
     # fp8 K/V read by the MMAs straight from the ring, widened to fp16 in registers (16-row
@@ -66,11 +68,11 @@ class PrefillSpec:
 
     @property
     def threads(self) -> int:
-        """A warp per warp_rows rows; four warps splitting the keys of a 16-row tile; MLA:
-        four warps a row warp, splitting O's dims."""
+        """A warp per warp_rows rows; four warps splitting the keys of an 8- or 16-row tile;
+        MLA: four warps a row warp, splitting O's dims."""
         if self.mla:
             return 4 * 32 * self.tile_rows // self.warp_rows
-        return 128 if self.tile_rows == 16 else 32 * self.tile_rows // self.warp_rows
+        return 128 if self.tile_rows <= 16 else 32 * self.tile_rows // self.warp_rows
 
     @property
     def dim_vo(self) -> int:
@@ -147,14 +149,14 @@ def prefill_spec(
         return _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
                                   pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype,
                                   ragged, warp_rows, wgmma)  # fmt: skip
-    direct_fits = (kv_dtype in FP8_DTYPES and tile_rows == 16
+    direct_fits = (kv_dtype in FP8_DTYPES and tile_rows <= 16
                    and pos_encoding_mode != "ROPE_LLAMA")  # fmt: skip
     if fp8_direct is None:
         fp8_direct = direct_fits
     elif fp8_direct and not direct_fits:
         raise ValueError(
             f"fp8_direct with {tile_rows}-row tiles, KV {kv_dtype}, {pos_encoding_mode}: fp8 KV "
-            "in 16-row tiles without in-kernel RoPE"
+            "in 8- or 16-row tiles without in-kernel RoPE"
         )
     if wgmma and warp_rows is None:
         if not wgmma_supported(tile_rows, pos_encoding_mode, q_dtype, kv_dtype or q_dtype):
@@ -169,12 +171,15 @@ def prefill_spec(
                         min_ctas=2 if two_ctas else 0)  # fmt: skip
     if warp_rows is None:
         warp_rows = 32 if (tile_rows, head_dim, bool(custom_mask)) == (128, 128, False) else 16
-    if warp_rows not in (16, 32) or (
-        warp_rows == 32 and (tile_rows != 128 or head_dim > 128 or custom_mask)
+        warp_rows = 8 if tile_rows == 8 else warp_rows
+    if (
+        (warp_rows == 8) != (tile_rows == 8)
+        or warp_rows not in (8, 16, 32)
+        or (warp_rows == 32 and (tile_rows != 128 or head_dim > 128 or custom_mask))
     ):
         raise ValueError(
             f"warp_rows {warp_rows} with {tile_rows}-row tiles at head_dim {head_dim}: 16, or 32 "
-            "in 128-row tiles up to head_dim 128 without a custom mask"
+            "in 128-row tiles up to head_dim 128 without a custom mask, 8 in 8-row tiles"
         )
     kv_tile = 32 if (head_dim == 256 and tile_rows > 16) or warp_rows == 32 else 64
     # fp8 in 16-row (decode) tiles, on an H200 at head_dim 128 with bf16 q (graph us,
@@ -183,7 +188,7 @@ def prefill_spec(
     # tiles 32.5 / 168.4 / 152.7); widened into staging tiles (each warp its own keys, a
     # variant since dropped) 45-55 / 239-360 / 241-392. Widened (RoPE, fp8_direct=False), a
     # 2-stage ring leaves room for three CTAs a SM beside the staging tiles.
-    widened_decode = tile_rows == 16 and kv_dtype in FP8_DTYPES and not fp8_direct
+    widened_decode = tile_rows <= 16 and kv_dtype in FP8_DTYPES and not fp8_direct
     if fp8_direct and head_dim <= 128:
         kv_tile = 128
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, kv_tile, causal, custom_mask,
@@ -201,7 +206,7 @@ def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
     bench/tune_decode_split.py): 1 x 32768 tokens 41.2 against 43.5 in 64-key tiles, 16 x 4096
     68.7 against 71.0; batches that fill the GPU are faster in 64-key tiles with two CTAs a SM
     (64 x 4096 251.7 against 257.9, 256 x 1024 255.0 against 271.7)."""
-    if (spec.tile_rows != 16 or spec.causal or spec.kv_dtype != spec.q_dtype
+    if (spec.tile_rows > 16 or spec.causal or spec.kv_dtype != spec.q_dtype
             or spec.head_dim > 128 or spec.pos_encoding_mode == "ROPE_LLAMA"
             or spec.custom_mask):  # fmt: skip
         return None
@@ -221,7 +226,7 @@ def check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode,
          (head_dim, head_dim_vo) not in DIM_PAIRS),
         (f"KV {kv_dtype} (16-bit KV of q's dtype)", kv_dtype not in (None, q_dtype)),
         ("in-kernel RoPE (apply it to q and k before the call)", pos_encoding_mode == "ROPE_LLAMA"),
-        (f"warp_rows {warp_rows} (16)", warp_rows not in (None, 16)),
+        (f"warp_rows {warp_rows} (16; 8 in 8-row tiles)", warp_rows not in (None, 8, 16)),
     ) if bad]  # fmt: skip
     if problems:
         raise ValueError(f"head_dim_vo {head_dim_vo} != head_dim_qk {head_dim}: not with "
@@ -232,14 +237,15 @@ def _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causa
                        pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype, ragged,
                        warp_rows, wgmma) -> PrefillSpec:  # fmt: skip
     """prefill_spec's kernel for q and k of head_dim dims over v of head_dim_vo: 64-key tiles,
-    16-row warps; with `wgmma` (64- or 128-row tiles) the warpgroup-MMA kernel, whose 128-row
-    tile has an SM to itself (3 stages where they fit) and whose 64-row tile leaves room for
-    two (2 stages), as a guess not yet measured."""
+    16-row warps (8 in 8-row tiles); with `wgmma` (64- or 128-row tiles) the warpgroup-MMA
+    kernel, whose 128-row tile has an SM to itself (3 stages where they fit) and whose 64-row
+    tile leaves room for two (2 stages), as a guess not yet measured."""
     check_dims(head_dim, head_dim_vo, q_dtype, kv_dtype, pos_encoding_mode, warp_rows)
     if wgmma and tile_rows not in (64, 128):
         raise ValueError(f"wgmma with {tile_rows}-row tiles: 64 or 128 rows")
+    warp_rows = 8 if tile_rows == 8 else 16
     return _fitting(q_dtype, o_dtype, head_dim, tile_rows, 64, causal, custom_mask,
-                    pos_encoding_mode, soft_cap, q_dtype, ragged, 16, wgmma, max_smem,
+                    pos_encoding_mode, soft_cap, q_dtype, ragged, warp_rows, wgmma, max_smem,
                     stage_choices=(3, 2) if not wgmma or tile_rows == 128 else (2,),
                     head_dim_vo=head_dim_vo)  # fmt: skip
 

@@ -21,12 +21,12 @@ MAX_GRID_Y = 65535
 
 def pick_tile_rows(cfg: PrefillConfig, qo_indptr, wgmma: bool = False) -> int:
     """Packed query rows per CTA: plan/prefill.py's choice for the batch and kernel (wgmma_on);
-    MLA (mla_spec): 16 where that would be 16 (up to 16 packed rows a request), else 32."""
+    MLA (mla_spec): 16 where that would be 8 or 16 (up to 16 packed rows a request), else 32."""
     attn = cfg.attn
     queries, batch = int(qo_indptr[-1]) - int(qo_indptr[0]), len(qo_indptr) - 1
     rows = planner.tile_rows_for(queries, batch, attn.group_size, attn.head_dim, wgmma)
     if cfg.mla:
-        return 16 if rows == 16 else 32
+        return 16 if rows <= 16 else 32
     return rows
 
 
@@ -75,12 +75,13 @@ def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
     return kernels[key]
 
 
-def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int) -> bool:
-    """Whether a batch of 16-row tiles gives fewer CTAs than SMs (tiles x kv heads <= SMs):
-    a decode batch of up to num_sms / num_kv_heads requests."""
+def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int,
+                    tile_rows: int = 16) -> bool:  # fmt: skip
+    """Whether a batch of tile_rows-row tiles gives fewer CTAs than SMs (tiles x kv heads <=
+    SMs): a decode batch of up to num_sms / num_kv_heads requests."""
     indptr = np.asarray(qo_indptr, dtype=np.int64)
     qo_len = indptr[1:] - indptr[:-1]
-    return int((-(-qo_len * group_size // 16)).sum()) * num_kv_heads <= num_sms
+    return int((-(-qo_len * group_size // tile_rows)).sum()) * num_kv_heads <= num_sms
 
 
 def plan_launch(
@@ -104,9 +105,13 @@ def plan_launch(
         tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
     # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
     # (a CUDA graph, a plan array) fixes the kernel
-    wide = (max_work is None and tile_rows == 16 and not cfg.mla
-            and wide_decode_spec(spec_for(cfg, 16, max_smem, False), max_smem) is not None
-            and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms))  # fmt: skip
+    small = tile_rows <= 16 and not cfg.mla and spec_for(cfg, tile_rows, max_smem, False)
+    wide = (
+        max_work is None
+        and small
+        and wide_decode_spec(small, max_smem) is not None
+        and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms, tile_rows)
+    )
     k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, wide)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
