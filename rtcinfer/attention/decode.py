@@ -5,8 +5,9 @@
 
 The decode kernel runs on tensor cores for every group size (the query heads of a group are
 the MMA's n dimension). ``use_tensor_cores=True`` takes FlashInfer's other route: the batch
-prefill kernel with one query per request, the group's heads packed into 16-row query tiles
-(attention/prefill.py); same results, another kernel.
+prefill kernel with one query per request, the group's heads packed into its query tiles (8
+rows up to a group of 8, the heads on the MMA's n side as here; 16 rows up to 16; 64 beyond:
+attention/prefill.py); same results, another kernel.
 """
 
 from __future__ import annotations
