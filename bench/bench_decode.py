@@ -4,7 +4,7 @@ views of FlashInfer's best (by graph view) of use_tensor_cores False/True measur
 run; then plan() host time at batch 256 and append_paged_kv_cache bandwidth. rtcinfer is
 called with PyTorch tensors when PyTorch is installed (as FlashInfer is); "CuPy graph us" is
 the same call on CuPy arrays captured with CuPy's stream capture; "tc graph us" the same with
-use_tensor_cores=True (the prefill kernel's 16-row tiles)."""
+use_tensor_cores=True (the prefill kernel's 8-row tiles for groups up to 8)."""
 
 from __future__ import annotations
 
