@@ -37,3 +37,14 @@ def test_tensor_core_decode_with_128_key_tiles(monkeypatch, feature, case):
     with_decode_tiles(monkeypatch, kv_tile=128, stages=3)
     spec = tensor_core_decode_checked(("tc 128 keys", feature, case, None))
     assert (spec.kv_tile, spec.stages) == (128, 3)
+
+
+@pytest.mark.parametrize("feature", ["plain", "alibi_cap_window"])
+@pytest.mark.parametrize("case", ["group4", "group1", "d64", "page1"])
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_tensor_core_decode_over_fp8_in_64_key_tiles(monkeypatch, feature, case, kv_dtype):
+    """fp8 read from the ring in 64-key tiles, 3 stages (16 keys a warp; forced here) give the
+    reference's results."""
+    with_decode_tiles(monkeypatch, kv_tile=64, stages=3)
+    spec = tensor_core_decode_checked(("tc fp8 64 keys", feature, case, kv_dtype))
+    assert spec.fp8_direct and (spec.kv_tile, spec.stages) == (64, 3)

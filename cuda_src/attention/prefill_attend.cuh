@@ -70,10 +70,8 @@ RTC_DEVICE void attend_tile(State (&st)[ROWS], const uint32_t (&qf)[Q_IN_REGS ? 
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = 2 * b + r / 2, key = lo + 8 * n + 2 * t + r % 2;
-          float v = s[b][n][r];
-          if constexpr (!FOLD) v = transform(v, rows.slope[i], key - rows.pos[i]);
-          if constexpr (decltype(masked)::value)
-            v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+          const float v = row_logit<decltype(masked)::value>(
+              s[b][n][r], rows, i, key, w, transform, window_left, mask);
           s[b][n][r] = v;
           float& m = part_max[i][(2 * n + r % 2) % PARTS];
           m = fmaxf(m, v);

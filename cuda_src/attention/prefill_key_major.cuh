@@ -68,7 +68,8 @@ RTC_DEVICE void attend_tile_key_major(State (&st)[ROWS],
       uint32_t a[2][4];
       load_k_rows<KM_K_ROW_BYTES, FP8_DIRECT, FP8_KIND>(a, k_tile, key_w + 16 * j, c, lane);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) mma_16816<MT>(s[j][0], s[j][1], s[j][2], s[j][3], a[h], b[h][0], b[h][1]);
+      for (int h = 0; h < 2; ++h)
+        mma_16816<MT>(s[j][0], s[j][1], s[j][2], s[j][3], a[h], b[h][0], b[h][1]);
     }
   }
 
@@ -82,10 +83,8 @@ RTC_DEVICE void attend_tile_key_major(State (&st)[ROWS],
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = r % 2, key = lo + 16 * j + g + 8 * (r / 2);
-        float v = s[j][r];
-        if constexpr (!FOLD) v = transform(v, rows.slope[i], key - rows.pos[i]);
-        if constexpr (decltype(masked)::value)
-          v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+        const float v = row_logit<decltype(masked)::value>(
+            s[j][r], rows, i, key, w, transform, window_left, mask);
         s[j][r] = v;
         part_max[i] = fmaxf(part_max[i], v);
       }

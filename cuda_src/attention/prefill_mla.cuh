@@ -41,10 +41,8 @@ RTC_DEVICE void mla_tile(State (&st)[ROWS], uint32_t q_tile, uint32_t k_tile,
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = r / 2, key = lo + 8 * n + 2 * t + r % 2;
-        float v = s[n][r];
-        if constexpr (!FOLD) v = transform(v, rows.slope[i], key - rows.pos[i]);
-        if constexpr (decltype(masked)::value)
-          v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, nullptr) ? v : neg_inf();
+        const float v = row_logit<decltype(masked)::value>(
+            s[n][r], rows, i, key, w, transform, window_left, nullptr);
         s[n][r] = v;
         part[i] = fmaxf(part[i], v);
       }

@@ -77,3 +77,16 @@ struct Rows {
     return window_left >= 0 ? ok && key >= pos[i] - window_left : ok;
   }
 };
+
+// Row i's score at key `key`: the logit transform (variant.cuh; FOLD: applied later, in the
+// exp2) and, MASKED, the visibility tests (-inf where hidden). The per-element step of every
+// tile's scores (attend_tile, the 8-row and MLA tiles).
+template <bool MASKED>
+RTC_DEVICE float row_logit(float v, const Rows& rows, int i, int key, const PrefillWorkItem& w,
+                           const LogitTransform<ALIBI, SOFT_CAP>& transform, int window_left,
+                           const uint8_t* mask) {
+  if constexpr (!FOLD) v = transform(v, rows.slope[i], key - rows.pos[i]);
+  if constexpr (MASKED)
+    v = rows.sees(i, key, w.kv_begin, w.kv_end, window_left, mask) ? v : neg_inf();
+  return v;
+}
