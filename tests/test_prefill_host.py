@@ -471,13 +471,16 @@ def test_tensor_core_decode_plans_one_query_per_request(wrappers):
     ("bfloat16", None, 16, False, 128),  # 16 tiles x 8 heads <= 132 SMs: 128-key tiles
     ("bfloat16", None, 17, False, 64),  # 136 CTAs: in 64-key tiles
     ("bfloat16", None, 4, True, 64),  # a fixed capacity fixes the kernel
-    ("float16", "float8_e4m3fn", 4, False, 128),  # fp8 read from the ring: 128-key tiles always
+    ("float16", "float8_e4m3fn", 4, False, 128),  # fp8 read from the ring: 128 keys when idle
+    ("float16", "float8_e4m3fn", 17, False, 64),  # and 64 where every SM has a CTA
+    ("float16", "float8_e4m3fn", 17, True, 128),  # a fixed capacity keeps the kernel's own
 ])  # fmt: skip
 def test_tensor_core_decode_of_a_small_batch_takes_128_key_tiles(wrappers, q_dtype, kv_dtype,
                                                                  batch, graph, keys):  # fmt: skip
     """A decode batch too small to give every SM a CTA runs 8-row tiles (a group of 4 heads)
     over 128-key K/V tiles in a 3-stage ring (wide_decode_spec); one that fills the GPU, or a
-    CUDA-graph wrapper's, 64-key tiles."""
+    CUDA-graph wrapper's, 64-key tiles. fp8 read from the ring: 128-key tiles (the kernel's
+    own, a CUDA-graph wrapper's), 64-key ones where every SM has a CTA (busy_decode_spec)."""
     from rtcinfer.attention.decode import BatchDecodeWithPagedKVCacheWrapper
 
     kw = {}
@@ -493,7 +496,7 @@ def test_tensor_core_decode_of_a_small_batch_takes_128_key_tiles(wrappers, q_dty
                  q_data_type=q_dtype, kv_data_type=kv_dtype)  # fmt: skip
     spec = wrapper._tc._launch.launch.kernel.spec
     assert (spec.tile_rows, spec.kv_tile) == (8, keys)
-    assert spec.stages == (3 if keys == 128 or kv_dtype is None else 2)
+    assert spec.stages == 3 and spec.fp8_direct == (kv_dtype is not None)
 
 
 @pytest.mark.parametrize(("tile_rows", "head_dim", "custom_mask", "warp_rows"), [

@@ -13,7 +13,14 @@ from ..plan import prefill as planner
 from ..plan.prefill import PrefillPlan, TilePlan
 from .decode_kernel import fast_div
 from .prefill_args import PrefillConfig
-from .prefill_kernel import kernel, mla_spec, prefill_spec, use_wgmma, wide_decode_spec
+from .prefill_kernel import (
+    busy_decode_spec,
+    kernel,
+    mla_spec,
+    prefill_spec,
+    use_wgmma,
+    wide_decode_spec,
+)
 from .prefill_plan import RAGGED_PAGE
 
 MAX_GRID_Y = 65535
@@ -51,27 +58,31 @@ def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool,
-               wide: bool = False):  # fmt: skip
+               decode_tiles: str | None = None):  # fmt: skip
     """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
-    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; wide: 128-key K/V
-    tiles for a decode-shaped batch that leaves SMs idle, where wide_decode_spec has them."""
+    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; decode_tiles
+    (decode_tiles_of): "wide", 128-key K/V tiles for a decode-shaped batch that leaves SMs
+    idle (wide_decode_spec), or "busy", fp8's 64-key ones for one that fills them
+    (busy_decode_spec)."""
     spec = spec_for(cfg, tile_rows, max_smem, wgmma)
-    if wide:
+    if decode_tiles == "wide":
         spec = wide_decode_spec(spec, max_smem) or spec
+    elif decode_tiles == "busy":
+        spec = busy_decode_spec(spec) or spec
     k = kernel(spec)
     return k, max(1, k.occupancy(device, spec.threads))
 
 
 def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
-                  tile_rows: int | None = None, wide: bool = False):  # fmt: skip
+                  tile_rows: int | None = None, decode_tiles: str | None = None):  # fmt: skip
     """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
     asked once per configuration: `kernels` is a wrapper's cache, emptied when its
     configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
     if None not in kernels:
         kernels[None] = wgmma_on(cfg, device)
-    key = (tile_rows, True) if wide else tile_rows
+    key = (tile_rows, decode_tiles) if decode_tiles else tile_rows
     if key not in kernels:
-        kernels[key] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None], wide)
+        kernels[key] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None], decode_tiles)
     return kernels[key]
 
 
@@ -82,6 +93,19 @@ def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int,
     indptr = np.asarray(qo_indptr, dtype=np.int64)
     qo_len = indptr[1:] - indptr[:-1]
     return int((-(-qo_len * group_size // tile_rows)).sum()) * num_kv_heads <= num_sms
+
+
+def decode_tiles_of(cfg: PrefillConfig, qo_indptr, tile_rows: int, limits: tuple) -> str | None:
+    """The K/V tiles of a decode-shaped batch (8- or 16-row tiles): "wide" (wide_decode_spec)
+    where its CTAs leave SMs idle, "busy" (busy_decode_spec) where they do not, None where the
+    configuration's kernel has no such variant."""
+    if tile_rows > 16 or cfg.mla:
+        return None
+    num_sms, max_smem = limits
+    spec = spec_for(cfg, tile_rows, max_smem, False)
+    if leaves_sms_idle(qo_indptr, cfg.attn.group_size, cfg.attn.num_kv_heads, num_sms, tile_rows):
+        return "wide" if wide_decode_spec(spec, max_smem) is not None else None
+    return "busy" if busy_decode_spec(spec) is not None else None
 
 
 def plan_launch(
@@ -103,16 +127,10 @@ def plan_launch(
     wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
         tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
-    # 128-key tiles for a small decode batch (wide_decode_spec); not where a fixed capacity
-    # (a CUDA graph, a plan array) fixes the kernel
-    small = tile_rows <= 16 and not cfg.mla and spec_for(cfg, tile_rows, max_smem, False)
-    wide = (
-        max_work is None
-        and small
-        and wide_decode_spec(small, max_smem) is not None
-        and leaves_sms_idle(qo_indptr, group, attn.num_kv_heads, num_sms, tile_rows)
-    )
-    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, wide)
+    decode_tiles = None  # not where a fixed capacity (a CUDA graph, a plan array) fixes the kernel
+    if max_work is None:
+        decode_tiles = decode_tiles_of(cfg, qo_indptr, tile_rows, limits)
+    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, decode_tiles)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
@@ -153,6 +171,7 @@ def plan_launch(
 __all__ = [
     "MAX_GRID_Y",
     "chosen_kernel",
+    "decode_tiles_of",
     "kernel_for",
     "leaves_sms_idle",
     "pick_tile_rows",
