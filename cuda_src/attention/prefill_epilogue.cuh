@@ -11,7 +11,7 @@
 constexpr int STATE_FLOATS = 2 + O_FLOATS;  // m, d, o of one row
 constexpr int COMBINE_BYTES = KV_WARPS > 1 ? (KV_WARPS - 1) * 2 * STATE_FLOATS * 32 * 4 : 0;
 static_assert(COMBINE_BYTES <= RING_BYTES, "the exchange fits in the ring");
-static_assert(KV_WARPS == 1 || ROWS == 2, "warps split the keys of 16-row tiles only");
+static_assert(KV_WARPS == 1 || ROWS == 2, "warps split the keys of 8- and 16-row tiles only");
 
 RTC_DEVICE void combine_warps(State (&st)[ROWS], float* scratch, int kv_warp, int lane) {
   constexpr int FIELDS = 2 * STATE_FLOATS;

@@ -3,7 +3,7 @@
 // their N side, as decode.cu multiplies (key_major_fragments.cuh):
 //   S^T = K Q^T  (16 keys x 8 rows, Q^T's B fragments from the Q tile),
 //   O^T += V^T P^T  (16 dims x 8 rows, P^T's B fragments from S^T by movmatrix).
-// A decode row block of a GQA group of g <= 8 heads uses g of the 8 columns, where a 16-row
+// A decode query of a GQA group of up to 8 heads fills as many of the 8 columns, where a 16-row
 // tile computes 16 rows of MMAs for them: half the MMAs, half O's registers. Lane (g, t) holds
 // rows 2t and 2t + 1 (Rows, warp_row), the keys g and g + 8 of each 16-key block of S^T, and
 // o[2c + e] at dim o_dim_of(c, g, e) of each 16-dim block c. Each of the four warps takes a
