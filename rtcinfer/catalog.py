@@ -30,12 +30,21 @@ class ModelShape:
     head_dim: int
     vocab: int
     qk_norm: bool = False
+    # MLA (DeepSeek's latent attention): the latent (ckv) and RoPE (kpe) dims of its cache and
+    # q's low rank; its prefill attends with q and k of head_dim + rope_dim dims over v of
+    # head_dim (num_kv_heads = num_qo_heads), its decode in the absorbed form over the cache
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    q_lora_rank: int = 0
 
 
 MODELS = {
     "llama3-8b": ModelShape(4096, 14336, 32, 8, 128, 128256),
     "llama3-70b": ModelShape(8192, 28672, 64, 8, 128, 128256),
     "qwen3-32b": ModelShape(5120, 25600, 64, 8, 128, 151936, qk_norm=True),
+    "deepseek-v3": ModelShape(
+        7168, 18432, 128, 128, 128, 129280, kv_lora_rank=512, rope_dim=64, q_lora_rank=1536
+    ),  # fmt: skip
 }
 
 # Opt-in shared memory per block (KB) by compute capability, which decode and prefill size their
@@ -79,6 +88,20 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
     kv_dtype = kv_dtype or dtype
     on = on or target("sm_90a")
+    if m.kv_lora_rank:
+        specs = _mla_specs(name, m, dtype, kv_dtype, on)
+    else:
+        specs = _attention_specs(m, dtype, kv_dtype, on)
+    logits = tuple(dict.fromkeys(("float32", dtype)))
+    specs += softmax_specs(m.vocab, logits, softmax_clusters(m.vocab, on.compute_capability))
+    clusters = cluster_choices(m.vocab, 4, on.compute_capability, on.max_smem)  # float32 probs
+    specs += sampler_specs(m.vocab, clusters)
+    specs += renorm_specs(m.vocab, logits)
+    return list(dict.fromkeys(specs))
+
+
+def _attention_specs(m: ModelShape, dtype: str, kv_dtype: str, on: Target) -> list:
+    """model_specs' layer and attention kernels of a model of GQA (or MHA) attention."""
     attention = (m.num_qo_heads, m.num_kv_heads, m.head_dim, dtype, kv_dtype, on.max_smem)
     specs = norm.specs_for(m.hidden, (dtype,))
     if m.qk_norm:
@@ -88,13 +111,32 @@ def model_specs(name: str, dtype: str = "bfloat16", kv_dtype: str | None = None,
     specs += page.specs_for(m.head_dim, kv_dtype)
     specs += decode_kernel.specs_for(*attention) + [decode_device_plan.SPEC]
     specs += prefill_kernel.specs_for(*attention, on.arch) + [PrefillItemsSpec()]
-    specs += cascade.specs_for(m.head_dim, dtype)
-    logits = tuple(dict.fromkeys(("float32", dtype)))
-    specs += softmax_specs(m.vocab, logits, softmax_clusters(m.vocab, on.compute_capability))
-    clusters = cluster_choices(m.vocab, 4, on.compute_capability, on.max_smem)  # float32 probs
-    specs += sampler_specs(m.vocab, clusters)
-    specs += renorm_specs(m.vocab, logits)
-    return list(dict.fromkeys(specs))
+    return specs + cascade.specs_for(m.head_dim, dtype)
+
+
+def _mla_specs(name: str, m: ModelShape, dtype: str, kv_dtype: str, on: Target) -> list:
+    """model_specs' layer and attention kernels of an MLA model: the norms (the hidden size
+    and the two low ranks), RoPE over rope_dim, the activation, the latent cache's append (ckv
+    and kpe rows), MLA over the cache (decode in 16-row tiles up to 16 heads, 32-row ones
+    beyond; a causal chunk of several queries in 32-row tiles), and the prefill
+    of head_dim + rope_dim q and k over head_dim v in every query tile (ragged, causal), with
+    the merges of its outputs."""
+    if kv_dtype != dtype:
+        raise ValueError(f"{name}: MLA's latent cache is of q's dtype ({dtype}), got {kv_dtype}")
+    specs = norm.specs_for(m.hidden, (dtype,))
+    specs += [norm.norm_spec("rmsnorm", dtype, dtype, n) for n in (m.q_lora_rank, m.kv_lora_rank)]
+    specs += activation.specs_for(m.intermediate, (dtype,))
+    specs += rope.specs_for(m.rope_dim, (dtype,))
+    specs += page.mla_specs_for(m.kv_lora_rank, m.rope_dim, dtype)
+    specs += [prefill_kernel.mla_spec(dtype, dtype, rows, causal, on.max_smem)
+              for rows, causal in ((16, False), (32, False), (32, True))]  # fmt: skip
+    qk, v = m.head_dim + m.rope_dim, m.head_dim
+    spec = prefill_kernel.prefill_spec
+    for rows in prefill_kernel.TILE_ROWS:
+        wgmma = prefill_kernel.use_wgmma(on.arch, rows, "NONE", dtype, dtype)
+        specs.append(spec(dtype, dtype, qk, rows, True, max_smem=on.max_smem, ragged=True,
+                          wgmma=wgmma, head_dim_vo=v))  # fmt: skip
+    return specs + [PrefillItemsSpec()] + cascade.specs_for(v, dtype)
 
 
 def shipped_specs() -> list:

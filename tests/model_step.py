@@ -56,13 +56,18 @@ class CupyArrays:
 
 
 def _layer(m, dtype: str, arrays, tokens: int = 6) -> None:
-    """Norms, RoPE in every position form, the activation, on a few tokens."""
+    """Norms, RoPE in every position form, the activation, on a few tokens (MLA: the norms of
+    its two low ranks too, RoPE on the rope_dim parts of q's heads and of the one shared k)."""
     zeros, ints = arrays.zeros, arrays.ints
     hq, hkv, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
     x, residual = zeros((tokens, m.hidden), dtype), zeros((tokens, m.hidden), dtype)
     w = zeros((m.hidden,), dtype)
     rtcinfer.rmsnorm(x, w)
     rtcinfer.fused_add_rmsnorm(x, residual, w)
+    if m.kv_lora_rank:
+        for rank in (m.q_lora_rank, m.kv_lora_rank):
+            rtcinfer.rmsnorm(zeros((tokens, rank), dtype), zeros((rank,), dtype))
+        hkv, d = 1, m.rope_dim
     q, k = zeros((tokens, hq, d), dtype), zeros((tokens, hkv, d), dtype)
     if m.qk_norm:
         rtcinfer.rmsnorm(q, zeros((d,), dtype))
@@ -175,6 +180,55 @@ def _prefill(m, dtype: str, kv_dtype: str, arrays) -> None:
     ragged.run(q, k, v)
 
 
+def _mla(m, dtype: str, arrays) -> None:
+    """MLA's attention: one token a request appended to the latent cache (as _append), then
+    over the cache decode (a query a request) and a causal chunk of 4 queries a request, with
+    all the heads (32-row tiles) and with a tensor-parallel shard of 16 (16-row tiles); the
+    prefill of head_dim + rope_dim q and k over head_dim v (ragged, causal) in each query tile,
+    its merges, and a batch whose tiles fill the GPU."""
+    zeros, ints = arrays.zeros, arrays.ints
+    ckv_dim, kpe_dim, batch = m.kv_lora_rank, m.rope_dim, len(DECODE_LENGTHS)
+    table = page_table_for(DECODE_LENGTHS, PAGE, np.random.default_rng(0))
+    ckv, kpe = zeros((table[3], PAGE, ckv_dim), dtype), zeros((table[3], PAGE, kpe_dim), dtype)
+    rows = zeros((batch, ckv_dim), dtype), zeros((batch, kpe_dim), dtype)
+    for index in ("int32", "int64"):
+        indptr, indices, last = (ints(x, index) for x in table[:3])
+        seq_lens = rtcinfer.get_seq_lens(indptr, last, PAGE)
+        bi, pos = rtcinfer.get_batch_indices_positions(ints(np.arange(batch + 1), index),
+                                                       seq_lens, batch)  # fmt: skip
+        for rows_index in ("int32", "int64"):
+            if rows_index == "int64":
+                bi, pos = (ints(np.zeros(batch), "int64") for _ in range(2))
+            rtcinfer.append_paged_mla_kv_cache(*rows, bi, pos, ckv, kpe, indices, indptr, last)
+    kv_len = np.asarray(DECODE_LENGTHS, np.int32)
+    for heads in (m.num_qo_heads, 16):
+        for q_len, causal in ((1, False), (4, True)):
+            qo_indptr = np.arange(batch + 1, dtype=np.int32) * q_len
+            wrapper = rtcinfer.BatchMLAPagedAttentionWrapper()
+            wrapper.plan(qo_indptr, table[0], table[1], np.maximum(kv_len, q_len), heads,
+                         ckv_dim, kpe_dim, PAGE, causal, 0.1, dtype, dtype)  # fmt: skip
+            n = batch * q_len
+            wrapper.run(zeros((n, heads, ckv_dim), dtype), zeros((n, heads, kpe_dim), dtype),
+                        ckv, kpe)  # fmt: skip
+    hq, qk, v = m.num_qo_heads, m.head_dim + m.rope_dim, m.head_dim
+    for tile_rows in TILE_ROWS:  # one head a kv head: a query a packed row
+        qo_indptr = np.arange(3, dtype=np.int32) * tile_rows
+        ragged = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+        ragged.plan(qo_indptr, qo_indptr, hq, hq, qk, head_dim_vo=v, causal=True,
+                    q_data_type=dtype)  # fmt: skip
+        q, k = (zeros((2 * tile_rows, hq, qk), dtype) for _ in range(2))
+        o, lse = ragged.run(q, k, zeros((2 * tile_rows, hq, v), dtype), return_lse=True)
+        rtcinfer.merge_state(o, lse, o, lse)
+        rtcinfer.merge_state_in_place(o, lse, o, lse)
+        rtcinfer.merge_state_in_place(o, lse, o, lse, mask=zeros((2 * tile_rows,), "bool"))
+    rtcinfer.merge_states(zeros((3, 2, hq, v), dtype), zeros((3, 2, hq), "float32"))
+    qo_indptr = np.arange(65, dtype=np.int32) * 64  # 64-row tiles that fill the GPU
+    ragged = rtcinfer.BatchPrefillWithRaggedKVCacheWrapper()
+    ragged.plan(qo_indptr, qo_indptr, hq, hq, qk, head_dim_vo=v, causal=True, q_data_type=dtype)
+    n = int(qo_indptr[-1])
+    ragged.run(zeros((n, hq, qk), dtype), zeros((n, hq, qk), dtype), zeros((n, hq, v), dtype))
+
+
 def _sample(m, dtype: str, arrays, batches) -> None:
     """Softmax, every sampler and renorm, on logits of float32 and of the model's dtype."""
     for batch in batches:
@@ -201,8 +255,11 @@ def run(name: str, dtype: str, kv_dtype: str | None, arrays,
     m = catalog.MODELS[name]
     kv_dtype = kv_dtype or dtype
     _layer(m, dtype, arrays)
-    _decode(m, dtype, kv_dtype, arrays)
-    _prefill(m, dtype, kv_dtype, arrays)
+    if m.kv_lora_rank:
+        _mla(m, dtype, arrays)
+    else:
+        _decode(m, dtype, kv_dtype, arrays)
+        _prefill(m, dtype, kv_dtype, arrays)
     _sample(m, dtype, arrays, sampling_batches)
 
 

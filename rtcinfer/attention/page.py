@@ -427,10 +427,21 @@ def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
     return [PageSpec(row_bytes, 16, t, r) for t in kinds for r in kinds] + [*INDEX_SPECS.values()]
 
 
+def mla_specs_for(ckv_dim: int, kpe_dim: int, dtype: str) -> list[PageSpec]:
+    """specs_for of MLA's latent cache (append_paged_mla_kv_cache): rows of ckv_dim and kpe_dim
+    elements of dtype, appended as one (k, v) pair."""
+    item = itemsize(dtype)
+    kinds = ("int32", "int64")
+    return [PageSpec(ckv_dim * item, 16, t, r, kpe_dim * item) for t in kinds for r in kinds] + [
+        *INDEX_SPECS.values()
+    ]
+
+
 __all__ = [
     "PageSpec",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
+    "mla_specs_for",
     "get_batch_indices_positions",
     "get_seq_lens",
     "specs_for",
