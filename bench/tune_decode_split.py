@@ -5,7 +5,7 @@ and prefill_kernel.py (the tensor-core decode's tile and split) come from these 
   chunks  the CUDA-core decode over mixed and uniform batches: the planner's choice ("auto"),
           one item per request ("whole"), fixed chunks of pages, and a CUDA-graph wrapper of
           the batch's capacity ("graph auto")
-  tc      use_tensor_cores=True (the prefill kernel's 16-row tiles) beside the CUDA-core
+  tc      use_tensor_cores=True (the prefill kernel's 8-row tiles) beside the CUDA-core
           decode: KV tile keys x ring stages x fixed split (pages), bf16 and e4m3 KV; fp8
           read from the ring (fp8_direct, the default) or widened into staging tiles
 
@@ -24,7 +24,7 @@ from bench.bench_decode import random_cache
 from bench.bench_prefill import PAGE, page_table
 from bench.common import Table, Tables, cupy, graph_time_us, header
 from rtcinfer.attention import prefill_launch
-from rtcinfer.attention.prefill_kernel import prefill_spec, wide_decode_spec
+from rtcinfer.attention.prefill_kernel import busy_decode_spec, prefill_spec, wide_decode_spec
 from rtcinfer.interop.dtypes import numpy_dtype
 
 HQ, HKV, D = 32, 8, 128  # page: bench_prefill's PAGE (16)
@@ -83,15 +83,17 @@ def chunk_rows() -> Table:
 
 
 def forced(kv_tile: int, stages: int, direct: bool):
-    """prefill_launch's spec choice replaced: 16-row tiles take (kv_tile, stages), fp8 ones
-    read from the ring when `direct` (and a small batch keeps them: no wide_decode_spec)."""
+    """prefill_launch's spec choice replaced: decode tiles (8 and 16 rows) take (kv_tile,
+    stages), fp8 ones read from the ring when `direct` (and every batch keeps them: no
+    wide_decode_spec or busy_decode_spec)."""
     prefill_launch.wide_decode_spec = lambda spec, max_smem: None
+    prefill_launch.busy_decode_spec = lambda spec: None
 
     def spec(q_dtype, o_dtype, head_dim, rows, *args, **kw):
         chosen = prefill_spec(
-            q_dtype, o_dtype, head_dim, rows, *args, **kw, fp8_direct=direct and rows == 16
+            q_dtype, o_dtype, head_dim, rows, *args, **kw, fp8_direct=direct and rows <= 16
         )
-        if rows != 16:
+        if rows > 16:
             return chosen
         return dataclasses.replace(chosen, kv_tile=kv_tile, stages=stages)
 
@@ -126,6 +128,7 @@ def tc_rows() -> Table:
                 table.add(label, dtype, core, kv_tile, stages, read, smem, *times)
     prefill_launch.prefill_spec = prefill_spec
     prefill_launch.wide_decode_spec = wide_decode_spec
+    prefill_launch.busy_decode_spec = busy_decode_spec
     return table
 
 
