@@ -138,13 +138,13 @@ def prefill_spec(
     registers capped for two CTAs a SM (`min_ctas`, without a custom mask: 1.2x faster than one
     CTA on the H200; the row table, paged_rows.cuh, keeps the 128-row kernel within 128
     registers without spills on NVRTC 13.5, and tests/test_jit.py keeps any spill out of the
-    loops), else 3
-    stages where they fit; an explicit warp_rows asks for the mma.sync kernel with that warp
-    shape instead. `fp8_direct`: fp8 K/V of a 16-row tile without RoPE read by the MMAs from
-    the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim 256), 3 stages where
-    they fit; None: wherever it applies, False: widened into staging tiles (64-key tiles, 2
-    stages). `head_dim_vo` (DIM_PAIRS): v's dims where they are fewer than q's and k's, with
-    16-row warps and 64-key tiles, 16-bit KV, RoPE outside the kernel (_unequal_dims_spec)."""
+    loops), else 3 stages where they fit; an explicit warp_rows asks for the mma.sync kernel
+    with that warp shape instead. `fp8_direct`: fp8 K/V of an 8- or 16-row tile without RoPE
+    read by the MMAs from the ring (PrefillSpec.fp8_direct) in 128-key tiles (64 at head_dim
+    256; busy_decode_spec's 64 on a batch that fills the GPU), 3 stages where they fit;
+    None: wherever it applies, False: widened into staging tiles (64-key tiles, 2 stages).
+    `head_dim_vo` (DIM_PAIRS): v's dims where they are fewer than q's and k's, with 16-row
+    warps and 64-key tiles, 16-bit KV, RoPE outside the kernel (_unequal_dims_spec)."""
     if head_dim_vo is not None and head_dim_vo != head_dim:
         return _unequal_dims_spec(q_dtype, o_dtype, head_dim, head_dim_vo, tile_rows, causal,
                                   pos_encoding_mode, soft_cap, max_smem, custom_mask, kv_dtype,
@@ -199,10 +199,10 @@ def prefill_spec(
 
 @functools.lru_cache(maxsize=256)  # plan() asks on every call
 def wide_decode_spec(spec: PrefillSpec, max_smem: int) -> PrefillSpec | None:
-    """The 16-row tile over 128-key K/V tiles in a 3-stage ring, for a decode-shaped batch too
-    small to give every SM a CTA (plan_launch): not causal, 16-bit KV, head_dim <= 128, no
-    in-kernel RoPE or custom mask, where the ring fits max_smem (one CTA a SM); None
-    elsewhere. On an H200 (bf16, 32 / 8 heads, head_dim 128, graph us;
+    """The 8- or 16-row tile over 128-key K/V tiles in a 3-stage ring, for a decode-shaped
+    batch too small to give every SM a CTA (plan_launch): not causal, 16-bit KV, head_dim <=
+    128, no in-kernel RoPE or custom mask, where the ring fits max_smem (one CTA a SM); None
+    elsewhere. On an H200 (bf16, 32 / 8 heads, head_dim 128, graph us, 16-row tiles;
     bench/tune_decode_split.py): 1 x 32768 tokens 41.2 against 43.5 in 64-key tiles, 16 x 4096
     68.7 against 71.0; batches that fill the GPU are faster in 64-key tiles with two CTAs a SM
     (64 x 4096 251.7 against 257.9, 256 x 1024 255.0 against 271.7)."""
