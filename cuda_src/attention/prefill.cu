@@ -10,10 +10,11 @@
 // [kv_begin, kv_end) of one KV chunk. Items past the plan's count exit at once.
 // Block: TILE_ROWS / WARP_ROWS row warps; row warp w owns rows WARP_ROWS w.. in blocks of 16
 // (ROW_BLOCKS of them: each K/V fragment a warp loads feeds that many MMAs) and keeps, per
-// thread, the softmax state of rows g and g + 8 of each block (FA2 style). A 16-row tile
-// (decode-like batches) has four
-// warps on its rows instead, each taking a quarter of every K/V tile's keys; their states
-// merge through shared memory at the end (KV_WARPS). In each warp: S = Q K^T and O += P V by mma.m16n8k16,
+// thread, the softmax state of rows g and g + 8 of each block (FA2 style). An 8- or 16-row
+// tile (decode-like batches) has four warps on its rows instead, each taking a quarter of
+// every K/V tile's keys; their states merge through shared memory at the end (KV_WARPS); an
+// 8-row tile puts the keys on the MMAs' M side (KEY_MAJOR, prefill_key_major.cuh: thread rows
+// 2t and 2t + 1). In each warp: S = Q K^T and O += P V by mma.m16n8k16,
 // operands through ldmatrix from swizzled tiles (prefill_fragments.cuh), P rounded to the
 // 16-bit type. K/V tiles of KV_TILE keys stream through a STAGES-deep cp.async ring, starting
 // at the KV_TILE-aligned key below kv_begin (a row's reduction order depends on its own keys
