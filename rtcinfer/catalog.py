@@ -127,7 +127,7 @@ def _mla_specs(name: str, m: ModelShape, dtype: str, kv_dtype: str, on: Target) 
     specs += [norm.norm_spec("rmsnorm", dtype, dtype, n) for n in (m.q_lora_rank, m.kv_lora_rank)]
     specs += activation.specs_for(m.intermediate, (dtype,))
     specs += rope.specs_for(m.rope_dim, (dtype,))
-    specs += page.mla_specs_for(m.kv_lora_rank, m.rope_dim, dtype)
+    specs += page.specs_for(m.kv_lora_rank, dtype, m.rope_dim)
     specs += [prefill_kernel.mla_spec(dtype, dtype, rows, causal, on.max_smem)
               for rows, causal in ((16, False), (32, False), (32, True))]  # fmt: skip
     qk, v = m.head_dim + m.rope_dim, m.head_dim

@@ -418,21 +418,17 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     return call(_POSITIONS, (append_indptr, seq_lens, batch_indices, positions), (nnz,))
 
 
-def specs_for(head_dim: int, kv_dtype: str) -> list[PageSpec]:
+def specs_for(head_dim: int, kv_dtype: str, v_head_dim: int | None = None) -> list[PageSpec]:
     """What a serving loop's cache bookkeeping uses (warmup): the append of rows of head_dim
-    elements of kv_dtype (16-byte copies: aligned arrays) and the index ops' modules, for int32
-    and int64 index arrays (a table of one, positions from get_batch_indices_positions int32)."""
-    row_bytes = head_dim * itemsize(kv_dtype)
+    elements of kv_dtype (V's of v_head_dim where a (k, v) pair's differ, as MLA's ckv and kpe
+    for append_paged_mla_kv_cache; 16-byte copies: aligned arrays) and the index ops' modules,
+    for int32 and int64 index arrays (a table of one, positions from
+    get_batch_indices_positions int32)."""
+    item = itemsize(kv_dtype)
+    row_bytes = head_dim * item
+    v = 0 if v_head_dim in (None, head_dim) else v_head_dim * item  # as _append_kernel names it
     kinds = ("int32", "int64")
-    return [PageSpec(row_bytes, 16, t, r) for t in kinds for r in kinds] + [*INDEX_SPECS.values()]
-
-
-def mla_specs_for(ckv_dim: int, kpe_dim: int, dtype: str) -> list[PageSpec]:
-    """specs_for of MLA's latent cache (append_paged_mla_kv_cache): rows of ckv_dim and kpe_dim
-    elements of dtype, appended as one (k, v) pair."""
-    item = itemsize(dtype)
-    kinds = ("int32", "int64")
-    return [PageSpec(ckv_dim * item, 16, t, r, kpe_dim * item) for t in kinds for r in kinds] + [
+    return [PageSpec(row_bytes, 16, t, r, v) for t in kinds for r in kinds] + [
         *INDEX_SPECS.values()
     ]
 
@@ -441,7 +437,6 @@ __all__ = [
     "PageSpec",
     "append_paged_kv_cache",
     "append_paged_mla_kv_cache",
-    "mla_specs_for",
     "get_batch_indices_positions",
     "get_seq_lens",
     "specs_for",
