@@ -58,31 +58,26 @@ def spec_for(cfg: PrefillConfig, tile_rows: int, max_smem: int, wgmma: bool):
 
 
 def kernel_for(cfg: PrefillConfig, tile_rows: int, device: int, max_smem: int, wgmma: bool,
-               decode_tiles: str | None = None):  # fmt: skip
+               spec=None):  # fmt: skip
     """(the kernel of a configuration and tile, its resident CTAs per SM on the device);
-    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; decode_tiles
-    (decode_tiles_of): "wide", 128-key K/V tiles for a decode-shaped batch that leaves SMs
-    idle (wide_decode_spec), or "busy", fp8's 64-key ones for one that fills them
-    (busy_decode_spec)."""
-    spec = spec_for(cfg, tile_rows, max_smem, wgmma)
-    if decode_tiles == "wide":
-        spec = wide_decode_spec(spec, max_smem) or spec
-    elif decode_tiles == "busy":
-        spec = busy_decode_spec(spec) or spec
+    wgmma: wgmma_on(cfg, device), whose kernel takes 64- and 128-row tiles; spec: a variant of
+    the tile's kernel to take instead (decode_tile_spec's), else spec_for's."""
+    spec = spec or spec_for(cfg, tile_rows, max_smem, wgmma)
     k = kernel(spec)
     return k, max(1, k.occupancy(device, spec.threads))
 
 
 def chosen_kernel(kernels: dict, cfg: PrefillConfig, device: int, max_smem: int,
-                  tile_rows: int | None = None, decode_tiles: str | None = None):  # fmt: skip
-    """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile,
-    asked once per configuration: `kernels` is a wrapper's cache, emptied when its
-    configuration changes (RTCINFER_PREFILL_WGMMA is read at the configuration's first plan)."""
+                  tile_rows: int | None = None, spec=None):  # fmt: skip
+    """wgmma_on(cfg, device) (tile_rows None) or kernel_for's (kernel, CTAs a SM) of a tile
+    (or of its variant `spec`), asked once per configuration: `kernels` is a wrapper's cache,
+    emptied when its configuration changes (RTCINFER_PREFILL_WGMMA is read at the
+    configuration's first plan)."""
     if None not in kernels:
         kernels[None] = wgmma_on(cfg, device)
-    key = (tile_rows, decode_tiles) if decode_tiles else tile_rows
+    key = (tile_rows, spec) if spec else tile_rows
     if key not in kernels:
-        kernels[key] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None], decode_tiles)
+        kernels[key] = kernel_for(cfg, tile_rows, device, max_smem, kernels[None], spec)
     return kernels[key]
 
 
@@ -95,17 +90,17 @@ def leaves_sms_idle(qo_indptr, group_size: int, num_kv_heads: int, num_sms: int,
     return int((-(-qo_len * group_size // tile_rows)).sum()) * num_kv_heads <= num_sms
 
 
-def decode_tiles_of(cfg: PrefillConfig, qo_indptr, tile_rows: int, limits: tuple) -> str | None:
-    """The K/V tiles of a decode-shaped batch (8- or 16-row tiles): "wide" (wide_decode_spec)
-    where its CTAs leave SMs idle, "busy" (busy_decode_spec) where they do not, None where the
-    configuration's kernel has no such variant."""
+def decode_tile_spec(cfg: PrefillConfig, qo_indptr, tile_rows: int, limits: tuple):
+    """The variant kernel of a decode-shaped batch (8- or 16-row tiles): wide_decode_spec's
+    128-key K/V tiles where its CTAs leave SMs idle, busy_decode_spec's (fp8's 64-key tiles)
+    where they do not; None where the configuration's kernel has no such variant."""
     if tile_rows > 16 or cfg.mla:
         return None
     num_sms, max_smem = limits
     spec = spec_for(cfg, tile_rows, max_smem, False)
     if leaves_sms_idle(qo_indptr, cfg.attn.group_size, cfg.attn.num_kv_heads, num_sms, tile_rows):
-        return "wide" if wide_decode_spec(spec, max_smem) is not None else None
-    return "busy" if busy_decode_spec(spec) is not None else None
+        return wide_decode_spec(spec, max_smem)
+    return busy_decode_spec(spec)
 
 
 def plan_launch(
@@ -127,10 +122,10 @@ def plan_launch(
     wgmma = chosen_kernel(kernels, cfg, device, max_smem)
     if tile_rows is None:
         tile_rows = pick_tile_rows(cfg, qo_indptr, wgmma=wgmma)
-    decode_tiles = None  # not where a fixed capacity (a CUDA graph, a plan array) fixes the kernel
+    variant = None  # not where a fixed capacity (a CUDA graph, a plan array) fixes the kernel
     if max_work is None:
-        decode_tiles = decode_tiles_of(cfg, qo_indptr, tile_rows, limits)
-    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, decode_tiles)
+        variant = decode_tile_spec(cfg, qo_indptr, tile_rows, limits)
+    k, ctas = chosen_kernel(kernels, cfg, device, max_smem, tile_rows, variant)
     spec = k.spec
     if fixed_split_size is not None and int(fixed_split_size) == -1:
         fixed_split_size = None
@@ -171,7 +166,7 @@ def plan_launch(
 __all__ = [
     "MAX_GRID_Y",
     "chosen_kernel",
-    "decode_tiles_of",
+    "decode_tile_spec",
     "kernel_for",
     "leaves_sms_idle",
     "pick_tile_rows",
