@@ -109,6 +109,26 @@ def test_min_ctas_caps_the_registers():
     assert capped.cubin != uncapped.cubin
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("ragged", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_128_row_wgmma_tiles_fit_two_ctas_a_sm(head_dim, dtype, ragged, causal):
+    """The 128-row warpgroup-MMA prefill kernel was measured fastest with two CTAs of 256
+    threads on each SM (bench/RESULTS.md: one CTA a SM loses 20-40%): its registers (at most
+    128 a thread) and shared memory leave room for two. Over a ragged cache nothing caps the
+    registers (126-127 with NVRTC 13.5, by the compiler's choice): a change anywhere in the
+    kernel can push them past 128 and halve the CTAs a SM without any other sign, so this
+    test says so at once."""
+    from rtcinfer import jit
+
+    spec = prefill_spec(dtype, dtype, head_dim, 128, causal, ragged=ragged, wgmma=True)
+    assert spec.threads == 256
+    usage = jit.compile_spec(spec, "sm_90a").meta["resources"]["prefill_kernel"]
+    assert usage["registers"] <= 65536 // (2 * spec.threads), usage
+    assert 2 * (spec.smem_bytes + 1024) <= 228 * 1024  # 1 KB a CTA reserved by the driver
+
+
 @pytest.mark.parametrize("form", ["ragged", "paged"])
 @pytest.mark.parametrize("prompt,expect", [(8, 64), (128, 128), (512, 128), (1024, 128)])
 def test_wgmma_tiles_over_a_paged_cache(monkeypatch, form, prompt, expect):
