@@ -3,10 +3,12 @@ calls as XLA launches (xla_launch) or an FFI handler (jax_ffi)."""
 
 from .arrays import as_cupy, device_of, dtype_name, framework
 from .call import call, release
-from .prepared import ArrayInfo, Op, OutSlot, Prepared, dense_strides, no_launch
+from .fill import Fill
+from .prepared import ArrayInfo, Op, OutSlot, Prepared, dense_strides, no_launch, one_launch
 
 __all__ = [
     "ArrayInfo",
+    "Fill",
     "Op",
     "OutSlot",
     "Prepared",
@@ -17,5 +19,6 @@ __all__ = [
     "dtype_name",
     "framework",
     "no_launch",
+    "one_launch",
     "release",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .dtypes import numpy_dtype
+from .fill import Fill
 
 
 class ArrayInfo(NamedTuple):
@@ -93,8 +94,25 @@ class Prepared:
     on_trace: Callable[[], None] | None = None
     keep: object = None  # what the launch reads that it owns (device memory of its own)
     one_device: bool = False  # the process sees one GPU: it is current (set by call)
+    # One launch whose call-dependent fields `fill` writes (one_launch): run fills them and
+    # launches under the launch's lock, as the shortcut (interop/shortcut.py) does inline.
+    launch: object = None
+    fill: Fill | None = None
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
+
+
+def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, **fields) -> Prepared:
+    """The Prepared of a call that is one launch (rtcinfer.launch.Launch): `fill` writes the
+    call's pointers and scalars into launch.params, then it launches, under launch.lock (calls
+    sharing the launch write the same block). `fields`: Prepared's others."""
+    lines = ["def run(stream, device, ptrs, scalars):", "    _lock.acquire()", "    try:",
+             *fill.lines("_p", "        "), "        _launch(stream, device)", "    finally:",
+             "        _lock.release()"]  # fmt: skip
+    names = {"_lock": launch.lock, "_launch": launch, **fill.names("_p", launch.params)}
+    exec(compile("\n".join(lines) + "\n", f"<run of {launch!r}>", "exec"), names)
+    return Prepared(outs, names["run"], preload=launch.preload, launch=launch, fill=fill,
+                    **fields)  # fmt: skip
 
 
 def no_launch(stream, device, ptrs, scalars) -> None:
@@ -129,4 +147,13 @@ def common_align(bits: int) -> int:
     return 16 if bits == 0 else bits & -bits
 
 
-__all__ = ["ArrayInfo", "Op", "OutSlot", "Prepared", "common_align", "dense_strides", "no_launch"]
+__all__ = [
+    "ArrayInfo",
+    "Op",
+    "OutSlot",
+    "Prepared",
+    "common_align",
+    "dense_strides",
+    "no_launch",
+    "one_launch",
+]

@@ -12,8 +12,10 @@ signature. A branch is taken only where call() would take the same path to the s
 every slot array of the branch's framework (a torch.Tensor or a subclass, as call() takes
 them: an nn.Parameter weight; a cupy.ndarray itself), a given output too (`out=`: its
 attributes are part of the key, as in call()'s), no launching_on stream, PyTorch not tracing
-(torch.compile), and a prepared call with no dense copies and one GPU in the process (learn
-keeps no shortcut for the others). The shortcuts live in the op's cache (dropped with it)."""
+(torch.compile), and a prepared call of one launch (prepared.one_launch) with no dense
+copies and one GPU in the process (learn keeps no shortcut for the others). A hit fills the
+launch's parameters and issues it in the branch's one more frame (_launcher). The shortcuts
+live in the op's cache (dropped with it)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+from ..launch import RECORDINGS
 from .prepared import Op
 
 _call = importlib.import_module(".call", __package__)  # the module (the package's `call` is
@@ -125,7 +128,7 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
         f"                           {cut.scalars})",
         f"        _result = {call_fn}",
         "        if _launch is None:  # False: learnt, and no shortcut for it",
-        f"            _learn(_op, _key, ({', '.join(values)},), _static)",
+        f"            _learn(_op, _key, ({', '.join(values)},), _static, _d)",
         "        return _result",
     ]
     return "\n".join(lines) + "\n"
@@ -138,16 +141,16 @@ def names(cut: Shortcut) -> dict:
             **{f.__name__: f for f in cut.helpers}}  # fmt: skip
 
 
-def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
-    """Keep under `key` the launch of the signature call() has just prepared for `arrays`,
-    where the shortcut takes the same path (module docstring)."""
+def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None:
+    """Keep under `key` the launch of the signature call() has just prepared for `arrays` on
+    `device`, where the shortcut takes the same path (module docstring)."""
     torch = key[0] is TAG
     call_key = (_call.torch_call_key if torch else _call.cupy_call_key)(op, arrays, static)
     prep = op.cache.get(call_key)
     if prep is None:  # the call raised or went elsewhere: learn it at the next call
         return
     op.cache[key] = False  # no shortcut for the signature, unless made below
-    if prep.dense or not prep.one_device:
+    if prep.dense or not prep.one_device or prep.fill is None or prep.scratch:
         return
     kit = _torch_kit() if torch else _cupy_kit()
     outs = []  # (input slot, it is the output itself) or (None, a maker of the new output)
@@ -158,7 +161,7 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple) -> None:
             outs.append((slot.like, False))
         else:
             outs.append((None, kit.new(slot.shape, slot.dtype, arrays[0])))
-    op.cache[key] = _launcher(outs, prep.run, prep.scratch, kit)
+    op.cache[key] = _launcher(outs, prep, kit, device, partial(op.cache.__setitem__, key))
 
 
 class _Kit(NamedTuple):
@@ -193,70 +196,54 @@ def _cupy_kit() -> _Kit:
                 lambda a: a.data.ptr, new)  # fmt: skip
 
 
-def _launcher(outs: list, run, scratch: int, kit: _Kit):
+def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=None):
     """launch(arrays, ptrs, device, scalars) -> what call() returns: the outputs allocated as
-    call() allocates them (`outs`: learn's list), their pointers appended, `run` launched."""
-    stream, new_like, address = kit.stream, kit.new_like, kit.address
-    if not scratch and all(same is True for _, same in outs):  # in place: outputs are inputs
-        sources = [i for i, _ in outs]
-        if len(sources) == 1:
-            (i,) = sources
+    call() allocates them (`outs`: learn's list), their pointers appended, and prep's one
+    launch issued as its run would (prepared.one_launch): the pointers and scalars written
+    (prep.fill's statements) and the launch issued under its lock, in this one frame; while a
+    recording is under way, through prep.run. Generated for the pattern of outputs. `issue`:
+    the launch's issuer on `device`; None: the first launch asks for it (loading the kernel,
+    which a call recorded only has not) and keep()s the launcher made with it in its place."""
+    launch = prep.launch
+    if issue is None:
 
-            def launch(arrays, ptrs, device, scalars):
-                ptrs.append(ptrs[i])
-                run(stream(device), device, ptrs, scalars)
-                return arrays[i]
+        def issue(stream: int) -> int:  # the first launch: made with the issuer from now on
+            found = launch.issuer(device)
+            keep(_launcher(outs, prep, kit, device, keep, found))
+            return found(stream)
 
-            return launch
-        if len(sources) == 2:
-            i, j = sources
-
-            def launch(arrays, ptrs, device, scalars):
-                ptrs += (ptrs[i], ptrs[j])
-                run(stream(device), device, ptrs, scalars)
-                return arrays[i], arrays[j]
-
-            return launch
-    if not scratch and all(i is not None and same is False for i, same in outs):  # new, like
-        likes = [i for i, _ in outs]  # inputs
-        if len(likes) == 1:
-            (i,) = likes
-
-            def launch(arrays, ptrs, device, scalars):
-                out = new_like(arrays[i])
-                ptrs.append(address(out))
-                run(stream(device), device, ptrs, scalars)
-                return out
-
-            return launch
-        if len(likes) == 2:
-            i, j = likes
-
-            def launch(arrays, ptrs, device, scalars):
-                a, b = new_like(arrays[i]), new_like(arrays[j])
-                ptrs += (address(a), address(b))
-                run(stream(device), device, ptrs, scalars)
-                return a, b
-
-            return launch
-
-    def launch(arrays, ptrs, device, scalars):
-        results = []
-        for i, same in outs:
-            if i is None:
-                out = same()
-            elif same:
-                ptrs.append(ptrs[i])
-                results.append(arrays[i])
-                continue
-            else:
-                out = new_like(arrays[i])
-            ptrs.append(address(out))
-            results.append(out)
-        run(stream(device), device, ptrs, scalars)
-        return _call.returned(results, scratch)
-
-    return launch
+    names = {"_stream": kit.stream, "_new_like": kit.new_like, "_address": kit.address,
+             "_run": prep.run, "_issue": issue, "_lock": launch.lock, "_failed": launch.failed,
+             "_recordings": RECORDINGS, **prep.fill.names("_p", launch.params)}  # fmt: skip
+    lines, results = ["def launch(arrays, ptrs, device, scalars):"], []
+    for n, (i, same) in enumerate(outs):
+        if i is None:  # a new array of its own shape
+            names[f"_new{n}"] = same
+            lines += [f"    o{n} = _new{n}()", f"    ptrs.append(_address(o{n}))"]
+            results.append(f"o{n}")
+        elif same:  # an input, updated in place, or a given out=
+            lines.append(f"    ptrs.append(ptrs[{i}])")
+            results.append(f"arrays[{i}]")
+        else:  # a new array like input i
+            lines += [f"    o{n} = _new_like(arrays[{i}])", f"    ptrs.append(_address(o{n}))"]
+            results.append(f"o{n}")
+    lines += [
+        "    stream = _stream(device)",
+        "    if _recordings[0]:",
+        "        _run(stream, device, ptrs, scalars)",
+        "    else:",
+        "        _lock.acquire()",
+        "        try:",
+        *prep.fill.lines("_p", "            "),
+        "            status = _issue(stream)",
+        "        finally:",
+        "            _lock.release()",
+        "        if status:",
+        "            _failed(status, stream, device)",
+        f"    return {results[0] if len(results) == 1 else '(' + ', '.join(results) + ')'}",
+    ]
+    exec(compile("\n".join(lines) + "\n", f"<shortcut launch of {launch!r}>", "exec"), names)
+    return names["launch"]
 
 
 __all__ = ["CUPY_TAG", "Shortcut", "TAG", "learn", "names", "source"]

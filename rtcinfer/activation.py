@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import jit
-from .interop import Op, OutSlot, Prepared, call, dense_strides
+from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .interop.shortcut import Shortcut
@@ -72,16 +72,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     p = launch.params
     p.xs0, p.xs1, p.os0, p.os1, p.n1, p.d = xs0, xs1, ys0, ys1, n1, d
 
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.x, p.out = ptrs[0], ptrs[2]
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
-    return Prepared((OutSlot(shape, x.dtype, 1 if out is not None else None),), run,
-                    preload=launch.preload)  # fmt: skip
+    outs = (OutSlot(shape, x.dtype, 1 if out is not None else None),)
+    return one_launch(outs, launch, Fill((("x", 0), ("out", 2))))
 
 
 _OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))

@@ -42,6 +42,8 @@ _DEPENDENT_DEVICES = dependent_launch.DEVICES  # device -> its launches are depe
 _RECORDING = threading.local()  # .steps: the list a recording() in this thread appends to
 _recorders = [0]  # recordings under way in any thread (a launch reads the thread-local, which
 _recorders_lock = threading.Lock()  # costs a microsecond when unset, only while one is)
+RECORDINGS = _recorders  # [how many recordings are under way]: a caller of Launch.issuer's
+# issue must launch through Launch.__call__ instead while it is not 0
 
 
 class NotRecordable(RuntimeError):
@@ -252,6 +254,11 @@ class Kernel:
         return f"Kernel({self.name} of {self.spec!r})"
 
 
+def _issue_nothing(stream: int) -> int:
+    """The issue of an empty grid (Launch.issuer)."""
+    return 0
+
+
 class Launch:
     """One kernel launch of a fixed geometry with its parameter block (`params`, filled by
     field name). Calls sharing a Launch take `lock` around writing their pointers and
@@ -289,7 +296,20 @@ class Launch:
             return self._first(stream, device)
         status = issue(stream)
         if status:
-            self._failed(status, stream, device)
+            self.failed(status, stream, device)
+
+    def issuer(self, device: int):
+        """issue(stream) -> CUresult: this launch on `device` as __call__ issues it, for a caller
+        that fills the parameters itself under `lock`, launches through __call__ while
+        RECORDINGS[0] is not 0 and hands a nonzero result to `failed` (the shortcut,
+        interop/shortcut.py). The kernel is loaded now; an empty grid issues nothing."""
+        if self.empty:
+            return _issue_nothing
+        dependent = dependent_launch.enabled(device)
+        issue = self._issuers[dependent].get(device)
+        if issue is None:
+            issue = self._issuers[dependent][device] = self._issuer(device, dependent)
+        return issue
 
     def _first(self, stream: int, device: int) -> None:
         """A launch while recording, of an empty grid, or the first on `device` (of its
@@ -306,7 +326,7 @@ class Launch:
             issue = self._issuers[dependent][device] = self._issuer(device, dependent)
         status = issue(stream)
         if status:
-            self._failed(status, stream, device)
+            self.failed(status, stream, device)
 
     def _issuer(self, device: int, dependent: bool):
         """issue(stream) -> CUresult: one launch on `device` through the driver. Dependent:
@@ -336,7 +356,7 @@ class Launch:
 
         return issue
 
-    def _failed(self, status: int, stream: int, device: int) -> None:
+    def failed(self, status: int, stream: int, device: int) -> None:
         """A launch returned `status`: a thread with no current context makes the device
         current and launches again; any other failure raises."""
         if status == CUDA_ERROR_INVALID_CONTEXT:
@@ -350,6 +370,7 @@ class Launch:
 
 
 __all__ = [
+    "RECORDINGS",
     "CudaError",
     "FillRecord",
     "Kernel",

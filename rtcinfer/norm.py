@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import jit
-from .interop import Op, OutSlot, Prepared, call, dense_strides
+from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
 from .interop.arrays import cast, compilable
 from .interop.dtypes import FLOAT_DTYPES, FP8_DTYPES, itemsize, normalize
 from .interop.shortcut import Shortcut
@@ -157,30 +157,16 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         y = out if out is not None else x._replace(strides=dense_strides(x.shape))
         arrays, names = [x, x, y, x], ["input", "residual", "out", "residual"]
     launch = _launch(norm_spec(op, dtype, weight.dtype, hidden), align, arrays, names)
-    p = launch.params
-    layer = op == "layernorm"
-
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            if fused and new_arrays:  # read input and residual, write the two outputs
-                p.x, p.residual, p.weight = ptrs[0], ptrs[1], ptrs[2]
-                p.out, p.residual_out, p.bias = ptrs[3], ptrs[4], ptrs[2]
-            elif fused:  # the outputs: the input and the residual (their XLA copies for JAX)
-                p.x = p.out = ptrs[3]
-                p.residual = p.residual_out = ptrs[4]
-                p.weight = p.bias = ptrs[2]
-            else:
-                p.x = p.residual = p.residual_out = ptrs[0]
-                p.out = ptrs[4]
-                p.weight = ptrs[1]
-                p.bias = ptrs[2] if layer else ptrs[1]
-            p.eps = scalars[0]
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
-    return Prepared(outs, run, preload=launch.preload)
+    if fused and new_arrays:  # read input and residual, write the two outputs
+        pointers = (("x", 0), ("residual", 1), ("weight", 2), ("bias", 2), ("out", 3),
+                    ("residual_out", 4))  # fmt: skip
+    elif fused:  # the outputs: the input and the residual, in place
+        pointers = (("x", 3), ("out", 3), ("residual", 4), ("residual_out", 4), ("weight", 2),
+                    ("bias", 2))  # fmt: skip
+    else:
+        pointers = (("x", 0), ("residual", 0), ("residual_out", 0), ("out", 4), ("weight", 1),
+                    ("bias", 2 if op == "layernorm" else 1))  # fmt: skip
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)))
 
 
 _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",))
@@ -248,20 +234,10 @@ def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
     spec = norm_spec(op, dtype, weight.dtype, hidden, out_dtype=out_dtype)
     launch = _launch(spec, align, [x, r, y, r_out if fused else x],
                      ["input", "residual", "out", "residual"])  # fmt: skip
-    p = launch.params
-
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.x, p.weight, p.bias, p.scale, p.out = ptrs[0], ptrs[2], ptrs[2], ptrs[4], ptrs[5]
-            p.residual = ptrs[1] if fused else ptrs[0]
-            p.residual_out = ptrs[6] if fused else ptrs[0]
-            p.eps, p.scale_value = scalars
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
-    return Prepared(outs, run, preload=launch.preload)
+    residual, residual_out = (1, 6) if fused else (0, 0)
+    pointers = (("x", 0), ("weight", 2), ("bias", 2), ("scale", 4), ("out", 5),
+                ("residual", residual), ("residual_out", residual_out))  # fmt: skip
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))))
 
 
 _QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale"), _prepare_quant,

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from . import errors, jit
 from .errors import BadIndex
-from .interop import Op, OutSlot, Prepared, call, dense_strides, no_launch
+from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, no_launch, one_launch
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .interop.shortcut import Shortcut
@@ -238,8 +238,7 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
     if spec.mode == "cos_sin_cache":  # positions index the table: checked on the device
         launch.params.max_pos = infos[3].shape[0]
         rec = errors.record(q.device)
-    return Prepared(outs, _step(launch, rec, errors.checking()), preload=launch.preload,
-                    dense=dense)  # fmt: skip
+    return _prepared(outs, launch, rec, errors.checking(), dense)
 
 
 def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
@@ -267,43 +266,40 @@ def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
     return launch
 
 
-def _step(launch: Launch, rec: errors.Record | None, check: bool):
-    """The per-call step of `launch`: pointers (q, k, the position slots, ..., then q_out and
-    k_out) and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none). With a
-    cos/sin cache (`rec`: the record of its device), a call first raises what an earlier one
-    reported (errors.py), and under RTCINFER_CHECK=1 (`check`) waits for its own launch."""
+def _prepared(outs: tuple, launch: Launch, rec: errors.Record | None, check: bool,
+              dense: tuple) -> Prepared:  # fmt: skip
+    """The call of `launch`: pointers (q, k, the position slots, ..., then q_out and k_out)
+    and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none). With a cos/sin
+    cache (`rec`: the record of its device), a call first raises what an earlier one reported
+    (errors.py), and under RTCINFER_CHECK=1 (`check`) waits for its own launch."""
     spec = launch.kernel.spec
-    p, inplace = launch.params, spec.inplace
-    ragged, cache = spec.pos_from == "indptr", spec.mode == "cos_sin_cache"
-    write_table = None if cache else table_writer(p, spec.mode, spec.rotary_dim)
+    p = launch.params
+    q_at, k_at = (-2, -1) if spec.inplace else (0, 1)  # in place: q and k are the outputs
+    # (their XLA copies for JAX)
+    pointers = (("q", q_at), ("k", k_at), ("q_out", -2), ("k_out", -1))
+    if spec.pos_from == "indptr":
+        pointers += (("indptr", 2), ("offsets", 3))
+    else:
+        pointers += (("pos_ids", 2),)
+    if spec.mode != "cos_sin_cache":  # theta or Llama 3.1: their scalars and table
+        then = table_writer(p, spec.mode, spec.rotary_dim)
+        return one_launch(outs, launch, Fill(pointers, then=then), dense=dense)
+    pointers += (("cos_sin_cache", 3),)
 
     def run(stream, device, ptrs, scalars):
-        found = None
-        if cache:
-            found = errors.before_launch(rec, device, stream)
+        found = errors.before_launch(rec, device, stream)
         launch.lock.acquire()
         try:
-            if inplace:  # the outputs: q and k (their XLA copies for JAX)
-                p.q = p.q_out = ptrs[-2]
-                p.k = p.k_out = ptrs[-1]
-            else:
-                p.q, p.k, p.q_out, p.k_out = ptrs[0], ptrs[1], ptrs[-2], ptrs[-1]
-            if ragged:
-                p.indptr, p.offsets = ptrs[2], ptrs[3]
-            else:
-                p.pos_ids = ptrs[2]
-                if cache:
-                    p.cos_sin_cache = ptrs[3]
-                    p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            if write_table is not None:  # theta, Llama 3.1: their scalars and table
-                write_table(scalars)
+            for name, i in pointers:
+                setattr(p, name, ptrs[i])
+            p.bad, p.bad_host = found.device_ptr, found.host_ptr
             launch(stream, device)
         finally:
             launch.lock.release()
-        if found is not None and check:
+        if check:
             errors.check_launch(found, stream)
 
-    return run
+    return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
 def _out_of_place(static: tuple) -> tuple:

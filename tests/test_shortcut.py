@@ -6,8 +6,10 @@ in for CUDA ones; the stream and device queries are faked)."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import struct
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -98,6 +100,45 @@ def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
         assert (t.data_ptr() in given) == (u.data_ptr() in given), name
     records = [_blanked(s, r) for s, r in zip(steps, (first, second, third), strict=True)]
     assert records[1] == records[2] == records[0], name
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_repeated_call_issues_what_the_function_issues(cuda_like, monkeypatch, case):
+    """Outside a recording the shortcut fills the launch's parameters and issues it itself
+    (interop/shortcut.py's _launcher): each issued block (taken at issue time, as the driver
+    copies it) is the one the function's own path issues."""
+    issued = []
+
+    def snapshot_issuer(self, device, dependent):
+        def issue(stream):
+            blob = ctypes.string_at(ctypes.addressof(self.params), ctypes.sizeof(self.params))
+            issued.append(SimpleNamespace(kernel=self.kernel, grid=self.grid, block=self.block,
+                                          params=blob, stream=stream))  # fmt: skip
+            return 0
+
+        return issue
+
+    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    records = []
+    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+        name, public, args, kwargs = _calls()[case]
+        results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        records.append(_blanked(issued[n], (*tensors, *results)))
+    assert len(issued) == 4 and {i.stream for i in issued} == {7}, name
+    assert records[1] == records[2] == records[3] == records[0], name
+    # the shortcut issued (its first issue put the launcher made with the issuer in its place)
+    made = [fn for fn in _ops_caches() if hasattr(fn, "__code__")]
+    assert len(made) == 1, name
+    assert "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__, name
+
+
+def _ops_caches():
+    """Every value in the shortcut ops' caches."""
+    for op in (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
+               rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
+               rtcinfer.attention.cascade._MERGE):  # fmt: skip
+        yield from op.cache.values()
 
 
 def test_the_shortcut_is_learnt_once_and_not_taken_for_other_calls(cuda_like):

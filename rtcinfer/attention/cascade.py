@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .. import jit
-from ..interop import Op, OutSlot, Prepared, call, dense_strides
+from ..interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
 from ..interop.arrays import cast, compilable
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
 from ..interop.shortcut import Shortcut
@@ -145,23 +145,13 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     o = len(infos)
     a = o if in_place else 0  # in place: read through the outputs (XLA's copies)
 
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.a_v, p.a_s = ptrs[a], ptrs[a + 1]
-            if has_b:
-                p.b_v, p.b_s = ptrs[2], ptrs[3]
-            if masked:
-                p.mask = ptrs[4]
-            if sink:
-                p.sinks = ptrs[2]
-            p.o_v, p.o_s = ptrs[o], ptrs[o + 1]
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
+    pointers = [("a_v", a), ("a_s", a + 1)]
+    pointers += [("b_v", 2), ("b_s", 3)] if has_b else []
+    pointers += [("mask", 4)] if masked else []
+    pointers += [("sinks", 2)] if sink else []
+    pointers += [("o_v", o), ("o_s", o + 1)]
     dense = (4,) if masked and not mask.contiguous else ()  # read as a bare pointer
-    return Prepared(outs, run, preload=launch.preload, dense=dense)
+    return one_launch(outs, launch, Fill(tuple(pointers)), dense=dense)
 
 
 def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:

@@ -1,0 +1,41 @@
+"""What a call writes into its launch's parameter block, as data: which field takes which
+pointer and which scalar (Fill). prepared.one_launch runs it as a function; the shortcut
+(interop/shortcut.py) writes the same statements into its generated launcher, so that a call
+fills the block without a frame of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fill:
+    """params.<name> = ptrs[i] for each (name, i) of `pointers` (i may be negative: from the
+    end, where the outputs' pointers are), params.<name> = scalars[j] for each (name, j) of
+    `scalars`, then `then(scalars)` where given (a write that is more than a field, such as
+    RoPE's frequency table). The fields are distinct, so the order of the writes is free."""
+
+    pointers: tuple[tuple[str, int], ...]
+    scalars: tuple[tuple[str, int], ...] = ()
+    then: Callable[[tuple], None] | None = None
+
+    def lines(self, params: str, indent: str) -> list[str]:
+        """The statements, with `params` the parameter block's name: one per pointer index (its
+        fields chained) and per scalar, then the call of `then` as `_then`."""
+        by_index: dict[int, list[str]] = {}
+        for name, i in self.pointers:
+            by_index.setdefault(i, []).append(name)
+        out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
+               for i, names in by_index.items()]  # fmt: skip
+        out += [f"{indent}{params}.{name} = scalars[{j}]" for name, j in self.scalars]
+        if self.then is not None:
+            out.append(f"{indent}_then(scalars)")
+        return out or [f"{indent}pass"]
+
+    def names(self, params: str, block) -> dict:
+        """The generated statements' globals: the block as `params`, `then` as `_then`."""
+        return {params: block, "_then": self.then}
+
+
+__all__ = ["Fill"]
