@@ -6,6 +6,7 @@ call() would do something else. The arrays lie at made-up addresses (tests/fakes
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import struct
 
@@ -101,6 +102,38 @@ def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     ), name  # new outputs are new arrays at each call
     records = [_blanked(s, r) for s, r in zip(steps, (first, second, third), strict=True)]
     assert records[1] == records[2] == records[0], name
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch, case):
+    """Outside a recording the CuPy shortcut fills the launch's parameters and issues it
+    itself: each issued block (its fields at issue time, a pointer as the argument or result
+    it points to) is the one the function's path issues."""
+    issued = []
+
+    def snapshot_issuer(self, device, dependent):
+        def issue(stream):
+            fields = {f: getattr(self.params, f) for f, *_ in self.params._fields_}
+            fields = {f: list(v) if isinstance(v, ctypes.Array) else v for f, v in fields.items()}
+            issued.append((self.kernel.name, self.grid, self.block, fields))
+            return 0
+
+        return issue
+
+    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    records = []
+    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+        name, public, args, kwargs = _calls(empty)[case]
+        results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
+        arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, cupy.ndarray)]
+        where = {a.data.ptr: f"array {i}" for i, a in enumerate((*arrays, *results))}
+        kernel, grid, block, fields = issued[n]  # each pointer field as the array it points to
+        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
+        records.append((kernel, grid, block, fields))
+    assert len(issued) == 4, name
+    assert records[1] == records[2] == records[3] == records[0], name
+    (made,) = _shortcuts().values()  # the launcher its first issue made, with the issuer
+    assert "snapshot_issuer" in made.__globals__["_issue"].__qualname__, name
 
 
 def _shortcuts() -> dict:
