@@ -165,25 +165,29 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None
 
 
 class _Kit(NamedTuple):
-    """What a framework's launches call: stream(device) -> the current stream's handle there,
-    new_like(array) -> a new C-contiguous array of its shape and dtype, address(array), and
-    new(sizes, dtype name, first array) -> a maker of new arrays of these sizes and dtype on
-    the first array's device, as call() allocates them (its key holds the devices)."""
+    """How a framework's launcher (generated) reads the current stream and makes and reads its
+    outputs, as expressions over `names`: `stream` the current stream's handle on `device`,
+    `new_like` a new C-contiguous array of the shape and dtype of `{a}`, `address` the address
+    of array `{a}`; and new(sizes, dtype name, first array) -> a maker of new arrays of these
+    sizes and dtype on the first array's device, as call() allocates them (its key holds the
+    devices)."""
 
-    stream: Callable
-    new_like: Callable
-    address: Callable
+    names: dict
+    stream: str
+    new_like: str
+    address: str
     new: Callable
 
 
 def _torch_kit() -> _Kit:
-    torch, tensor, raw_stream, empty_like = _call._torch()
+    torch, _, raw_stream, empty_like = _call._torch()
 
     def new(sizes, dtype, first):
         return partial(torch.empty, *(sizes or ((),)), dtype=_call._torch_dtype(dtype),
                        device=first.device)  # fmt: skip
 
-    return _Kit(raw_stream, empty_like, tensor.data_ptr, new)
+    names = {"_raw_stream": raw_stream, "_empty_like": empty_like}
+    return _Kit(names, "_raw_stream(device)", "_empty_like({a})", "{a}.data_ptr()", new)
 
 
 def _cupy_kit() -> _Kit:
@@ -192,8 +196,9 @@ def _cupy_kit() -> _Kit:
     def new(sizes, dtype, first):  # on the current device, as _run_cupy's
         return partial(ndarray, sizes, _call.storage_dtype(dtype))
 
-    return _Kit(lambda device: current_stream().ptr, lambda a: ndarray(a.shape, a.dtype),
-                lambda a: a.data.ptr, new)  # fmt: skip
+    names = {"_ndarray": ndarray, "_current_stream": current_stream}
+    return _Kit(names, "_current_stream().ptr", "_ndarray({a}.shape, {a}.dtype)", "{a}.data.ptr",
+                new)  # fmt: skip
 
 
 def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=None):
@@ -212,23 +217,24 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
             keep(_launcher(outs, prep, kit, device, keep, found))
             return found(stream)
 
-    names = {"_stream": kit.stream, "_new_like": kit.new_like, "_address": kit.address,
-             "_run": prep.run, "_issue": issue, "_lock": launch.lock, "_failed": launch.failed,
-             "_recordings": RECORDINGS, **prep.fill.names("_p", launch.params)}  # fmt: skip
+    names = {"_run": prep.run, "_issue": issue, "_lock": launch.lock, "_failed": launch.failed,
+             "_recordings": RECORDINGS, **kit.names,
+             **prep.fill.names("_p", launch.params)}  # fmt: skip
     lines, results = ["def launch(arrays, ptrs, device, scalars):"], []
     for n, (i, same) in enumerate(outs):
         if i is None:  # a new array of its own shape
             names[f"_new{n}"] = same
-            lines += [f"    o{n} = _new{n}()", f"    ptrs.append(_address(o{n}))"]
-            results.append(f"o{n}")
+            lines.append(f"    o{n} = _new{n}()")
         elif same:  # an input, updated in place, or a given out=
             lines.append(f"    ptrs.append(ptrs[{i}])")
             results.append(f"arrays[{i}]")
+            continue
         else:  # a new array like input i
-            lines += [f"    o{n} = _new_like(arrays[{i}])", f"    ptrs.append(_address(o{n}))"]
-            results.append(f"o{n}")
+            lines.append(f"    o{n} = {kit.new_like.format(a=f'arrays[{i}]')}")
+        lines.append(f"    ptrs.append({kit.address.format(a=f'o{n}')})")
+        results.append(f"o{n}")
     lines += [
-        "    stream = _stream(device)",
+        f"    stream = {kit.stream}",
         "    if _recordings[0]:",
         "        _run(stream, device, ptrs, scalars)",
         "    else:",
