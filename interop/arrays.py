@@ -62,9 +62,20 @@ def compilable(tensor_arg: str, shortcut=None):
     return wrap
 
 
-def _routed(fn, tensor_arg: str, shortcut=None):
-    """`def <name>(<fn's parameters>)`: routed to the custom op while compiling, else (past
-    the shortcut's branch, if any) fn."""
+def with_shortcut(shortcut):
+    """Decorates a public function that routes its calls under torch.compile itself with the
+    shortcut's branch (interop/shortcut.py), as `compilable` does: the wrapper is generated
+    with the function's own parameters."""
+
+    def wrap(fn):
+        return functools.update_wrapper(_routed(fn, None, shortcut), fn)
+
+    return wrap
+
+
+def _routed(fn, tensor_arg: str | None, shortcut=None):
+    """`def <name>(<fn's parameters>)`: routed to the custom op while compiling (unless
+    tensor_arg is None: fn routes itself), else (past the shortcut's branch, if any) fn."""
     params, positional, keyword = [], [], []
     names = {"_fn": fn, "_compiling": torch_compiling}  # the generated function's globals
     for p in inspect.signature(fn).parameters.values():
@@ -86,13 +97,13 @@ def _routed(fn, tensor_arg: str, shortcut=None):
 
         branch = cuts.source(shortcut, f"_fn({args}{kwargs})")
         names.update(cuts.names(shortcut))
-    source = (  # the shortcut's branch first: it tests for torch.compile itself, cheaply
-        f"def {fn.__name__}({', '.join(params)}):\n"
-        f"{branch}"
+    route = (
         f"    if _compiling({tensor_arg}):\n"
         f"        from rtcinfer import torch_ops\n"
         f"        return torch_ops.call_public(_fn, ({args}), dict({kwargs}))\n"
-        f"    return _fn({args}{kwargs})\n"
+    ) if tensor_arg is not None else ""  # fmt: skip
+    source = (  # the shortcut's branch first: it tests for torch.compile itself, cheaply
+        f"def {fn.__name__}({', '.join(params)}):\n{branch}{route}    return _fn({args}{kwargs})\n"
     )
     exec(compile(source, f"<compilable {fn.__qualname__}>", "exec"), names)
     return names[fn.__name__]

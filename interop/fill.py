@@ -37,5 +37,13 @@ class Fill:
         """The generated statements' globals: the block as `params`, `then` as `_then`."""
         return {params: block, "_then": self.then}
 
+    def function(self, block) -> Callable[[list, tuple], None]:
+        """fill(ptrs, scalars): the statements, writing into `block`, as a function (for a run
+        that does more than fill and launch)."""
+        source = "def fill(ptrs, scalars):\n" + "\n".join(self.lines("_p", "    ")) + "\n"
+        names = self.names("_p", block)
+        exec(compile(source, "<fill>", "exec"), names)
+        return names["fill"]
+
 
 __all__ = ["Fill"]

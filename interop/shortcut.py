@@ -37,13 +37,16 @@ class Shortcut:
     """`op`'s slots as the function's parameters (None: a slot the function never fills; a
     slot among op.given, an output the caller may pass, is None or an array), and the op's
     static arguments and scalars as Python expressions of the parameters, as the function's
-    body passes them (calling, by name, the body's own `helpers` where it does)."""
+    body passes them (calling, by name, the body's own `helpers` where it does). `when`: a
+    condition on the parameters under which the body calls the op so (the samplers: no
+    per-row arrays, no seed arrays, no indices), else every call takes the body."""
 
     op: Op
     slots: tuple[str | None, ...]
     static: str
     scalars: str = "()"
     helpers: tuple = ()  # functions the expressions call, by their names (the body's own)
+    when: str = ""
 
 
 class _Tag:
@@ -107,6 +110,7 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
     conds = [reads.test.format(p=p) for p in arrays]
     conds += [f"({p} is None or {reads.test.format(p=p)})" for p in given]
     conds += [reads.also] if reads.also else []
+    conds += [f"({cut.when})"] if cut.when else []
     values = [p if p is not None else "None" for p in cut.slots]
     pointers = [f"_p{slot_params.index(p)}" if p is not None else "0" for p in cut.slots]
     attrs = [f"{reads.attrs.format(p=p)}, {reads.device.format(p=p) if i else '_d'}, _p{i} & 15"

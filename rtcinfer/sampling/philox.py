@@ -87,6 +87,13 @@ def resolve(generator, seed, offset):
     )
 
 
+def draw(generator) -> tuple[int, int]:
+    """(seed, offset) of a call given neither seed= nor offset=, as kernel_inputs passes them
+    for PyTorch and CuPy arrays (the samplers' shortcut calls it directly)."""
+    seed, offset = resolve(generator, None, None)
+    return seed & _MASK64, offset & _MASK64
+
+
 def check_array(name: str, info, batch: int) -> int:
     """Entries (1 or batch) of a seed or offset array (an ArrayInfo): int64/uint64 of shape (1,)
     or (batch,), or, for JAX without 64-bit types, uint32 (lo, hi) words of shape (1, 2) or

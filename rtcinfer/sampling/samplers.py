@@ -25,9 +25,20 @@ import numpy as np
 
 from .. import errors, jit
 from ..errors import BadIndex
-from ..interop import ArrayInfo, Op, OutSlot, Prepared, call, dense_strides, framework
-from ..interop.arrays import torch_compiling
+from ..interop import (
+    ArrayInfo,
+    Fill,
+    Op,
+    OutSlot,
+    Prepared,
+    call,
+    dense_strides,
+    framework,
+    one_launch,
+)
+from ..interop.arrays import torch_compiling, with_shortcut
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch, zero_fill
 from ..layout import (
     fit_vec,
@@ -38,7 +49,7 @@ from ..layout import (
     widest_vec,
 )
 from .cluster import ClusterSampleSpec, cluster_launch, cluster_size, compute_capability
-from .philox import Generator, check_array, kernel_inputs
+from .philox import Generator, check_array, draw, kernel_inputs
 from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
 from .softmax import prepare_softmax, softmax
 from .speculative import chain_speculative_sampling
@@ -149,6 +160,8 @@ def _sample_launch(op: str, dtype: str, out_dtype: str, batch: int, vocab: int, 
 
 # Slots 1-6, when present, are pointers of SampleParams (top_k's field depends on its dtype).
 _POINTER_FIELDS = {1: "indices", 3: "top_p_arr", 4: "min_p_arr", 5: "seed_arr", 6: "offset_arr"}
+_SCALAR_FIELDS = (("top_k_val", 0), ("top_p_val", 1), ("min_p_val", 2), ("seed_val", 3),
+                  ("offset_val", 4))  # fmt: skip
 _OUT, _FLAG = 8, 9  # the outputs' pointers follow the 8 slots
 
 
@@ -181,11 +194,20 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     p.num_rows = rows
     rec = errors.record(probs.device) if indices is not None else None
     check = rec is not None and errors.checking()
-    pointers = [(field, i) for i, field in _POINTER_FIELDS.items() if infos[i] is not None]
+    pointers = [("probs", 0), ("out", _OUT)]
+    pointers += [(field, i) for i, field in _POINTER_FIELDS.items() if infos[i] is not None]
     if top_k is not None:
         pointers.append(("top_k_arr" if top_k.dtype == "int32" else "top_k_arr64", 2))
     if check_nan:
         pointers.append(("error_flag", _FLAG))
+    fill = Fill(tuple(pointers), _SCALAR_FIELDS)
+    outs = (OutSlot((batch,), out_dtype, 7 if out is not None else None),)
+    if check_nan:
+        outs += (OutSlot((1,), "int32"),)
+    dense = tuple(i for i in range(1, 7) if infos[i] is not None)  # arrays read by index
+    if rec is None and not check_nan:
+        return one_launch(outs, launch, fill, dense=dense)
+    fill_call = fill.function(p)
 
     def run(stream, device, ptrs, scalars):
         found = None
@@ -195,10 +217,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
             zero_fill(ptrs[_FLAG], 1, stream)
         launch.lock.acquire()
         try:
-            p.probs, p.out = ptrs[0], ptrs[_OUT]
-            for field, i in pointers:
-                setattr(p, field, ptrs[i])
-            p.top_k_val, p.top_p_val, p.min_p_val, p.seed_val, p.offset_val = scalars
+            fill_call(ptrs, scalars)
             if found is not None:
                 p.bad, p.bad_host = found.device_ptr, found.host_ptr
             launch(stream, device)
@@ -207,10 +226,6 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
         if check:
             errors.check_launch(found, stream)
 
-    outs = (OutSlot((batch,), out_dtype, 7 if out is not None else None),)
-    if check_nan:
-        outs += (OutSlot((1,), "int32"),)
-    dense = tuple(i for i in range(1, 7) if infos[i] is not None)  # arrays read by index
     return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
@@ -295,6 +310,36 @@ def _flag_set(flag) -> bool:
     return bool(int(np.asarray(flag.get() if framework(flag) == "cupy" else flag)[0]))
 
 
+def _order_op(filter_apply_order: str) -> str:
+    if filter_apply_order not in ("top_k_first", "joint"):
+        raise ValueError(
+            f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}"
+        )
+    return "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
+
+
+def _int32(k: int) -> int:
+    """An int top_k as per_row passes it (clamped to int32)."""
+    return max(-(2**31), min(k, 2**31 - 1))
+
+
+_PLAIN_CALL = ("indices is None and seed is None and offset is None and not check_nan "
+               "and not return_valid")  # fmt: skip
+
+
+def _shortcut(op: str, k: str = "0", p: str = "1.0", m: str = "0.0", when: str = "") -> Shortcut:
+    """How a sampler from probabilities calls _OP with its parameters as numbers, no indices,
+    no seed arrays and none of check_nan and return_valid (interop/shortcut.py): k, p, m the
+    expressions of its scalar top_k, top_p and min_p; `when` what else the parameters must be
+    (a Python int top_k, a float top_p or min_p, where per_row would make an array of
+    anything else)."""
+    return Shortcut(_OP, ("probs", None, None, None, None, None, None, "out"),
+                    f"({op}, False)", f"({k}, {p}, {m}, *draw(generator))",
+                    (draw, _int32, _order_op),
+                    " and ".join(filter(None, (when, _PLAIN_CALL))))  # fmt: skip
+
+
+@with_shortcut(_shortcut("'plain'"))
 def sampling_from_probs(probs, indices=None, deterministic=True, generator=None,
                         check_nan=False, seed=None, offset=None, return_valid=False, *,
                         out=None):  # fmt: skip
@@ -309,6 +354,7 @@ def sampling_from_probs(probs, indices=None, deterministic=True, generator=None,
                    check_nan=check_nan, out=out, return_valid=return_valid)  # fmt: skip
 
 
+@with_shortcut(_shortcut("'top_k'", k="_int32(top_k)", when="type(top_k) is int"))
 def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
                               return_valid=False, *, out=None):  # fmt: skip
@@ -323,6 +369,7 @@ def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True,
                    return_valid=return_valid)  # fmt: skip
 
 
+@with_shortcut(_shortcut("'top_p'", p="top_p", when="type(top_p) is float"))
 def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
                               return_valid=False, *, out=None):  # fmt: skip
@@ -337,6 +384,7 @@ def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True,
                    return_valid=return_valid)  # fmt: skip
 
 
+@with_shortcut(_shortcut("'min_p'", m="min_p", when="type(min_p) is float"))
 def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
                               return_valid=False, *, out=None):  # fmt: skip
@@ -349,6 +397,8 @@ def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True,
                    return_valid=return_valid)  # fmt: skip
 
 
+@with_shortcut(_shortcut("_order_op(filter_apply_order)", k="_int32(top_k)", p="top_p",
+                         when="type(top_k) is int and type(top_p) is float"))  # fmt: skip
 def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None,
                                     filter_apply_order="top_k_first", deterministic=True,
                                     generator=None, check_nan=False, seed=None, offset=None,
@@ -362,14 +412,6 @@ def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None,
     return _sample(_order_op(filter_apply_order), probs, indices, top_k=top_k, top_p=top_p,
                    generator=generator, seed=seed, offset=offset, check_nan=check_nan,
                    out=out, return_valid=return_valid)  # fmt: skip
-
-
-def _order_op(filter_apply_order: str) -> str:
-    if filter_apply_order not in ("top_k_first", "joint"):
-        raise ValueError(
-            f"filter_apply_order must be 'top_k_first' or 'joint', got {filter_apply_order!r}"
-        )
-    return "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
 
 
 def sampling_from_logits(logits, indices=None, deterministic=True, generator=None,

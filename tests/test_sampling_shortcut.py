@@ -1,0 +1,146 @@
+"""The samplers' shortcut (interop/shortcut.py, rtcinfer/sampling/samplers.py) without a GPU: a
+repeated call from probabilities with number parameters issues the block the function's own
+path issues (its seed and offset drawn from the generator once a call, as the function draws
+them), and calls the function handles otherwise (per-row arrays, indices, seeds, check_nan,
+return_valid) never take it (PyTorch CPU tensors stand in for CUDA ones; the launch is faked)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+
+import pytest
+
+import rtcinfer
+from rtcinfer import launch
+from rtcinfer.interop import ArrayInfo, shortcut
+from rtcinfer.interop.dtypes import normalize
+from rtcinfer.sampling import samplers
+
+from .fakes import FakeRecords, fake_gpu
+
+torch = pytest.importorskip("torch")
+path = importlib.import_module("rtcinfer.interop.call")
+
+
+@pytest.fixture
+def issued(monkeypatch):
+    """CPU tensors taken as CUDA tensors of device 0 (one GPU, compute capability 9.0), stream
+    7; yields the list of issued launches: (kernel name, grid, block, the parameter fields at
+    issue time)."""
+    fake_gpu(monkeypatch)
+    real = path._torch()
+
+    def info(x, name):
+        if x is None:
+            return None
+        return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0,
+                         x.data_ptr() & 15)  # fmt: skip
+
+    monkeypatch.setattr(path, "_torch_info", info)
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(rtcinfer.jit, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(samplers, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(samplers._OP, "cache", {})
+    FakeRecords(monkeypatch)  # indices are checked on the device: its records in host memory
+    log = []
+
+    def snapshot_issuer(self, device, dependent):
+        def issue(stream):
+            fields = {f: getattr(self.params, f) for f, *_ in self.params._fields_}
+            fields = {f: list(v) if isinstance(v, ctypes.Array) else v for f, v in fields.items()}
+            log.append((self.kernel.name, self.grid, self.block, fields))
+            return 0
+
+        return issue
+
+    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    yield log
+
+
+def _calls(batch):
+    probs = torch.rand(batch, 1000)
+    gen = rtcinfer.Generator(seed=7, offset=3)
+    return [
+        ("plain", rtcinfer.sampling_from_probs, (probs,), {"generator": gen}),
+        ("top_k", rtcinfer.top_k_sampling_from_probs, (probs, 50), {"generator": gen}),
+        ("top_p", rtcinfer.top_p_sampling_from_probs, (probs, 0.9), {"generator": gen}),
+        ("min_p", rtcinfer.min_p_sampling_from_probs, (probs, 0.05), {"generator": gen}),
+        ("top_k_first", rtcinfer.top_k_top_p_sampling_from_probs, (probs, 20, 0.8),
+         {"generator": gen}),
+        ("joint", rtcinfer.top_k_top_p_sampling_from_probs, (probs, 20, 0.8),
+         {"generator": gen, "filter_apply_order": "joint"}),
+        ("out given", rtcinfer.top_k_sampling_from_probs, (probs, 5),
+         {"generator": gen, "out": torch.empty(batch, dtype=torch.int32)}),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 300])  # a cluster of CTAs a row; one CTA a row
+@pytest.mark.parametrize("case", range(7))
+def test_a_repeated_sampler_call_issues_what_the_function_issues(issued, batch, case):
+    records = []
+    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+        name, public, args, kwargs = _calls(batch)[case]
+        results = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        where = {a.data_ptr(): f"array {i}" for i, a in enumerate((*tensors, results))}
+        kernel, grid, block, fields = issued[n]  # each pointer field as the array it points to
+        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
+        records.append((kernel, grid, block, fields))
+        assert tuple(results.shape) == (batch,) and results.dtype == torch.int32, name
+        if "out" in kwargs:
+            assert results is kwargs["out"], name
+    assert len(issued) == 4, name
+    assert records[1] == records[2] == records[3] == records[0], name
+    assert records[0][3]["seed_val"] == 7 and records[0][3]["offset_val"] == 3, name
+    made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+
+
+def test_the_generator_advances_once_a_shortcut_call(issued):
+    probs, gen = torch.rand(2, 1000), rtcinfer.Generator(seed=1)
+    for _ in range(5):
+        rtcinfer.top_p_sampling_from_probs(probs, 0.5, generator=gen)
+    assert gen.offset == 5
+    assert [r[3]["offset_val"] for r in issued] == [0, 1, 2, 3, 4]
+    assert len([k for k in samplers._OP.cache if k[0] is shortcut.TAG]) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"top_k": torch.full((2,), 5, dtype=torch.int32)},  # per-row arrays: call()'s slots
+    {"top_k": 5, "indices": torch.tensor([1, 0], dtype=torch.int32)},
+    {"top_k": 5, "seed": 11},
+    {"top_k": 5, "seed": 11, "offset": 4},
+    {"top_k": 5, "return_valid": True},
+    {"top_k": True},  # a bool is no count: the function refuses it
+])  # fmt: skip
+def test_other_calls_take_the_function(issued, kwargs):
+    probs = torch.rand(2, 1000)
+    for _ in range(3):
+        try:
+            rtcinfer.top_k_sampling_from_probs(probs, **kwargs)
+        except (TypeError, ValueError):
+            pass
+    assert not [k for k in samplers._OP.cache if k[0] is shortcut.TAG]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"top_k": torch.full((2,), 5, dtype=torch.int32)},
+    {"top_k": 5, "indices": torch.tensor([1, 0], dtype=torch.int32)},
+    {"top_k": 5, "seed": 11},
+])  # fmt: skip
+def test_a_learnt_signature_is_not_taken_by_calls_the_function_handles_otherwise(issued, kwargs):
+    """After the shortcut is learnt for probs of a shape, a call with the same probs but a
+    per-row array, indices or a seed issues what the function issues (the output aside)."""
+    probs = torch.rand(2, 1000)
+    for _ in range(3):
+        rtcinfer.top_k_sampling_from_probs(probs, 5, generator=rtcinfer.Generator(seed=1))
+    assert [k for k in samplers._OP.cache if k[0] is shortcut.TAG]
+    for public in (rtcinfer.top_k_sampling_from_probs,
+                   rtcinfer.top_k_sampling_from_probs.__wrapped__):  # fmt: skip
+        extra = {} if "seed" in kwargs else {"generator": rtcinfer.Generator(seed=2)}
+        public(probs, **kwargs, **extra)
+    (*_, shortcut_fields), (*_, own_fields) = issued[-2], issued[-1]
+    assert {**shortcut_fields, "out": 0} == {**own_fields, "out": 0}
+    assert {**shortcut_fields, "out": 0} != {**issued[2][3], "out": 0}
