@@ -144,3 +144,28 @@ def test_a_learnt_signature_is_not_taken_by_calls_the_function_handles_otherwise
     (*_, shortcut_fields), (*_, own_fields) = issued[-2], issued[-1]
     assert {**shortcut_fields, "out": 0} == {**own_fields, "out": 0}
     assert {**shortcut_fields, "out": 0} != {**issued[2][3], "out": 0}
+
+
+def test_a_repeated_cupy_sampler_call_issues_what_the_function_issues(issued, monkeypatch):
+    """The same through the CuPy branch, on CuPy arrays at made-up addresses."""
+    cupy = pytest.importorskip("cupy")
+    import numpy as np
+
+    from .fakes import cupy_without_a_gpu
+
+    with cupy_without_a_gpu(monkeypatch) as empty:
+        records = []
+        for n in range(4):
+            probs, out = empty((300, 1000), np.float32), empty((300,), np.int32)
+            public = rtcinfer.top_k_top_p_sampling_from_probs
+            gen = rtcinfer.Generator(seed=5)
+            result = (public.__wrapped__ if n == 3 else public)(probs, 7, 0.5, generator=gen,
+                                                               out=out)  # fmt: skip
+            assert result is out and type(result) is cupy.ndarray
+            where = {probs.data.ptr: "probs", out.data.ptr: "out"}
+            kernel, grid, block, fields = issued[n]
+            fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
+            records.append((kernel, grid, block, fields))
+    assert records[1] == records[2] == records[3] == records[0]
+    made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
