@@ -169,3 +169,37 @@ def test_a_repeated_cupy_sampler_call_issues_what_the_function_issues(issued, mo
     assert records[1] == records[2] == records[3] == records[0]
     made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+
+
+def _one_op_calls():
+    probs, logits = torch.rand(300, 1000), torch.randn(3, 1000).to(torch.bfloat16)
+    return [
+        ("softmax", rtcinfer.softmax, (logits,), {}),
+        ("softmax, temperature", rtcinfer.softmax, (logits, 0.7), {}),
+        ("top_k_renorm_probs", rtcinfer.top_k_renorm_probs, (probs, 40), {}),
+        ("top_p_renorm_probs", rtcinfer.top_p_renorm_probs, (probs, 0.6), {}),
+        ("top_k_mask_logits", rtcinfer.top_k_mask_logits, (logits, 9), {}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypatch, case):
+    renorm = importlib.import_module("rtcinfer.sampling.renorm")
+    softmax = importlib.import_module("rtcinfer.sampling.softmax")
+    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
+    monkeypatch.setattr(softmax, "compute_capability", lambda device: 90)
+    ops = [softmax._OP, *renorm._OPS.values()]
+    for op in ops:
+        monkeypatch.setattr(op, "cache", {})
+    records = []
+    for n in range(4):
+        name, public, args, kwargs = _one_op_calls()[case]
+        result = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
+        where = {a.data_ptr(): f"array {i}" for i, a in enumerate((args[0], result))}
+        kernel, grid, block, fields = issued[n]
+        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
+        records.append((kernel, grid, block, fields))
+        assert result.shape == args[0].shape, name
+    assert records[1] == records[2] == records[3] == records[0], name
+    made = [v for op in ops for k, v in op.cache.items() if k[0] is shortcut.TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__

@@ -13,9 +13,10 @@ from typing import ClassVar
 import numpy as np
 
 from .. import jit
-from ..interop import Op, OutSlot, Prepared, call
-from ..interop.arrays import cast, torch_compiling
+from ..interop import Fill, Op, OutSlot, Prepared, call, one_launch
+from ..interop.arrays import cast, torch_compiling, with_shortcut
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
 from ..layout import (
     fit_vec,
@@ -73,6 +74,12 @@ def renorm_spec(op: str, dtype: str, vocab: int, rows: int = 1, sm_count: int = 
 _NUMBERS = (int, float, np.integer, np.floating)
 
 
+def clamp_int32(k: int) -> int:
+    """An int count (top_k) as the kernels take it: clamped to int32, where <= 0 and >= vocab
+    already mean the same."""
+    return max(-(2**31), min(k, 2**31 - 1))
+
+
 def per_row(value, kind: type) -> tuple:
     """(scalar, None) for a per-row parameter given as a number (kind int or float; ints are
     clamped to int32, where <= 0 and >= vocab already mean the same); (kind(0), array) for an
@@ -81,7 +88,7 @@ def per_row(value, kind: type) -> tuple:
     kept), to float32 for kind float (a min_p from torch.full((B,), 1) is int64)."""
     if isinstance(value, _NUMBERS) and not isinstance(value, bool):
         if kind is int:
-            return max(-(2**31), min(int(value), 2**31 - 1)), None
+            return clamp_int32(int(value)), None
         return float(value), None
     if kind is int:
         return 0, cast(value, "int32", keep=("int64",))
@@ -125,21 +132,11 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
     p = launch.params
     p.in_stride, p.out_stride, p.vocab = xs, ys, vocab
-    field = None if param is None else _ARRAY_FIELDS[param.dtype]
-
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.input, p.out = ptrs[0], ptrs[2]
-            if field is not None:
-                setattr(p, field, ptrs[1])
-            p.top_k_val, p.top_p_val = scalars
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
+    pointers = (("input", 0), ("out", 2))
+    pointers += () if param is None else ((_ARRAY_FIELDS[param.dtype], 1),)
+    fill = Fill(pointers, (("top_k_val", 0), ("top_p_val", 1)))
     dense = () if param is None else (1,)
-    return Prepared((OutSlot(x.shape, x.dtype),), run, preload=launch.preload, dense=dense)
+    return one_launch((OutSlot(x.shape, x.dtype),), launch, fill, dense=dense)
 
 
 _OPS = {
@@ -159,6 +156,15 @@ def _threshold_op(op: str, x, param, kind: type):
     return call(_OPS[op], (x, array), (op,), scalars)
 
 
+def _shortcut(op: str, arg: str, param: str, kind: type) -> Shortcut:
+    """How _threshold_op calls `op` for a number `param` (an int top_k, a float top_p), for
+    the shortcut (interop/shortcut.py); any other param takes the function."""
+    scalars = f"(clamp_int32({param}), 1.0)" if kind is int else f"(0, {param})"
+    return Shortcut(_OPS[op], (arg, None), repr((op,)), scalars, (clamp_int32,),
+                    f"type({param}) is {kind.__name__}")  # fmt: skip
+
+
+@with_shortcut(_shortcut("top_k_renorm", "probs", "top_k", int))
 def top_k_renorm_probs(probs, top_k, is_deterministic=False):
     """Keep the top-k probabilities of each row and renormalize.
 
@@ -169,6 +175,7 @@ def top_k_renorm_probs(probs, top_k, is_deterministic=False):
     return _threshold_op("top_k_renorm", probs, top_k, int)
 
 
+@with_shortcut(_shortcut("top_p_renorm", "probs", "top_p", float))
 def top_p_renorm_probs(probs, top_p, is_deterministic=False):
     """Keep the smallest top set of probabilities whose mass reaches top_p; renormalize.
 
@@ -178,6 +185,7 @@ def top_p_renorm_probs(probs, top_p, is_deterministic=False):
     return _threshold_op("top_p_renorm", probs, top_p, float)
 
 
+@with_shortcut(_shortcut("top_k_mask", "logits", "top_k", int))
 def top_k_mask_logits(logits, top_k):
     """Set all but the top-k logits of each row to -inf.
 
@@ -198,5 +206,5 @@ def specs_for(vocab: int, logits_dtypes=("float32",)) -> list[RenormSpec]:
     return [RenormSpec(op, d, widest_vec(vocab, itemsize(d)), t) for op, d in ops for t in threads]
 
 
-__all__ = ["RenormOp", "RenormSpec", "per_row", "renorm_spec", "specs_for", "top_k_mask_logits",
-           "top_k_renorm_probs", "top_p_renorm_probs"]  # fmt: skip
+__all__ = ["RenormOp", "RenormSpec", "clamp_int32", "per_row", "renorm_spec", "specs_for",
+           "top_k_mask_logits", "top_k_renorm_probs", "top_p_renorm_probs"]  # fmt: skip

@@ -50,7 +50,13 @@ from ..layout import (
 )
 from .cluster import ClusterSampleSpec, cluster_launch, cluster_size, compute_capability
 from .philox import Generator, check_array, draw, kernel_inputs
-from .renorm import per_row, top_k_mask_logits, top_k_renorm_probs, top_p_renorm_probs
+from .renorm import (
+    clamp_int32,
+    per_row,
+    top_k_mask_logits,
+    top_k_renorm_probs,
+    top_p_renorm_probs,
+)
 from .softmax import prepare_softmax, softmax
 from .speculative import chain_speculative_sampling
 
@@ -318,11 +324,6 @@ def _order_op(filter_apply_order: str) -> str:
     return "top_k_first" if filter_apply_order == "top_k_first" else "top_k_top_p"
 
 
-def _int32(k: int) -> int:
-    """An int top_k as per_row passes it (clamped to int32)."""
-    return max(-(2**31), min(k, 2**31 - 1))
-
-
 _PLAIN_CALL = ("indices is None and seed is None and offset is None and not check_nan "
                "and not return_valid")  # fmt: skip
 
@@ -335,7 +336,7 @@ def _shortcut(op: str, k: str = "0", p: str = "1.0", m: str = "0.0", when: str =
     anything else)."""
     return Shortcut(_OP, ("probs", None, None, None, None, None, None, "out"),
                     f"({op}, False)", f"({k}, {p}, {m}, *draw(generator))",
-                    (draw, _int32, _order_op),
+                    (draw, clamp_int32, _order_op),
                     " and ".join(filter(None, (when, _PLAIN_CALL))))  # fmt: skip
 
 
@@ -354,7 +355,7 @@ def sampling_from_probs(probs, indices=None, deterministic=True, generator=None,
                    check_nan=check_nan, out=out, return_valid=return_valid)  # fmt: skip
 
 
-@with_shortcut(_shortcut("'top_k'", k="_int32(top_k)", when="type(top_k) is int"))
+@with_shortcut(_shortcut("'top_k'", k="clamp_int32(top_k)", when="type(top_k) is int"))
 def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True,
                               generator=None, check_nan=False, seed=None, offset=None,
                               return_valid=False, *, out=None):  # fmt: skip
@@ -397,7 +398,7 @@ def min_p_sampling_from_probs(probs, min_p, indices=None, deterministic=True,
                    return_valid=return_valid)  # fmt: skip
 
 
-@with_shortcut(_shortcut("_order_op(filter_apply_order)", k="_int32(top_k)", p="top_p",
+@with_shortcut(_shortcut("_order_op(filter_apply_order)", k="clamp_int32(top_k)", p="top_p",
                          when="type(top_k) is int and type(top_p) is float"))  # fmt: skip
 def top_k_top_p_sampling_from_probs(probs, top_k, top_p, indices=None,
                                     filter_apply_order="top_k_first", deterministic=True,

@@ -10,9 +10,10 @@ from typing import ClassVar
 import numpy as np
 
 from .. import jit
-from ..interop import Op, OutSlot, Prepared, call
-from ..interop.arrays import torch_compiling
+from ..interop import Fill, Op, OutSlot, Prepared, call, one_launch
+from ..interop.arrays import torch_compiling, with_shortcut
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, leading_rows, widest_vec
 from .cluster import compute_capability
@@ -111,18 +112,9 @@ def prepare_softmax(infos, _align: int, static: tuple) -> Prepared:
     launch = _launch(dtype, rows, vocab, vec, logits.device)
     p = launch.params
     p.in_stride, p.out_stride, p.vocab = stride, vocab, vocab  # the output is allocated dense
-
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.logits, p.temperature_arr, p.probs = ptrs
-            (p.temperature_val,) = scalars
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
+    fill = Fill((("logits", 0), ("temperature_arr", 1), ("probs", 2)), (("temperature_val", 0),))
     dense = () if temperature is None else (1,)
-    return Prepared((OutSlot(shape, "float32"),), run, preload=launch.preload, dense=dense)
+    return one_launch((OutSlot(shape, "float32"),), launch, fill, dense=dense)
 
 
 def _launch(dtype: str, rows: int, vocab: int, vec: int, device: int) -> Launch:
@@ -140,6 +132,9 @@ def _launch(dtype: str, rows: int, vocab: int, vec: int, device: int) -> Launch:
 _OP = Op("softmax", ("logits", "temperature"), prepare_softmax)
 
 
+@with_shortcut(Shortcut(_OP, ("logits", None), "()",
+                        "(1.0 if temperature is None else temperature,)",
+                        when="temperature is None or type(temperature) is float"))  # fmt: skip
 def softmax(logits, temperature=None, enable_pdl=None):
     """Row softmax with temperature, in fp32.
 
