@@ -21,9 +21,13 @@ from .fakes import cupy_without_a_gpu, fake_gpu
 
 cupy = pytest.importorskip("cupy")
 
+_SAMPLING = importlib.import_module("rtcinfer.sampling.samplers")
+_SOFTMAX = importlib.import_module("rtcinfer.sampling.softmax")
+_RENORM = importlib.import_module("rtcinfer.sampling.renorm")
 _OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
         rtcinfer.activation._OP, rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
-        rtcinfer.attention.cascade._MERGE, rtcinfer.attention.cascade._STATES)  # fmt: skip
+        rtcinfer.attention.cascade._MERGE, rtcinfer.attention.cascade._STATES,
+        _SAMPLING._OP, _SOFTMAX._OP, *_RENORM._OPS.values())  # fmt: skip
 
 
 @pytest.fixture
@@ -32,6 +36,9 @@ def empty(monkeypatch):
     fake_gpu(monkeypatch)
     monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    monkeypatch.setattr(rtcinfer.jit, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(_SAMPLING, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(_SOFTMAX, "compute_capability", lambda device: 90)
     for op in _OPS:
         monkeypatch.setattr(op, "cache", {})
     with cupy_without_a_gpu(monkeypatch) as ndarray:
@@ -49,6 +56,7 @@ def _calls(empty):
     indptr, offsets = empty((3,), i32), empty((2,), i32)
     va, sa = empty((2, 4, 128), f16), empty((2, 4), np.float32)
     v, s = empty((2, 3, 4, 128), f16), empty((2, 3, 4), np.float32)
+    probs, logits = empty((300, 1000), np.float32), empty((3, 1000), f16)
     return [
         ("rmsnorm", rtcinfer.rmsnorm, (x, w), {"eps": 1e-5}),
         ("rmsnorm, out given", rtcinfer.rmsnorm, (x, w), {"out": empty((3, 256), f16)}),
@@ -63,7 +71,14 @@ def _calls(empty):
         ("ragged_rope", rtcinfer.apply_rope_inplace, (q, k, indptr, offsets), {}),
         ("merge_state", rtcinfer.merge_state, (va, sa, va, sa), {}),
         ("merge_states", rtcinfer.merge_states, (v, s), {}),
-    ]
+        # calls whose scalars are drawn per call (a fresh generator each): the issues test only
+        ("top_k_top_p_sampling", rtcinfer.top_k_top_p_sampling_from_probs, (probs, 7, 0.5),
+         {"generator": rtcinfer.Generator(seed=5)}),
+        ("sampling, out given", rtcinfer.sampling_from_probs, (probs,),
+         {"generator": rtcinfer.Generator(seed=5), "out": empty((300,), i32)}),
+        ("softmax", rtcinfer.softmax, (logits, 0.5), {}),
+        ("top_k_mask_logits", rtcinfer.top_k_mask_logits, (logits, 9), {}),
+    ]  # fmt: skip
 
 
 def _as_tuple(result):
@@ -104,7 +119,7 @@ def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     assert records[1] == records[2] == records[0], name
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(17))
 def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch, case):
     """Outside a recording the CuPy shortcut fills the launch's parameters and issues it
     itself: each issued block (its fields at issue time, a pointer as the argument or result
