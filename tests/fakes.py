@@ -365,3 +365,66 @@ class FakeDevice:
         monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda device: 0, real[3]))
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
         monkeypatch.setattr(page, "_on_device", lambda x: True)  # the index ops' device form
+
+
+def torch_as_cuda(monkeypatch) -> None:
+    """PyTorch CPU tensors taken as CUDA tensors of device 0 (one GPU, compute capability 9.0,
+    132 SMs, 227 KB of shared memory a block), their current stream 7; the samplers see the
+    same capability."""
+    import torch
+
+    from rtcinfer import jit, launch
+    from rtcinfer.interop import ArrayInfo
+    from rtcinfer.interop.dtypes import normalize
+
+    fake_gpu(monkeypatch)
+    path = sys.modules["rtcinfer.interop.call"]
+    real = path._torch()
+
+    def info(x, name):
+        if x is None:
+            return None
+        return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0,
+                         x.data_ptr() & 15)  # fmt: skip
+
+    monkeypatch.setattr(path, "_torch_info", info)
+    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(jit, "sm_count", lambda device: 132)
+    monkeypatch.setattr(jit, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    for name in ("rtcinfer.sampling.samplers", "rtcinfer.sampling.softmax"):
+        monkeypatch.setattr(sys.modules[name], "compute_capability", lambda device: 90)
+
+
+def issued_launches(monkeypatch) -> list:
+    """Every launch issued from now on, as (kernel name, grid, block, its parameters' fields at
+    issue time, the stream): Launch's issuers are replaced by ones that record and launch
+    nothing (named snapshot_issuer: a launcher made with one names it)."""
+    import ctypes
+
+    from rtcinfer import launch
+
+    log = []
+
+    def snapshot_issuer(self, device, dependent):
+        def issue(stream):
+            fields = {f: getattr(self.params, f) for f, *_ in self.params._fields_}
+            fields = {f: list(v) if isinstance(v, ctypes.Array) else v for f, v in fields.items()}
+            log.append((self.kernel.name, self.grid, self.block, fields, stream))
+            return 0
+
+        return issue
+
+    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    return log
+
+
+def pointed(issue, arrays, address) -> tuple:
+    """An issued launch (issued_launches') with every pointer field that holds one of `arrays`'
+    addresses (address(array)) named by the array's place instead, the stream left out: calls
+    on other arrays of the same signature compare equal."""
+    where = {address(a): f"array {i}" for i, a in enumerate(arrays)}
+    kernel, grid, block, fields, _ = issue
+    named = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
+    return kernel, grid, block, named

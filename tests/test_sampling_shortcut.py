@@ -6,57 +6,27 @@ return_valid) never take it (PyTorch CPU tensors stand in for CUDA ones; the lau
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 
 import pytest
 
 import rtcinfer
-from rtcinfer import launch
-from rtcinfer.interop import ArrayInfo, shortcut
-from rtcinfer.interop.dtypes import normalize
+from rtcinfer.interop import shortcut
 from rtcinfer.sampling import samplers
 
-from .fakes import FakeRecords, fake_gpu
+from .fakes import FakeRecords, issued_launches, pointed, torch_as_cuda
 
 torch = pytest.importorskip("torch")
-path = importlib.import_module("rtcinfer.interop.call")
 
 
 @pytest.fixture
 def issued(monkeypatch):
-    """CPU tensors taken as CUDA tensors of device 0 (one GPU, compute capability 9.0), stream
-    7; yields the list of issued launches: (kernel name, grid, block, the parameter fields at
-    issue time)."""
-    fake_gpu(monkeypatch)
-    real = path._torch()
-
-    def info(x, name):
-        if x is None:
-            return None
-        return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0,
-                         x.data_ptr() & 15)  # fmt: skip
-
-    monkeypatch.setattr(path, "_torch_info", info)
-    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(rtcinfer.jit, "device_limits", lambda device: (132, 227 * 1024))
-    monkeypatch.setattr(samplers, "compute_capability", lambda device: 90)
+    """CPU tensors taken as CUDA tensors of device 0 (tests/fakes.py's torch_as_cuda); yields
+    the launches issued (issued_launches)."""
+    torch_as_cuda(monkeypatch)
     monkeypatch.setattr(samplers._OP, "cache", {})
     FakeRecords(monkeypatch)  # indices are checked on the device: its records in host memory
-    log = []
-
-    def snapshot_issuer(self, device, dependent):
-        def issue(stream):
-            fields = {f: getattr(self.params, f) for f, *_ in self.params._fields_}
-            fields = {f: list(v) if isinstance(v, ctypes.Array) else v for f, v in fields.items()}
-            log.append((self.kernel.name, self.grid, self.block, fields))
-            return 0
-
-        return issue
-
-    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
-    yield log
+    yield issued_launches(monkeypatch)
 
 
 def _calls(batch):
@@ -84,10 +54,7 @@ def test_a_repeated_sampler_call_issues_what_the_function_issues(issued, batch, 
         name, public, args, kwargs = _calls(batch)[case]
         results = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        where = {a.data_ptr(): f"array {i}" for i, a in enumerate((*tensors, results))}
-        kernel, grid, block, fields = issued[n]  # each pointer field as the array it points to
-        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
-        records.append((kernel, grid, block, fields))
+        records.append(pointed(issued[n], (*tensors, results), torch.Tensor.data_ptr))
         assert tuple(results.shape) == (batch,) and results.dtype == torch.int32, name
         if "out" in kwargs:
             assert results is kwargs["out"], name
@@ -141,7 +108,7 @@ def test_a_learnt_signature_is_not_taken_by_calls_the_function_handles_otherwise
                    rtcinfer.top_k_sampling_from_probs.__wrapped__):  # fmt: skip
         extra = {} if "seed" in kwargs else {"generator": rtcinfer.Generator(seed=2)}
         public(probs, **kwargs, **extra)
-    (*_, shortcut_fields), (*_, own_fields) = issued[-2], issued[-1]
+    shortcut_fields, own_fields = issued[-2][3], issued[-1][3]
     assert {**shortcut_fields, "out": 0} == {**own_fields, "out": 0}
     assert {**shortcut_fields, "out": 0} != {**issued[2][3], "out": 0}
 
@@ -162,10 +129,7 @@ def test_a_repeated_cupy_sampler_call_issues_what_the_function_issues(issued, mo
             result = (public.__wrapped__ if n == 3 else public)(probs, 7, 0.5, generator=gen,
                                                                out=out)  # fmt: skip
             assert result is out and type(result) is cupy.ndarray
-            where = {probs.data.ptr: "probs", out.data.ptr: "out"}
-            kernel, grid, block, fields = issued[n]
-            fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
-            records.append((kernel, grid, block, fields))
+            records.append(pointed(issued[n], (probs, out), lambda a: a.data.ptr))
     assert records[1] == records[2] == records[3] == records[0]
     made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
@@ -186,8 +150,6 @@ def _one_op_calls():
 def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypatch, case):
     renorm = importlib.import_module("rtcinfer.sampling.renorm")
     softmax = importlib.import_module("rtcinfer.sampling.softmax")
-    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
-    monkeypatch.setattr(softmax, "compute_capability", lambda device: 90)
     ops = [softmax._OP, *renorm._OPS.values()]
     for op in ops:
         monkeypatch.setattr(op, "cache", {})
@@ -195,10 +157,7 @@ def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypa
     for n in range(4):
         name, public, args, kwargs = _one_op_calls()[case]
         result = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
-        where = {a.data_ptr(): f"array {i}" for i, a in enumerate((args[0], result))}
-        kernel, grid, block, fields = issued[n]
-        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
-        records.append((kernel, grid, block, fields))
+        records.append(pointed(issued[n], (args[0], result), torch.Tensor.data_ptr))
         assert result.shape == args[0].shape, name
     assert records[1] == records[2] == records[3] == records[0], name
     made = [v for op in ops for k, v in op.cache.items() if k[0] is shortcut.TAG]

@@ -6,20 +6,16 @@ in for CUDA ones; the stream and device queries are faked)."""
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import struct
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import rtcinfer
 from rtcinfer import launch
-from rtcinfer.interop import ArrayInfo
-from rtcinfer.interop.dtypes import normalize
 
-from .fakes import fake_gpu
+from .fakes import issued_launches, pointed, torch_as_cuda
 
 torch = pytest.importorskip("torch")
 path = importlib.import_module("rtcinfer.interop.call")
@@ -28,20 +24,7 @@ path = importlib.import_module("rtcinfer.interop.call")
 @pytest.fixture
 def cuda_like(monkeypatch):
     """CPU tensors taken as CUDA tensors of device 0 (one GPU), their stream 7."""
-    fake_gpu(monkeypatch)
-    real = path._torch()
-
-    def info(x, name):
-        if x is None:
-            return None
-        return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), 0,
-                         x.data_ptr() & 15)  # fmt: skip
-
-    monkeypatch.setattr(path, "_torch_info", info)
-    monkeypatch.setattr(path, "_torch", lambda: (real[0], real[1], lambda d: 7, real[3]))
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)
-    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
+    torch_as_cuda(monkeypatch)
     for op in (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.activation._OP,
                rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
                rtcinfer.attention.cascade._MERGE):  # fmt: skip
@@ -107,25 +90,14 @@ def test_a_repeated_call_issues_what_the_function_issues(cuda_like, monkeypatch,
     """Outside a recording the shortcut fills the launch's parameters and issues it itself
     (interop/shortcut.py's _launcher): each issued block (taken at issue time, as the driver
     copies it) is the one the function's own path issues."""
-    issued = []
-
-    def snapshot_issuer(self, device, dependent):
-        def issue(stream):
-            blob = ctypes.string_at(ctypes.addressof(self.params), ctypes.sizeof(self.params))
-            issued.append(SimpleNamespace(kernel=self.kernel, grid=self.grid, block=self.block,
-                                          params=blob, stream=stream))  # fmt: skip
-            return 0
-
-        return issue
-
-    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    issued = issued_launches(monkeypatch)
     records = []
     for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
         name, public, args, kwargs = _calls()[case]
         results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        records.append(_blanked(issued[n], (*tensors, *results)))
-    assert len(issued) == 4 and {i.stream for i in issued} == {7}, name
+        records.append(pointed(issued[n], (*tensors, *results), torch.Tensor.data_ptr))
+    assert len(issued) == 4 and {i[4] for i in issued} == {7}, name
     assert records[1] == records[2] == records[3] == records[0], name
     # the shortcut issued (its first issue put the launcher made with the issuer in its place)
     made = [fn for fn in _ops_caches() if hasattr(fn, "__code__")]

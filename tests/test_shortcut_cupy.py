@@ -6,7 +6,6 @@ call() would do something else. The arrays lie at made-up addresses (tests/fakes
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import struct
 
@@ -17,7 +16,7 @@ import rtcinfer
 from rtcinfer import launch
 from rtcinfer.interop import shortcut
 
-from .fakes import cupy_without_a_gpu, fake_gpu
+from .fakes import cupy_without_a_gpu, fake_gpu, issued_launches, pointed
 
 cupy = pytest.importorskip("cupy")
 
@@ -124,27 +123,13 @@ def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch
     """Outside a recording the CuPy shortcut fills the launch's parameters and issues it
     itself: each issued block (its fields at issue time, a pointer as the argument or result
     it points to) is the one the function's path issues."""
-    issued = []
-
-    def snapshot_issuer(self, device, dependent):
-        def issue(stream):
-            fields = {f: getattr(self.params, f) for f, *_ in self.params._fields_}
-            fields = {f: list(v) if isinstance(v, ctypes.Array) else v for f, v in fields.items()}
-            issued.append((self.kernel.name, self.grid, self.block, fields))
-            return 0
-
-        return issue
-
-    monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
+    issued = issued_launches(monkeypatch)
     records = []
     for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
         name, public, args, kwargs = _calls(empty)[case]
         results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
         arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, cupy.ndarray)]
-        where = {a.data.ptr: f"array {i}" for i, a in enumerate((*arrays, *results))}
-        kernel, grid, block, fields = issued[n]  # each pointer field as the array it points to
-        fields = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
-        records.append((kernel, grid, block, fields))
+        records.append(pointed(issued[n], (*arrays, *results), lambda a: a.data.ptr))
     assert len(issued) == 4, name
     assert records[1] == records[2] == records[3] == records[0], name
     (made,) = _shortcuts().values()  # the launcher its first issue made, with the issuer
