@@ -11,23 +11,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Fill:
-    """params.<name> = ptrs[i] for each (name, i) of `pointers` (i may be negative: from the
-    end, where the outputs' pointers are), params.<name> = scalars[j] for each (name, j) of
-    `scalars`, then `then(scalars)` where given (a write that is more than a field, such as
-    RoPE's frequency table). The fields are distinct, so the order of the writes is free."""
+    """params.<name> = ptrs[i] (+ offset bytes) for each (name, i) or (name, i, offset) of
+    `pointers` (i may be negative: from the end, where the outputs' pointers are),
+    params.<name> = scalars[j] for each (name, j) of `scalars`, then `then(scalars)` where
+    given (a write that is more than a field, such as RoPE's frequency table). The fields are
+    distinct, so the order of the writes is free."""
 
-    pointers: tuple[tuple[str, int], ...]
+    pointers: tuple[tuple, ...]
     scalars: tuple[tuple[str, int], ...] = ()
     then: Callable[[tuple], None] | None = None
 
     def lines(self, params: str, indent: str) -> list[str]:
         """The statements, with `params` the parameter block's name: one per pointer index (its
         fields chained) and per scalar, then the call of `then` as `_then`."""
-        by_index: dict[int, list[str]] = {}
-        for name, i in self.pointers:
-            by_index.setdefault(i, []).append(name)
+        by_source: dict[tuple[int, int], list[str]] = {}
+        for name, i, *offset in self.pointers:
+            by_source.setdefault((i, offset[0] if offset else 0), []).append(name)
         out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
-               for i, names in by_index.items()]  # fmt: skip
+               + (f" + {offset}" if offset else "")
+               for (i, offset), names in by_source.items()]  # fmt: skip
         out += [f"{indent}{params}.{name} = scalars[{j}]" for name, j in self.scalars]
         if self.then is not None:
             out.append(f"{indent}_then(scalars)")

@@ -57,6 +57,9 @@ class _Tag:
 
 
 TAG, CUPY_TAG = _Tag(), _Tag()
+# [whether shortcuts are taken]: cleared by the first call learn sees in a process with
+# several GPUs (whose calls keep to call()'s path), so that their branches cost one test.
+ENABLED = [True]
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
     given = [p for i, p in enumerate(cut.slots) if i in op.given and p is not None]
     arrays = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
     slot_params = arrays + given
-    conds = [reads.test.format(p=p) for p in arrays]
+    conds = ["_enabled[0]"] + [reads.test.format(p=p) for p in arrays]
     conds += [f"({p} is None or {reads.test.format(p=p)})" for p in given]
     conds += [reads.also] if reads.also else []
     conds += [f"({cut.when})"] if cut.when else []
@@ -141,7 +144,7 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
 def names(cut: Shortcut) -> dict:
     """The generated function's globals the branches read."""
     return {"_tensor": _call.TORCH_TENSOR, "_ndarray": _call.CUPY_NDARRAY, "_local": _call._LOCAL,
-            "_tag": TAG, "_cupy_tag": CUPY_TAG, "_op": cut.op, "_learn": learn,
+            "_tag": TAG, "_cupy_tag": CUPY_TAG, "_op": cut.op, "_learn": learn, "_enabled": ENABLED,
             **{f.__name__: f for f in cut.helpers}}  # fmt: skip
 
 
@@ -154,7 +157,11 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None
     if prep is None:  # the call raised or went elsewhere: learn it at the next call
         return
     op.cache[key] = False  # no shortcut for the signature, unless made below
+    if not prep.one_device:
+        ENABLED[0] = False
     if prep.dense or not prep.one_device or prep.fill is None or prep.scratch:
+        return
+    if prep.record is not None and prep.record.device != device:
         return
     kit = _torch_kit() if torch else _cupy_kit()
     outs = []  # (input slot, it is the output itself) or (None, a maker of the new output)
@@ -222,8 +229,15 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
             return found(stream)
 
     names = {"_run": prep.run, "_issue": issue, "_lock": launch.lock, "_failed": launch.failed,
-             "_recordings": RECORDINGS, **kit.names,
+             "_recordings": RECORDINGS, "_record": prep.record, **kit.names,
              **prep.fill.names("_p", launch.params)}  # fmt: skip
+    checked, recorded = [], []  # a kernel that checks indices: raise what a call reported
+    if prep.record is not None:
+        from .. import errors
+
+        names["_raise_reported"] = errors.raise_reported
+        checked = ["    if _record.reported.value:", "        _raise_reported(_record, stream)"]
+        recorded = ["            _p.bad, _p.bad_host = _record.device_ptr, _record.host_ptr"]
     lines, results = ["def launch(arrays, ptrs, device, scalars):"], []
     for n, (i, same) in enumerate(outs):
         if i is None:  # a new array of its own shape
@@ -242,9 +256,11 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
         "    if _recordings[0]:",
         "        _run(stream, device, ptrs, scalars)",
         "    else:",
+        *["    " + line for line in checked],
         "        _lock.acquire()",
         "        try:",
         *prep.fill.lines("_p", "            "),
+        *recorded,
         "            status = _issue(stream)",
         "        finally:",
         "            _lock.release()",
@@ -256,4 +272,4 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
     return names["launch"]
 
 
-__all__ = ["CUPY_TAG", "Shortcut", "TAG", "learn", "names", "source"]
+__all__ = ["CUPY_TAG", "ENABLED", "Shortcut", "TAG", "learn", "names", "source"]

@@ -59,3 +59,15 @@ def jax_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU backend here")
     return jax
+
+
+@pytest.fixture(autouse=True)
+def _shortcuts_taken():
+    """Each test starts with the public functions' shortcuts on (interop/shortcut.py's
+    ENABLED): a test that fakes a process with several GPUs turns them off for the rest of the
+    process, as it would in one."""
+    from rtcinfer.interop import shortcut
+
+    shortcut.ENABLED[0] = True
+    yield
+    shortcut.ENABLED[0] = True

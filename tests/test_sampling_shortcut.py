@@ -11,6 +11,7 @@ import importlib
 import pytest
 
 import rtcinfer
+from rtcinfer.errors import BadIndex
 from rtcinfer.interop import shortcut
 from rtcinfer.sampling import samplers
 
@@ -162,3 +163,42 @@ def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypa
     assert records[1] == records[2] == records[3] == records[0], name
     made = [v for op in ops for k, v in op.cache.items() if k[0] is shortcut.TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+
+
+def _append_call(records):
+    """append_paged_kv_cache's arguments: 3 tokens into a 5-D NHD cache of 4 pages of 16."""
+    key, value = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+    cache = torch.zeros(4, 2, 16, 2, 64).half()
+    batch, pos = torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([5, 6, 0]).int()
+    indices, indptr = torch.tensor([2, 0, 3], dtype=torch.int32), torch.tensor([0, 2, 3]).int()
+    last = torch.tensor([7, 1], dtype=torch.int32)
+    return key, value, batch, pos, cache, indices, indptr, last
+
+
+def test_append_issues_the_functions_block_and_raises_what_was_reported(issued, monkeypatch):
+    """append_paged_kv_cache's shortcut (its kernel checks indices on the device): each issued
+    block equals the function's own, the cache comes back, and a call after the device
+    reported a bad entry raises it, as the function would."""
+    page = importlib.import_module("rtcinfer.attention.page")
+    monkeypatch.setattr(page._APPEND, "cache", {})
+    records = FakeRecords(monkeypatch)
+    blocks = []
+    for n in range(4):
+        args = _append_call(records)
+        public = rtcinfer.append_paged_kv_cache
+        result = (public.__wrapped__ if n == 3 else public)(*args)
+        assert result is args[4]
+        kernel, grid, block, fields = pointed(issued[n], args, torch.Tensor.data_ptr)
+        fields["v_cache"] -= args[4].data_ptr()  # V's byte offset in the 5-D cache
+        blocks.append((kernel, grid, block, fields))
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    assert blocks[0][3]["v_cache"] == 16 * 2 * 64 * 2  # one page's K, fp16
+    assert blocks[0][3]["bad"] == records.buffers[0][0].ctypes.data
+    made = [v for k, v in page._APPEND.cache.items() if k[0] is shortcut.TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+    records.report(0, BadIndex.KV_INDICES, 1, 9, 4)
+    with pytest.raises(rtcinfer.BadIndexError, match="kv_indices"):
+        rtcinfer.append_paged_kv_cache(*_append_call(records))
+    assert len(issued) == 4  # nothing launched by the call that raised
+    rtcinfer.append_paged_kv_cache(*_append_call(records))  # the record is clear again
+    assert len(issued) == 5

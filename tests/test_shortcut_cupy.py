@@ -16,7 +16,7 @@ import rtcinfer
 from rtcinfer import launch
 from rtcinfer.interop import shortcut
 
-from .fakes import cupy_without_a_gpu, fake_gpu, issued_launches, pointed
+from .fakes import FakeRecords, cupy_without_a_gpu, fake_gpu, issued_launches, pointed
 
 cupy = pytest.importorskip("cupy")
 
@@ -186,4 +186,38 @@ def test_a_cupy_call_with_a_dense_copy_keeps_to_the_function(empty, monkeypatch)
         for _ in range(3):
             rtcinfer.rmsnorm(x, w)
     assert len(steps) == 3 and len(copied) == 3
+    assert list(_shortcuts().values()) == [False]
+
+
+def test_a_repeated_cupy_append_issues_what_the_function_issues(empty, monkeypatch):
+    """append_paged_kv_cache's CuPy shortcut (its kernel checks indices: the record's fields
+    and the check before the launch come with it): the function's block, the cache returned."""
+    page = importlib.import_module("rtcinfer.attention.page")
+    monkeypatch.setattr(page._APPEND, "cache", {})
+    FakeRecords(monkeypatch)
+    issued = issued_launches(monkeypatch)
+    blocks = []
+    for n in range(4):
+        args = (empty((3, 2, 64), np.float16), empty((3, 2, 64), np.float16),
+                empty((3,), np.int32), empty((3,), np.int32), empty((4, 2, 16, 2, 64), np.float16),
+                empty((3,), np.int32), empty((3,), np.int32), empty((2,), np.int32))  # fmt: skip
+        public = rtcinfer.append_paged_kv_cache
+        assert (public.__wrapped__ if n == 3 else public)(*args) is args[4]
+        kernel, grid, block, fields = pointed(issued[n], args, lambda a: a.data.ptr)
+        fields["v_cache"] -= args[4].data.ptr  # V's byte offset in the 5-D cache
+        blocks.append((kernel, grid, block, fields))
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    made = [v for k, v in page._APPEND.cache.items() if k[0] is shortcut.CUPY_TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+
+
+def test_a_process_with_two_gpus_keeps_to_the_function(empty, monkeypatch):
+    """Several GPUs: the first call learns no shortcut and turns the branches off, so later
+    calls cost one test before call()'s path (which picks the device)."""
+    fake_gpu(monkeypatch, devices=2)
+    x, w = empty((3, 256), np.float16), empty((256,), np.float16)
+    with launch.recording() as steps:  # (conftest.py turns them on again after the test)
+        for _ in range(3):
+            rtcinfer.rmsnorm(x, w)
+    assert len(steps) == 3 and shortcut.ENABLED == [False]
     assert list(_shortcuts().values()) == [False]

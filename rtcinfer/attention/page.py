@@ -22,9 +22,10 @@ from typing import ClassVar
 
 from .. import errors, jit
 from ..errors import BadIndex
-from ..interop import Op, OutSlot, Prepared, call, dtype_name
-from ..interop.arrays import framework, torch_compiling
+from ..interop import Fill, Op, OutSlot, Prepared, call, dtype_name, one_launch
+from ..interop.arrays import framework, torch_compiling, with_shortcut
 from ..interop.dtypes import itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
 from ..plan import page as host_page
 from ..plan._checks import as_int
@@ -169,28 +170,28 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
     p.num_pages = caches[0].shape[0]
     rec = errors.record(key.device)
-    check = errors.checking()
+    # the outputs: the caches (their XLA copies for JAX); a 5-D cache's V at its byte offset
+    v_cache = ("v_cache", first_out + 1) if pair else ("v_cache", first_out, v_offset)
+    fill = Fill((("key", 0), ("value", 1), ("batch_indices", 2), ("positions", 3),
+                 ("kv_indices", table), ("kv_indptr", table + 1), ("kv_last_page_len", table + 2),
+                 ("k_cache", first_out), v_cache))  # fmt: skip
+    outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
+    dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
+    if not errors.checking():
+        return one_launch(outs, launch, fill, record=rec, dense=dense)
+    fill_call = fill.function(p)
 
-    def run(stream, device, ptrs, scalars):
+    def run(stream, device, ptrs, scalars):  # RTCINFER_CHECK=1: each launch waited for
         found = errors.before_launch(rec, device, stream)
         launch.lock.acquire()
         try:
-            p.key, p.value = ptrs[0], ptrs[1]
-            p.batch_indices, p.positions = ptrs[2], ptrs[3]
-            p.kv_indices, p.kv_indptr = ptrs[table], ptrs[table + 1]
-            p.kv_last_page_len = ptrs[table + 2]
+            fill_call(ptrs, scalars)
             p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            k_cache = ptrs[first_out]  # the outputs: the caches (their XLA copies for JAX)
-            p.k_cache = k_cache
-            p.v_cache = ptrs[first_out + 1] if pair else k_cache + v_offset
             launch(stream, device)
         finally:
             launch.lock.release()
-        if check:
-            errors.check_launch(found, stream)
+        errors.check_launch(found, stream)
 
-    outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
-    dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
     return Prepared(outs, run, preload=launch.preload, dense=dense)
 
 
@@ -246,6 +247,7 @@ _APPEND = Op("append_paged_kv_cache", (*_ROWS, "paged_kv_cache", *_TABLE), _prep
 _APPEND_PAIR = Op("append_kv_pair", (*_ROWS, "k_cache", "v_cache", *_TABLE), _prepare_append)
 
 
+@with_shortcut(Shortcut(_APPEND, (*_ROWS, "paged_kv_cache", *_TABLE), "(kv_layout,)"))
 def append_paged_kv_cache(
     append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
     kv_last_page_len, kv_layout="NHD",
