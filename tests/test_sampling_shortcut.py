@@ -202,3 +202,23 @@ def test_append_issues_the_functions_block_and_raises_what_was_reported(issued, 
     assert len(issued) == 4  # nothing launched by the call that raised
     rtcinfer.append_paged_kv_cache(*_append_call(records))  # the record is clear again
     assert len(issued) == 5
+
+
+def test_speculative_sampling_with_counters_takes_the_function(issued, monkeypatch):
+    """chain_speculative_sampling's shortcut is for new counters: given ones (updated in
+    place) take the function's path, and what it issues names them."""
+    spec = importlib.import_module("rtcinfer.sampling.speculative")
+    monkeypatch.setattr(spec._OP, "cache", {})
+    draft, target = torch.rand(2, 4, 1000), torch.rand(2, 5, 1000)
+    ids = torch.randint(0, 1000, (2, 4), dtype=torch.int32)
+    for _ in range(3):
+        rtcinfer.chain_speculative_sampling(draft, ids, target, generator=rtcinfer.Generator())
+    assert [k for k in spec._OP.cache if k[0] is shortcut.TAG]
+    accepted, emitted = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    _, got_accepted, got_emitted = rtcinfer.chain_speculative_sampling(
+        draft, ids, target, accepted, emitted, generator=rtcinfer.Generator()
+    )
+    assert got_accepted is accepted and got_emitted is emitted
+    fields = issued[-1][3]
+    assert fields["accepted"] == accepted.data_ptr() and fields["emitted"] == emitted.data_ptr()
+    assert fields["accumulate"] == 1

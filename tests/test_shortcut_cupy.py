@@ -26,7 +26,8 @@ _RENORM = importlib.import_module("rtcinfer.sampling.renorm")
 _OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
         rtcinfer.activation._OP, rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
         rtcinfer.attention.cascade._MERGE, rtcinfer.attention.cascade._STATES,
-        _SAMPLING._OP, _SOFTMAX._OP, *_RENORM._OPS.values())  # fmt: skip
+        _SAMPLING._OP, _SOFTMAX._OP, *_RENORM._OPS.values(),
+        importlib.import_module("rtcinfer.sampling.speculative")._OP)  # fmt: skip
 
 
 @pytest.fixture
@@ -77,6 +78,9 @@ def _calls(empty):
          {"generator": rtcinfer.Generator(seed=5), "out": empty((300,), i32)}),
         ("softmax", rtcinfer.softmax, (logits, 0.5), {}),
         ("top_k_mask_logits", rtcinfer.top_k_mask_logits, (logits, 9), {}),
+        ("chain_speculative_sampling", rtcinfer.chain_speculative_sampling,
+         (empty((2, 4, 1000), np.float32), empty((2, 4), i32), empty((2, 5, 1000), np.float32)),
+         {"generator": rtcinfer.Generator(seed=5)}),
     ]  # fmt: skip
 
 
@@ -118,7 +122,7 @@ def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     assert records[1] == records[2] == records[0], name
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(18))
 def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch, case):
     """Outside a recording the CuPy shortcut fills the launch's parameters and issues it
     itself: each issued block (its fields at issue time, a pointer as the argument or result

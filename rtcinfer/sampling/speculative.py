@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import jit
-from ..interop import Op, OutSlot, Prepared, call, dense_strides
-from ..interop.arrays import torch_compiling
+from ..interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
+from ..interop.arrays import torch_compiling, with_shortcut
 from ..interop.dtypes import FLOAT_DTYPES, itemsize
+from ..interop.shortcut import Shortcut
 from ..launch import Kernel, Launch
 from ..layout import fit_vec, row_threads, widest_vec
-from .philox import check_array, kernel_inputs
+from .philox import check_array, draw, kernel_inputs
 
 
 @dataclass(frozen=True)
@@ -109,36 +110,28 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     accumulate = accepted is not None  # add to the given counters
     p.n, p.vocab, p.accumulate = n, vocab, int(accumulate)
     p.seed_len, p.offset_len = seed_len, offset_len
-    ids32 = ids.dtype == "int32"
-
-    def run(stream, device, ptrs, scalars):
-        launch.lock.acquire()
-        try:
-            p.draft_probs, p.target_probs = ptrs[0], ptrs[2]
-            if ids32:
-                p.draft_ids = ptrs[1]
-            else:
-                p.draft_ids64 = ptrs[1]
-            p.seed_arr, p.offset_arr = ptrs[5], ptrs[6]
-            p.out_tokens, p.accepted, p.emitted = ptrs[7], ptrs[8], ptrs[9]
-            p.seed_val, p.offset_val = scalars
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-
+    fill = Fill((("draft_probs", 0), ("target_probs", 2),
+                 ("draft_ids" if ids.dtype == "int32" else "draft_ids64", 1), ("seed_arr", 5),
+                 ("offset_arr", 6), ("out_tokens", 7), ("accepted", 8), ("emitted", 9)),
+                (("seed_val", 0), ("offset_val", 1)))  # fmt: skip
     outs = (
         OutSlot((batch, n + 1), "int32"),
         OutSlot((batch,), "int32", 3 if accumulate else None, alias=accumulate),
         OutSlot((batch,), "int32", 4 if accumulate else None, alias=accumulate),
     )
     dense = tuple(i for i in (5, 6) if infos[i] is not None)  # seed and offset arrays
-    return Prepared(outs, run, preload=launch.preload, dense=dense)
+    return one_launch(outs, launch, fill, dense=dense)
 
 
 _SLOTS = ("draft_probs", "draft_token_ids", "target_probs", "accepted", "emitted", "seed", "offset")
 _OP = Op("chain_speculative_sampling", _SLOTS, _prepare)
 
 
+@with_shortcut(Shortcut(  # new counters, the seed and offset drawn from the generator
+    _OP, ("draft_probs", "draft_token_ids", "target_probs", None, None, None, None), "()",
+    "draw(generator)", (draw,),
+    "maybe_output_accepted_token_num is None and maybe_output_emitted_draft_token_num is None "
+    "and seed is None and offset is None"))  # fmt: skip
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
                                maybe_output_accepted_token_num=None,
                                maybe_output_emitted_draft_token_num=None,
