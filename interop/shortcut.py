@@ -217,7 +217,9 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
     call() allocates them (`outs`: learn's list), their pointers appended, and prep's one
     launch issued as its run would (prepared.one_launch): the pointers and scalars written
     (prep.fill's statements) and the launch issued under its lock, in this one frame; while a
-    recording is under way, through prep.run. Generated for the pattern of outputs. `issue`:
+    recording is under way, through prep.run; a kernel that checks indices on the device
+    (prep.record) first raises what an earlier call reported, as its run does. Generated for
+    the pattern of outputs. `issue`:
     the launch's issuer on `device`; None: the first launch asks for it (loading the kernel,
     which a call recorded only has not) and keep()s the launcher made with it in its place."""
     launch = prep.launch
