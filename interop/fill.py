@@ -1,7 +1,7 @@
 """What a call writes into its launch's parameter block, as data: which field takes which
-pointer and which scalar (Fill). prepared.one_launch runs it as a function; the shortcut
-(interop/shortcut.py) writes the same statements into its generated launcher, so that a call
-fills the block without a frame of its own."""
+pointer and which scalar (Fill). prepared.one_launch writes its statements into the call's
+generated run, and the shortcut (interop/shortcut.py) into its generated launcher, so that no
+call spends a frame on them; Fill.function makes them a function for a run that does more."""
 
 from __future__ import annotations
 
