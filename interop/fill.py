@@ -13,12 +13,13 @@ from dataclasses import dataclass
 class Fill:
     """params.<name> = ptrs[i] (+ offset bytes) for each (name, i) or (name, i, offset) of
     `pointers` (i may be negative: from the end, where the outputs' pointers are),
-    params.<name> = scalars[j] for each (name, j) of `scalars`, then `then(scalars)` where
+    params.<name> = scalars[j] (* factor) for each (name, j) or (name, j, factor) of
+    `scalars`, then `then(scalars)` where
     given (a write that is more than a field, such as RoPE's frequency table). The fields are
     distinct, so the order of the writes is free."""
 
     pointers: tuple[tuple, ...]
-    scalars: tuple[tuple[str, int], ...] = ()
+    scalars: tuple[tuple, ...] = ()
     then: Callable[[tuple], None] | None = None
 
     def lines(self, params: str, indent: str) -> list[str]:
@@ -30,7 +31,8 @@ class Fill:
         out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
                + (f" + {offset}" if offset else "")
                for (i, offset), names in by_source.items()]  # fmt: skip
-        out += [f"{indent}{params}.{name} = scalars[{j}]" for name, j in self.scalars]
+        out += [f"{indent}{params}.{name} = scalars[{j}]" + (f" * {float(factor[0])!r}" if factor else "")
+                for name, j, *factor in self.scalars]  # fmt: skip
         if self.then is not None:
             out.append(f"{indent}_then(scalars)")
         return out or [f"{indent}pass"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import struct
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -225,3 +226,29 @@ def test_a_process_with_two_gpus_keeps_to_the_function(empty, monkeypatch):
             rtcinfer.rmsnorm(x, w)
     assert len(steps) == 3 and shortcut.ENABLED == [False]
     assert list(_shortcuts().values()) == [False]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_repeated_cupy_single_decode_issues_what_the_function_issues(empty, monkeypatch,
+                                                                         return_lse):  # fmt: skip
+    """single_decode_with_kv_cache's shortcut (an unsplit plan: one launch, its scale a
+    product Fill writes): the function's block, o (and lse) new each call."""
+    sd = importlib.import_module("rtcinfer.attention.single_decode")
+    monkeypatch.setattr(sd, "device_limits", lambda device: (132, 227 * 1024))
+    monkeypatch.setattr(sd, "ctas_per_sm", lambda spec, device: 2)
+    monkeypatch.setattr(sd, "device_copy", lambda host, device, what: SimpleNamespace(ptr=4096))
+    monkeypatch.setattr(sd._OP, "cache", {})
+    issued = issued_launches(monkeypatch)
+    blocks = []
+    for n in range(4):
+        q, k, v = empty((32, 128), np.float16), *(empty((64, 8, 128), np.float16),) * 2
+        public = rtcinfer.single_decode_with_kv_cache
+        kwargs = {"sm_scale": 0.1, "k_scale": 0.5, "return_lse": return_lse}
+        result = _as_tuple((public.__wrapped__ if n == 3 else public)(q, k, v, **kwargs))
+        assert [a.shape for a in result] == [(32, 128), (32,)][: 1 + return_lse]
+        blocks.append(pointed(issued[n], (q, k, *result), lambda a: a.data.ptr))
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    assert blocks[0][3]["qk_scale"] == pytest.approx(0.05, rel=1e-6)  # sm_scale x k_scale
+    assert blocks[0][3]["lse"] == ("array 3" if return_lse else None)  # (None: a NULL pointer)
+    made = [v for k, v in sd._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
+    assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__

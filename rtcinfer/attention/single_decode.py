@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop import Op, OutSlot, Prepared, call
-from ..interop.arrays import torch_compiling
+from ..interop import Fill, Op, OutSlot, Prepared, call, one_launch
+from ..interop.arrays import torch_compiling, with_shortcut
+from ..interop.shortcut import Shortcut
 from ..jit import device_limits
 from ..launch import Launch, zero_fill
 from ..plan.decode import plan_decode
@@ -21,29 +22,6 @@ from .paged_kv import check_cache_view, check_layout, check_strides_fit, paged_v
 from .workspace import device_copy, split_scratch
 
 PAGE = 64  # the contiguous cache is read as pages of 64 tokens, so the planner can split it
-
-
-def single_decode_with_kv_cache(
-    q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False, q_scale=None,
-    k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
-    rope_scale=None, rope_theta=None, return_lse=False,
-):  # fmt: skip
-    """Decode attention of one request (math above; sm_scale is further multiplied by q_scale).
-
-    q: [Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any strides with a
-    contiguous head_dim; D in (64, 128, 256). ROPE_LLAMA rotates q at kv_len - 1 and key j at j.
-    Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
-    The work list depends only on the shapes: it is built and uploaded once per signature.
-    """
-    if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
-        from .. import torch_attention as ta
-
-        return ta.single("single_decode", q, return_lse, k, v, kv_layout, pos_encoding_mode,
-                         window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
-                         *kv_scales(k_scale, v_scale, q_scale))  # fmt: skip
-    static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
-              rope_theta, bool(return_lse))  # fmt: skip
-    return call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
 
 
 def _prepare(infos, align, static) -> Prepared:
@@ -107,27 +85,55 @@ def _prepare(infos, align, static) -> Prepared:
     p.q_stride_n, p.q_stride_h, p.num_rows = 0, q.strides[0], 1
     p.o_stride_n, p.o_stride_h, p.lse_stride_n = 0, d, 0
     p.plan = plan_buffer.ptr
-    n_lse = 1 if with_lse else 0
+    pointers = (("q", 0), ("k_cache", 1), ("v_cache", 2), ("o", 3))
+    pointers += (("lse", 4),) if with_lse else ()  # (else the field stays 0)
+    fill = Fill(pointers, (("qk_scale", 0, cfg.sm_scale), ("v_scale", 1)))
+    if not split:
+        return one_launch(tuple(outs), launch, fill, keep=plan_buffer)
+    fill_call, scratch_at = fill.function(p), 4 + (1 if with_lse else 0)
 
-    def run(stream, device, ptrs, scalars):
+    def run(stream, device, ptrs, scalars):  # partials in the call's scratch, counters zeroed
         launch.lock.acquire()
         try:
-            p.q, p.k_cache, p.v_cache, p.o = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-            p.lse = ptrs[4] if with_lse else 0
-            if split:
-                at = ptrs[4 + n_lse]
-                p.partial_o, p.partial_lse = at, at + scratch.lse_at
-                p.counters = at + scratch.counters_at
-                zero_fill(p.counters, cfg.kv_blocks, stream)
-            p.qk_scale, p.v_scale = cfg.sm_scale * scalars[0], scalars[1]
+            fill_call(ptrs, scalars)
+            at = ptrs[scratch_at]
+            p.partial_o, p.partial_lse = at, at + scratch.lse_at
+            p.counters = at + scratch.counters_at
+            zero_fill(p.counters, cfg.kv_blocks, stream)
             launch(stream, device)
         finally:
             launch.lock.release()
 
-    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer,
-                    scratch=1 if split else 0)  # fmt: skip
+    return Prepared(tuple(outs), run, preload=launch.preload, keep=plan_buffer, scratch=1)
 
 
 _OP = Op("single_decode", ("q", "k", "v"), _prepare)
+
+
+@with_shortcut(Shortcut(_OP, ("q", "k", "v"), "(kv_layout, pos_encoding_mode, window_left, "
+                        "logits_soft_cap, sm_scale, rope_scale, rope_theta, bool(return_lse))",
+                        "kv_scales(k_scale, v_scale, q_scale)", (kv_scales,)))  # fmt: skip
+def single_decode_with_kv_cache(
+    q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False, q_scale=None,
+    k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
+    rope_scale=None, rope_theta=None, return_lse=False,
+):  # fmt: skip
+    """Decode attention of one request (math above; sm_scale is further multiplied by q_scale).
+
+    q: [Hq, D]; k, v: [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND), any strides with a
+    contiguous head_dim; D in (64, 128, 256). ROPE_LLAMA rotates q at kv_len - 1 and key j at j.
+    Returns o [Hq, D] (q's dtype), and also lse [Hq] float32 (base 2) when return_lse.
+    The work list depends only on the shapes: it is built and uploaded once per signature.
+    """
+    if torch_compiling(q):  # one custom op node (rtcinfer/torch_attention.py)
+        from .. import torch_attention as ta
+
+        return ta.single("single_decode", q, return_lse, k, v, kv_layout, pos_encoding_mode,
+                         window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                         *kv_scales(k_scale, v_scale, q_scale))  # fmt: skip
+    static = (kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+              rope_theta, bool(return_lse))  # fmt: skip
+    return call(_OP, (q, k, v), static, kv_scales(k_scale, v_scale, q_scale))
+
 
 __all__ = ["single_decode_with_kv_cache"]
