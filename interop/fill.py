@@ -31,7 +31,8 @@ class Fill:
         out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
                + (f" + {offset}" if offset else "")
                for (i, offset), names in by_source.items()]  # fmt: skip
-        out += [f"{indent}{params}.{name} = scalars[{j}]" + (f" * {float(factor[0])!r}" if factor else "")
+        out += [f"{indent}{params}.{name} = scalars[{j}]"
+                + (f" * {float(factor[0])!r}" if factor else "")
                 for name, j, *factor in self.scalars]  # fmt: skip
         if self.then is not None:
             out.append(f"{indent}_then(scalars)")

@@ -99,32 +99,35 @@ class Prepared:
     launch: object = None
     fill: Fill | None = None
     record: object = None  # one_launch's errors.Record, for a kernel that checks indices
+    check: bool = False  # one_launch's run waits for its launch and raises what it reported
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
 
 
-def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None,
+def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check=False,
                **fields) -> Prepared:  # fmt: skip
     """The Prepared of a call that is one launch (rtcinfer.launch.Launch): `fill` writes the
     call's pointers and scalars into launch.params, then it launches, under launch.lock (calls
     sharing the launch write the same block). `record` (rtcinfer.errors.Record, of the
     arrays' device), for a kernel that checks indices on the device: a call first raises what
-    an earlier one reported (errors.before_launch), and the kernel's `bad` and `bad_host` point
-    at the record of the device it runs on. `fields`: Prepared's others."""
+    an earlier one reported (errors.before_launch), the kernel's `bad` and `bad_host` point at
+    the record of the device it runs on, and with `check` (RTCINFER_CHECK=1) the call waits
+    for its launch and raises what it reported. `fields`: Prepared's others."""
     lines = ["def run(stream, device, ptrs, scalars):"]
     lines += ["    found = _before(_record, device, stream)"] if record is not None else []
     lines += ["    _lock.acquire()", "    try:", *fill.lines("_p", "        ")]
     if record is not None:
         lines.append("        _p.bad, _p.bad_host = found.device_ptr, found.host_ptr")
     lines += ["        _launch(stream, device)", "    finally:", "        _lock.release()"]
+    lines += ["    _check(found, stream)"] if record is not None and check else []
     names = {"_lock": launch.lock, "_launch": launch, **fill.names("_p", launch.params)}
     if record is not None:
         from .. import errors
 
-        names.update(_before=errors.before_launch, _record=record)
+        names.update(_before=errors.before_launch, _record=record, _check=errors.check_launch)
     exec(compile("\n".join(lines) + "\n", f"<run of {launch!r}>", "exec"), names)
     return Prepared(outs, names["run"], preload=launch.preload, launch=launch, fill=fill,
-                    record=record, **fields)  # fmt: skip
+                    record=record, check=record is not None and check, **fields)  # fmt: skip
 
 
 def no_launch(stream, device, ptrs, scalars) -> None:

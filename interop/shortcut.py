@@ -159,7 +159,7 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None
     op.cache[key] = False  # no shortcut for the signature, unless made below
     if not prep.one_device:
         ENABLED[0] = False
-    if prep.dense or not prep.one_device or prep.fill is None or prep.scratch:
+    if prep.dense or not prep.one_device or prep.fill is None or prep.scratch or prep.check:
         return
     if prep.record is not None and prep.record.device != device:
         return

@@ -284,21 +284,8 @@ def _prepared(outs: tuple, launch: Launch, rec: errors.Record | None, check: boo
     if spec.mode != "cos_sin_cache":  # theta or Llama 3.1: their scalars and table
         then = table_writer(p, spec.mode, spec.rotary_dim)
         return one_launch(outs, launch, Fill(pointers, then=then), dense=dense)
-    fill = Fill(pointers + (("cos_sin_cache", 3),)).function(p)
-
-    def run(stream, device, ptrs, scalars):
-        found = errors.before_launch(rec, device, stream)
-        launch.lock.acquire()
-        try:
-            fill(ptrs, scalars)
-            p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-        if check:
-            errors.check_launch(found, stream)
-
-    return Prepared(outs, run, preload=launch.preload, dense=dense)
+    fill = Fill(pointers + (("cos_sin_cache", 3),))
+    return one_launch(outs, launch, fill, record=rec, check=check, dense=dense)
 
 
 def _out_of_place(static: tuple) -> tuple:

@@ -177,22 +177,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
                  ("k_cache", first_out), v_cache))  # fmt: skip
     outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
     dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
-    if not errors.checking():
-        return one_launch(outs, launch, fill, record=rec, dense=dense)
-    fill_call = fill.function(p)
-
-    def run(stream, device, ptrs, scalars):  # RTCINFER_CHECK=1: each launch waited for
-        found = errors.before_launch(rec, device, stream)
-        launch.lock.acquire()
-        try:
-            fill_call(ptrs, scalars)
-            p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-        errors.check_launch(found, stream)
-
-    return Prepared(outs, run, preload=launch.preload, dense=dense)
+    return one_launch(outs, launch, fill, record=rec, check=errors.checking(), dense=dense)
 
 
 def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, index):

@@ -211,28 +211,16 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     if check_nan:
         outs += (OutSlot((1,), "int32"),)
     dense = tuple(i for i in range(1, 7) if infos[i] is not None)  # arrays read by index
-    if rec is None and not check_nan:
-        return one_launch(outs, launch, fill, dense=dense)
-    fill_call = fill.function(p)
+    # indices are read on the device (rec): a call raises what an earlier one reported
+    one = one_launch(outs, launch, fill, record=rec, check=check, dense=dense)
+    if not check_nan:
+        return one
 
-    def run(stream, device, ptrs, scalars):
-        found = None
-        if rec is not None:  # indices are read on the device: raise what a call reported
-            found = errors.before_launch(rec, device, stream)
-        if check_nan:
-            zero_fill(ptrs[_FLAG], 1, stream)
-        launch.lock.acquire()
-        try:
-            fill_call(ptrs, scalars)
-            if found is not None:
-                p.bad, p.bad_host = found.device_ptr, found.host_ptr
-            launch(stream, device)
-        finally:
-            launch.lock.release()
-        if check:
-            errors.check_launch(found, stream)
+    def run(stream, device, ptrs, scalars):  # the flag zeroed before the launch
+        zero_fill(ptrs[_FLAG], 1, stream)
+        one.run(stream, device, ptrs, scalars)
 
-    return Prepared(outs, run, preload=launch.preload, dense=dense)
+    return replace(one, run=run, fill=None)  # no shortcut: it would not zero the flag
 
 
 _OP = Op("sample", ("probs", "indices", "top_k", "top_p", "min_p", "seed", "offset", "out"),
