@@ -4,13 +4,23 @@ calls as XLA launches (xla_launch) or an FFI handler (jax_ffi)."""
 from .arrays import as_cupy, device_of, dtype_name, framework
 from .call import call, release
 from .fill import Fill
-from .prepared import ArrayInfo, Op, OutSlot, Prepared, dense_strides, no_launch, one_launch
+from .prepared import (
+    ArrayInfo,
+    Op,
+    OutSlot,
+    Planned,
+    Prepared,
+    dense_strides,
+    no_launch,
+    one_launch,
+)
 
 __all__ = [
     "ArrayInfo",
     "Fill",
     "Op",
     "OutSlot",
+    "Planned",
     "Prepared",
     "as_cupy",
     "call",

@@ -42,11 +42,15 @@ class Fill:
         """The generated statements' globals: the block as `params`, `then` as `_then`."""
         return {params: block, "_then": self.then}
 
-    def function(self, block) -> Callable[[list, tuple], None]:
+    def function(self, block=None) -> Callable:
         """fill(ptrs, scalars): the statements, writing into `block`, as a function (for a run
-        that does more than fill and launch)."""
-        source = "def fill(ptrs, scalars):\n" + "\n".join(self.lines("_p", "    ")) + "\n"
+        that does more than fill and launch); without a block, fill(block, ptrs, scalars) (a
+        launch that changes from call to call: a wrapper's latest plan's)."""
+        head = "def fill(ptrs, scalars):" if block is not None else "def fill(_p, ptrs, scalars):"
+        source = head + "\n" + "\n".join(self.lines("_p", "    ")) + "\n"
         names = self.names("_p", block)
+        if block is None:
+            del names["_p"]
         exec(compile(source, "<fill>", "exec"), names)
         return names["fill"]
 

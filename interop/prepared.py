@@ -70,6 +70,19 @@ class OutSlot:
     like: int | None = None
 
 
+class Planned(NamedTuple):
+    """A one-launch call whose launch is its owner's current one (a plan()/run() wrapper's: each
+    plan() may make another), for the owner's shortcut (interop/shortcut.py): the owner's
+    current state `_st` (its `_launch`) holds the Launch as `_st.launch`, and
+    `owner._before_run(stream, _st)` runs under the launch's lock before it is issued (stream
+    ordering, CUDA-graph notes). `fields`: the signature's own fields, written where another
+    signature filled the launch last (its `tag`); `stale`: an expression of `_st`, true where
+    this signature must not launch on the state (the run raises why)."""
+
+    fields: dict
+    stale: str
+
+
 @dataclass(eq=False)
 class Prepared:
     """A validated call signature: its outputs and how to launch it.
@@ -100,6 +113,9 @@ class Prepared:
     fill: Fill | None = None
     record: object = None  # one_launch's errors.Record, for a kernel that checks indices
     check: bool = False  # one_launch's run waits for its launch and raises what it reported
+    # A launch of the owner's current plan (`launch` None) whose pointers and scalars `fill`
+    # writes: run does so, and so may the owner's shortcut.
+    planned: Planned | None = None
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
 
@@ -166,6 +182,7 @@ __all__ = [
     "ArrayInfo",
     "Op",
     "OutSlot",
+    "Planned",
     "Prepared",
     "common_align",
     "dense_strides",

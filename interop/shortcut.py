@@ -15,7 +15,11 @@ attributes are part of the key, as in call()'s), no launching_on stream, PyTorch
 (torch.compile), and a prepared call of one launch (prepared.one_launch) with no dense
 copies and one GPU in the process (learn keeps no shortcut for the others). A hit fills the
 launch's parameters and issues it in the branch's one more frame (_launcher). The shortcuts
-live in the op's cache (dropped with it)."""
+live in the op's cache (dropped with it).
+
+A plan()/run() wrapper's run() has one too (`Shortcut.owner`): its op is the wrapper's own,
+its key holds the current plan's configuration and batch, and a hit launches the current
+plan's launch (prepared.Planned, _planned_launcher)."""
 
 from __future__ import annotations
 
@@ -39,7 +43,13 @@ class Shortcut:
     static arguments and scalars as Python expressions of the parameters, as the function's
     body passes them (calling, by name, the body's own `helpers` where it does). `when`: a
     condition on the parameters under which the body calls the op so (the samplers: no
-    per-row arrays, no seed arrays, no indices), else every call takes the body."""
+    per-row arrays, no seed arrays, no indices), else every call takes the body.
+
+    A plan()/run() wrapper's run (`owner`: the parameter holding the wrapper, "self"): the op
+    is the owner's own (`owner._op`; `op` gives its slots), `bind`, tested first, binds `_st`
+    to the owner's current plan state (and may bind the names slots read, with :=), and the
+    branch hands the owner and `_st` to the launch (prepared.Planned). `optional`: slot
+    parameters that may be None (as given outputs may: a signature of each)."""
 
     op: Op
     slots: tuple[str | None, ...]
@@ -47,6 +57,9 @@ class Shortcut:
     scalars: str = "()"
     helpers: tuple = ()  # functions the expressions call, by their names (the body's own)
     when: str = ""
+    owner: str = ""
+    bind: str = ""
+    optional: tuple[str, ...] = ()
 
 
 class _Tag:
@@ -107,10 +120,13 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
     """One framework's branch. A given output's parameter may be None or an array: its part
     of the key is None or its attributes (a signature of each)."""
     op = cut.op
-    given = [p for i, p in enumerate(cut.slots) if i in op.given and p is not None]
-    arrays = [p for i, p in enumerate(cut.slots) if p is not None and i not in op.given]
+    maybe = [i in op.given or p in cut.optional for i, p in enumerate(cut.slots)]
+    given = [p for i, p in enumerate(cut.slots) if maybe[i] and p is not None]
+    arrays = [p for i, p in enumerate(cut.slots) if p is not None and not maybe[i]]
     slot_params = arrays + given
-    conds = ["_enabled[0]"] + [reads.test.format(p=p) for p in arrays]
+    the_op = f"{cut.owner}._op" if cut.owner else "_op"
+    conds = ["_enabled[0]"] + ([f"({cut.bind})"] if cut.bind else [])
+    conds += [reads.test.format(p=p) for p in arrays]
     conds += [f"({p} is None or {reads.test.format(p=p)})" for p in given]
     conds += [reads.also] if reads.also else []
     conds += [f"({cut.when})"] if cut.when else []
@@ -129,13 +145,13 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
     lines += [
         f"        _static = {cut.static}",
         f"        _key = ({reads.tag}, _static, {parts})",
-        "        _launch = _op.cache.get(_key)",
+        f"        _launch = {the_op}.cache.get(_key)",
         "        if _launch:",
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
-        f"                           {cut.scalars})",
+        f"                           {cut.scalars}{f', {cut.owner}, _st' if cut.owner else ''})",
         f"        _result = {call_fn}",
         "        if _launch is None:  # False: learnt, and no shortcut for it",
-        f"            _learn(_op, _key, ({', '.join(values)},), _static, _d)",
+        f"            _learn({the_op}, _key, ({', '.join(values)},), _static, _d)",
         "        return _result",
     ]
     return "\n".join(lines) + "\n"
@@ -143,9 +159,12 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
 
 def names(cut: Shortcut) -> dict:
     """The generated function's globals the branches read."""
-    return {"_tensor": _call.TORCH_TENSOR, "_ndarray": _call.CUPY_NDARRAY, "_local": _call._LOCAL,
-            "_tag": TAG, "_cupy_tag": CUPY_TAG, "_op": cut.op, "_learn": learn, "_enabled": ENABLED,
-            **{f.__name__: f for f in cut.helpers}}  # fmt: skip
+    names = {"_tensor": _call.TORCH_TENSOR, "_ndarray": _call.CUPY_NDARRAY,
+             "_local": _call._LOCAL, "_tag": TAG, "_cupy_tag": CUPY_TAG, "_learn": learn,
+             "_enabled": ENABLED, **{f.__name__: f for f in cut.helpers}}  # fmt: skip
+    if not cut.owner:  # an owner's op is its own (the branch reads it)
+        names["_op"] = cut.op
+    return names
 
 
 def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None:
@@ -160,6 +179,8 @@ def learn(op: Op, key: tuple, arrays: tuple, static: tuple, device: int) -> None
     if not prep.one_device:
         ENABLED[0] = False
     if prep.dense or not prep.one_device or prep.fill is None or prep.scratch or prep.check:
+        return
+    if prep.launch is None and prep.planned is None:  # a wrapper's run that launches nothing
         return
     if prep.record is not None and prep.record.device != device:
         return
@@ -222,6 +243,8 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
     the pattern of outputs. `issue`:
     the launch's issuer on `device`; None: the first launch asks for it (loading the kernel,
     which a call recorded only has not) and keep()s the launcher made with it in its place."""
+    if prep.planned is not None:
+        return _planned_launcher(outs, prep, kit)
     launch = prep.launch
     if issue is None:
 
@@ -240,20 +263,10 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
         names["_raise_reported"] = errors.raise_reported
         checked = ["    if _record.reported.value:", "        _raise_reported(_record, stream)"]
         recorded = ["            _p.bad, _p.bad_host = _record.device_ptr, _record.host_ptr"]
-    lines, results = ["def launch(arrays, ptrs, device, scalars):"], []
-    for n, (i, same) in enumerate(outs):
-        if i is None:  # a new array of its own shape
-            names[f"_new{n}"] = same
-            lines.append(f"    o{n} = _new{n}()")
-        elif same:  # an input, updated in place, or a given out=
-            lines.append(f"    ptrs.append(ptrs[{i}])")
-            results.append(f"arrays[{i}]")
-            continue
-        else:  # a new array like input i
-            lines.append(f"    o{n} = {kit.new_like.format(a=f'arrays[{i}]')}")
-        lines.append(f"    ptrs.append({kit.address.format(a=f'o{n}')})")
-        results.append(f"o{n}")
+    lines = ["def launch(arrays, ptrs, device, scalars):"]
+    made, results = _outputs(outs, kit, names)
     lines += [
+        *made,
         f"    stream = {kit.stream}",
         "    if _recordings[0]:",
         "        _run(stream, device, ptrs, scalars)",
@@ -268,9 +281,72 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
         "            _lock.release()",
         "        if status:",
         "            _failed(status, stream, device)",
-        f"    return {results[0] if len(results) == 1 else '(' + ', '.join(results) + ')'}",
+        f"    return {results}",
     ]
     exec(compile("\n".join(lines) + "\n", f"<shortcut launch of {launch!r}>", "exec"), names)
+    return names["launch"]
+
+
+def _outputs(outs: list, kit: _Kit, names: dict) -> tuple[list, str]:
+    """A launcher's lines that allocate its outputs (learn's `outs`) and append their
+    pointers, and the expression of what it returns; the makers of new arrays go into
+    `names`."""
+    lines, results = [], []
+    for n, (i, same) in enumerate(outs):
+        if i is None:  # a new array of its own shape
+            names[f"_new{n}"] = same
+            lines.append(f"    o{n} = _new{n}()")
+        elif same:  # an input, updated in place, or a given out=
+            lines.append(f"    ptrs.append(ptrs[{i}])")
+            results.append(f"arrays[{i}]")
+            continue
+        else:  # a new array like input i
+            lines.append(f"    o{n} = {kit.new_like.format(a=f'arrays[{i}]')}")
+        lines.append(f"    ptrs.append({kit.address.format(a=f'o{n}')})")
+        results.append(f"o{n}")
+    return lines, results[0] if len(results) == 1 else "(" + ", ".join(results) + ")"
+
+
+def _planned_launcher(outs: list, prep, kit: _Kit):
+    """launch(arrays, ptrs, device, scalars, owner, _st) -> what call() returns, for a
+    wrapper's run (prepared.Planned): the outputs allocated as call() allocates them, then,
+    under the lock of the launch of the owner's current plan state `_st` (the one the branch
+    keyed on), the signature's fields written where another signature filled the launch last,
+    the pointers and scalars (prep.fill), the owner's _before_run and the launch; through
+    prep.run while a recording is under way or where the signature must not launch on `_st`
+    (planned.stale: the run raises why)."""
+    planned = prep.planned
+    names = {"_run": prep.run, "_recordings": RECORDINGS, "_fields": planned.fields,
+             **kit.names, **prep.fill.names("_p", None)}  # fmt: skip
+    del names["_p"]  # the current launch's block, read at each call
+    written = []
+    for n, (field, value) in enumerate(planned.fields.items()):
+        names[f"_f{n}"] = value
+        written.append(f"            _p.{field} = _f{n}")
+    made, results = _outputs(outs, kit, names)
+    lines = [
+        "def launch(arrays, ptrs, device, scalars, owner, _st):",
+        *made,
+        f"    stream = {kit.stream}",
+        f"    if _recordings[0] or {planned.stale}:",
+        "        _run(stream, device, ptrs, scalars)",
+        f"        return {results}",
+        "    _launch = _st.launch",
+        "    _launch.lock.acquire()",
+        "    try:",
+        "        _p = _launch.params",
+        "        if _launch.tag is not _fields:",
+        *written,
+        "            _launch.tag = _fields",
+        *prep.fill.lines("_p", "        "),
+        "        if not _launch.empty:",
+        "            owner._before_run(stream, _st)",
+        "            _launch(stream, device)",
+        "    finally:",
+        "        _launch.lock.release()",
+        f"    return {results}",
+    ]
+    exec(compile("\n".join(lines) + "\n", "<shortcut launch of a planned run>", "exec"), names)
     return names["launch"]
 
 

@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 
 from ..interop import Prepared
-from ..interop.arrays import torch_compiling
+from ..interop.arrays import torch_compiling, with_shortcut
 from ..jit import device_limits
 from ..launch import Launch
 from ..plan._checks import as_int
@@ -31,7 +31,7 @@ from .decode_run import prepared_run
 from .decode_tensor_cores import plan_tensor_cores
 from .deprecated_forms import DecodeForward
 from .paged_kv import kv_pair, page_table_ids
-from .planned import PlannedWrapper, host_ints, kept_fill
+from .planned import PAGED_KV, PLAIN_RUN, PlannedWrapper, host_ints, kept_fill, run_shortcut
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .prefill_args import check_backend
 from .run_options import refuse
@@ -318,6 +318,11 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
         cfg.fill(p)
         return launch
 
+    @with_shortcut(run_shortcut(
+        RUN_SLOTS, RUN_GIVEN, ("q", "_k", "_v", "out", "lse"), "(_st.cfg, _st.batch, return_lse)",
+        "(_st.cfg.sm_scale, 1.0)", PLAIN_RUN + " and window_left is None and sinks is None and "
+        "q_len_per_req is None and skip_softmax_threshold_scale_factor is None and "
+        "kv_cache_sf is None and self._tc is None", PAGED_KV, ("_v",)))  # fmt: skip
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse=False, enable_pdl=None, window_left=None, sinks=None,
             q_len_per_req=None, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None,
@@ -410,6 +415,12 @@ class BatchDecodeWithPagedKVCacheWrapper(DecodeForward, PlanArrays, PlannedWrapp
     def _prepare_run(self, infos, align, static) -> Prepared:
         """Validate run()'s arrays against the plan's configuration (once per signature)."""
         return prepared_run(self, infos, static)
+
+    def _before_run(self, stream: int, state) -> None:
+        """Under the launch's lock, before a run() on the plan `state` launches: a capture
+        into a CUDA graph noted (_note_capture), stream order (_order)."""
+        self._note_capture(stream, state.batch)
+        self._order(stream)
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

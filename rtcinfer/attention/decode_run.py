@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import weakref
 
-from ..interop import Prepared
+from ..interop import Planned, Prepared
 from ..interop.dtypes import itemsize
 from .decode_kernel import Config
 from .paged_kv import cache_views, check_paged_caches, paged_cache_fields
-from .planned import run_outputs, weak_hooks, write_run_arguments
+from .planned import fill_planned, planned_fields, run_fill, run_outputs, weak_hooks
 
 
 def check_run_arrays(q, k, v, cfg: Config, kv_layout: str, batch: int | None) -> None:
@@ -62,6 +62,8 @@ def prepared_run(wrapper, infos, static) -> Prepared:
     empty = q.size == 0  # nothing to write (and CuPy gives empty arrays 0 strides)
     fields = {} if empty else run_fields(q, k, v, out, lse, kv_layout, cfg)
     v_offset = cache_views(k, v, kv_layout, itemsize(k.dtype))[1].offset
+    fill = run_fill(v_offset if five_d else None, with_lse)
+    fields, write = planned_fields(fields, with_lse), fill.function()
     ref = weakref.ref(wrapper)
 
     def run(stream, device, ptrs, scalars):
@@ -83,19 +85,17 @@ def prepared_run(wrapper, infos, static) -> Prepared:
         launch = st.launch
         launch.lock.acquire()
         try:
-            write_run_arguments(launch, fields, ptrs, v_offset if five_d else None, with_lse,
-                                scalars)  # fmt: skip
-            if launch.empty:
-                return
-            wrapper._note_capture(stream, batch)
-            wrapper._order(stream)
-            launch(stream, device)
+            fill_planned(launch, fields, write, ptrs, scalars)
+            if not launch.empty:
+                wrapper._before_run(stream, st)
+                launch(stream, device)
         finally:
             launch.lock.release()
 
     on_trace, preload = weak_hooks(wrapper)
+    planned = None if empty else Planned(fields, f"_st.max_page >= {num_pages}")
     return Prepared(tuple(outs), run, preload=preload, command_buffer=wrapper._graph,
-                    on_trace=on_trace)  # fmt: skip
+                    on_trace=on_trace, fill=fill, planned=planned)  # fmt: skip
 
 
 __all__ = ["check_run_arrays", "prepared_run", "run_fields"]

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop import OutSlot, Prepared
-from ..interop.arrays import torch_compiling
+from ..interop import Fill, OutSlot, Prepared
+from ..interop.arrays import torch_compiling, with_shortcut
 from ..interop.dtypes import itemsize
 from ..plan._checks import as_int
 from .decode_kernel import make_config
 from .paged_kv import check_cache_view, page_table_ids
-from .planned import host_ints
+from .planned import host_ints, run_shortcut
 from .prefill_args import PrefillConfig
 from .prefill_kernel import MLA_CKV, MLA_KPE
 from .prefill_wrapper import PrefillWrapper
@@ -118,6 +118,16 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
         self._plan(qo, lens, indptr[:-1], indices, args, (None, None), None, False,
                    max_page + 1)  # fmt: skip
 
+    @with_shortcut(run_shortcut(
+        RUN_SLOTS, RUN_GIVEN, ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out", "lse"),
+        "(_st.cfg, _st.nnz_q, return_lse)", "(_st.cfg.attn.sm_scale, 1.0)",
+        "lse is None and (return_lse is False or return_lse is True) and "
+        "profiler_buffer is None and kv_len is None and page_table is None and "
+        "return_lse_base_on_e is False and o_scale is None and query is None and "
+        "kv_cache is None and ckv_scale is None and ckv_scale_arr is None and "
+        "kpe_scale is None and sinks is None and "
+        "skip_softmax_threshold_scale_factor is None and bmm1_scale is None and "
+        "bmm2_scale is None"))  # fmt: skip
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e=False,
             o_scale=None, *, query=None, kv_cache=None, ckv_scale=None, ckv_scale_arr=None,
@@ -196,19 +206,12 @@ class BatchMLAPagedAttentionWrapper(PrefillWrapper):
                                  f"{given.shape} and {given.dtype}")  # fmt: skip
         empty = nnz_q == 0
         fields = {} if empty else _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape)
-
-        def write(launch, ptrs, scalars):  # slots: q_nope, q_pe, ckv, kpe, out, lse; o, lse
-            p = launch.params
-            if launch.tag is not fields:
-                for name, value in fields.items():
-                    setattr(p, name, value)
-                launch.tag = fields
-            p.q, p.q_pe, p.k_cache, p.kpe_cache = ptrs[0], ptrs[1], ptrs[2], ptrs[3]
-            p.v_cache = ptrs[2]  # (V is read from the K tile: ckv's dims)
-            p.o, p.lse = ptrs[6], ptrs[7] if with_lse else 0
-            p.qk_scale, p.v_scale = scalars
-
-        return self._prepared(outs, static, ckv.shape[0], empty, fields, write=write)
+        # slots: q_nope, q_pe, ckv, kpe, out, lse; then o, lse. V is read from the K tile
+        # (ckv's dims), so v_cache is ckv too.
+        lse_at = (("lse", 7),) if with_lse else ()
+        fill = Fill((("q", 0), ("q_pe", 1), ("k_cache", 2), ("v_cache", 2), ("kpe_cache", 3),
+                     ("o", 6), *lse_at), (("qk_scale", 0), ("v_scale", 1)))  # fmt: skip
+        return self._prepared(outs, static, ckv.shape[0], empty, fields, fill=fill)
 
 
 def _run_fields(q_nope, q_pe, ckv, kpe, out, lse, o_shape) -> dict:

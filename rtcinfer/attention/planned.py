@@ -9,9 +9,12 @@ A wrapper (decode today; prefill and cascade levels share it) subclasses Planned
     run():   return self._call(arrays, static, scalars)              # interop's call path
     _prepare_run(infos, align, static) -> Prepared                   # once per run signature
 
-and its prepared run calls `self._note_capture(stream, batch)` and `self._order(stream)`
-before it launches (through a weak reference: the wrapper's caches and the JAX handlers
-made from them never keep it alive).
+and its prepared run, under the launch's lock, writes the signature's fields and the call's
+pointers and scalars (run_fill) and calls `self._before_run(stream, state)` (stream order;
+decode: CUDA-graph capture notes) before it launches (through a weak reference: the wrapper's
+caches and the JAX handlers made from them never keep it alive). Its run() method may carry
+a shortcut (run_shortcut): a repeated PyTorch or CuPy signature on the current plan fills and
+launches the same way in one more frame (interop/shortcut.py, prepared.Planned).
 
 Streams: plan() uploads on CuPy's current stream; a run() on another stream waits for that
 upload and the next upload waits for that run (events, no host sync); a plan() on another
@@ -38,8 +41,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .. import gpu
-from ..interop import Op, OutSlot, as_cupy, call, no_launch, release
+from ..interop import Fill, Op, OutSlot, as_cupy, call, no_launch, release
 from ..interop.arrays import device_of, to_numpy
+from ..interop.shortcut import Shortcut
 from ..launch import is_capturing, record_event, wait_event, zero_fill
 from ..plan._checks import as_int_array
 from .paged_kv import check_layout
@@ -161,21 +165,64 @@ def run_outputs(out, lse, o_shape: tuple, o_dtype: str, with_lse: bool) -> list:
     return outs
 
 
-def write_run_arguments(launch, fields: dict, ptrs, v_offset: int | None, with_lse: bool,
-                        scalars) -> None:  # fmt: skip
-    """An attention launch's run() arguments into its parameter block (under its lock): the
-    signature's fields (strides; written again only when another signature ran last), the
-    pointers of run()'s slots (q, k, v, out, lse, then the outputs o, lse; V is K + v_offset
-    bytes for a 5-D cache, v_offset None for a (k, v) pair) and the scales."""
+def run_fill(v_offset: int | None, with_lse: bool) -> Fill:
+    """What an attention run() writes into its launch's parameter block a call: the pointers
+    of its slots (q, k, v, out, lse, then the outputs o, lse; V is K + v_offset bytes for a 5-D
+    cache, v_offset None for a (k, v) pair) and the scales (qk_scale, v_scale). Without an
+    lse, the block's lse is 0: one of the signature's fields (planned_fields)."""
+    v = ("v_cache", 1, v_offset) if v_offset is not None else ("v_cache", 2)
+    lse = (("lse", 6),) if with_lse else ()
+    return Fill((("q", 0), ("k_cache", 1), v, ("o", 5), *lse), (("qk_scale", 0), ("v_scale", 1)))
+
+
+# A paged run()'s cache as its op's k and v slots, bound in its shortcut's branch: one array
+# (v None) or a (k, v) tuple, as kv_pair takes them; a list, or a tuple of another length,
+# takes the body.
+PAGED_KV = (
+    "((_k := paged_kv_cache, _v := None) if type(paged_kv_cache) is not tuple else "
+    "(_k := paged_kv_cache[0], _v := paged_kv_cache[1]) if len(paged_kv_cache) == 2 else ())"
+)
+
+# run()'s options at the values under which it calls its op with its plan's scale, on the
+# plan's own state and with o, or (o, lse) with return_lse (a bool), as call() returns them.
+PLAIN_RUN = (
+    "q_scale is None and k_scale is None and v_scale is None and lse is None "
+    "and (return_lse is False or return_lse is True) and plan_array is None"
+)
+
+
+def run_shortcut(run_slots: tuple, run_given: tuple, slots: tuple, static: str, scalars: str,
+                 when: str, bind: str = "", optional: tuple = ()) -> Shortcut:  # fmt: skip
+    """A wrapper run()'s shortcut (interop/shortcut.py), for the class's RUN_SLOTS and
+    RUN_GIVEN: the branch binds `_st`, the plan's state (a run before any plan() takes the
+    body, which raises), then `bind`'s names, and launches the signature's prepared run on
+    `_st` with the wrapper's own op (prepared.Planned) where `when` holds. `slots`, `static`
+    and `scalars` as run() passes them to its op."""
+    template = Op("run", run_slots, _no_prepare, given=run_given)
+    first = "(_st := self._launch) is not None" + (f" and {bind}" if bind else "")
+    return Shortcut(template, slots, static, scalars, when=when, owner="self", bind=first,
+                    optional=optional)  # fmt: skip
+
+
+def _no_prepare(infos, align, static):
+    raise AssertionError("a shortcut's op template prepares nothing: the wrapper's op does")
+
+
+def planned_fields(fields: dict, with_lse: bool) -> dict:
+    """A run signature's own fields (strides), with lse = 0 where the run writes none."""
+    return fields if with_lse else {**fields, "lse": 0}
+
+
+def fill_planned(launch, fields: dict, write, ptrs, scalars) -> None:
+    """A run's arguments into its launch's parameter block (under its lock): the signature's
+    `fields` (written again only where another signature filled the launch last, its tag),
+    then the call's pointers and scalars (`write`: a Fill's function of the block)."""
     p = launch.params
     if launch.tag is not fields:
         for name, value in fields.items():
             setattr(p, name, value)
         launch.tag = fields
-    p.q, p.k_cache, p.o = ptrs[0], ptrs[1], ptrs[5]
-    p.v_cache = ptrs[1] + v_offset if v_offset is not None else ptrs[2]
-    p.lse = ptrs[6] if with_lse else 0
-    p.qk_scale, p.v_scale = scalars
+    write(p, ptrs, scalars)
 
 
 def _arg_key(args: tuple) -> tuple:
@@ -412,6 +459,11 @@ class PlannedWrapper:
         if self._graph and is_capturing(stream):
             self._captured = min(batch, self._captured or batch)
 
+    def _before_run(self, stream: int, state) -> None:
+        """Under the launch's lock, before a run() on the plan `state` launches on `stream`:
+        stream order (_order)."""
+        self._order(stream)
+
     def _order(self, stream: int) -> None:
         """Order a run on a stream other than the upload's after the upload, and the next
         upload after this run (an event per such stream; skipped while it is being captured)."""
@@ -434,4 +486,4 @@ class PlannedWrapper:
             self._ws.last_upload().synchronize()
 
 
-__all__ = ["PlannedWrapper"]
+__all__ = ["PAGED_KV", "PLAIN_RUN", "PlannedWrapper", "run_shortcut"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..interop.arrays import with_shortcut
 from ..interop.dtypes import itemsize
 from ..plan._checks import indptr_counts
 from ..plan.decode import _pages_and_lens
@@ -33,7 +34,7 @@ from .paged_kv import (
     page_table_ids,
     paged_cache_fields,
 )
-from .planned import host_ints
+from .planned import PAGED_KV, PLAIN_RUN, host_ints, run_shortcut
 from .prefill_args import check_backend
 from .prefill_plan import RAGGED_PAGE
 from .prefill_wrapper import PrefillWrapper
@@ -86,6 +87,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(RaggedForward, PrefillWrapper):
         self._plan(qo, kv_len, np.arange(batch), kv[:-1].astype(np.int32), args, masks,
                    fixed_split_size, disable_split_kv, int(kv[-1]), head_dim_vo)  # fmt: skip
 
+    @with_shortcut(run_shortcut(
+        PrefillWrapper.RUN_SLOTS, PrefillWrapper.RUN_GIVEN, ("q", "k", "v", "out", "lse"),
+        "(_st.cfg, _st.nnz_q, return_lse)", "(_st.cfg.attn.sm_scale, 1.0)", PLAIN_RUN +
+        " and o_scale is None and kv_cache_sf is None and sinks is None and "
+        "lse_base == 'log2' and lse_layout == 'NH'"))  # fmt: skip
     def run(self, q, k, v, *, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
             kv_cache_sf=None, plan_array=None, sinks=None):  # fmt: skip
@@ -198,6 +204,12 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedForward, PrefillWrapper):
         del options["self"]
         return self._workspace_bytes(lambda: self.plan(**options))
 
+    @with_shortcut(run_shortcut(
+        PrefillWrapper.RUN_SLOTS, PrefillWrapper.RUN_GIVEN, ("q", "_k", "_v", "out", "lse"),
+        "(_st.cfg, _st.nnz_q, return_lse)", "(_st.cfg.attn.sm_scale, 1.0)", PLAIN_RUN +
+        " and window_left is None and sinks is None and kv_cache_sf is None and "
+        "skip_softmax_threshold_scale_factor is None and not uses_spcompress and "
+        "lse_base == 'log2' and lse_layout == 'NH'", PAGED_KV, ("_v",)))  # fmt: skip
     def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
             window_left=None, sinks=None, kv_cache_sf=None,

@@ -11,7 +11,7 @@ from functools import partial
 
 import numpy as np
 
-from ..interop import Prepared
+from ..interop import Fill, Planned, Prepared
 from ..interop.arrays import torch_compiling
 from ..interop.dtypes import itemsize
 from ..jit import device_limits
@@ -21,7 +21,15 @@ from . import prefill_launch as launches
 from .cascade import merge_sinks_in_place
 from .decode_kernel import kv_scales
 from .paged_kv import cache_views
-from .planned import PlannedWrapper, kept_fill, run_outputs, weak_hooks, write_run_arguments
+from .planned import (
+    PlannedWrapper,
+    fill_planned,
+    kept_fill,
+    planned_fields,
+    run_fill,
+    run_outputs,
+    weak_hooks,
+)
 from .prefill_args import (
     PrefillConfig,
     check_query,
@@ -264,14 +272,18 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                               v_offset if five_d else None)  # fmt: skip
 
     def _prepared(self, outs, static, num_kv_rows: int, empty: bool, fields: dict,
-                  v_offset: int | None = None, write=None) -> Prepared:  # fmt: skip
+                  v_offset: int | None = None, fill: Fill | None = None) -> Prepared:  # fmt: skip
         """The Prepared of a run() on the current plan, whose launch checks first that the plan
         is still the one `static` (cfg, nnz_q, with_lse) was made for and that the cache's
         num_kv_rows rows (pages) hold the ones it reads, then, under the launch's lock, fills
-        in the call's fields, pointers and scalars (write_run_arguments, or `write(launch,
-        ptrs, scalars)` for other slots) and launches (nothing when `empty`)."""
+        in the signature's fields and the call's pointers and scalars (run_fill's, or `fill`
+        for other slots) and launches (nothing when `empty`). The wrappers' run shortcut
+        (prepared.Planned) does the same."""
         cfg, nnz_q, with_lse = static
         ref = weakref.ref(self)
+        fill = fill if fill is not None else run_fill(v_offset, with_lse)
+        fields = planned_fields(fields, with_lse)
+        write = fill.function()
 
         def run(stream, device, ptrs, scalars):
             wrapper = ref()
@@ -290,18 +302,17 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
             launch = st.launch
             launch.lock.acquire()
             try:
-                if write is None:
-                    write_run_arguments(launch, fields, ptrs, v_offset, with_lse, scalars)
-                else:
-                    write(launch, ptrs, scalars)
-                wrapper._order(stream)
-                launch(stream, device)
+                fill_planned(launch, fields, write, ptrs, scalars)
+                if not launch.empty:
+                    wrapper._before_run(stream, st)
+                    launch(stream, device)
             finally:
                 launch.lock.release()
 
         on_trace, preload = weak_hooks(self)
+        planned = None if empty else Planned(fields, f"_st.num_kv_rows > {num_kv_rows}")
         return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
-                        on_trace=on_trace)  # fmt: skip
+                        on_trace=on_trace, fill=fill, planned=planned)  # fmt: skip
 
     def _run_fields(self, q, k, v, out, lse, cfg: PrefillConfig) -> dict:
         fields = self._kv_fields(k, v, cfg.attn)
