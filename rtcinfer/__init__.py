@@ -115,6 +115,11 @@ from .rope import (
     apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
+from .rope_quantize import (  # noqa: E402
+    mla_rope_quantize_fp8,
+    rope_quantize_fp8,
+    rope_quantize_fp8_append_paged_kv_cache,
+)
 
 __all__ += [
     "apply_llama31_rope",
@@ -127,6 +132,9 @@ __all__ += [
     "apply_rope_pos_ids_inplace",
     "apply_rope_with_cos_sin_cache",
     "apply_rope_with_cos_sin_cache_inplace",
+    "mla_rope_quantize_fp8",
+    "rope_quantize_fp8",
+    "rope_quantize_fp8_append_paged_kv_cache",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
     "silu_and_mul",

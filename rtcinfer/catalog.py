@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from . import activation, bitpack, move, norm, rope
+from . import activation, bitpack, move, norm, rope, rope_quantize
 from .attention import cascade, decode_device_plan, decode_kernel, page, prefill_kernel
 from .attention.prefill_items import PrefillItemsSpec
 from .sampling.cluster import ClusterSampleSpec, cluster_choices
@@ -165,6 +165,7 @@ def shipped_specs() -> list:
                             dtype, "int64", 128, 64, interleave, mode, pos_from, inplace, vec
                         )  # fmt: skip
                     )
+    specs += rope_quantize_specs()
     specs += decode_specs() + [decode_device_plan.SPEC]
     specs += prefill_specs() + [PrefillItemsSpec()]
     specs += [cascade.MergeSpec(d, 16 // (4 if d == "float32" else 2), has_b, mask, sink)
@@ -178,6 +179,21 @@ def shipped_specs() -> list:
     specs += [bitpack.PackbitsSpec(True, "int32"), bitpack.PackbitsSpec(False, "int64")]
     specs.append(move.MoveSpec())
     return list(dict.fromkeys(specs))
+
+
+def rope_quantize_specs() -> list:
+    """RoPE with fp8 outputs: neox and interleaved, with and without the rest of the dims,
+    e4m3 and e5m2, int64 positions; appended to a GQA cache (v) and to MLA's (no v), int64
+    tables."""
+    spec = rope_quantize.RopeQuantSpec
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    return [
+        spec("bfloat16", e4m3, "int32", 64, 512, 8, False),
+        spec("float16", e5m2, "int64", 128, 0, 8, True),
+        spec("bfloat16", e4m3, "int64", 64, 64, 4, True, True, True, "int32", "int64"),
+        spec("float16", e5m2, "int32", 64, 512, 8, False, True, False, "int64", "int32"),
+        spec("bfloat16", e4m3, "int32", 2, 0, 1, False),  # one pair: scalar units
+    ]
 
 
 def decode_specs() -> list:

@@ -63,6 +63,11 @@ class BadIndex(enum.IntEnum):
     PLAN_KV_LEN = 10
     PLAN_WORK = 11
     PLAN_INDICES = 12
+    QUANT_COS_SIN_POSITIONS = 13  # rope_quantize_fp8's positions
+    QUANT_BATCH_INDICES = 14  # rope_quantize_fp8_append_paged_kv_cache's
+    QUANT_POSITIONS = 15
+    QUANT_KV_INDPTR = 16
+    QUANT_KV_INDICES = 17
 
 
 RECORD = record_dtype(jit.source_layout("bad_index.cuh", "BadIndexRecord"))
@@ -71,6 +76,9 @@ _MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 _SKIPPED = "its row was skipped, nothing written"
 _PLANNER = "device_plan_array"
 _NO_WORK = "the plan holds no work (run() with it writes nothing)"
+_QUANTIZE = "rope_quantize_fp8"
+_APPEND_QUANTIZED = "rope_quantize_fp8_append_paged_kv_cache"
+_NOT_APPENDED = "its k and v were not appended (its q was written)"
 # Each code: (the op, its entry with index, value and limit, what the op did instead, whether
 # its kernel counts bad entries: the RoPE kernel only notes them, bad_index.cuh).
 _ENTRIES = {
@@ -102,6 +110,19 @@ _ENTRIES = {
                          "capacity's {limit}", _NO_WORK, True),
     BadIndex.PLAN_INDICES: (_PLANNER, "kv_indices[{index}] = {value} is not a page of the cache "
                             "(0 <= page < {limit})", "page 0 was read in its place", True),
+    BadIndex.QUANT_COS_SIN_POSITIONS: (_QUANTIZE, "pos_ids[{index}] = {value} is not a row of "
+                                       "cos_sin_cache (0 <= position < {limit})", "its rotary "
+                                       "dims were quantized unrotated, no row read", True),
+    BadIndex.QUANT_BATCH_INDICES: (_APPEND_QUANTIZED, "batch_indices[{index}] = {value} is not a "
+                                   "request of the table (0 <= b < {limit})", _NOT_APPENDED, True),
+    BadIndex.QUANT_POSITIONS: (_APPEND_QUANTIZED, "positions[{index}] = {value} is past the pages "
+                               "of its request, {limit} tokens by kv_indptr and page_size",
+                               _NOT_APPENDED, True),
+    BadIndex.QUANT_KV_INDPTR: (_APPEND_QUANTIZED, "kv_indptr: request {index} reads "
+                               "kv_indices[{value}], outside its {limit} entries", _NOT_APPENDED,
+                               True),
+    BadIndex.QUANT_KV_INDICES: (_APPEND_QUANTIZED, "kv_indices[{index}] = {value} is not a page "
+                                "of the cache (0 <= page < {limit})", _NOT_APPENDED, True),
 }  # fmt: skip
 
 

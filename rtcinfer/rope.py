@@ -465,3 +465,11 @@ def specs_for(head_dim: int, dtypes=("bfloat16", "float16")) -> list[RopeSpec]:
                 specs += [RopeSpec(d, pos_dtype, head_dim, head_dim, False, mode, pos_from,
                                    inplace, vec) for inplace in (False, True)]  # fmt: skip
     return specs
+
+
+# FlashInfer's rope module holds these too (`from flashinfer.rope import rope_quantize_fp8`)
+from .rope_quantize import (  # noqa: E402, F401
+    mla_rope_quantize_fp8,
+    rope_quantize_fp8,
+    rope_quantize_fp8_append_paged_kv_cache,
+)

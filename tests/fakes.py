@@ -109,19 +109,25 @@ def attention_without_a_gpu(monkeypatch) -> None:
 
 
 @contextlib.contextmanager
-def cupy_without_a_gpu(monkeypatch):
+def cupy_without_a_gpu(monkeypatch, backing: np.ndarray | None = None):
     """Within: CuPy arrays of device 0 over made-up, 256-byte aligned addresses with no memory
     behind them (for calls whose launches are recorded, never made): CuPy's allocator hands
-    them out, and rtcinfer's CuPy path sees stream 0 as current. Yields empty(shape, dtype)."""
+    them out, and rtcinfer's CuPy path sees stream 0 as current. Yields empty(shape, dtype).
+    `backing`: a host buffer the addresses are taken from instead (a model of a kernel may
+    then read and write the arrays' bytes; CuPy itself never touches them)."""
     import cupy
 
     from rtcinfer.interop import arrays
 
-    top = [1 << 32]
+    top = [1 << 32 if backing is None else backing.ctypes.data]
+    end = None if backing is None else backing.ctypes.data + backing.nbytes
 
     def allocate(nbytes):
+        top[0] = -(-top[0] // 256) * 256
         address = top[0]
         top[0] += (nbytes + 255) // 256 * 256 + 256
+        if end is not None and top[0] > end:
+            raise MemoryError(f"the backing buffer ({backing.nbytes} bytes) is full")
         memory = cupy.cuda.UnownedMemory(address, nbytes, None, device_id=0)
         return cupy.cuda.MemoryPointer(memory, 0)
 

@@ -161,3 +161,76 @@ def rope_cos_sin_cache_ref(x, positions, cos_sin_cache, interleave=False):
     rows = cache[np.asarray(positions, np.int64)]
     cos_sin = (rows[:, : rotary_dim // 2], rows[:, rotary_dim // 2 :])
     return rope_ref(x, positions, rotary_dim, interleave, cos_sin=cos_sin)
+
+
+# --- RoPE with fp8 outputs (rope_quantize_fp8 and its append to a paged cache) ----------------
+
+
+def fp8_scaled_ref(y, scale, dtype: str) -> np.ndarray:
+    """scale * y saturated to fp8 `dtype`'s largest finite value (NaN stays NaN), in float64 and
+    not yet rounded (tests.checks.assert_fp8 rounds it)."""
+    top = float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
+    with np.errstate(invalid="ignore"):
+        return np.clip(f64(y) * float(scale), -top, top)
+
+
+def rope_quantize_ref(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, interleave,
+                      scale_q, scale_kv, dtype: str):  # fmt: skip
+    """(q_rope, k_rope, q_nope, k_nope) outputs of rope_quantize_fp8, exact before rounding:
+    the rotary parts rotated by cos_sin_cache's rows (a position outside the table: unrotated),
+    every part times its scale, saturated. k_rope / k_nope may be [nnz, D] (MLA); a None nope
+    part gives [.., 0]."""
+    nnz, hq, rope_dim = np.shape(q_rope)
+    k3 = f64(k_rope) if np.ndim(k_rope) == 3 else f64(k_rope)[:, None, :]
+    pos = np.asarray(pos_ids, np.int64)
+    inside = (pos >= 0) & (pos < np.shape(cos_sin_cache)[0])
+    rotated = []
+    for x in (f64(q_rope), k3):
+        out = x.copy()
+        if inside.any():
+            out[inside] = rope_cos_sin_cache_ref(x[inside], pos[inside], cos_sin_cache, interleave)
+        rotated.append(out)
+    k_out = rotated[1] if np.ndim(k_rope) == 3 else rotated[1][:, 0, :]
+    q_nope = np.zeros((nnz, hq, 0)) if q_nope is None else f64(q_nope)
+    k_lead = np.shape(k_rope)[:-1]
+    k_nope = np.zeros((*k_lead, 0)) if k_nope is None else f64(k_nope)
+    return (
+        fp8_scaled_ref(rotated[0], scale_q, dtype),
+        fp8_scaled_ref(k_out, scale_kv, dtype),
+        fp8_scaled_ref(q_nope, scale_q, dtype),
+        fp8_scaled_ref(k_nope, scale_kv, dtype),
+    )
+
+
+def rope_quantize_append_ref(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, caches,
+                             kv_indices, kv_indptr, batch_indices, positions, interleave,
+                             scale_q, scale_kv, dtype: str, page_size: int,
+                             kv_layout="NHD"):  # fmt: skip
+    """(q_rope_out, q_nope_out, cache_0, cache_1) of rope_quantize_fp8_append_paged_kv_cache,
+    exact before rounding: the q parts as rope_quantize_ref's (zeros for a padding token, b < 0
+    or p < 0); `caches` (their current values, any dtype) with token t's quantized k (and v)
+    in page kv_indices[kv_indptr[b] + p // page_size], slot p % page_size: GQA (a 3-D k_rope)
+    caches (k, v) [pages, page_size, Hk, R + N] (NHD; HND [pages, Hk, page_size, R + N]), k's
+    row its rotary part then the rest; MLA caches (ckv [.., N], kpe [.., R])."""
+    qr, kr, qn, kn = rope_quantize_ref(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids,
+                                       interleave, scale_q, scale_kv, dtype)  # fmt: skip
+    b_all, p_all = np.asarray(batch_indices, np.int64), np.asarray(positions, np.int64)
+    padding = (b_all < 0) | (p_all < 0)
+    qr[padding], qn[padding] = 0.0, 0.0
+    c0, c1 = (f64(c).copy() for c in caches)
+    mla = np.ndim(k_rope) == 2
+    vq = None if mla else fp8_scaled_ref(v, scale_kv, dtype)
+    indptr, indices = np.asarray(kv_indptr, np.int64), np.asarray(kv_indices, np.int64)
+    for t in np.flatnonzero(~padding):
+        b, p = int(b_all[t]), int(p_all[t])
+        page = int(indices[indptr[b] + p // page_size])
+        slot = p % page_size
+        if mla:
+            c0[page, slot], c1[page, slot] = kn[t], kr[t]
+        else:
+            row = np.concatenate([kr[t], kn[t]], axis=-1)  # [Hk, R + N]
+            if kv_layout == "NHD":
+                c0[page, slot], c1[page, slot] = row, vq[t]
+            else:
+                c0[page, :, slot], c1[page, :, slot] = row, vq[t]
+    return qr, qn, c0, c1

@@ -107,6 +107,47 @@ def test_every_rope_form_is_one_node():
     ]  # fmt: skip
 
 
+def test_rope_with_fp8_outputs_is_one_node_a_call():
+    """rope_quantize_fp8 (and its MLA name) and the form that appends to a paged cache trace as
+    one op each, their outputs made beside it (fp8 tensors of the right shapes)."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(q, k, qn, kn, v, table, pos, k_cache, v_cache, ckv, kpe, ints):
+        gqa = rtcinfer.rope_quantize_fp8(q, k, qn, kn, table, pos, quantize_dtype=torch.float8_e5m2)
+        mla = rtcinfer.mla_rope_quantize_fp8(q, k[:, 0], None, None, table, pos)
+        appended = rtcinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k, qn, kn, v, table, pos, (k_cache, v_cache), ints, ints, pos, pos, page_size=4
+        )
+        latent = rtcinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k[:, 0], qn, kn[:, 0], None, table, pos, (ckv, kpe), ints, ints, pos, pos,
+            page_size=4)  # fmt: skip
+        return gqa, mla, appended, latent
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    fp8 = torch.float8_e4m3fn
+    args = (meta(4, 2, 8), meta(4, 1, 8), meta(4, 2, 16), meta(4, 1, 16), meta(4, 1, 24),
+            meta(100, 8, dtype=torch.float32), meta(4, dtype=torch.int32),
+            meta(6, 4, 1, 24, dtype=fp8), meta(6, 4, 1, 24, dtype=fp8),
+            meta(6, 4, 16, dtype=fp8), meta(6, 4, 8, dtype=fp8),
+            meta(5, dtype=torch.int32))  # fmt: skip
+    gqa, mla, appended, latent = torch.compile(step, fullgraph=True, backend=backend)(*args)
+    assert [tuple(o.shape) for o in gqa] == [(4, 2, 8), (4, 1, 8), (4, 2, 16), (4, 1, 16)]
+    assert {o.dtype for o in gqa} == {torch.float8_e5m2}
+    assert [tuple(o.shape) for o in mla] == [(4, 2, 8), (4, 8), (4, 2, 0), (4, 0)]
+    assert [tuple(o.shape) for o in (*appended, *latent)] == [(4, 2, 8), (4, 2, 16)] * 2
+    assert [s for s in seen if s.startswith("rtcinfer.")] == [
+        "rtcinfer.rope_quantize_fp8", "rtcinfer.rope_quantize_fp8",
+        "rtcinfer.rope_quantize_fp8_append_paged_kv_cache",
+        "rtcinfer.rope_quantize_fp8_append_paged_kv_cache",
+    ]  # fmt: skip
+
+
 def test_merges_the_append_and_the_index_ops_are_one_node_each():
     seen = []
 
