@@ -13,16 +13,11 @@ import rtcinfer
 from rtcinfer.interop.dtypes import numpy_dtype
 from tests import reference as ref
 from tests.checks import assert_fp8, to_host
-from tests.gpu import randn, upload
+from tests.gpu import cos_sin_table, fp8_cache_shapes, randn, upload
 
 pytestmark = pytest.mark.gpu
 
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
-
-
-def _table(rng, max_pos, rope_dim):
-    angle = rng.uniform(0, 2 * np.pi, (max_pos, rope_dim // 2))
-    return np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(np.float32)
 
 
 def _as(a, dtype):
@@ -44,7 +39,7 @@ def test_rope_quantize_fp8(rng, out_dtype, neox, nnz, hq, hk, rope_dim, nope):
     k = randn(rng, (*k_lead, rope_dim), "bfloat16", 4.0)
     qn = None if nope is None else randn(rng, (nnz, hq, nope), "bfloat16", 4.0)
     kn = None if nope is None else randn(rng, (*k_lead, nope), "bfloat16", 4.0)
-    table = _table(rng, 4096, rope_dim)
+    table = cos_sin_table(rng, 4096, rope_dim)
     pos = rng.integers(0, 4096, nnz).astype(np.int32)
     scales = (0.5, 120.0)  # k's saturates e4m3 often
     outs = rtcinfer.rope_quantize_fp8(
@@ -65,7 +60,7 @@ def test_strided_inputs_and_given_outputs(rng):
     qf = randn(rng, (nnz, hq, nope + rope_dim), "float16")
     kf = randn(rng, (nnz, hk, nope + rope_dim), "float16")
     qd, kd = upload(qf), upload(kf)
-    table, pos = _table(rng, 512, rope_dim), rng.integers(0, 512, nnz).astype(np.int64)
+    table, pos = cos_sin_table(rng, 512, rope_dim), rng.integers(0, 512, nnz).astype(np.int64)
     import cupy
 
     outs = [cupy.zeros(s, cupy.uint8) for s in ((nnz, hq, rope_dim), (nnz, hk, rope_dim),
@@ -104,14 +99,10 @@ def _append_inputs(rng, mla, nnz, hq, hk, rope_dim, nope, page_size, kv_layout, 
          "k_nope": randn(rng, (*k_lead, nope), "bfloat16", 3.0),
          "v": None if mla else randn(rng, (total, hk, rope_dim + nope), "bfloat16",
                                      3.0)}  # fmt: skip
-    if mla:
-        shapes = ((num_pages, page_size, nope), (num_pages, page_size, rope_dim))
-    elif kv_layout == "NHD":
-        shapes = ((num_pages, page_size, hk, rope_dim + nope),) * 2
-    else:
-        shapes = ((num_pages, hk, page_size, rope_dim + nope),) * 2
+    shapes = fp8_cache_shapes(mla, kv_layout, num_pages, page_size, hk, rope_dim, nope)
     old = [randn(rng, s, out_dtype) for s in shapes]
-    table, pos_ids = _table(rng, 8192, rope_dim), rng.integers(0, 8192, total).astype(np.int32)
+    table = cos_sin_table(rng, 8192, rope_dim)
+    pos_ids = rng.integers(0, 8192, total).astype(np.int32)
     return x, old, table, pos_ids, (kv_indices, kv_indptr, batch, positions)
 
 
@@ -148,7 +139,7 @@ def test_bad_entries_are_skipped_and_reported(rng):
     k, v = randn(rng, (nnz, hk, rope_dim), "bfloat16"), randn(rng, (nnz, hk, rope_dim), "bfloat16")
     old = [randn(rng, (2, page_size, hk, rope_dim), "float8_e4m3fn") for _ in range(2)]
     caches = tuple(upload(o.view(np.uint8)) for o in old)
-    table = _table(rng, 64, rope_dim)
+    table = cos_sin_table(rng, 64, rope_dim)
     tbl = (np.array([1, 0], np.int32), np.array([0, 1, 2], np.int32),
            np.array([1, 5, 0], np.int32), np.array([3, 0, 40], np.int32))  # fmt: skip
     args = (upload(q), upload(k), None, None, upload(v), upload(table),
@@ -173,7 +164,7 @@ def test_pytorch_fp8_tensors(rng):
     nnz, hq, hk, rope_dim, nope = 9, 8, 2, 64, 64
     x = [randn(rng, s, "bfloat16") for s in ((nnz, hq, rope_dim), (nnz, hk, rope_dim),
                                               (nnz, hq, nope), (nnz, hk, nope))]  # fmt: skip
-    table, pos = _table(rng, 128, rope_dim), rng.integers(0, 128, nnz)
+    table, pos = cos_sin_table(rng, 128, rope_dim), rng.integers(0, 128, nnz)
 
     def dev(a, dtype=torch.bfloat16):
         return torch.from_numpy(np.asarray(a, np.float32)).to("cuda", dtype)
@@ -219,7 +210,7 @@ def test_jax_rope_quantize_fp8_inside_jit(jax_gpu, rng):
     nnz, hq, rope_dim, nope = 11, 16, 64, 512
     x = [randn(rng, s, "bfloat16") for s in ((nnz, hq, rope_dim), (nnz, rope_dim),
                                               (nnz, hq, nope), (nnz, nope))]  # fmt: skip
-    table, pos = _table(rng, 64, rope_dim), rng.integers(0, 64, nnz).astype(np.int32)
+    table, pos = cos_sin_table(rng, 64, rope_dim), rng.integers(0, 64, nnz).astype(np.int32)
     expect = ref.rope_quantize_ref(*x, table, pos, True, 1.0, 0.5, "float8_e5m2")
 
     def step(*args):

@@ -20,6 +20,7 @@ from . import reference as ref
 from . import rope_quantize_model as model
 from .checks import assert_fp8
 from .fakes import FakeRecords, cupy_without_a_gpu, fake_gpu, torch_as_cuda
+from .gpu import cos_sin_table, fp8_cache_shapes
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 
@@ -115,11 +116,6 @@ def _record(monkeypatch, h: Host) -> None:
     monkeypatch.setattr(launch.Launch, "_issuer", snapshot_issuer)
 
 
-def _table(rng, max_pos, rope_dim):
-    angle = rng.uniform(0, 2 * np.pi, (max_pos, rope_dim // 2))
-    return np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(np.float32)
-
-
 def _strided(h: Host, values, dtype):
     """values in every other row of a wider array: token strides twice the dense ones."""
     nnz = values.shape[0]
@@ -150,7 +146,7 @@ def test_rope_quantize_fp8_against_the_reference(host, rng, case, strided):
     make = (lambda v: _strided(host, v, "bfloat16")) if strided else (
         lambda v: host.array(v, "bfloat16"))  # fmt: skip
     arrays = {name: make(v) for name, v in values.items()}
-    table = _table(rng, max_pos, rope_dim)
+    table = cos_sin_table(rng, max_pos, rope_dim)
     pos = rng.integers(0, max_pos, nnz).astype(np.int32)
     cache, pos_d = host.array(table, "float32"), host.array(pos, "int32")
     fn = rtcinfer.rope_quantize_fp8 if hk is not None else rtcinfer.mla_rope_quantize_fp8
@@ -175,7 +171,7 @@ def test_given_outputs_are_written_and_returned(host, rng):
         rng.uniform(-1, 1, (nnz, hk, rope_dim)), "float16")  # fmt: skip
     qn, kn = host.array(rng.uniform(-1, 1, (nnz, hq, nope)), "float16"), host.array(
         rng.uniform(-1, 1, (nnz, hk, nope)), "float16")  # fmt: skip
-    table = _table(rng, 8, rope_dim)
+    table = cos_sin_table(rng, 8, rope_dim)
     cache, pos = host.array(table, "float32"), host.array(np.arange(nnz), "int64")
     given = [host.empty(s, "float8_e5m2") for s in ((nnz, hq, rope_dim), (nnz, hk, rope_dim),
                                                      (nnz, hq, nope), (nnz, hk, nope))]  # fmt: skip
@@ -195,7 +191,7 @@ def test_a_position_outside_the_table_is_quantized_unrotated_and_reported(host, 
     nnz, rope_dim = 4, 8
     q = host.array(rng.uniform(-1, 1, (nnz, 2, rope_dim)), "bfloat16")
     k = host.array(rng.uniform(-1, 1, (nnz, 1, rope_dim)), "bfloat16")
-    table = _table(rng, 6, rope_dim)
+    table = cos_sin_table(rng, 6, rope_dim)
     pos_values = np.array([1, 6, -2, 5])
     cache, pos = host.array(table, "float32"), host.array(pos_values, "int32")
     outs = rtcinfer.rope_quantize_fp8(q, k, None, None, cache, pos)
@@ -232,15 +228,10 @@ def _append_case(host, rng, mla, kv_layout, page_size, neox, out_type, scales, w
         vals["v"] = rng.uniform(-2, 2, (nnz, hk, rope_dim + nope))
     vals = {n: ref.round_to(v, "bfloat16") for n, v in vals.items()}
     arrays = {n: host.array(v, "bfloat16") for n, v in vals.items()}
-    if mla:
-        shapes = ((num_pages, page_size, nope), (num_pages, page_size, rope_dim))
-    elif kv_layout == "NHD":
-        shapes = ((num_pages, page_size, hk, rope_dim + nope),) * 2
-    else:
-        shapes = ((num_pages, hk, page_size, rope_dim + nope),) * 2
+    shapes = fp8_cache_shapes(mla, kv_layout, num_pages, page_size, hk, rope_dim, nope)
     old = [ref.round_to(rng.uniform(-1, 1, s), out_type) for s in shapes]
     caches = [host.array(o, out_type) for o in old]
-    table = _table(rng, max_pos, rope_dim)
+    table = cos_sin_table(rng, max_pos, rope_dim)
     pos_ids = rng.integers(0, max_pos, nnz).astype(np.int64)
     d = dict(cache=host.array(table, "float32"), pos=host.array(pos_ids, "int64"),
              kv_indices=host.array(kv_indices, "int32"),
@@ -284,11 +275,11 @@ def test_rope_quantize_fp8_append_against_the_reference(host, rng, mla, kv_layou
 def test_argument_checks(host, rng):
     q = host.array(rng.uniform(-1, 1, (3, 2, 8)), "bfloat16")
     k = host.array(rng.uniform(-1, 1, (3, 1, 8)), "bfloat16")
-    table = host.array(_table(rng, 4, 8), "float32")
+    table = host.array(cos_sin_table(rng, 4, 8), "float32")
     pos = host.array(np.arange(3), "int32")
     fn = rtcinfer.rope_quantize_fp8
     with pytest.raises(ValueError, match=r"cos_sin_cache: expected float32 \[max_pos, 8\]"):
-        fn(q, k, None, None, host.array(_table(rng, 4, 16), "float32"), pos)
+        fn(q, k, None, None, host.array(cos_sin_table(rng, 4, 16), "float32"), pos)
     with pytest.raises(ValueError, match="k_nope is None but q_nope has 8 dims"):
         fn(q, k, q, None, table, pos)
     with pytest.raises(TypeError, match="k_rope: expected q_rope's dtype bfloat16"):
@@ -304,7 +295,7 @@ def test_argument_checks(host, rng):
     odd = host.array(rng.uniform(-1, 1, (3, 2, 7)), "bfloat16")
     with pytest.raises(ValueError, match="must be even"):
         fn(odd, host.array(np.zeros((3, 1, 7)), "bfloat16"), None, None,
-           host.array(_table(rng, 4, 7)[:, :7], "float32"), pos)  # fmt: skip
+           host.array(cos_sin_table(rng, 4, 7)[:, :7], "float32"), pos)  # fmt: skip
     append = rtcinfer.rope_quantize_fp8_append_paged_kv_cache
     idx = host.array(np.arange(2), "int32")
     caches = tuple(host.empty((2, 4, 1, 8), "float8_e4m3fn") for _ in range(2))
@@ -330,7 +321,7 @@ def test_bad_entries_are_reported_and_their_k_and_v_not_appended(host, rng):
     q = host.array(rng.uniform(-1, 1, (nnz, hq, rope_dim)), "bfloat16")
     k = host.array(rng.uniform(-1, 1, (nnz, hk, rope_dim)), "bfloat16")
     v = host.array(rng.uniform(-1, 1, (nnz, hk, rope_dim)), "bfloat16")
-    table = _table(rng, 8, rope_dim)
+    table = cos_sin_table(rng, 8, rope_dim)
     old = [ref.round_to(rng.uniform(-1, 1, (num_pages, page_size, hk, rope_dim)), "float8_e4m3fn")
            for _ in range(2)]  # fmt: skip
     caches = tuple(host.array(o, "float8_e4m3fn") for o in old)
