@@ -5,8 +5,11 @@ call spends a frame on them; Fill.function makes them a function for a run that 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .generated import define
 
 
 @dataclass(frozen=True)
@@ -25,18 +28,7 @@ class Fill:
     def lines(self, params: str, indent: str) -> list[str]:
         """The statements, with `params` the parameter block's name: one per pointer index (its
         fields chained) and per scalar, then the call of `then` as `_then`."""
-        by_source: dict[tuple[int, int], list[str]] = {}
-        for name, i, *offset in self.pointers:
-            by_source.setdefault((i, offset[0] if offset else 0), []).append(name)
-        out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
-               + (f" + {offset}" if offset else "")
-               for (i, offset), names in by_source.items()]  # fmt: skip
-        out += [f"{indent}{params}.{name} = scalars[{j}]"
-                + (f" * {float(factor[0])!r}" if factor else "")
-                for name, j, *factor in self.scalars]  # fmt: skip
-        if self.then is not None:
-            out.append(f"{indent}_then(scalars)")
-        return out or [f"{indent}pass"]
+        return list(_lines(self.pointers, self.scalars, self.then is not None, params, indent))
 
     def names(self, params: str, block) -> dict:
         """The generated statements' globals: the block as `params`, `then` as `_then`."""
@@ -47,12 +39,27 @@ class Fill:
         that does more than fill and launch); without a block, fill(block, ptrs, scalars) (a
         launch that changes from call to call: a wrapper's latest plan's)."""
         head = "def fill(ptrs, scalars):" if block is not None else "def fill(_p, ptrs, scalars):"
-        source = head + "\n" + "\n".join(self.lines("_p", "    ")) + "\n"
         names = self.names("_p", block)
         if block is None:
             del names["_p"]
-        exec(compile(source, "<fill>", "exec"), names)
-        return names["fill"]
+        return define([head, *self.lines("_p", "    ")], names, "<fill>")
+
+
+@functools.lru_cache(maxsize=4096)
+def _lines(pointers: tuple, scalars: tuple, then: bool, params: str, indent: str) -> tuple:
+    """Fill.lines' text, made once for each form (a new call signature repeats its op's)."""
+    by_source: dict[tuple[int, int], list[str]] = {}
+    for name, i, *offset in pointers:
+        by_source.setdefault((i, offset[0] if offset else 0), []).append(name)
+    out = [f"{indent}{' = '.join(f'{params}.{n}' for n in names)} = ptrs[{i}]"
+           + (f" + {offset}" if offset else "")
+           for (i, offset), names in by_source.items()]  # fmt: skip
+    out += [f"{indent}{params}.{name} = scalars[{j}]"
+            + (f" * {float(factor[0])!r}" if factor else "")
+            for name, j, *factor in scalars]  # fmt: skip
+    if then:
+        out.append(f"{indent}_then(scalars)")
+    return tuple(out or [f"{indent}pass"])
 
 
 __all__ = ["Fill"]

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from .dtypes import numpy_dtype
 from .fill import Fill
+from .generated import define
 
 
 class ArrayInfo(NamedTuple):
@@ -76,11 +77,12 @@ class Planned(NamedTuple):
     current state `_st` (its `_launch`) holds the Launch as `_st.launch`, and
     `owner._before_run(stream, _st)` runs under the launch's lock before it is issued (stream
     ordering, CUDA-graph notes). `fields`: the signature's own fields, written where another
-    signature filled the launch last (its `tag`); `stale`: an expression of `_st`, true where
-    this signature must not launch on the state (the run raises why)."""
+    signature filled the launch last (its `tag`); `stale`: an expression of `_st` and
+    `_limit`, true where this signature must not launch on the state (the run raises why)."""
 
     fields: dict
     stale: str
+    limit: int
 
 
 @dataclass(eq=False)
@@ -141,8 +143,8 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
         from .. import errors
 
         names.update(_before=errors.before_launch, _record=record, _check=errors.check_launch)
-    exec(compile("\n".join(lines) + "\n", f"<run of {launch!r}>", "exec"), names)
-    return Prepared(outs, names["run"], preload=launch.preload, launch=launch, fill=fill,
+    run = define(lines, names, "<run of a one-launch call>")
+    return Prepared(outs, run, preload=launch.preload, launch=launch, fill=fill,
                     record=record, check=record is not None and check, **fields)  # fmt: skip
 
 

@@ -7,8 +7,10 @@ calls its op (`Shortcut`: the parameter in each op slot, the op's static argumen
 scalars as expressions of the parameters) gets, in the wrapper `compilable` generates, a
 first branch for PyTorch tensors and a second for CuPy arrays: the signature's key read
 straight from the parameters, and on a hit the outputs allocated and the prepared run
-launched, nothing else; a miss runs the function (call()'s path) and then `learn`s the
-signature. A branch is taken only where call() would take the same path to the same launch:
+launched, nothing else; a miss runs the function (call()'s path) and, the second time a
+signature misses, `learn`s it (a signature seen once, as each new token count of a prefill
+is, costs one dict entry). A branch is taken only where call() would take the same path to
+the same launch:
 every slot array of the branch's framework (a torch.Tensor or a subclass, as call() takes
 them: an nn.Parameter weight; a cupy.ndarray itself), a given output too (`out=`: its
 attributes are part of the key, as in call()'s), no launching_on stream, PyTorch not tracing
@@ -30,6 +32,7 @@ from functools import partial
 from typing import NamedTuple
 
 from ..launch import RECORDINGS
+from .generated import define
 from .prepared import Op
 
 _call = importlib.import_module(".call", __package__)  # the module (the package's `call` is
@@ -150,7 +153,9 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
         f"                           {cut.scalars}{f', {cut.owner}, _st' if cut.owner else ''})",
         f"        _result = {call_fn}",
-        "        if _launch is None:  # False: learnt, and no shortcut for it",
+        "        if _launch is None:  # a first sighting: noted (a signature seen once, as",
+        f"            {the_op}.cache[_key] = ()  # a varying token count makes, learns nothing)",
+        "        elif _launch == ():  # the second: learnt (False: learnt, no shortcut for it)",
         f"            _learn({the_op}, _key, ({', '.join(values)},), _static, _d)",
         "        return _result",
     ]
@@ -283,8 +288,7 @@ def _launcher(outs: list, prep, kit: _Kit, device: int, keep: Callable, issue=No
         "            _failed(status, stream, device)",
         f"    return {results}",
     ]
-    exec(compile("\n".join(lines) + "\n", f"<shortcut launch of {launch!r}>", "exec"), names)
-    return names["launch"]
+    return define(lines, names, "<shortcut launch>")
 
 
 def _outputs(outs: list, kit: _Kit, names: dict) -> tuple[list, str]:
@@ -317,7 +321,7 @@ def _planned_launcher(outs: list, prep, kit: _Kit):
     (planned.stale: the run raises why)."""
     planned = prep.planned
     names = {"_run": prep.run, "_recordings": RECORDINGS, "_fields": planned.fields,
-             **kit.names, **prep.fill.names("_p", None)}  # fmt: skip
+             "_limit": planned.limit, **kit.names, **prep.fill.names("_p", None)}  # fmt: skip
     del names["_p"]  # the current launch's block, read at each call
     written = []
     for n, (field, value) in enumerate(planned.fields.items()):
@@ -346,8 +350,7 @@ def _planned_launcher(outs: list, prep, kit: _Kit):
         "        _launch.lock.release()",
         f"    return {results}",
     ]
-    exec(compile("\n".join(lines) + "\n", "<shortcut launch of a planned run>", "exec"), names)
-    return names["launch"]
+    return define(lines, names, "<shortcut launch of a planned run>")
 
 
 __all__ = ["CUPY_TAG", "ENABLED", "Shortcut", "TAG", "learn", "names", "source"]

@@ -114,13 +114,13 @@ def test_a_repeated_run_issues_what_the_function_issues(kit, case):
     name, wrapper, args, kwargs = _runs(empty, framework)[case]
     function = type(wrapper).run.__wrapped__
     records, shapes = [], []
-    for n in range(4):  # learnt, the shortcut twice, the function itself
-        run = function.__get__(wrapper) if n == 3 else wrapper.run
+    for n in range(5):  # seen, learnt, the shortcut twice, the function itself
+        run = function.__get__(wrapper) if n == 4 else wrapper.run
         result = run(*args, **kwargs)
         records.append(_issue_record(issued[n], args, kwargs, result, address))
         shapes.append([(tuple(a.shape), str(a.dtype)) for a in _flat(result)])
-    assert len(issued) == 4 and {i[4] for i in issued} == {STREAM[framework]}, name
-    assert records[1] == records[2] == records[3] == records[0], name
+    assert len(issued) == 5 and {i[4] for i in issued} == {STREAM[framework]}, name
+    assert records[1] == records[2] == records[3] == records[4] == records[0], name
     assert shapes[1] == shapes[2] == shapes[3] == shapes[0], name
     learnt = _learnt(wrapper, framework)
     assert len(learnt) == 1 and callable(learnt[0]), name
@@ -141,11 +141,11 @@ def test_the_shortcut_follows_each_plan(kit):
         w.plan(indptr, np.arange(pages, dtype=np.int32)[::-1].copy(), np.full(batch, 9, np.int32),
                8, 2, 128, 16, q_data_type="float16", fixed_split_size=1)  # fmt: skip
         q = empty((batch, 8, 128), "float16")
-        for run in (w.run, w.run, function):
+        for run in (w.run, w.run, w.run, function):  # noted or hit, learnt or hit, hit
             result = run(q, cache)
             records.append(_issue_record(issued[-1], (q, cache), {}, result, address))
-        assert records[-3] == records[-2] == records[-1], (pages, batch)
-    assert len(issued) == 12
+        assert records[-4] == records[-3] == records[-2] == records[-1], (pages, batch)
+    assert len(issued) == 16
     assert len({r[1] for r in records}) > 1  # the plans' grids differ
     assert len(_learnt(w, framework)) == 2  # batches of 3 and 2
 
@@ -226,14 +226,14 @@ def test_alternating_signatures_write_their_own_fields(kit):
     pair = (empty((12, 16, 2, 128), "float16"), empty((12, 16, 2, 128), "float16"))
     function = type(w).run.__wrapped__.__get__(w)
     calls = [((q, cache), {}), ((q, cache), {"return_lse": True}), ((q, pair), {})]
-    for args, kwargs in calls * 2:  # learnt, then the shortcuts in turn
+    for args, kwargs in calls * 3:  # noted, learnt, then the shortcuts in turn
         w.run(*args, **kwargs)
-    got = [_issue_record(i, *calls[n % 3], None, address) for n, i in enumerate(issued[3:])]
+    got = [_issue_record(i, *calls[n % 3], None, address) for n, i in enumerate(issued[6:])]
     for args, kwargs in calls:
         function(*args, **kwargs)
-    want = [_issue_record(i, *calls[n], None, address) for n, i in enumerate(issued[6:])]
+    want = [_issue_record(i, *calls[n], None, address) for n, i in enumerate(issued[9:])]
     blank = [(k, g, b, {f: v for f, v in fields.items() if f not in ("o", "lse")})
              for k, g, b, fields in got + want]  # fmt: skip
     assert blank[:3] == blank[3:]
     assert [not r[3]["lse"] for r in got] == [True, False, True]  # (a null pointer: None)
-    assert len(_learnt(w, framework)) == 3
+    assert [callable(v) for v in _learnt(w, framework)] == [True] * 3

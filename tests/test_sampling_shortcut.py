@@ -51,16 +51,16 @@ def _calls(batch):
 @pytest.mark.parametrize("case", range(7))
 def test_a_repeated_sampler_call_issues_what_the_function_issues(issued, batch, case):
     records = []
-    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+    for n in range(5):  # seen, learnt, the shortcut twice, the function itself: fresh arrays
         name, public, args, kwargs = _calls(batch)[case]
-        results = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
+        results = (public.__wrapped__ if n == 4 else public)(*args, **kwargs)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         records.append(pointed(issued[n], (*tensors, results), torch.Tensor.data_ptr))
         assert tuple(results.shape) == (batch,) and results.dtype == torch.int32, name
         if "out" in kwargs:
             assert results is kwargs["out"], name
-    assert len(issued) == 4, name
-    assert records[1] == records[2] == records[3] == records[0], name
+    assert len(issued) == 5, name
+    assert records[1] == records[2] == records[3] == records[4] == records[0], name
     assert records[0][3]["seed_val"] == 7 and records[0][3]["offset_val"] == 3, name
     made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
@@ -123,15 +123,15 @@ def test_a_repeated_cupy_sampler_call_issues_what_the_function_issues(issued, mo
 
     with cupy_without_a_gpu(monkeypatch) as empty:
         records = []
-        for n in range(4):
+        for n in range(5):
             probs, out = empty((300, 1000), np.float32), empty((300,), np.int32)
             public = rtcinfer.top_k_top_p_sampling_from_probs
             gen = rtcinfer.Generator(seed=5)
-            result = (public.__wrapped__ if n == 3 else public)(probs, 7, 0.5, generator=gen,
+            result = (public.__wrapped__ if n == 4 else public)(probs, 7, 0.5, generator=gen,
                                                                out=out)  # fmt: skip
             assert result is out and type(result) is cupy.ndarray
             records.append(pointed(issued[n], (probs, out), lambda a: a.data.ptr))
-    assert records[1] == records[2] == records[3] == records[0]
+    assert records[1] == records[2] == records[3] == records[4] == records[0]
     made = [v for k, v in samplers._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
@@ -155,12 +155,12 @@ def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypa
     for op in ops:
         monkeypatch.setattr(op, "cache", {})
     records = []
-    for n in range(4):
+    for n in range(5):
         name, public, args, kwargs = _one_op_calls()[case]
-        result = (public.__wrapped__ if n == 3 else public)(*args, **kwargs)
+        result = (public.__wrapped__ if n == 4 else public)(*args, **kwargs)
         records.append(pointed(issued[n], (args[0], result), torch.Tensor.data_ptr))
         assert result.shape == args[0].shape, name
-    assert records[1] == records[2] == records[3] == records[0], name
+    assert records[1] == records[2] == records[3] == records[4] == records[0], name
     made = [v for op in ops for k, v in op.cache.items() if k[0] is shortcut.TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
@@ -183,15 +183,15 @@ def test_append_issues_the_functions_block_and_raises_what_was_reported(issued, 
     monkeypatch.setattr(page._APPEND, "cache", {})
     records = FakeRecords(monkeypatch)
     blocks = []
-    for n in range(4):
+    for n in range(5):
         args = _append_call(records)
         public = rtcinfer.append_paged_kv_cache
-        result = (public.__wrapped__ if n == 3 else public)(*args)
+        result = (public.__wrapped__ if n == 4 else public)(*args)
         assert result is args[4]
         kernel, grid, block, fields = pointed(issued[n], args, torch.Tensor.data_ptr)
         fields["v_cache"] -= args[4].data_ptr()  # V's byte offset in the 5-D cache
         blocks.append((kernel, grid, block, fields))
-    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
     assert blocks[0][3]["v_cache"] == 16 * 2 * 64 * 2  # one page's K, fp16
     assert blocks[0][3]["bad"] == records.buffers[0][0].ctypes.data
     made = [v for k, v in page._APPEND.cache.items() if k[0] is shortcut.TAG]
@@ -199,9 +199,9 @@ def test_append_issues_the_functions_block_and_raises_what_was_reported(issued, 
     records.report(0, BadIndex.KV_INDICES, 1, 9, 4)
     with pytest.raises(rtcinfer.BadIndexError, match="kv_indices"):
         rtcinfer.append_paged_kv_cache(*_append_call(records))
-    assert len(issued) == 4  # nothing launched by the call that raised
+    assert len(issued) == 5  # nothing launched by the call that raised
     rtcinfer.append_paged_kv_cache(*_append_call(records))  # the record is clear again
-    assert len(issued) == 5
+    assert len(issued) == 6
 
 
 def test_speculative_sampling_with_counters_takes_the_function(issued, monkeypatch):

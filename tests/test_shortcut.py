@@ -72,10 +72,12 @@ def _calls():
 def test_a_repeated_call_launches_what_the_function_launches(cuda_like, case):
     name, public, args, kwargs = _calls()[case]
     with launch.recording() as steps:
+        public(*args, **kwargs)  # the function's path: the signature noted
         first = _as_tuple(public(*args, **kwargs))  # the function's path, then learnt
         second = _as_tuple(public(*args, **kwargs))  # the shortcut
         third = _as_tuple(public.__wrapped__(*args, **kwargs))  # the function itself
-    assert len(steps) == 3, name
+    assert len(steps) == 4, name
+    steps = steps[1:]
     shapes = [[(tuple(t.shape), t.dtype) for t in r] for r in (first, second, third)]
     assert shapes[0] == shapes[1] == shapes[2], name
     given = [a.data_ptr() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -92,13 +94,13 @@ def test_a_repeated_call_issues_what_the_function_issues(cuda_like, monkeypatch,
     copies it) is the one the function's own path issues."""
     issued = issued_launches(monkeypatch)
     records = []
-    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+    for n in range(5):  # seen, learnt, the shortcut twice, the function itself: fresh arrays
         name, public, args, kwargs = _calls()[case]
-        results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
+        results = _as_tuple((public.__wrapped__ if n == 4 else public)(*args, **kwargs))
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         records.append(pointed(issued[n], (*tensors, *results), torch.Tensor.data_ptr))
-    assert len(issued) == 4 and {i[4] for i in issued} == {7}, name
-    assert records[1] == records[2] == records[3] == records[0], name
+    assert len(issued) == 5 and {i[4] for i in issued} == {7}, name
+    assert records[1] == records[2] == records[3] == records[4] == records[0], name
     # the shortcut issued (its first issue put the launcher made with the issuer in its place)
     made = [fn for fn in _ops_caches() if hasattr(fn, "__code__")]
     assert len(made) == 1, name
@@ -117,24 +119,29 @@ def test_the_shortcut_is_learnt_once_and_not_taken_for_other_calls(cuda_like):
     op = rtcinfer.norm._PLAIN
     x = torch.randn(3, 256).to(torch.bfloat16)
     w = torch.randn(256).to(torch.bfloat16)
+
+    def shortcuts():
+        return {k: v for k, v in op.cache.items() if not isinstance(k[0], type(op))}
+
     with launch.recording() as steps:
         rtcinfer.rmsnorm(x, w)
-        learnt = [key for key in op.cache if not isinstance(key[0], type(op))]
-        assert len(learnt) == 1 and callable(op.cache[learnt[0]])
+        assert list(shortcuts().values()) == [()]  # seen once: noted, nothing learnt
+        rtcinfer.rmsnorm(x, w)
+        assert len(shortcuts()) == 1 and callable(*shortcuts().values())  # the second: learnt
         out = torch.empty_like(x)
-        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: another signature
-        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # ... launched by the shortcut
+        for _ in range(3):  # a given output: another signature (noted, learnt, the shortcut)
+            assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out
         strided = torch.empty(3, 512).to(torch.bfloat16)[:, :256]
         assert rtcinfer.rmsnorm(x, w, 1e-6, strided) is strided  # its strides: another
-        rtcinfer.rmsnorm(x[:, :128].contiguous(), w[:128])  # another signature: learnt too
+        rtcinfer.rmsnorm(x[:, :128].contiguous(), w[:128])  # another signature: noted too
         with path.launching_on(5):  # another stream: the function's path (which refuses)
             with pytest.raises(RuntimeError, match="must be given its outputs"):
                 rtcinfer.rmsnorm(x, w)
         with pytest.raises(ValueError):  # a given output of another shape: call() refuses
             rtcinfer.rmsnorm(x, w, 1e-6, torch.empty(3, 128).to(torch.bfloat16))
-    assert len(steps) == 5
-    assert steps[2].params != steps[3].params  # the strided output's row stride
-    assert len([key for key in op.cache if not isinstance(key[0], type(op))]) == 4
+    assert len(steps) == 7
+    assert steps[4].params != steps[5].params  # the strided output's row stride
+    assert [callable(v) for v in shortcuts().values()] == [True, True, False, False]
     silu = rtcinfer.activation._OP
     gate = torch.randn(2, 512).to(torch.float16)
     for _ in range(3):

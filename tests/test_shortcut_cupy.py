@@ -102,13 +102,15 @@ def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     name, public, args, kwargs = _calls(empty)[case]
     op_caches = [dict(op.cache) for op in _OPS]
     with launch.recording() as steps:
+        public(*args, **kwargs)  # the function's path: the signature noted
         first = _as_tuple(public(*args, **kwargs))  # the function's path, then learnt
         learnt = [k for op in _OPS for k in op.cache if k[0] is shortcut.CUPY_TAG]
         second = _as_tuple(public(*args, **kwargs))  # the shortcut
         third = _as_tuple(public.__wrapped__(*args, **kwargs))  # the function itself
     assert op_caches == [{}] * len(_OPS)
     assert len(learnt) == 1 and callable(_shortcuts()[learnt[0]]), name
-    assert len(steps) == 3, name
+    assert len(steps) == 4, name
+    steps = steps[1:]
     for r in (first, second, third):
         assert all(type(a) is cupy.ndarray for a in r), name
     shapes = [[(a.shape, a.dtype, a.strides) for a in r] for r in (first, second, third)]
@@ -130,13 +132,13 @@ def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch
     it points to) is the one the function's path issues."""
     issued = issued_launches(monkeypatch)
     records = []
-    for n in range(4):  # learnt, the shortcut twice, the function itself: fresh arrays each
+    for n in range(5):  # seen, learnt, the shortcut twice, the function itself: fresh arrays
         name, public, args, kwargs = _calls(empty)[case]
-        results = _as_tuple((public.__wrapped__ if n == 3 else public)(*args, **kwargs))
+        results = _as_tuple((public.__wrapped__ if n == 4 else public)(*args, **kwargs))
         arrays = [a for a in (*args, *kwargs.values()) if isinstance(a, cupy.ndarray)]
         records.append(pointed(issued[n], (*arrays, *results), lambda a: a.data.ptr))
-    assert len(issued) == 4, name
-    assert records[1] == records[2] == records[3] == records[0], name
+    assert len(issued) == 5, name
+    assert records[1] == records[2] == records[3] == records[4] == records[0], name
     (made,) = _shortcuts().values()  # the launcher its first issue made, with the issuer
     assert "snapshot_issuer" in made.__globals__["_issue"].__qualname__, name
 
@@ -150,10 +152,12 @@ def test_the_cupy_shortcut_is_learnt_once_and_not_taken_for_other_calls(empty):
     x, w = empty((3, 256), np.float16), empty((256,), np.float16)
     with launch.recording() as steps:
         rtcinfer.rmsnorm(x, w)
-        assert len(_shortcuts()) == 1
+        assert list(_shortcuts().values()) == [()]  # seen once: noted, nothing learnt
+        rtcinfer.rmsnorm(x, w)
+        assert len(_shortcuts()) == 1 and callable(*_shortcuts().values())  # then learnt
         out = empty((3, 256), np.float16)
         assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # a given output: another signature
-        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # ... launched by the shortcut
+        assert rtcinfer.rmsnorm(x, w, 1e-6, out) is out  # ... learnt
         strided = empty((3, 512), np.float16)[:, :256]
         assert rtcinfer.rmsnorm(x, w, 1e-6, strided) is strided  # its strides: another
         rtcinfer.rmsnorm(x[:, :128], w[:128])  # another signature, strided input: learnt too
@@ -165,10 +169,10 @@ def test_the_cupy_shortcut_is_learnt_once_and_not_taken_for_other_calls(empty):
             rtcinfer.rmsnorm(x, w, 1e-6, empty((3, 128), np.float16))
         with pytest.raises(ValueError):
             rtcinfer.rmsnorm(x, w, 1e-6, empty((3, 128), np.float16))  # and again
-    assert len(steps) == 6
-    assert steps[2].params != steps[3].params  # the strided output's row stride
-    assert len(_shortcuts()) == 4
-    assert [s.grid for s in steps[4:6]] == [steps[4].grid] * 2
+    assert len(steps) == 7
+    assert steps[3].params != steps[4].params  # the strided output's row stride
+    assert [callable(v) for v in _shortcuts().values()] == [True, True, False, True]
+    assert [s.grid for s in steps[5:7]] == [steps[5].grid] * 2
 
 
 def test_a_cupy_call_with_a_dense_copy_keeps_to_the_function(empty, monkeypatch):
@@ -202,16 +206,16 @@ def test_a_repeated_cupy_append_issues_what_the_function_issues(empty, monkeypat
     FakeRecords(monkeypatch)
     issued = issued_launches(monkeypatch)
     blocks = []
-    for n in range(4):
+    for n in range(5):
         args = (empty((3, 2, 64), np.float16), empty((3, 2, 64), np.float16),
                 empty((3,), np.int32), empty((3,), np.int32), empty((4, 2, 16, 2, 64), np.float16),
                 empty((3,), np.int32), empty((3,), np.int32), empty((2,), np.int32))  # fmt: skip
         public = rtcinfer.append_paged_kv_cache
-        assert (public.__wrapped__ if n == 3 else public)(*args) is args[4]
+        assert (public.__wrapped__ if n == 4 else public)(*args) is args[4]
         kernel, grid, block, fields = pointed(issued[n], args, lambda a: a.data.ptr)
         fields["v_cache"] -= args[4].data.ptr  # V's byte offset in the 5-D cache
         blocks.append((kernel, grid, block, fields))
-    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
     made = [v for k, v in page._APPEND.cache.items() if k[0] is shortcut.CUPY_TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
@@ -240,14 +244,14 @@ def test_a_repeated_cupy_single_decode_issues_what_the_function_issues(empty, mo
     monkeypatch.setattr(sd._OP, "cache", {})
     issued = issued_launches(monkeypatch)
     blocks = []
-    for n in range(4):
+    for n in range(5):
         q, k, v = empty((32, 128), np.float16), *(empty((64, 8, 128), np.float16),) * 2
         public = rtcinfer.single_decode_with_kv_cache
         kwargs = {"sm_scale": 0.1, "k_scale": 0.5, "return_lse": return_lse}
-        result = _as_tuple((public.__wrapped__ if n == 3 else public)(q, k, v, **kwargs))
+        result = _as_tuple((public.__wrapped__ if n == 4 else public)(q, k, v, **kwargs))
         assert [a.shape for a in result] == [(32, 128), (32,)][: 1 + return_lse]
         blocks.append(pointed(issued[n], (q, k, *result), lambda a: a.data.ptr))
-    assert blocks[1] == blocks[2] == blocks[3] == blocks[0]
+    assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
     assert blocks[0][3]["qk_scale"] == pytest.approx(0.05, rel=1e-6)  # sm_scale x k_scale
     assert blocks[0][3]["lse"] == ("array 3" if return_lse else None)  # (None: a NULL pointer)
     made = [v for k, v in sd._OP.cache.items() if k[0] is shortcut.CUPY_TAG]

@@ -93,7 +93,7 @@ def prepared_run(wrapper, infos, static) -> Prepared:
             launch.lock.release()
 
     on_trace, preload = weak_hooks(wrapper)
-    planned = None if empty else Planned(fields, f"_st.max_page >= {num_pages}")
+    planned = None if empty else Planned(fields, "_st.max_page >= _limit", num_pages)
     return Prepared(tuple(outs), run, preload=preload, command_buffer=wrapper._graph,
                     on_trace=on_trace, fill=fill, planned=planned)  # fmt: skip
 

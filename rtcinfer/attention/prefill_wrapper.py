@@ -310,7 +310,7 @@ class PrefillWrapper(PrefillPlanArrays, PlannedWrapper):
                 launch.lock.release()
 
         on_trace, preload = weak_hooks(self)
-        planned = None if empty else Planned(fields, f"_st.num_kv_rows > {num_kv_rows}")
+        planned = None if empty else Planned(fields, "_st.num_kv_rows > _limit", num_kv_rows)
         return Prepared(tuple(outs), run, preload=preload, command_buffer=self._graph,
                         on_trace=on_trace, fill=fill, planned=planned)  # fmt: skip
 
