@@ -30,6 +30,11 @@ from .arrays import CUPY_NDARRAY, TORCH_TENSOR, as_cupy, framework
 from .dtypes import normalize, numpy_dtype
 from .prepared import ArrayInfo, Op, OutSlot, Prepared, common_align, dense_strides, no_launch
 
+# The most call signatures an op keeps prepared (and their shortcuts); past it the cache is
+# emptied: a long-running server whose steps bring ever new token counts holds a bounded
+# number of launches, and a working set of signatures is prepared again as it recurs.
+MAX_SIGNATURES = 4096
+
 
 class _Local(threading.local):
     """Per thread: `stream`, a CUDA stream handle that launches go to instead of the caller's
@@ -123,6 +128,8 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     prep.one_device = runtime.getDeviceCount() == 1
     with op._lock:
+        if len(op.cache) >= MAX_SIGNATURES:  # a server's ever-new token counts: start over
+            op.cache.clear()
         return op.cache.setdefault(key, prep)
 
 

@@ -256,3 +256,19 @@ def test_a_repeated_cupy_single_decode_issues_what_the_function_issues(empty, mo
     assert blocks[0][3]["lse"] == ("array 3" if return_lse else None)  # (None: a NULL pointer)
     made = [v for k, v in sd._OP.cache.items() if k[0] is shortcut.CUPY_TAG]
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
+
+
+def test_an_op_keeps_a_bounded_number_of_signatures(empty, monkeypatch):
+    """Past MAX_SIGNATURES prepared calls (and shortcuts) an op's cache starts over: a server's
+    ever new token counts hold a bounded number of launches; each call still launches its
+    own rows."""
+    path = importlib.import_module("rtcinfer.interop.call")
+    monkeypatch.setattr(path, "MAX_SIGNATURES", 4)
+    w = empty((256,), np.float16)
+    sizes = []
+    with launch.recording() as steps:
+        for rows in (1, 2, 3, 4, 5, 6, 7, 2, 2, 2):
+            rtcinfer.rmsnorm(empty((rows, 256), np.float16), w)
+            sizes.append(len(rtcinfer.norm._PLAIN.cache))
+    assert max(sizes) <= 4 + 1  # (a shortcut noted after its call's prepare)
+    assert [s.grid[0] for s in steps] == [1, 2, 3, 4, 5, 6, 7, 2, 2, 2]
