@@ -237,3 +237,30 @@ def test_alternating_signatures_write_their_own_fields(kit):
     assert blank[:3] == blank[3:]
     assert [not r[3]["lse"] for r in got] == [True, False, True]  # (a null pointer: None)
     assert [callable(v) for v in _learnt(w, framework)] == [True] * 3
+
+
+def test_a_shortcut_run_under_capture_notes_the_captured_batch(kit, monkeypatch):
+    """A CUDA-graph decode wrapper's shortcut run while its stream is being captured records
+    the batch, as the function's does: a later plan of a larger batch is refused."""
+    from rtcinfer.attention import planned
+
+    framework, empty, address, issued = kit
+    capturing = [False]
+    monkeypatch.setattr(planned, "is_capturing", lambda stream: capturing[0])
+    w = rtcinfer.BatchDecodeWithPagedKVCacheWrapper(
+        use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(7, np.int32),
+        paged_kv_indices_buffer=np.zeros(100, np.int32),
+    )  # fmt: skip
+    w.plan(np.linspace(0, 12, 4).astype(np.int32), np.arange(12, dtype=np.int32),
+           np.full(3, 5, np.int32), 8, 2, 128, 16, q_data_type="float16")  # fmt: skip
+    _planned(w, framework)
+    q, cache = empty((3, 8, 128), "float16"), empty((12, 2, 16, 2, 128), "float16")
+    w.run(q, cache)
+    w.run(q, cache)  # noted, learnt: eager runs
+    assert w._captured is None and len(_learnt(w, framework)) == 1
+    capturing[0] = True
+    w.run(q, cache)  # the shortcut, captured
+    assert w._captured == 3 and len(issued) == 3
+    with pytest.raises(ValueError, match="captured into a CUDA graph with 3"):
+        w.plan(np.linspace(0, 12, 5).astype(np.int32), np.arange(12, dtype=np.int32),
+               np.full(4, 3, np.int32), 8, 2, 128, 16, q_data_type="float16")  # fmt: skip
