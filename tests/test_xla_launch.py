@@ -308,3 +308,40 @@ def test_append_is_native_on_one_gpu(monkeypatch):
     assert moved.results == (8,) and moved.aliases() == {0: 0}
     assert append.results == (8,) and 8 in append.operands and append.aliases()
     assert (fake.device_ptr, "u64") in append.values and (fake.host_ptr, "u64") in append.values
+
+
+def test_rope_with_fp8_outputs_is_native_on_one_gpu(monkeypatch):
+    """rope_quantize_fp8 on JAX arrays: one launch on its own buffers, its four outputs new;
+    the form that appends (MLA's latent cache): a move of each cache into its output, then the
+    kernel writing through both (the record of its device a constant)."""
+    import ctypes
+
+    from rtcinfer import errors, rope_quantize
+
+    fake = errors.Record(0, 0x7F0000200000, 0x7F0000300000, ctypes.c_int32(0))
+    monkeypatch.setattr(errors, "_RECORDS", {0: fake})
+    launch.keep_resident(fake.device_ptr, 32)
+    launch.keep_resident(fake.host_ptr, 32)
+    info = lambda shape, dtype="int32": ArrayInfo(shape, dense_strides(shape), dtype, 0)  # noqa: E731
+    q, k = info((4, 16, 64), "bfloat16"), info((4, 64), "bfloat16")
+    qn, kn = info((4, 16, 512), "bfloat16"), info((4, 512), "bfloat16")
+    table, pos = info((100, 64), "float32"), info((4,))
+    infos = [q, k, qn, kn, table, pos, None, None, None, None]
+    prep = rope_quantize._QUANTIZE.prepare(infos, 16, (False, None))
+    present = [i is not None for i in infos]
+    steps = xla_launch.record(prep, present, (1.0, 1.0), 0)
+    (one,) = xla_launch.plan(prep, present, steps, constants=True)
+    assert one.kernel.name == "rope_quantize_kernel" and one.operands == (0, 1, 2, 3, 4, 5)
+    assert sorted(one.results) == [10, 11, 12, 13] and not one.aliases()
+    ckv, kpe = info((8, 16, 512), "float8_e4m3fn"), info((8, 16, 64), "float8_e4m3fn")
+    infos = [q, k, qn, kn, None, table, pos, ckv, kpe, info((8,)), info((5,)), info((4,)),
+             info((4,)), None, None]  # fmt: skip
+    prep = rope_quantize._APPEND.prepare(infos, 16, (False, None, "NHD", 16))
+    present = [i is not None for i in infos]
+    steps = xla_launch.record(prep, present, (1.0, 1.0), 0)
+    assert xla_launch.plan(prep, present, steps) is None  # several GPUs: the handler
+    *moves, append = xla_launch.plan(prep, present, steps, constants=True)
+    assert [(m.kernel.name, m.operands, m.results) for m in moves] == [
+        ("move_kernel", (7,), (17,)), ("move_kernel", (8,), (18,))]  # fmt: skip
+    assert set(append.results) == {15, 16, 17, 18} and {17, 18} <= set(append.operands)
+    assert (fake.device_ptr, "u64") in append.values and (fake.host_ptr, "u64") in append.values
