@@ -346,3 +346,20 @@ def test_bad_entries_are_reported_and_their_k_and_v_not_appended(host, rng):
     full = ref.rope_quantize_ref(host.get(q), host.get(k), None, None, table, np.arange(nnz),
                                  False, 1.0, 1.0, e4m3)  # fmt: skip
     assert_fp8(host.get(outs[0], e4m3).astype(numpy_dtype(e4m3)), full[0], e4m3)
+
+
+def test_no_tokens_launch_nothing(host, rng):
+    q, k = host.empty((0, 2, 8), "bfloat16"), host.empty((0, 1, 8), "bfloat16")
+    table = host.array(cos_sin_table(rng, 4, 8), "float32")
+    pos = host.empty((0,), "int32")
+    outs = rtcinfer.rope_quantize_fp8(q, k, None, None, table, pos)
+    assert [tuple(o.shape) for o in outs] == [(0, 2, 8), (0, 1, 8), (0, 2, 0), (0, 1, 0)]
+    caches = tuple(host.empty((2, 4, 1, 8), "float8_e4m3fn") for _ in range(2))
+    ints = host.empty((0,), "int32")
+    v = host.empty((0, 1, 8), "bfloat16")
+    appended = rtcinfer.rope_quantize_fp8_append_paged_kv_cache(
+        q, k, None, None, v, table, pos, caches, host.array(np.arange(2), "int32"),
+        host.array(np.array([0, 2]), "int32"), ints, ints, page_size=4,
+    )  # fmt: skip
+    assert [tuple(o.shape) for o in appended] == [(0, 2, 8), (0, 2, 0)]
+    assert host.issued == []
