@@ -6,7 +6,9 @@ array once, straight from its framework object (PyTorch: `data_ptr()`, `shape`, 
 `dtype`; CuPy: `.data.ptr`, `shape`, `strides`, `dtype`), keys the prepared launch on the
 signature (shapes, strides, dtypes, devices, the pointers' common alignment, the op's static
 arguments), allocates the outputs with the caller's framework and launches on the caller's
-current stream. Only a new signature pays for validation, kernel choice and geometry.
+current stream. Only a new signature pays for validation, kernel choice and geometry; one
+that differs from a prepared one only in its row count (an op's `rows` slots: the norms,
+activations and RoPE with fp8 outputs) is made from it (prepared.with_rows).
 
 JAX arrays, eager or traced inside `jax.jit`, are prepared when the call is traced: a launch
 that reads only the call's own arrays becomes custom calls XLA launches itself (xla_launch),
@@ -28,7 +30,16 @@ from dataclasses import replace
 from .. import gpu
 from .arrays import CUPY_NDARRAY, TORCH_TENSOR, as_cupy, framework
 from .dtypes import normalize, numpy_dtype
-from .prepared import ArrayInfo, Op, OutSlot, Prepared, common_align, dense_strides, no_launch
+from .prepared import (
+    ArrayInfo,
+    Op,
+    OutSlot,
+    Prepared,
+    common_align,
+    dense_strides,
+    no_launch,
+    with_rows,
+)
 
 # The most call signatures an op keeps prepared (and their shortcuts); past it the cache is
 # emptied: a long-running server whose steps bring ever new token counts holds a bounded
@@ -109,7 +120,14 @@ def _kind(x) -> str:
 def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -> Prepared:
     """The prepared launch of a new signature: `info(array, name)` describes each array and
     `ptrs` holds their addresses (0 for absent slots); host memory and mixed devices are
-    refused by name before the op's own checks."""
+    refused by name before the op's own checks. A signature that differs from a prepared one
+    only in the leading dim of the op's row slots (a new token count) is made from it
+    (prepared.with_rows)."""
+    free, rows = _row_free(key, op.rows) if op.rows else (None, 0)
+    if free is not None:
+        model = op.cache.get(free)
+        if model is not None:
+            return _kept(op, key, with_rows(model, rows, op.rows))
     infos = [info(x, name) for x, name in zip(arrays, op.slots, strict=True)]
     for name, seen in zip(op.slots, infos, strict=True):
         if seen is not None and seen.device < 0:
@@ -127,10 +145,42 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
     prep = op.prepare(infos, common_align(bits), static)
     prep.outs = tuple(_with_like(slot, infos) for slot in prep.outs)
     prep.one_device = runtime.getDeviceCount() == 1
+    if free is not None and prep.rows == rows:  # the model of its other row counts
+        _kept(op, free, prep)
+    return _kept(op, key, prep)
+
+
+def _kept(op: Op, key: tuple, prep: Prepared) -> Prepared:
+    """op.cache's entry for `key`, `prep` unless another thread kept one first."""
     with op._lock:
         if len(op.cache) >= MAX_SIGNATURES:  # a server's ever-new token counts: start over
             op.cache.clear()
         return op.cache.setdefault(key, prep)
+
+
+class _Rows:
+    """The first element of a row-free key (an op's signature but for its row count)."""
+
+    __slots__ = ()
+
+
+_ROWS = _Rows()
+
+
+def _row_free(key: tuple, row_slots: tuple[int, ...]) -> tuple[tuple | None, int]:
+    """(the key with the leading dim of every row slot left out, that dim), or (None, 0) where
+    the row slots disagree on it or it is below 2 (one row: its strides read differently)."""
+    parts, rows = [_ROWS, *key[1:]], 0
+    for i in row_slots:
+        attrs = parts[2 + i]
+        if attrs is None:
+            continue
+        shape = attrs[0]
+        if not shape or shape[0] < 2 or (rows and shape[0] != rows):
+            return None, 0
+        rows = shape[0]
+        parts[2 + i] = (tuple(shape[1:]), *attrs[1:])
+    return (tuple(parts), rows) if rows else (None, 0)
 
 
 def _with_like(slot: OutSlot, infos) -> OutSlot:

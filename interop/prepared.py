@@ -5,6 +5,7 @@ runs the launch."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,19 +119,25 @@ class Prepared:
     # A launch of the owner's current plan (`launch` None) whose pointers and scalars `fill`
     # writes: run does so, and so may the owner's shortcut.
     planned: Planned | None = None
+    # one_launch's `rows`: the leading dim of the op's row slots this call was made for, where
+    # nothing but its grid's x and its outputs' first dims depend on it (0: where more does)
+    rows: int = 0
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
 
 
 def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check=False,
-               **fields) -> Prepared:  # fmt: skip
+               rows: int = 0, **fields) -> Prepared:  # fmt: skip
     """The Prepared of a call that is one launch (rtcinfer.launch.Launch): `fill` writes the
     call's pointers and scalars into launch.params, then it launches, under launch.lock (calls
     sharing the launch write the same block). `record` (rtcinfer.errors.Record, of the
     arrays' device), for a kernel that checks indices on the device: a call first raises what
     an earlier one reported (errors.before_launch), the kernel's `bad` and `bad_host` point at
     the record of the device it runs on, and with `check` (RTCINFER_CHECK=1) the call waits
-    for its launch and raises what it reported. `fields`: Prepared's others."""
+    for its launch and raises what it reported. `rows`: the leading dim of the op's row
+    slots (Op.rows) the call was made for, where nothing but the grid's x (a multiple of it)
+    and the outputs' first dims depend on it, so that with_rows makes the call of another
+    (0: not so). `fields`: Prepared's others."""
     lines = ["def run(stream, device, ptrs, scalars):"]
     lines += ["    found = _before(_record, device, stream)"] if record is not None else []
     lines += ["    _lock.acquire()", "    try:", *fill.lines("_p", "        ")]
@@ -145,7 +152,26 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
         names.update(_before=errors.before_launch, _record=record, _check=errors.check_launch)
     run = define(lines, names, "<run of a one-launch call>")
     return Prepared(outs, run, preload=launch.preload, launch=launch, fill=fill,
-                    record=record, check=record is not None and check, **fields)  # fmt: skip
+                    record=record, check=record is not None and check, rows=rows,
+                    **fields)  # fmt: skip
+
+
+def with_rows(prep: Prepared, n: int, row_slots: tuple[int, ...]) -> Prepared:
+    """The call `prep` (one_launch's, made for prep.rows leading rows) for n of them: its
+    launch with the grid's x scaled and the same parameters, the outputs of a row slot, or new
+    ones, with n rows; the same fill, checks and copies. A call of a new token count costs
+    this instead of its op's validation (the signature is the one validated but for the
+    rows)."""
+    old = prep.launch
+    launch = type(old)(old.kernel, (old.grid[0] // prep.rows * n, *old.grid[1:]), old.block)
+    ctypes.memmove(ctypes.addressof(launch.params), ctypes.addressof(old.params),
+                   ctypes.sizeof(old.params))  # fmt: skip
+    outs = tuple(OutSlot((n, *o.shape[1:]), o.dtype, o.source, o.alias, o.like)
+                 if o.source is None or o.source in row_slots else o
+                 for o in prep.outs)  # fmt: skip
+    made = one_launch(outs, launch, prep.fill, prep.record, prep.check, rows=n, dense=prep.dense)
+    made.one_device = prep.one_device
+    return made
 
 
 def no_launch(stream, device, ptrs, scalars) -> None:
@@ -159,14 +185,19 @@ class Op:
     given by the caller (`out=`), which JAX arrays cannot be. `jax_static(static)`: the static
     arguments a call on JAX arrays is prepared with, where they differ (an op that updates
     inputs in place writes new arrays for JAX, whose arrays are immutable: no output aliases
-    an input, so XLA can launch it itself, interop/xla_launch.py)."""
+    an input, so XLA can launch it itself, interop/xla_launch.py). `rows`: the slots whose
+    leading dim is the call's row (token) count, where its prepared calls say they hold for
+    any (one_launch's `rows`): a call that differs from a prepared one only there is made
+    from it (with_rows) without the op's validation."""
 
     def __init__(self, name: str, slots: Sequence[str], prepare: Callable[..., Prepared],
                  given: Sequence[str] = (),
-                 jax_static: Callable[[tuple], tuple] | None = None):  # fmt: skip
+                 jax_static: Callable[[tuple], tuple] | None = None,
+                 rows: Sequence[str] = ()):  # fmt: skip
         self.name, self.slots, self.prepare = name, tuple(slots), prepare
         self.given = tuple(self.slots.index(g) for g in given)
         self.jax_static = jax_static
+        self.rows = tuple(self.slots.index(r) for r in rows)
         self.cache: dict[tuple, Prepared] = {}
         self._lock = threading.Lock()
 
@@ -190,4 +221,5 @@ __all__ = [
     "dense_strides",
     "no_launch",
     "one_launch",
+    "with_rows",
 ]

@@ -73,10 +73,11 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     p.xs0, p.xs1, p.os0, p.os1, p.n1, p.d = xs0, xs1, ys0, ys1, n1, d
 
     outs = (OutSlot(shape, x.dtype, 1 if out is not None else None),)
-    return one_launch(outs, launch, Fill((("x", 0), ("out", 2))))
+    rows = x.shape[0] if x.ndim >= 2 and x.shape[0] >= 2 else 0  # prepared.with_rows's
+    return one_launch(outs, launch, Fill((("x", 0), ("out", 2))), rows=rows)
 
 
-_OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",))
+_OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",), rows=("input", "out"))
 
 
 @compilable("input", Shortcut(_OP, ("input", "out"), '("silu",)'))

@@ -166,10 +166,18 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     else:
         pointers = (("x", 0), ("residual", 0), ("residual_out", 0), ("out", 4), ("weight", 1),
                     ("bias", 2 if op == "layernorm" else 1))  # fmt: skip
-    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)))
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)), rows=_rows(x))
 
 
-_PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",))
+def _rows(x) -> int:
+    """A call's row count as its key sees it (its first dim), where the launch depends on it
+    only through its grid and outputs (prepared.with_rows): two or more rows of an array of
+    two or more dims."""
+    return x.shape[0] if x.ndim >= 2 and x.shape[0] >= 2 else 0
+
+
+_PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",),
+            rows=("input", "out"))  # fmt: skip
 
 
 def _new_arrays(static: tuple) -> tuple:
@@ -178,7 +186,8 @@ def _new_arrays(static: tuple) -> tuple:
     return (*static, True)
 
 
-_FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=_new_arrays)
+_FUSED = Op("fused_norm", ("input", "residual", "weight"), _prepare, jax_static=_new_arrays,
+            rows=("input", "residual"))  # fmt: skip
 
 
 def _out_dtype(out, named: str | None) -> str:
@@ -237,11 +246,12 @@ def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
     residual, residual_out = (1, 6) if fused else (0, 0)
     pointers = (("x", 0), ("weight", 2), ("bias", 2), ("scale", 4), ("out", 5),
                 ("residual", residual), ("residual_out", residual_out))  # fmt: skip
-    return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))))
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))),
+                      rows=_rows(x))  # fmt: skip
 
 
 _QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale"), _prepare_quant,
-            jax_static=_new_arrays)  # fmt: skip
+            jax_static=_new_arrays, rows=("input", "residual", "out"))  # fmt: skip
 
 
 def _scale(scale) -> tuple:

@@ -220,12 +220,14 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                 (("scale_q", 0), ("scale_kv", 1)))  # fmt: skip
     dense = tuple(i for i in (4, 5) if not infos[i].contiguous)
     return one_launch(outs, launch, fill, record=errors.record(q_rope.device),
-                      check=errors.checking(), dense=dense)  # fmt: skip
+                      check=errors.checking(), rows=nnz if nnz >= 2 else 0,
+                      dense=dense)  # fmt: skip
 
 
 _SLOTS = ("q_rope", "k_rope", "q_nope", "k_nope", "cos_sin_cache", "pos_ids")
 _OUTS = ("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out")
-_QUANTIZE = Op("rope_quantize_fp8", (*_SLOTS, *_OUTS), _prepare, given=_OUTS)
+_QUANTIZE = Op("rope_quantize_fp8", (*_SLOTS, *_OUTS), _prepare, given=_OUTS,
+               rows=("q_rope", "k_rope", "q_nope", "k_nope", "pos_ids", *_OUTS))  # fmt: skip
 
 
 @compilable("q_rope")
@@ -391,14 +393,17 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
                 (("scale_q", 0), ("scale_kv", 1)))  # fmt: skip
     dense = tuple(i for i in (5, 6, 9, 10, 11, 12) if not infos[i].contiguous)
     return one_launch(outs, launch, fill, record=errors.record(q_rope.device),
-                      check=errors.checking(), dense=dense)  # fmt: skip
+                      check=errors.checking(), rows=nnz if nnz >= 2 else 0,
+                      dense=dense)  # fmt: skip
 
 
 _APPEND_SLOTS = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids",
                  "cache_0", "cache_1", "kv_indices", "kv_indptr", "batch_indices", "positions",
                  "q_rope_out", "q_nope_out")  # fmt: skip
 _APPEND = Op("rope_quantize_fp8_append_paged_kv_cache", _APPEND_SLOTS, _prepare_append,
-             given=("q_rope_out", "q_nope_out"))  # fmt: skip
+             given=("q_rope_out", "q_nope_out"),
+             rows=("q_rope", "k_rope", "q_nope", "k_nope", "v", "pos_ids", "batch_indices",
+                   "positions", "q_rope_out", "q_nope_out"))  # fmt: skip
 
 
 @compilable("q_rope")

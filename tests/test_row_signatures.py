@@ -1,0 +1,147 @@
+"""Calls that differ from a prepared one only in their row (token) count are made from it
+(prepared.with_rows) without the op's validation, and launch exactly what a fresh preparation
+launches: the norms (plain, a given output, fused, fp8 out), the gated activations and RoPE
+with fp8 outputs (alone and appended to a paged cache), on CuPy arrays at made-up addresses
+(the launches recorded, never made). Row counts that disagree between the row slots, and
+calls of fewer than two rows, are prepared (and refused) as before."""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+import rtcinfer
+from rtcinfer import launch, rope_quantize
+from rtcinfer.interop import prepared
+
+from .fakes import FakeRecords, cupy_without_a_gpu, fake_gpu
+
+cupy = pytest.importorskip("cupy")
+
+_OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
+        rtcinfer.activation._OP, rope_quantize._QUANTIZE, rope_quantize._APPEND)  # fmt: skip
+
+
+@pytest.fixture
+def empty(monkeypatch):
+    fake_gpu(monkeypatch)
+    FakeRecords(monkeypatch)
+    for op in _OPS:
+        monkeypatch.setattr(op, "cache", {})
+    with cupy_without_a_gpu(monkeypatch) as ndarray:
+        yield ndarray
+
+
+def _calls(empty):
+    """name -> call(rows) of each op (arrays of `rows` rows, the rest fixed)."""
+    f16, u8, i32 = np.float16, np.uint8, np.int32
+    w = empty((256,), f16)
+    big = empty((64, 512), f16)  # row-strided views of it
+    res = empty((64, 256), f16)
+    scale = empty((1,), np.float32)
+    table = empty((100, 32), np.float32)
+    caches = (empty((20, 16, 2, 64), u8), empty((20, 16, 2, 64), u8))
+    indices, indptr = empty((20,), i32), empty((5,), i32)
+
+    def rq(rows, **kw):
+        q, k = empty((rows, 4, 32), f16), empty((rows, 2, 32), f16)
+        qn, kn = empty((rows, 4, 32), f16), empty((rows, 2, 32), f16)
+        return rtcinfer.rope_quantize_fp8(q, k, qn, kn, table, empty((rows,), i32),
+                                          quantize_dtype="float8_e4m3fn", **kw)  # fmt: skip
+
+    def append(rows):
+        q, k, v = empty((rows, 4, 32), f16), empty((rows, 2, 32), f16), empty((rows, 2, 64), f16)
+        qn, kn = empty((rows, 4, 32), f16), empty((rows, 2, 32), f16)
+        ints = empty((rows,), i32)
+        return rtcinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k, qn, kn, v, table, ints, caches, indices, indptr, ints, ints,
+            quantize_dtype="float8_e4m3fn", page_size=16)  # fmt: skip
+
+    return {
+        "rmsnorm": lambda rows: rtcinfer.rmsnorm(big[:rows, :256], w),
+        "rmsnorm, out given": lambda rows: rtcinfer.rmsnorm(big[:rows, :256], w,
+                                                            out=empty((rows, 256), f16)),
+        "rmsnorm, 3-d": lambda rows: rtcinfer.rmsnorm(empty((rows, 3, 256), f16), w),
+        "fused_add_rmsnorm": lambda rows: rtcinfer.fused_add_rmsnorm(big[:rows, 256:],
+                                                                     res[:rows], w),
+        "rmsnorm_quant": lambda rows: rtcinfer.rmsnorm_quant(
+            empty((rows, 256), u8), big[:rows, :256], w, scale, out_dtype="float8_e4m3fn"),
+        "silu_and_mul": lambda rows: rtcinfer.silu_and_mul(big[:rows]),
+        "rope_quantize_fp8": rq,
+        "rope_quantize_fp8_append_paged_kv_cache": append,
+    }  # fmt: skip
+
+
+def _blanked(record) -> tuple:
+    """A recorded launch with every 8-byte word that looks like an address (the made-up
+    arrays' and records') zeroed: what stays is the geometry and the signature's fields."""
+    words = list(
+        struct.unpack(f"<{len(record.params) // 8}Q", record.params[: len(record.params) // 8 * 8])
+    )
+    words = [0 if w >= 1 << 31 else w for w in words]
+    return record.kernel.name, record.grid, record.block, tuple(words)
+
+
+NAMES = [
+    "rmsnorm",
+    "rmsnorm, out given",
+    "rmsnorm, 3-d",
+    "fused_add_rmsnorm",
+    "rmsnorm_quant",
+    "silu_and_mul",
+    "rope_quantize_fp8",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_new_row_counts_launch_what_a_fresh_preparation_launches(empty, monkeypatch, name):
+    call = _calls(empty)[name]
+    made = []
+    real = prepared.with_rows
+    monkeypatch.setattr(
+        sys.modules["rtcinfer.interop.call"], "with_rows",
+        lambda *a: made.append(a[1]) or real(*a),
+    )  # fmt: skip
+    rows = [2, 5, 3, 17, 5, 40]
+    with launch.recording() as steps:
+        results = [call(n) for n in rows]
+    assert made == [5, 3, 17, 40]  # every new count after the first, from its model
+    fresh = []
+    for n in rows:
+        for op in _OPS:
+            op.cache.clear()
+        with launch.recording() as one:
+            fresh.append(call(n))
+        fresh_step = one[0]
+        assert _blanked(steps[len(fresh) - 1]) == _blanked(fresh_step), (name, n)
+    for got, want in zip(results, fresh, strict=True):
+        got, want = (got if isinstance(got, tuple) else (got,)), (
+            want if isinstance(want, tuple) else (want,))  # fmt: skip
+        assert [(a.shape, a.dtype, a.strides) for a in got] == [
+            (a.shape, a.dtype, a.strides) for a in want]  # fmt: skip
+
+
+def test_rows_that_disagree_are_refused_and_one_row_prepares_alone(empty, monkeypatch):
+    w = empty((256,), np.float16)
+    x, r = empty((8, 256), np.float16), empty((8, 256), np.float16)
+    with launch.recording():
+        rtcinfer.fused_add_rmsnorm(x[:4], r[:4], w)  # the model of the fused norm's row counts
+        rtcinfer.rmsnorm(x[:4], w, out=empty((4, 256), np.float16))
+        with pytest.raises(ValueError, match="residual: expected shape"):
+            rtcinfer.fused_add_rmsnorm(x[:5], r[:6], w)  # not made from the model: refused
+        with pytest.raises(ValueError, match="out: expected shape"):
+            rtcinfer.rmsnorm(x[:3], w, out=empty((4, 256), np.float16))
+    made = []
+    real = prepared.with_rows
+    monkeypatch.setattr(
+        sys.modules["rtcinfer.interop.call"], "with_rows",
+        lambda *a: made.append(a[1]) or real(*a),
+    )  # fmt: skip
+    with launch.recording() as steps:
+        rtcinfer.fused_add_rmsnorm(x[:1], r[:1], w)  # one row: prepared on its own
+        rtcinfer.fused_add_rmsnorm(x[:7], r[:7], w)  # from the 4-row model
+    assert made == [7] and [s.grid[0] for s in steps] == [1, 7]
