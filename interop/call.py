@@ -8,7 +8,8 @@ signature (shapes, strides, dtypes, devices, the pointers' common alignment, the
 arguments), allocates the outputs with the caller's framework and launches on the caller's
 current stream. Only a new signature pays for validation, kernel choice and geometry; one
 that differs from a prepared one only in its row count (an op's `rows` slots: the norms,
-activations and RoPE with fp8 outputs) is made from it (prepared.with_rows).
+activations, RoPE, the paged append and RoPE with fp8 outputs) is made from it
+(prepared.with_rows).
 
 JAX arrays, eager or traced inside `jax.jit`, are prepared when the call is traced: a launch
 that reads only the call's own arrays becomes custom calls XLA launches itself (xla_launch),

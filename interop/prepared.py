@@ -122,12 +122,14 @@ class Prepared:
     # one_launch's `rows`: the leading dim of the op's row slots this call was made for, where
     # nothing but its grid's x and its outputs' first dims depend on it (0: where more does)
     rows: int = 0
+    remake: Callable | None = None  # remake(n, outs) -> the call of n rows, where more than
+    # its grid's x depends on them (one_launch's)
     _jax: dict = field(default_factory=dict)
     _handlers: list = field(default_factory=list)
 
 
 def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check=False,
-               rows: int = 0, **fields) -> Prepared:  # fmt: skip
+               rows: int = 0, remake: Callable | None = None, **fields) -> Prepared:  # fmt: skip
     """The Prepared of a call that is one launch (rtcinfer.launch.Launch): `fill` writes the
     call's pointers and scalars into launch.params, then it launches, under launch.lock (calls
     sharing the launch write the same block). `record` (rtcinfer.errors.Record, of the
@@ -137,7 +139,8 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
     for its launch and raises what it reported. `rows`: the leading dim of the op's row
     slots (Op.rows) the call was made for, where nothing but the grid's x (a multiple of it)
     and the outputs' first dims depend on it, so that with_rows makes the call of another
-    (0: not so). `fields`: Prepared's others."""
+    (0: not so); `remake(n, outs)`: that call, where more depends on the rows (the op's own
+    launch geometry, from the validated signature). `fields`: Prepared's others."""
     lines = ["def run(stream, device, ptrs, scalars):"]
     lines += ["    found = _before(_record, device, stream)"] if record is not None else []
     lines += ["    _lock.acquire()", "    try:", *fill.lines("_p", "        ")]
@@ -153,7 +156,7 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
     run = define(lines, names, "<run of a one-launch call>")
     return Prepared(outs, run, preload=launch.preload, launch=launch, fill=fill,
                     record=record, check=record is not None and check, rows=rows,
-                    **fields)  # fmt: skip
+                    remake=remake, **fields)  # fmt: skip
 
 
 def with_rows(prep: Prepared, n: int, row_slots: tuple[int, ...]) -> Prepared:
@@ -161,15 +164,19 @@ def with_rows(prep: Prepared, n: int, row_slots: tuple[int, ...]) -> Prepared:
     launch with the grid's x scaled and the same parameters, the outputs of a row slot, or new
     ones, with n rows; the same fill, checks and copies. A call of a new token count costs
     this instead of its op's validation (the signature is the one validated but for the
-    rows)."""
-    old = prep.launch
-    launch = type(old)(old.kernel, (old.grid[0] // prep.rows * n, *old.grid[1:]), old.block)
-    ctypes.memmove(ctypes.addressof(launch.params), ctypes.addressof(old.params),
-                   ctypes.sizeof(old.params))  # fmt: skip
+    rows); an op whose launch depends on the rows otherwise makes it (prep.remake)."""
     outs = tuple(OutSlot((n, *o.shape[1:]), o.dtype, o.source, o.alias, o.like)
                  if o.source is None or o.source in row_slots else o
                  for o in prep.outs)  # fmt: skip
-    made = one_launch(outs, launch, prep.fill, prep.record, prep.check, rows=n, dense=prep.dense)
+    if prep.remake is not None:
+        made = prep.remake(n, outs)
+    else:
+        old = prep.launch
+        launch = type(old)(old.kernel, (old.grid[0] // prep.rows * n, *old.grid[1:]), old.block)
+        ctypes.memmove(ctypes.addressof(launch.params), ctypes.addressof(old.params),
+                       ctypes.sizeof(old.params))  # fmt: skip
+        made = one_launch(outs, launch, prep.fill, prep.record, prep.check, rows=n,
+                          dense=prep.dense)  # fmt: skip
     made.one_device = prep.one_device
     return made
 

@@ -233,12 +233,19 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
     vec = fit_vec(vec, itemsize(spec.dtype), align, ())
     if not _lanes_fit(vec, head_dim, spec.interleave):
         raise ValueError(f"q and k rows are not aligned to {spec.vec} elements")
-    launch = _launch(dataclasses.replace(spec, vec=vec), *geometry)
-    rec = None
-    if spec.mode == "cos_sin_cache":  # positions index the table: checked on the device
-        launch.params.max_pos = infos[3].shape[0]
-        rec = errors.record(q.device)
-    return _prepared(outs, launch, rec, errors.checking(), dense)
+    spec = dataclasses.replace(spec, vec=vec)
+    rec = errors.record(q.device) if spec.mode == "cos_sin_cache" else None
+    max_pos = infos[3].shape[0] if spec.mode == "cos_sin_cache" else 0
+    check = errors.checking()
+
+    def remake(n: int, outs: tuple) -> Prepared:  # n tokens (prepared.with_rows)
+        launch = _launch(spec, q.device, n, hq, hk, batch, strides)
+        if rec is not None:  # positions index the table: checked on the device
+            launch.params.max_pos = max_pos
+        return _prepared(outs, launch, rec, check, dense, n if n >= 2 else 0, remake)
+
+    return remake(nnz, outs) if nnz else _prepared(outs, _launch(spec, *geometry), rec, check,
+                                                   dense)  # fmt: skip
 
 
 def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
@@ -267,11 +274,12 @@ def _launch(spec: RopeSpec, device: int, nnz: int, hq: int, hk: int, batch: int,
 
 
 def _prepared(outs: tuple, launch: Launch, rec: errors.Record | None, check: bool,
-              dense: tuple) -> Prepared:  # fmt: skip
+              dense: tuple, rows: int = 0, remake=None) -> Prepared:  # fmt: skip
     """The call of `launch`: pointers (q, k, the position slots, ..., then q_out and k_out)
     and the frequency scalars (theta: 2, Llama 3.1: 5, cos/sin cache: none). With a cos/sin
     cache (`rec`: the record of its device), a call first raises what an earlier one reported
-    (errors.py), and under RTCINFER_CHECK=1 (`check`) waits for its own launch."""
+    (errors.py), and under RTCINFER_CHECK=1 (`check`) waits for its own launch. `rows`,
+    `remake`: one_launch's (the call of another token count)."""
     spec = launch.kernel.spec
     p = launch.params
     q_at, k_at = (-2, -1) if spec.inplace else (0, 1)  # in place: q and k are the outputs
@@ -283,9 +291,11 @@ def _prepared(outs: tuple, launch: Launch, rec: errors.Record | None, check: boo
         pointers += (("pos_ids", 2),)
     if spec.mode != "cos_sin_cache":  # theta or Llama 3.1: their scalars and table
         then = table_writer(p, spec.mode, spec.rotary_dim)
-        return one_launch(outs, launch, Fill(pointers, then=then), dense=dense)
+        return one_launch(outs, launch, Fill(pointers, then=then), dense=dense, rows=rows,
+                          remake=remake)  # fmt: skip
     fill = Fill(pointers + (("cos_sin_cache", 3),))
-    return one_launch(outs, launch, fill, record=rec, check=check, dense=dense)
+    return one_launch(outs, launch, fill, record=rec, check=check, dense=dense, rows=rows,
+                      remake=remake)  # fmt: skip
 
 
 def _out_of_place(static: tuple) -> tuple:
@@ -296,8 +306,9 @@ def _out_of_place(static: tuple) -> tuple:
 
 def _op(name: str, positions: tuple[str, ...]) -> Op:
     slots = ("q", "k", *positions, "q_out", "k_out")
+    per_token = [s for s in slots if s not in ("indptr", "offsets", "cos_sin_cache")]
     return Op(name, slots, functools.partial(_prepare, positions), given=("q_out", "k_out"),
-              jax_static=_out_of_place)  # fmt: skip
+              jax_static=_out_of_place, rows=per_token)  # fmt: skip
 
 
 _RAGGED = _op("rope", ("indptr", "offsets"))

@@ -1,7 +1,8 @@
 """Calls that differ from a prepared one only in their row (token) count are made from it
 (prepared.with_rows) without the op's validation, and launch exactly what a fresh preparation
-launches: the norms (plain, a given output, fused, fp8 out), the gated activations and RoPE
-with fp8 outputs (alone and appended to a paged cache), on CuPy arrays at made-up addresses
+launches: the norms (plain, a given output, fused, fp8 out), the gated activations, RoPE
+(positions, ragged, a cos/sin cache), the paged append (a 5-D cache, a pair) and RoPE with
+fp8 outputs (alone and appended to a paged cache), on CuPy arrays at made-up addresses
 (the launches recorded, never made). Row counts that disagree between the row slots, and
 calls of fewer than two rows, are prepared (and refused) as before."""
 
@@ -22,13 +23,17 @@ from .fakes import FakeRecords, cupy_without_a_gpu, fake_gpu
 cupy = pytest.importorskip("cupy")
 
 _OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
-        rtcinfer.activation._OP, rope_quantize._QUANTIZE, rope_quantize._APPEND)  # fmt: skip
+        rtcinfer.activation._OP, rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
+        rtcinfer.rope._CACHE, rtcinfer.attention.page._APPEND, rtcinfer.attention.page._APPEND_PAIR,
+        rope_quantize._QUANTIZE, rope_quantize._APPEND)  # fmt: skip
 
 
 @pytest.fixture
 def empty(monkeypatch):
     fake_gpu(monkeypatch)
     FakeRecords(monkeypatch)
+    monkeypatch.setattr(rtcinfer.jit, "sm_count", lambda device: 132)  # RoPE's grid
+    monkeypatch.setattr(launch.Kernel, "occupancy", lambda self, device, threads: 4)
     for op in _OPS:
         monkeypatch.setattr(op, "cache", {})
     with cupy_without_a_gpu(monkeypatch) as ndarray:
@@ -45,6 +50,8 @@ def _calls(empty):
     table = empty((100, 32), np.float32)
     caches = (empty((20, 16, 2, 64), u8), empty((20, 16, 2, 64), u8))
     indices, indptr = empty((20,), i32), empty((5,), i32)
+    kv5 = empty((20, 2, 16, 2, 64), f16)
+    kv_pair = (empty((20, 16, 2, 64), f16), empty((20, 16, 2, 64), f16))
 
     def rq(rows, **kw):
         q, k = empty((rows, 4, 32), f16), empty((rows, 2, 32), f16)
@@ -70,6 +77,19 @@ def _calls(empty):
         "rmsnorm_quant": lambda rows: rtcinfer.rmsnorm_quant(
             empty((rows, 256), u8), big[:rows, :256], w, scale, out_dtype="float8_e4m3fn"),
         "silu_and_mul": lambda rows: rtcinfer.silu_and_mul(big[:rows]),
+        "apply_rope_pos_ids_inplace": lambda rows: rtcinfer.apply_rope_pos_ids_inplace(
+            empty((rows, 4, 64), f16), empty((rows, 2, 64), f16), empty((rows,), i32)),
+        "apply_rope (ragged, new arrays)": lambda rows: rtcinfer.apply_rope(
+            empty((rows, 4, 64), f16), empty((rows, 2, 64), f16), indptr, indptr[:4]),
+        "apply_rope_with_cos_sin_cache": lambda rows: rtcinfer.apply_rope_with_cos_sin_cache(
+            empty((rows,), i32), empty((rows, 4 * 64), f16), empty((rows, 2 * 64), f16), 64,
+            empty((100, 64), np.float32)),
+        "append_paged_kv_cache": lambda rows: rtcinfer.append_paged_kv_cache(
+            empty((rows, 2, 64), f16), empty((rows, 2, 64), f16), empty((rows,), i32),
+            empty((rows,), i32), kv5, indices, indptr, indptr[:4]),
+        "append_paged_kv_cache, (k, v)": lambda rows: rtcinfer.append_paged_kv_cache(
+            empty((rows, 2, 64), f16), empty((rows, 2, 64), f16), empty((rows,), i32),
+            empty((rows,), i32), kv_pair, indices, indptr, indptr[:4]),
         "rope_quantize_fp8": rq,
         "rope_quantize_fp8_append_paged_kv_cache": append,
     }  # fmt: skip
@@ -92,6 +112,11 @@ NAMES = [
     "fused_add_rmsnorm",
     "rmsnorm_quant",
     "silu_and_mul",
+    "apply_rope_pos_ids_inplace",
+    "apply_rope (ragged, new arrays)",
+    "apply_rope_with_cos_sin_cache",
+    "append_paged_kv_cache",
+    "append_paged_kv_cache, (k, v)",
     "rope_quantize_fp8",
     "rope_quantize_fp8_append_paged_kv_cache",
 ]

@@ -162,14 +162,10 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     dtype, *index = _check_append(key, value, batch_indices, positions, caches, infos[-3:],
                                   kv_layout)  # fmt: skip
     align = min(x.align for x in (key, value, *caches))  # of what the copies move
-    launch, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align,
-                                      index)  # fmt: skip
+    v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align, index)[1]
     pair, first_out = len(caches) == 2, len(infos)
     table = len(infos) - 3  # kv_indices, kv_indptr, kv_last_page_len
-    p = launch.params
-    p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
-    p.num_pages = caches[0].shape[0]
-    rec = errors.record(key.device)
+    rec, check = errors.record(key.device), errors.checking()
     # the outputs: the caches (their XLA copies for JAX); a 5-D cache's V at its byte offset
     v_cache = ("v_cache", first_out + 1) if pair else ("v_cache", first_out, v_offset)
     fill = Fill((("key", 0), ("value", 1), ("batch_indices", 2), ("positions", 3),
@@ -177,7 +173,17 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
                  ("k_cache", first_out), v_cache))  # fmt: skip
     outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
     dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
-    return one_launch(outs, launch, fill, record=rec, check=errors.checking(), dense=dense)
+
+    def remake(n: int, outs: tuple) -> Prepared:  # n tokens (prepared.with_rows)
+        rows = [x._replace(shape=(n, *x.shape[1:])) for x in (key, value)]
+        launch = _append_launch(*rows, caches, kv_layout, itemsize(dtype), align, index)[0]
+        p = launch.params
+        p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
+        p.num_pages = caches[0].shape[0]
+        return one_launch(outs, launch, fill, record=rec, check=check, dense=dense,
+                          rows=n if n >= 2 else 0, remake=remake)  # fmt: skip
+
+    return remake(key.shape[0], outs)
 
 
 def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, index):
@@ -228,8 +234,10 @@ def _append_kernel(row_bytes: int, v_row_bytes: int, vec: int, index) -> Kernel:
 
 _ROWS = ("append_key", "append_value", "batch_indices", "positions")
 _TABLE = ("kv_indices", "kv_indptr", "kv_last_page_len")
-_APPEND = Op("append_paged_kv_cache", (*_ROWS, "paged_kv_cache", *_TABLE), _prepare_append)
-_APPEND_PAIR = Op("append_kv_pair", (*_ROWS, "k_cache", "v_cache", *_TABLE), _prepare_append)
+_APPEND = Op("append_paged_kv_cache", (*_ROWS, "paged_kv_cache", *_TABLE), _prepare_append,
+             rows=_ROWS)  # fmt: skip
+_APPEND_PAIR = Op("append_kv_pair", (*_ROWS, "k_cache", "v_cache", *_TABLE), _prepare_append,
+                  rows=_ROWS)  # fmt: skip
 
 
 @with_shortcut(Shortcut(_APPEND, (*_ROWS, "paged_kv_cache", *_TABLE), "(kv_layout,)"))
