@@ -153,9 +153,9 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
         f"                           {cut.scalars}{f', {cut.owner}, _st' if cut.owner else ''})",
         f"        _result = {call_fn}",
-        "        if _launch is None:  # a first sighting: noted (a signature seen once, as",
-        f"            {the_op}.cache[_key] = ()  # a varying token count makes, learns nothing)",
-        "        elif _launch == ():  # the second: learnt (False: learnt, no shortcut for it)",
+        "        if _launch is None:  # seen once: noted (a one-off learns nothing)",
+        f"            {the_op}.cache[_key] = ()",
+        "        elif _launch == ():  # seen twice: learnt (False: learnt, no shortcut for it)",
         f"            _learn({the_op}, _key, ({', '.join(values)},), _static, _d)",
         "        return _result",
     ]
