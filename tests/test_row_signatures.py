@@ -122,15 +122,20 @@ NAMES = [
 ]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_new_row_counts_launch_what_a_fresh_preparation_launches(empty, monkeypatch, name):
-    call = _calls(empty)[name]
-    made = []
-    real = prepared.with_rows
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """The row counts calls are made for from a prepared call (prepared.with_rows), in turn."""
+    seen, real = [], prepared.with_rows
     monkeypatch.setattr(
         sys.modules["rtcinfer.interop.call"], "with_rows",
-        lambda *a: made.append(a[1]) or real(*a),
+        lambda *a: seen.append(a[1]) or real(*a),
     )  # fmt: skip
+    return seen
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_new_row_counts_launch_what_a_fresh_preparation_launches(empty, made, name):
+    call = _calls(empty)[name]
     rows = [2, 5, 3, 17, 5, 40]
     with launch.recording() as steps:
         results = [call(n) for n in rows]
@@ -150,7 +155,7 @@ def test_new_row_counts_launch_what_a_fresh_preparation_launches(empty, monkeypa
             (a.shape, a.dtype, a.strides) for a in want]  # fmt: skip
 
 
-def test_rows_that_disagree_are_refused_and_one_row_prepares_alone(empty, monkeypatch):
+def test_rows_that_disagree_are_refused_and_one_row_prepares_alone(empty, made):
     w = empty((256,), np.float16)
     x, r = empty((8, 256), np.float16), empty((8, 256), np.float16)
     with launch.recording():
@@ -160,12 +165,7 @@ def test_rows_that_disagree_are_refused_and_one_row_prepares_alone(empty, monkey
             rtcinfer.fused_add_rmsnorm(x[:5], r[:6], w)  # not made from the model: refused
         with pytest.raises(ValueError, match="out: expected shape"):
             rtcinfer.rmsnorm(x[:3], w, out=empty((4, 256), np.float16))
-    made = []
-    real = prepared.with_rows
-    monkeypatch.setattr(
-        sys.modules["rtcinfer.interop.call"], "with_rows",
-        lambda *a: made.append(a[1]) or real(*a),
-    )  # fmt: skip
+    assert made == []  # (disagreeing rows: nothing made from a model)
     with launch.recording() as steps:
         rtcinfer.fused_add_rmsnorm(x[:1], r[:1], w)  # one row: prepared on its own
         rtcinfer.fused_add_rmsnorm(x[:7], r[:7], w)  # from the 4-row model
