@@ -1,14 +1,15 @@
 """Calls that differ from a prepared one only in their row (token) count are made from it
 (prepared.with_rows) without the op's validation, and launch exactly what a fresh preparation
 launches: the norms (plain, a given output, fused, fp8 out), the gated activations, RoPE
-(positions, ragged, a cos/sin cache), the paged append (a 5-D cache, a pair) and RoPE with
-fp8 outputs (alone and appended to a paged cache), on CuPy arrays at made-up addresses
+(positions, ragged, a cos/sin cache), the paged append (a 5-D cache, a pair), the merges of
+attention states and RoPE with fp8 outputs (alone and appended to a paged cache), on CuPy
+arrays at made-up addresses
 (the launches recorded, never made). Row counts that disagree between the row slots, and
 calls of fewer than two rows, are prepared (and refused) as before."""
 
 from __future__ import annotations
 
-import struct
+import ctypes
 import sys
 
 import numpy as np
@@ -25,6 +26,8 @@ cupy = pytest.importorskip("cupy")
 _OPS = (rtcinfer.norm._PLAIN, rtcinfer.norm._FUSED, rtcinfer.norm._QUANT,
         rtcinfer.activation._OP, rtcinfer.rope._POS_IDS, rtcinfer.rope._RAGGED,
         rtcinfer.rope._CACHE, rtcinfer.attention.page._APPEND, rtcinfer.attention.page._APPEND_PAIR,
+        *(getattr(rtcinfer.attention.cascade, n) for n in ("_STATES", "_MERGE", "_IN_PLACE",
+                                                          "_SINKS")),
         rope_quantize._QUANTIZE, rope_quantize._APPEND)  # fmt: skip
 
 
@@ -90,19 +93,31 @@ def _calls(empty):
         "append_paged_kv_cache, (k, v)": lambda rows: rtcinfer.append_paged_kv_cache(
             empty((rows, 2, 64), f16), empty((rows, 2, 64), f16), empty((rows,), i32),
             empty((rows,), i32), kv_pair, indices, indptr, indptr[:4]),
+        "merge_state": lambda rows: rtcinfer.merge_state(
+            empty((rows, 4, 64), f16), empty((rows, 4), np.float32), empty((rows, 4, 64), f16),
+            empty((rows, 4), np.float32)),
+        "merge_states": lambda rows: rtcinfer.merge_states(
+            empty((rows, 3, 4, 64), f16), empty((rows, 3, 4), np.float32)),
+        "merge_state_in_place, masked": lambda rows: rtcinfer.merge_state_in_place(
+            empty((rows, 4, 64), f16), empty((rows, 4), np.float32), empty((rows, 4, 64), f16),
+            empty((rows, 4), np.float32), empty((rows,), np.bool_)),
+        "merge_sinks_in_place": lambda rows: rtcinfer.merge_sinks_in_place(
+            empty((rows, 4, 64), f16), empty((rows, 4), np.float32), empty((4,), np.float32)),
         "rope_quantize_fp8": rq,
         "rope_quantize_fp8_append_paged_kv_cache": append,
     }  # fmt: skip
 
 
 def _blanked(record) -> tuple:
-    """A recorded launch with every 8-byte word that looks like an address (the made-up
-    arrays' and records') zeroed: what stays is the geometry and the signature's fields."""
-    words = list(
-        struct.unpack(f"<{len(record.params) // 8}Q", record.params[: len(record.params) // 8 * 8])
-    )
-    words = [0 if w >= 1 << 31 else w for w in words]
-    return record.kernel.name, record.grid, record.block, tuple(words)
+    """A recorded launch's geometry and parameter fields by name, the pointers left out (the
+    made-up arrays' addresses differ from call to call): what the signature fixes."""
+    params = record.kernel.params_type.from_buffer_copy(record.params)
+    fields = {}
+    for name, kind, *_ in params._fields_:
+        if kind is not ctypes.c_void_p:
+            value = getattr(params, name)
+            fields[name] = list(value) if isinstance(value, ctypes.Array) else value
+    return record.kernel.name, record.grid, record.block, fields
 
 
 NAMES = [
@@ -117,6 +132,10 @@ NAMES = [
     "apply_rope_with_cos_sin_cache",
     "append_paged_kv_cache",
     "append_paged_kv_cache, (k, v)",
+    "merge_state",
+    "merge_states",
+    "merge_state_in_place, masked",
+    "merge_sinks_in_place",
     "rope_quantize_fp8",
     "rope_quantize_fp8_append_paged_kv_cache",
 ]

@@ -131,17 +131,23 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     has_b, masked, sink = b_v is not None, mask is not None, sinks is not None
     spec = MergeSpec(dtype, widest_vec(d, itemsize(dtype)), has_b, masked, sink)
     views = (a_v, b_v if has_b else a_v, o_v)
-    launch = _launch(spec, min(v.align for v in views), *views)
-    p = launch.params
-    p.a_vn, p.a_vs, p.a_vh = _by_state(a_v, 4)
-    p.a_sn, p.a_ss, p.a_sh = _by_state(a_s, 3)
-    if has_b:
-        (p.b_vn, p.b_vh), (p.b_sn, p.b_sh) = b_v.strides[:2], b_s.strides
-    (p.o_vn, p.o_vh), (p.o_sn, p.o_sh) = o_v.strides[:2], o_s.strides
-    p.rows, p.num_heads, p.head_dim = n * h, h, d
-    p.num_a = a_v.shape[1] if a_v.ndim == 4 else 1
-    if sink:
-        (p.sinks_h,) = sinks.strides
+    align = min(v.align for v in views)
+
+    def remake(n: int, outs: tuple) -> Prepared:  # n rows (prepared.with_rows)
+        launch = _launch(spec, align, *(v._replace(shape=(n, *v.shape[1:])) for v in views))
+        p = launch.params
+        p.a_vn, p.a_vs, p.a_vh = _by_state(a_v, 4)
+        p.a_sn, p.a_ss, p.a_sh = _by_state(a_s, 3)
+        if has_b:
+            (p.b_vn, p.b_vh), (p.b_sn, p.b_sh) = b_v.strides[:2], b_s.strides
+        (p.o_vn, p.o_vh), (p.o_sn, p.o_sh) = o_v.strides[:2], o_s.strides
+        p.rows, p.num_heads, p.head_dim = n * h, h, d
+        p.num_a = a_v.shape[1] if a_v.ndim == 4 else 1
+        if sink:
+            (p.sinks_h,) = sinks.strides
+        return one_launch(outs, launch, fill, dense=dense, rows=n if n >= 2 else 0,
+                          remake=remake)  # fmt: skip
+
     o = len(infos)
     a = o if in_place else 0  # in place: read through the outputs (XLA's copies)
 
@@ -151,7 +157,8 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     pointers += [("sinks", 2)] if sink else []
     pointers += [("o_v", o), ("o_s", o + 1)]
     dense = (4,) if masked and not mask.contiguous else ()  # read as a bare pointer
-    return one_launch(outs, launch, Fill(tuple(pointers)), dense=dense)
+    fill = Fill(tuple(pointers))
+    return remake(n, outs)
 
 
 def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:
@@ -174,10 +181,12 @@ def _launch(spec: MergeSpec, align: int, a_v, b_v, o_v) -> Launch:
     return Launch(Kernel(spec, "merge_kernel", "MergeParams"), (grid, 1, 1), (THREADS, 1, 1))
 
 
-_STATES = Op("merge_states", ("v", "s"), _prepare)
-_MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare)
-_IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare)
-_SINKS = Op("merge_sinks_in_place", ("v", "s", "sinks"), _prepare)
+_STATES = Op("merge_states", ("v", "s"), _prepare, rows=("v", "s"))
+_MERGE = Op("merge_state", ("v_a", "s_a", "v_b", "s_b"), _prepare,
+            rows=("v_a", "s_a", "v_b", "s_b"))  # fmt: skip
+_IN_PLACE = Op("merge_state_in_place", ("v", "s", "v_other", "s_other", "mask"), _prepare,
+               rows=("v", "s", "v_other", "s_other", "mask"))  # fmt: skip
+_SINKS = Op("merge_sinks_in_place", ("v", "s", "sinks"), _prepare, rows=("v", "s"))
 
 
 @compilable("v_a", Shortcut(_MERGE, ("v_a", "s_a", "v_b", "s_b"), '("merge_state",)'))
