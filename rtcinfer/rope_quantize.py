@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import errors, jit
-from .attention.paged_kv import cache_views, check_layout, token_head
+from .attention.paged_kv import cache_views, check_layout, kv_storage, token_head
 from .errors import BadIndex
 from .interop import Fill, Op, OutSlot, Prepared, call, dtype_name, no_launch, one_launch
 from .interop.arrays import compilable, framework
@@ -85,7 +85,7 @@ def _check_out(name: str, out, shape: tuple, out_dtype: str) -> None:
     """A given output: `shape`, fp8 of out_dtype or its uint8 storage (CuPy), last dim dense."""
     if out is None:
         return
-    if out.shape != shape or out.dtype not in (out_dtype, "uint8"):
+    if out.shape != shape or out.dtype not in kv_storage(out_dtype):
         raise ValueError(
             f"{name}: expected shape {shape} and dtype {out_dtype}, got {out.shape} and {out.dtype}"
         )
@@ -162,11 +162,6 @@ def _launch(spec: RopeQuantSpec, nnz: int, hq: int, hk: int) -> Launch:
     p = launch.params
     p.num_q_heads, p.num_k_heads = hq, hk
     return launch
-
-
-def _set_strides(p, **strides) -> None:
-    for name, value in strides.items():
-        setattr(p, name, value)
 
 
 def _head_strides(x) -> tuple[int, int]:
@@ -291,10 +286,6 @@ def _check_table(kv_indices, kv_indptr, batch_indices, positions, nnz: int) -> t
     return dtypes[0], dtypes[1]
 
 
-def _cache_dtype_ok(x, out_dtype: str) -> bool:
-    return x.dtype in (out_dtype, "uint8")
-
-
 def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     """Slots: q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, the two caches (GQA:
     k_cache, v_cache; MLA: ckv_cache, kpe_cache), kv_indices, kv_indptr, batch_indices,
@@ -340,7 +331,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     if not pages_ok:
         raise ValueError(f"{names[0]} {c0.shape} and {names[1]} {c1.shape}: one page count")
     for name, x in zip(names, (c0, c1), strict=True):
-        if not _cache_dtype_ok(x, out_dtype):
+        if x.dtype not in kv_storage(out_dtype):
             raise TypeError(f"{name}: expected {out_dtype} (or its uint8 storage), got {x.dtype}")
         if x.shape[-1] > 1 and x.strides[-1] != 1:
             raise ValueError(f"{name}: the last dim must be contiguous, got strides {x.strides}")

@@ -162,7 +162,8 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     dtype, *index = _check_append(key, value, batch_indices, positions, caches, infos[-3:],
                                   kv_layout)  # fmt: skip
     align = min(x.align for x in (key, value, *caches))  # of what the copies move
-    v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align, index)[1]
+    first, v_offset = _append_launch(key, value, caches, kv_layout, itemsize(dtype), align,
+                                     index)  # fmt: skip
     pair, first_out = len(caches) == 2, len(infos)
     table = len(infos) - 3  # kv_indices, kv_indptr, kv_last_page_len
     rec, check = errors.record(key.device), errors.checking()
@@ -174,16 +175,17 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
     outs = tuple(OutSlot(c.shape, dtype, 4 + i, alias=True) for i, c in enumerate(caches))
     dense = tuple(i for i in (2, 3, table, table + 1, table + 2) if not infos[i].contiguous)
 
-    def remake(n: int, outs: tuple) -> Prepared:  # n tokens (prepared.with_rows)
-        rows = [x._replace(shape=(n, *x.shape[1:])) for x in (key, value)]
-        launch = _append_launch(*rows, caches, kv_layout, itemsize(dtype), align, index)[0]
+    def remake(n: int, outs: tuple, launch=None) -> Prepared:  # n tokens (prepared.with_rows)
+        if launch is None:
+            rows = [x._replace(shape=(n, *x.shape[1:])) for x in (key, value)]
+            launch = _append_launch(*rows, caches, kv_layout, itemsize(dtype), align, index)[0]
         p = launch.params
         p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
         p.num_pages = caches[0].shape[0]
         return one_launch(outs, launch, fill, record=rec, check=check, dense=dense,
                           rows=n if n >= 2 else 0, remake=remake)  # fmt: skip
 
-    return remake(key.shape[0], outs)
+    return remake(key.shape[0], outs, first)
 
 
 def _append_launch(key, value, caches, kv_layout: str, item: int, align: int, index):
