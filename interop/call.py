@@ -123,8 +123,9 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
     `ptrs` holds their addresses (0 for absent slots); host memory and mixed devices are
     refused by name before the op's own checks. A signature that differs from a prepared one
     only in the leading dim of the op's row slots (a new token count) is made from it
-    (prepared.with_rows)."""
-    free, rows = _row_free(key, op.rows) if op.rows else (None, 0)
+    (prepared.with_rows). JAX keys are left out: a JAX call of a new shape is traced and
+    compiled anew, which costs far more than the validation saved."""
+    free, rows = _row_free(key, op.rows) if op.rows and key[0] is op else (None, 0)
     if free is not None:
         model = op.cache.get(free)
         if model is not None:

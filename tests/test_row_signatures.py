@@ -189,3 +189,25 @@ def test_rows_that_disagree_are_refused_and_one_row_prepares_alone(empty, made):
         rtcinfer.fused_add_rmsnorm(x[:1], r[:1], w)  # one row: prepared on its own
         rtcinfer.fused_add_rmsnorm(x[:7], r[:7], w)  # from the 4-row model
     assert made == [7] and [s.grid[0] for s in steps] == [1, 7]
+
+
+def test_jax_signatures_are_prepared_whole(empty, made):
+    """A JAX call's key ("jax", op, static, (shape, dtype) per slot) is prepared in full for
+    every row count: nothing is made from a model (a new JAX shape is traced anew anyway)."""
+    from rtcinfer.interop.call_jax import _jax_info
+
+    call = sys.modules["rtcinfer.interop.call"]
+
+    class Traced:  # what _jax_info reads of a JAX array
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+    op = rtcinfer.norm._PLAIN
+    static = ("rmsnorm",)
+    for rows in (2, 5, 3):
+        arrays = [Traced((rows, 256), np.float16), Traced((256,), np.float16)]
+        arrays += [None] * (len(op.slots) - len(arrays))
+        key = ("jax", op, static, *((a.shape, a.dtype) if a else None for a in arrays))
+        prep = call._prepare(op, key, arrays, _jax_info, (), static)
+        assert prep.rows == rows and op.cache[key] is prep
+    assert made == []
