@@ -9,8 +9,8 @@ first branch for PyTorch tensors and a second for CuPy arrays: the signature's k
 straight from the parameters, and on a hit the outputs allocated and the prepared run
 launched, nothing else; a miss runs the function (call()'s path) and, the second time a
 signature misses, `learn`s it (a signature seen once, as each new token count of a prefill
-is, costs one dict entry). A branch is taken only where call() would take the same path to
-the same launch:
+is, costs one dict entry of its hash: call.seen_before). A branch is taken only where call()
+would take the same path to the same launch:
 every slot array of the branch's framework (a torch.Tensor or a subclass, as call() takes
 them: an nn.Parameter weight; a cupy.ndarray itself), a given output too (`out=`: its
 attributes are part of the key, as in call()'s), no launching_on stream, PyTorch not tracing
@@ -153,9 +153,8 @@ def _branch(cut: Shortcut, call_fn: str, reads: _Reads) -> str:
         f"            return _launch(({', '.join(values)},), [{', '.join(pointers)}], _d,",
         f"                           {cut.scalars}{f', {cut.owner}, _st' if cut.owner else ''})",
         f"        _result = {call_fn}",
-        "        if _launch is None:  # seen once: noted (a one-off learns nothing)",
-        f"            {the_op}.cache[_key] = ()",
-        "        elif _launch == ():  # seen twice: learnt (False: learnt, no shortcut for it)",
+        "        # seen twice: learnt (False: learnt, no shortcut for it); once: noted by its hash",
+        f"        if _launch is None and _seen_before({the_op}, _key):",
         f"            _learn({the_op}, _key, ({', '.join(values)},), _static, _d)",
         "        return _result",
     ]
@@ -166,7 +165,8 @@ def names(cut: Shortcut) -> dict:
     """The generated function's globals the branches read."""
     names = {"_tensor": _call.TORCH_TENSOR, "_ndarray": _call.CUPY_NDARRAY,
              "_local": _call._LOCAL, "_tag": TAG, "_cupy_tag": CUPY_TAG, "_learn": learn,
-             "_enabled": ENABLED, **{f.__name__: f for f in cut.helpers}}  # fmt: skip
+             "_enabled": ENABLED, "_seen_before": _call.seen_before,
+             **{f.__name__: f for f in cut.helpers}}  # fmt: skip
     if not cut.owner:  # an owner's op is its own (the branch reads it)
         names["_op"] = cut.op
     return names

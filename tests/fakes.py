@@ -434,3 +434,8 @@ def pointed(issue, arrays, address) -> tuple:
     kernel, grid, block, fields, _ = issue
     named = {f: where.get(v, v) if isinstance(v, int) else v for f, v in fields.items()}
     return kernel, grid, block, named
+
+
+def noted(op) -> int:
+    """How many signatures op.cache notes as seen once (call.seen_before: keyed by a hash)."""
+    return sum(type(k) is int for k in op.cache)
