@@ -123,15 +123,13 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
     `ptrs` holds their addresses (0 for absent slots); host memory and mixed devices are
     refused by name before the op's own checks. A signature that differs from a prepared one
     only in the leading dim of the op's row slots (a new token count) is made from it
-    (prepared.with_rows) and kept at its second sighting (seen_before). JAX keys are left
-    out: a JAX call of a new shape is traced and compiled anew, which costs far more than the
-    validation saved."""
+    (prepared.with_rows). JAX keys are left out: a JAX call of a new shape is traced and
+    compiled anew, which costs far more than the validation saved."""
     free, rows = _row_free(key, op.rows) if op.rows and key[0] is op else (None, 0)
     if free is not None:
         model = op.cache.get(free)
         if model is not None:
-            made = with_rows(model, rows, op.rows)
-            return _kept(op, key, made) if seen_before(op, key) else made
+            return _kept(op, key, with_rows(model, rows, op.rows))
     infos = [info(x, name) for x, name in zip(arrays, op.slots, strict=True)]
     for name, seen in zip(op.slots, infos, strict=True):
         if seen is not None and seen.device < 0:
@@ -155,11 +153,11 @@ def _prepare(op: Op, key: tuple, arrays, info, ptrs: list[int], static: tuple) -
 
 
 def seen_before(op: Op, key: tuple) -> bool:
-    """Whether the signature `key` was noted before; notes it if not. A note is op.cache's
-    entry of the key's hash (an int) to (): nothing the garbage collector tracks, where the
-    key's tuples and a prepared call would be, and a prefill's ever-new token counts would
-    make it collect them over and over (at ~30 objects a call, the collections cost more than
-    the call). A signature is kept at its second sighting."""
+    """Whether the signature `key` was noted before; notes it if not (the shortcut learns a
+    signature at its second sighting, interop/shortcut.py). A note is op.cache's entry of the
+    key's hash (an int) to (): nothing the garbage collector tracks, where the key's tuples
+    would be (each new token count of a prefill step is a signature seen once or a layer's
+    count of times)."""
     h = hash(key)
     if h in op.cache:
         return True
@@ -478,7 +476,7 @@ def release(op: Op) -> None:
     from . import jax_ffi
 
     for prep in preps:
-        for handler in prep._handlers:
+        for handler in prep._handlers or ():
             jax_ffi.remove_handler(handler)
 
 

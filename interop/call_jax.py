@@ -44,10 +44,13 @@ def call_jax(op: Op, arrays, static, scalars):
     if prep is None or isinstance(arrays[0], _tracer()):
         _check_on_gpu(op, arrays)
         prep = prep or _prepare(op, key, arrays, _jax_info, (), static)
-    fn = prep._jax.get(scalars)
+    fn = prep._jax.get(scalars) if prep._jax is not None else None
     if fn is None:
         present = [x is not None for x in arrays]
-        fn = prep._jax[scalars] = _jax_callable(op, prep, present, scalars)
+        fn = _jax_callable(op, prep, present, scalars)
+        if prep._jax is None:
+            prep._jax = {}
+        prep._jax[scalars] = fn
     try:
         return fn(*[x for x in arrays if x is not None])
     except Exception:
@@ -118,6 +121,8 @@ def _jax_callable(op: Op, prep: Prepared, present: list[bool], scalars: tuple):
         prep.run(stream, stream_device(stream), ptrs, scalars)  # the buffers' device
 
     handler = jax_ffi.add_launch_handler(launch)
+    if prep._handlers is None:
+        prep._handlers = []
     prep._handlers.append(handler)
     aliases = {slots.index(o.source): i for i, o in enumerate(prep.outs) if o.alias}
     cb = prep.command_buffer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from .dtypes import numpy_dtype
@@ -124,8 +124,8 @@ class Prepared:
     rows: int = 0
     remake: Callable | None = None  # remake(n, outs) -> the call of n rows, where more than
     # its grid's x depends on them (one_launch's)
-    _jax: dict = field(default_factory=dict)
-    _handlers: list = field(default_factory=list)
+    _jax: dict | None = None  # scalars -> the jitted call (call_jax), made by the first
+    _handlers: list | None = None  # its JAX FFI handlers (call_jax), made by the first
 
 
 def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check=False,

@@ -158,8 +158,7 @@ def test_new_row_counts_launch_what_a_fresh_preparation_launches(empty, made, na
     rows = [2, 5, 3, 17, 5, 40, 5]
     with launch.recording() as steps:
         results = [call(n) for n in rows]
-    # every count after the first made from its model, and kept at its second sighting (5)
-    assert made == [5, 3, 17, 5, 40]
+    assert made == [5, 3, 17, 40]  # every new count after the first, from its model
     fresh = []
     for n in rows:
         for op in _OPS:
@@ -214,9 +213,9 @@ def test_jax_signatures_are_prepared_whole(empty, made):
     assert made == []
 
 
-def test_counts_seen_once_leave_only_their_hashes(empty, made):
-    """A prefill's ever-new token counts: each is made from the model and noted by its hash
-    (an int the garbage collector does not track), nothing else kept."""
+def test_a_shortcut_notes_a_count_seen_once_by_its_hash(empty, made):
+    """A prefill's ever-new token counts: each is made from the model and kept, and the
+    shortcut notes it by its hash (an int the garbage collector does not track)."""
     import gc
 
     op, w = rtcinfer.norm._PLAIN, empty((256,), np.float16)
@@ -225,7 +224,6 @@ def test_counts_seen_once_leave_only_their_hashes(empty, made):
             rtcinfer.rmsnorm(empty((rows, 256), np.float16), w)
     assert made == list(range(3, 40))
     kept = [k for k in op.cache if type(k) is tuple]
-    assert len(kept) == 2  # the first count's signature and its row-free model
+    assert len(kept) == 38 + 1  # each count's signature and the row-free model
     notes = [k for k in op.cache if type(k) is int]
-    # each count's shortcut key (38) and call key (37: the first count's was prepared, kept)
-    assert len(notes) == 38 + 37 and not any(gc.is_tracked(op.cache[k]) for k in notes)
+    assert len(notes) == 38 and not any(gc.is_tracked(op.cache[k]) for k in notes)
