@@ -16,14 +16,12 @@
 //   (its rotary dims are quantized unrotated); with APPEND, b >= B, a page past its request's,
 //   a kv_indptr entry leading outside kv_indices or a page outside the cache (its k and v are
 //   not written).
-// Mapping: a unit is VEC elements of a row segment; a token's units are its q heads' (rotary
-// units, then the rest), its k heads' (likewise), then its v heads'. Grid (nnz, unit blocks of
-// THREADS * UNITS): thread i of block y takes units (y * UNITS + j) * THREADS + i, j < UNITS,
-// loading all of them before it stores any (UNITS loads in flight a thread). The partner half
-// of a non-interleaved pair is a second load of the row.
+// Mapping: one thread per unit of VEC elements of a row segment; grid (nnz, unit blocks): a
+// token's units are its q heads' (rotary units, then the rest), its k heads' (likewise), then
+// its v heads'. The partner half of a non-interleaved pair is a second load of the row.
 // Prelude: T (q, k, v), OT (the fp8 out type), POS_T (pos_ids), ROW_IDX (batch_indices,
-// positions), IDX (kv_indices, kv_indptr), ROPE_DIM, NOPE_DIM, VEC, UNITS, THREADS,
-// INTERLEAVE, APPEND, WITH_V, the BadIndex enum.
+// positions), IDX (kv_indices, kv_indptr), ROPE_DIM, NOPE_DIM, VEC, THREADS, INTERLEAVE,
+// APPEND, WITH_V, the BadIndex enum.
 #include "bad_index.cuh"
 
 constexpr int HALF = ROPE_DIM / 2;
@@ -86,10 +84,10 @@ RTC_DEVICE void widen(float (&x)[VEC], const TVec& in) {
   for (int j = 0; j < VEC; ++j) x[j] = to_float(in[j]);
 }
 
-// Elements [e0, e0 + VEC) of a rotary row, `own` (and `partner`, the other halves of their
-// non-interleaved pairs), rotated by table row `cs` (null: unrotated).
-RTC_DEVICE void rotate(float (&x)[VEC], const TVec& own, const TVec& partner, int e0,
-                       const float* cs) {
+// Elements [e0, e0 + VEC) of a rotary row `row` rotated by table row `cs` (null: unrotated).
+RTC_DEVICE void rotate(float (&x)[VEC], const T* row, int e0, const float* cs) {
+  TVec own;
+  own.load(row + e0);
   widen(x, own);
   if (cs == nullptr) return;
   if constexpr (INTERLEAVE) {
@@ -103,6 +101,8 @@ RTC_DEVICE void rotate(float (&x)[VEC], const TVec& own, const TVec& partner, in
   } else {
     const bool first = e0 < HALF;
     const int i0 = first ? e0 : e0 - HALF;  // the pair's index
+    TVec partner;
+    partner.load(row + (first ? e0 + HALF : e0 - HALF));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float c = cs[i0 + j], s = cs[HALF + i0 + j], y = to_float(partner[j]);
@@ -110,9 +110,6 @@ RTC_DEVICE void rotate(float (&x)[VEC], const TVec& own, const TVec& partner, in
     }
   }
 }
-
-// The partner of elements [e0, e0 + VEC) of a non-interleaved rotary row: the pair's other half.
-RTC_DEVICE int partner_of(int e0) { return e0 < HALF ? e0 + HALF : e0 - HALF; }
 
 // APPEND: the token's (page, slot) in the cache, or page -1 where nothing is to be written
 // (padding: silently; a bad entry: reported by `reporter`).
@@ -162,107 +159,70 @@ RTC_DEVICE Slot cache_slot(const RopeQuantParams& p, int t, bool reporter) {
   return {int64_t(page), int(int64_t(p_entry) - page_in_request * p.page_size)};
 }
 
-// One unit of a thread: where it reads and writes (null src: nothing to read, zeros to write;
-// null out: nothing to do).
-struct Unit {
-  const T* src;  // its row segment (rotary: the row; its elements start at e0)
-  OT* out;       // where its first element goes
-  int e0;        // its first element within its part
-  bool rotary;
-  bool is_q;
-};
-
-// Unit u of token t, or a unit with a null out where it writes nothing (past the token's units,
-// a padding token's k and v, a k or v whose cache slot is bad: dst.page < 0).
-RTC_DEVICE Unit unit_of(const RopeQuantParams& p, int t, int u, bool padding, Slot dst) {
-  const int q_units = p.num_q_heads * HEAD_UNITS, k_units = p.num_k_heads * HEAD_UNITS;
-  Unit w{nullptr, nullptr, 0, false, false};
-  if (u >= q_units + k_units + p.num_k_heads * V_UNITS) return w;
-  const bool is_q = u < q_units, is_k = !is_q && u < q_units + k_units;
-  const int r = is_q ? u : is_k ? u - q_units : u - q_units - k_units;
-  const int h = is_q || is_k ? r / HEAD_UNITS : r / (V_UNITS > 0 ? V_UNITS : 1);
-  const int c = is_q || is_k ? r - h * HEAD_UNITS : r - h * V_UNITS;  // unit within the head
-  w.rotary = (is_q || is_k) && c < ROPE_UNITS;
-  w.is_q = is_q;
-  w.e0 = (w.rotary || !(is_q || is_k) ? c : c - ROPE_UNITS) * VEC;  // within its part
-  if (!is_q && (padding || dst.page < 0)) return w;  // k and v: not written
-  if (is_q) {
-    w.out = w.rotary ? p.q_rope_out + t * p.qr_out_tok + h * p.qr_out_head
-                     : p.q_nope_out + t * p.qn_out_tok + h * p.qn_out_head;
-  } else if constexpr (APPEND) {
-    w.out = !is_k ? p.v_out + dst.page * p.v_page + dst.slot * p.v_slot + h * p.v_hd
-          : w.rotary ? p.k_rope_out + dst.page * p.kr_page + dst.slot * p.kr_tok + h * p.kr_head
-                     : p.k_nope_out + dst.page * p.kn_page + dst.slot * p.kn_tok + h * p.kn_head;
-  } else {
-    w.out = w.rotary ? p.k_rope_out + t * p.kr_tok + h * p.kr_head
-                     : p.k_nope_out + t * p.kn_tok + h * p.kn_head;
-  }
-  w.out += w.e0;
-  if (padding) return w;  // q rows of a padding token: zeros
-  if (w.rotary) {
-    w.src = is_q ? p.q_rope + t * p.q_rope_tok + h * p.q_rope_head
-                 : p.k_rope + t * p.k_rope_tok + h * p.k_rope_head;
-  } else {
-    w.src = (is_q ? p.q_nope + t * p.q_nope_tok + h * p.q_nope_head
-             : is_k ? p.k_nope + t * p.k_nope_tok + h * p.k_nope_head
-                    : p.v + t * p.v_tok + h * p.v_head) + w.e0;
-  }
-  return w;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
     rope_quantize_kernel(const __grid_constant__ RopeQuantParams p) {
   wait_for_previous_grid();
   const int t = blockIdx.x;
-  const int u0 = blockIdx.y * (THREADS * UNITS) + threadIdx.x;  // the thread's first unit
-  const int all_units = (p.num_q_heads + p.num_k_heads) * HEAD_UNITS + p.num_k_heads * V_UNITS;
-  if (u0 >= all_units) return;
-  const bool reporter = u0 == 0;  // one thread a token reports its bad entries
+  const int q_units = p.num_q_heads * HEAD_UNITS, k_units = p.num_k_heads * HEAD_UNITS;
+  const int u = blockIdx.y * THREADS + threadIdx.x;
+  if (u >= q_units + k_units + p.num_k_heads * V_UNITS) return;
+  const bool is_q = u < q_units, is_k = !is_q && u < q_units + k_units;
+  const int r = is_q ? u : is_k ? u - q_units : u - q_units - k_units;
+  const int h = is_q || is_k ? r / HEAD_UNITS : r / (V_UNITS > 0 ? V_UNITS : 1);
+  const int c = is_q || is_k ? r - h * HEAD_UNITS : r - h * V_UNITS;  // unit within the head
+  const bool rotary = (is_q || is_k) && c < ROPE_UNITS;
+  const int e0 = (rotary || !(is_q || is_k) ? c : c - ROPE_UNITS) * VEC;  // within its part
+  const bool reporter = u == 0;  // one thread a token reports its bad entries
 
-  bool padding = false;
   Slot dst{0, 0};
   if constexpr (APPEND) {
-    padding = p.batch_indices[t] < 0 || p.positions[t] < 0;
-    const int last = min(u0 + (UNITS - 1) * THREADS, all_units - 1);
-    const bool writes_kv = last >= p.num_q_heads * HEAD_UNITS;
-    if (!padding && (writes_kv || reporter)) dst = cache_slot(p, t, reporter);
+    if (p.batch_indices[t] < 0 || p.positions[t] < 0) {  // padding
+      if (is_q) {  // q rows of a padding token: zeros
+        float zero[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) zero[j] = 0.f;
+        OT* out = rotary ? p.q_rope_out + t * p.qr_out_tok + h * p.qr_out_head + e0
+                         : p.q_nope_out + t * p.qn_out_tok + h * p.qn_out_head + e0;
+        store_fp8(out, zero, 1.f);
+      }
+      return;
+    }
+    if (!is_q || reporter) dst = cache_slot(p, t, reporter);
+    if (!is_q && dst.page < 0) return;  // bad entries: k and v not written
   }
-  const float* cs = nullptr;  // the token's table row (null: outside the table, unrotated)
-  if (!padding) {
+
+  float x[VEC];
+  if (rotary) {
     const int64_t pos = int64_t(p.pos_ids[t]);
     const bool in_table = pos >= 0 && pos < p.max_pos;
     if (!in_table && reporter) {
       report_bad_index(p.bad, p.bad_host, BadIndex::QUANT_COS_SIN_POSITIONS, t, saturate_int(pos),
                        p.max_pos);
     }
-    if (in_table) cs = p.cos_sin_cache + pos * ROPE_DIM;
+    const float* cs = in_table ? p.cos_sin_cache + pos * ROPE_DIM : nullptr;
+    const T* row = is_q ? p.q_rope + t * p.q_rope_tok + h * p.q_rope_head
+                        : p.k_rope + t * p.k_rope_tok + h * p.k_rope_head;
+    rotate(x, row, e0, cs);
+  } else {
+    const T* src = is_q ? p.q_nope + t * p.q_nope_tok + h * p.q_nope_head
+                 : is_k ? p.k_nope + t * p.k_nope_tok + h * p.k_nope_head
+                        : p.v + t * p.v_tok + h * p.v_head;
+    TVec in;
+    in.load(src + e0);
+    widen(x, in);
   }
 
-  Unit w[UNITS];
-  TVec own[UNITS], partner[UNITS];
-#pragma unroll
-  for (int j = 0; j < UNITS; ++j) {  // every load first
-    w[j] = unit_of(p, t, u0 + j * THREADS, padding, dst);
-    if (w[j].src == nullptr) continue;
-    if (w[j].rotary) {
-      own[j].load(w[j].src + w[j].e0);
-      if constexpr (!INTERLEAVE) partner[j].load(w[j].src + partner_of(w[j].e0));
-    } else {
-      own[j].load(w[j].src);
-    }
+  OT* out;
+  if (is_q) {
+    out = rotary ? p.q_rope_out + t * p.qr_out_tok + h * p.qr_out_head
+                 : p.q_nope_out + t * p.qn_out_tok + h * p.qn_out_head;
+  } else if constexpr (APPEND) {
+    out = !is_k ? p.v_out + dst.page * p.v_page + dst.slot * p.v_slot + h * p.v_hd
+        : rotary ? p.k_rope_out + dst.page * p.kr_page + dst.slot * p.kr_tok + h * p.kr_head
+                 : p.k_nope_out + dst.page * p.kn_page + dst.slot * p.kn_tok + h * p.kn_head;
+  } else {
+    out = rotary ? p.k_rope_out + t * p.kr_tok + h * p.kr_head
+                 : p.k_nope_out + t * p.kn_tok + h * p.kn_head;
   }
-#pragma unroll
-  for (int j = 0; j < UNITS; ++j) {
-    if (w[j].out == nullptr) continue;
-    float x[VEC];
-    if (w[j].src == nullptr) {  // a padding token's q: zeros
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) x[e] = 0.f;
-    } else if (w[j].rotary) {
-      rotate(x, own[j], partner[j], w[j].e0, cs);
-    } else {
-      widen(x, own[j]);
-    }
-    store_fp8(w[j].out, x, w[j].is_q ? p.scale_q : p.scale_kv);
-  }
+  store_fp8(out + e0, x, is_q ? p.scale_q : p.scale_kv);
 }

@@ -13,7 +13,7 @@ finite range), scale quant_scale_q for q and quant_scale_kv for k and v.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from . import errors, jit
@@ -24,9 +24,7 @@ from .interop.arrays import compilable, framework
 from .interop.dtypes import FP8_DTYPES, normalize
 from .launch import Kernel, Launch
 
-THREADS = 128  # a CTA's threads, all on one token
-UNITS = 1  # units a thread (loaded before any is stored); never a function of the token count,
-# so that a call of another count is its grid's x alone (interop/prepared.with_rows)
+THREADS = 128  # a CTA's units of one token
 _INPUT_DTYPES = ("float16", "bfloat16")
 _INDEX_DTYPES = ("int32", "int64")
 
@@ -44,7 +42,6 @@ class RopeQuantSpec:
     with_v: bool = False  # append: a V cache (GQA / MHA; MLA has none)
     row_index_dtype: str = "int32"  # append: batch_indices and positions
     index_dtype: str = "int32"  # append: kv_indices and kv_indptr
-    units: int = 1  # units a thread
     source: ClassVar[str] = "rope_quantize.cu"
     kernels: ClassVar[tuple[str, ...]] = ("rope_quantize_kernel",)
     structs: ClassVar[tuple[str, ...]] = ("RopeQuantParams", "BadIndexRecord")  # the seam
@@ -59,7 +56,6 @@ class RopeQuantSpec:
             ROPE_DIM=self.rope_dim,
             NOPE_DIM=self.nope_dim,
             VEC=self.vec,
-            UNITS=self.units,
             THREADS=THREADS,
             INTERLEAVE=self.interleave,
             APPEND=self.append,
@@ -162,7 +158,7 @@ def _launch(spec: RopeQuantSpec, nnz: int, hq: int, hk: int) -> Launch:
     if spec.with_v:
         units += hk * (spec.rope_dim + spec.nope_dim) // spec.vec
     kernel = Kernel(spec, "rope_quantize_kernel", "RopeQuantParams")
-    launch = Launch(kernel, (nnz, -(-units // (THREADS * spec.units)), 1), (THREADS, 1, 1))
+    launch = Launch(kernel, (nnz, -(-units // THREADS), 1), (THREADS, 1, 1))
     p = launch.params
     p.num_q_heads, p.num_k_heads = hq, hk
     return launch
@@ -205,8 +201,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     aligns = (min(x.align for x in (q_rope, k_rope, q_nope, k_nope) if x is not None),
               min([o.align for o in given if o is not None] + [16]))  # fmt: skip
     vec = _vec(item, rope_dim, nope, bool(interleave), strides, aligns)
-    spec = RopeQuantSpec(dtype, out_dtype, pos_ids.dtype, rope_dim, nope, vec, bool(interleave),
-                         units=UNITS)  # fmt: skip
+    spec = RopeQuantSpec(dtype, out_dtype, pos_ids.dtype, rope_dim, nope, vec, bool(interleave))
     launch = _launch(spec, nnz, hq, hk)
     p = launch.params
     (p.q_rope_tok, p.q_rope_head), (p.q_nope_tok, p.q_nope_head) = in_strides[0], in_strides[1]
@@ -366,7 +361,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
               min([o.align for o in (qr_given, qn_given, c0, c1) if o is not None]))  # fmt: skip
     vec = _vec(2, rope_dim, nope, bool(interleave), strides, aligns)
     spec = RopeQuantSpec(dtype, out_dtype, pos_ids.dtype, rope_dim, nope, vec, bool(interleave),
-                         True, not mla, row_index, index, UNITS)  # fmt: skip
+                         True, not mla, row_index, index)  # fmt: skip
     launch = _launch(spec, nnz, hq, hk)
     p = launch.params
     (p.q_rope_tok, p.q_rope_head), (p.q_nope_tok, p.q_nope_head) = in_strides[0], in_strides[1]
@@ -447,8 +442,10 @@ def specs_for(rope_dim: int, nope_dim: int, dtype: str = "bfloat16",
     """The specs a model of these dims uses (neox, int32 positions and tables), alone and
     appending to a GQA cache (for warmup)."""
     vec = _vec(2, rope_dim, nope_dim, False, (), (16, 16))
-    alone = RopeQuantSpec(dtype, fp8, "int32", rope_dim, nope_dim, vec, False, units=UNITS)
-    return [alone, replace(alone, append=True, with_v=True)]
+    return [
+        RopeQuantSpec(dtype, fp8, "int32", rope_dim, nope_dim, vec, False),
+        RopeQuantSpec(dtype, fp8, "int32", rope_dim, nope_dim, vec, False, True, True),
+    ]
 
 
 __all__ = [

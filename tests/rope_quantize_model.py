@@ -65,75 +65,56 @@ def _fp8_saturated(x: float, dtype: str) -> float:
 
 
 def launch(f: dict, grid: tuple, spec, memory: Memory) -> list[tuple]:
-    """Run the launch: every thread of every (token, unit block) CTA, each taking spec.units
-    units THREADS apart (their loads before their stores, which the model's order of
-    reads and writes cannot tell apart: no unit reads what another writes). Returns the bad
-    entries it reported, as (code name, index, value, limit)."""
+    """Run the launch: every (token, unit) thread. Returns the bad entries it reported, as
+    (code name, index, value, limit)."""
     rope, nope, vec = spec.rope_dim, spec.nope_dim, spec.vec
-    head_units = (rope + nope) // vec
+    half, rope_units, head_units = rope // 2, rope // vec, (rope + nope) // vec
     v_units = (rope + nope) // vec if spec.with_v else 0
-    q_units, k_units = f["num_q_heads"] * head_units, f["num_k_heads"] * head_units
-    all_units = q_units + k_units + f["num_k_heads"] * v_units
     reports = []
     for t in range(grid[0]):
-        for y in range(grid[1]):
-            for i in range(THREADS):
-                u0 = y * THREADS * spec.units + i
-                if u0 < all_units:
-                    _thread(f, spec, memory, t, u0, q_units, all_units, reports)
+        for u in range(grid[1] * THREADS):
+            q_units, k_units = f["num_q_heads"] * head_units, f["num_k_heads"] * head_units
+            if u >= q_units + k_units + f["num_k_heads"] * v_units:
+                continue
+            is_q = u < q_units
+            is_k = not is_q and u < q_units + k_units
+            r = u if is_q else u - q_units if is_k else u - q_units - k_units
+            h = r // head_units if is_q or is_k else r // v_units
+            c = r - h * head_units if is_q or is_k else r - h * v_units
+            rotary = (is_q or is_k) and c < rope_units
+            e0 = (c if rotary or not (is_q or is_k) else c - rope_units) * vec
+            _unit(f, spec, memory, t, u, is_q, is_k, h, rotary, e0, half, reports)
     return reports
 
 
-def _thread(f, spec, memory, t, u0, q_units, all_units, reports):
-    """One thread: the token's padding, cache slot and table row, then its units."""
-    reporter = u0 == 0
-    padding, page, slot = False, 0, 0
+def _unit(f, spec, memory, t, u, is_q, is_k, h, rotary, e0, half, reports):
+    vec, out_type = spec.vec, spec.out_dtype
+    reporter = u == 0
+    page = slot = 0
     if spec.append:
         b = int(memory.read(f["batch_indices"], t, spec.row_index_dtype))
         p = int(memory.read(f["positions"], t, spec.row_index_dtype))
-        padding = b < 0 or p < 0
-        last = min(u0 + (spec.units - 1) * THREADS, all_units - 1)
-        if not padding and (last >= q_units or reporter):
+        if b < 0 or p < 0:
+            if is_q:
+                ptr, at = _q_out(f, t, h, rotary)
+                for j in range(vec):
+                    memory.write_fp8(ptr, at + e0 + j, 0.0, out_type)
+            return
+        if not is_q or reporter:
             page, slot = _cache_slot(f, spec, memory, t, b, p, reporter, reports)
-    cs = None
-    if not padding:
+        if not is_q and page < 0:
+            return
+    if rotary:
         pos = int(memory.read(f["pos_ids"], t, spec.pos_dtype))
         inside = 0 <= pos < f["max_pos"]
         if not inside and reporter:
             reports.append(("QUANT_COS_SIN_POSITIONS", t, pos, f["max_pos"]))
-        if inside:
-            cs = [memory.read(f["cos_sin_cache"], pos * spec.rope_dim + i, "float32")
-                  for i in range(spec.rope_dim)]  # fmt: skip
-    for j in range(spec.units):
-        u = u0 + j * THREADS
-        if u < all_units:
-            _unit(f, spec, memory, t, u, padding, page, slot, cs)
-
-
-def _unit(f, spec, memory, t, u, padding, page, slot, cs):
-    rope, nope, vec, out_type = spec.rope_dim, spec.nope_dim, spec.vec, spec.out_dtype
-    half, rope_units, head_units = rope // 2, rope // vec, (rope + nope) // vec
-    v_units = (rope + nope) // vec if spec.with_v else 0
-    q_units, k_units = f["num_q_heads"] * head_units, f["num_k_heads"] * head_units
-    is_q = u < q_units
-    is_k = not is_q and u < q_units + k_units
-    r = u if is_q else u - q_units if is_k else u - q_units - k_units
-    h = r // head_units if is_q or is_k else r // v_units
-    c = r - h * head_units if is_q or is_k else r - h * v_units
-    rotary = (is_q or is_k) and c < rope_units
-    e0 = (c if rotary or not (is_q or is_k) else c - rope_units) * vec
-    if not is_q and (padding or page < 0):
-        return  # k and v: not written
-    if padding:  # q rows of a padding token: zeros
-        ptr, at = _q_out(f, t, h, rotary)
-        for j in range(vec):
-            memory.write_fp8(ptr, at + e0 + j, 0.0, out_type)
-        return
-    if rotary:
         src, at = ((f["q_rope"], t * f["q_rope_tok"] + h * f["q_rope_head"]) if is_q else
                    (f["k_rope"], t * f["k_rope_tok"] + h * f["k_rope_head"]))  # fmt: skip
         x = [memory.read(src, at + e0 + j, spec.dtype) for j in range(vec)]
-        if cs is not None:
+        if inside:
+            cs = [memory.read(f["cos_sin_cache"], pos * spec.rope_dim + i, "float32")
+                  for i in range(spec.rope_dim)]  # fmt: skip
             x = _rotate(x, memory, src, at, e0, cs, spec, half)
     else:
         src, at = ((f["q_nope"], t * f["q_nope_tok"] + h * f["q_nope_head"]) if is_q else

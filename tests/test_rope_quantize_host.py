@@ -80,15 +80,12 @@ def _raw(a) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
 
 
-@pytest.fixture(params=["torch", "cupy", "torch, 2 units", "torch, 4 units"])
+@pytest.fixture(params=["torch", "cupy"])
 def host(request, monkeypatch):
-    """The framework, and the units a kernel thread takes (rope_quantize.UNITS)."""
     FakeRecords(monkeypatch)
     for op in (rope_quantize._QUANTIZE, rope_quantize._APPEND):
         monkeypatch.setattr(op, "cache", {})
-    monkeypatch.setattr(rope_quantize, "UNITS", int(request.param[-7]) if "units" in request.param
-                        else 1)  # fmt: skip
-    if request.param.startswith("torch"):
+    if request.param == "torch":
         torch = pytest.importorskip("torch")
         torch_as_cuda(monkeypatch)
         h = Host("torch", lambda shape, d: torch.zeros(shape, dtype=getattr(torch, d)), False)
