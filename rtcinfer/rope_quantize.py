@@ -25,6 +25,8 @@ from .interop.dtypes import FP8_DTYPES, normalize
 from .launch import Kernel, Launch
 
 THREADS = 128  # a CTA's units of one token
+UNIT_BYTES = 16  # a unit's input bytes at most (32: two 16-byte loads and one 16-byte fp8 store
+# a thread, 40 registers against 32; not yet measured)
 _INPUT_DTYPES = ("float16", "bfloat16")
 _INDEX_DTYPES = ("int32", "int64")
 
@@ -139,14 +141,16 @@ def _check_inputs(q_rope, k_rope, q_nope, k_nope, cache, pos_ids) -> tuple:
 
 
 def _vec(dtype_bytes: int, rope_dim: int, nope: int, interleave: bool, strides, aligns) -> int:
-    """Elements per unit: 16 bytes of input at most, whole units in each part (a unit of a
+    """Elements per unit: UNIT_BYTES of input at most, whole units in each part (a unit of a
     non-interleaved row inside one half, an interleaved one of whole pairs), every element
-    stride a multiple, the inputs' addresses aligned to a unit and the outputs' to its fp8
-    bytes (`aligns`: (input alignment, output alignment) in bytes)."""
-    vec = 16 // dtype_bytes
+    stride a multiple, the inputs' addresses aligned to a unit (16 bytes at most: its loads)
+    and the outputs' to its fp8 bytes (`aligns`: (input alignment, output alignment) in
+    bytes, 16 at most)."""
+    vec = UNIT_BYTES // dtype_bytes
     unit = rope_dim if interleave else rope_dim // 2
     while vec > 1 and (unit % vec or nope % vec or any(s % vec for s in strides)
-                       or aligns[0] % (vec * dtype_bytes) or aligns[1] % vec):  # fmt: skip
+                       or aligns[0] % min(vec * dtype_bytes, 16)
+                       or aligns[1] % min(vec, 16)):  # fmt: skip
         vec //= 2
     if interleave and vec < 2:
         raise ValueError("is_neox=False needs the rotary rows aligned to pairs of elements")

@@ -80,12 +80,14 @@ def _raw(a) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
 
 
-@pytest.fixture(params=["torch", "cupy"])
+@pytest.fixture(params=["torch", "cupy", "torch, 32-byte units"])
 def host(request, monkeypatch):
+    """The framework, and a unit's input bytes at most (rope_quantize.UNIT_BYTES)."""
     FakeRecords(monkeypatch)
     for op in (rope_quantize._QUANTIZE, rope_quantize._APPEND):
         monkeypatch.setattr(op, "cache", {})
-    if request.param == "torch":
+    monkeypatch.setattr(rope_quantize, "UNIT_BYTES", 32 if "32-byte" in request.param else 16)
+    if request.param.startswith("torch"):
         torch = pytest.importorskip("torch")
         torch_as_cuda(monkeypatch)
         h = Host("torch", lambda shape, d: torch.zeros(shape, dtype=getattr(torch, d)), False)
