@@ -4,7 +4,9 @@ call slices its arrays to a row count not seen before (rtcinfer makes it from a 
 of another count, interop/call.py), beside FlashInfer and PyTorch on the same slices. Wall time
 of `CALLS` calls / `CALLS`, the least of 5 rounds, a row's cells timed in turn in each round,
 each round on counts of its own (PyTorch tensors; no sync between calls, so the GPU's few
-microseconds a kernel overlap the next call's host work).
+microseconds a kernel overlap the next call's host work). The last row is an eager prefill
+step's view: LAYERS layers each calling every op on the step's new count (the first layer
+pays for the new count, the others repeat it), per op call.
 
     python -m bench.bench_new_counts
 """
@@ -64,7 +66,22 @@ def _cells(torch, fi) -> dict[str, dict[str, Callable[[int], object]]]:
                 k[:n], k[:n], batch[:n], pos[:n], cache, indices, indptr, last)),
         },
     }  # fmt: skip
-    return {name: {c: f for c, f in cells.items() if f} for name, cells in rows.items()}
+    rows = {name: {c: f for c, f in cells.items() if f} for name, cells in rows.items()}
+    sides = [c for c in ("rtcinfer", "flashinfer") if all(c in row for row in rows.values())]
+    step = {c: _step([row[c] for row in rows.values()]) for c in sides}
+    return rows, step
+
+
+LAYERS = 32  # an eager prefill step's layers, each calling every op of the table on its count
+
+
+def _step(calls: list[Callable[[int], object]]) -> Callable[[int], None]:
+    def step(n: int) -> None:
+        for _ in range(LAYERS):
+            for call in calls:
+                call(n)
+
+    return step
 
 
 def time_row(cells: dict[str, Callable[[int], object]], sync: Callable[[], object]) -> dict:
@@ -97,11 +114,20 @@ def main() -> Table:
     if torch is None:
         print("# needs PyTorch (the engines this row is about call with its tensors)")
         return table
-    for name, cells in _cells(torch, fi).items():
+    rows, step = _cells(torch, fi)
+    for name, cells in rows.items():
         t = time_row(cells, torch.cuda.synchronize)
         ours, theirs = t.get("rtcinfer"), t.get("flashinfer")
         ratio = f"{theirs / ours:.2f}x" if ours and theirs else ""
         table.add(name, ours, theirs, t.get("pytorch"), ratio)
+    # an engine's step: every layer repeats the step's count, so a new count is paid once an
+    # op and step, then the cached call (the row: per op call, the step's time / its calls)
+    t = time_row(step, torch.cuda.synchronize)
+    per_call = {c: v / (LAYERS * len(rows)) for c, v in t.items()}
+    ours, theirs = per_call.get("rtcinfer"), per_call.get("flashinfer")
+    ratio = f"{theirs / ours:.2f}x" if ours and theirs else ""
+    table.add(f"a prefill step, {LAYERS} layers of the {len(rows)} ops above, per call", ours,
+              theirs, None, ratio)  # fmt: skip
     return table
 
 
