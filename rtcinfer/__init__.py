@@ -60,6 +60,7 @@ from .norm import (
     gemma_fused_add_rmsnorm,
     gemma_rmsnorm,
     layernorm,
+    layernorm_quant,
     rmsnorm,
     rmsnorm_quant,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
     "layernorm",
+    "layernorm_quant",
     "rmsnorm",
     "rmsnorm_quant",
 ]

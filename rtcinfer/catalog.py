@@ -147,7 +147,8 @@ def shipped_specs() -> list:
                   if not op.endswith("_quant")]  # fmt: skip
         specs += [norm.norm_spec(op, dtype, dtype, 4096, out_dtype=fp8)
                   for op, fp8 in (("rmsnorm_quant", "float8_e4m3fn"),
-                                  ("fused_add_rmsnorm_quant", "float8_e5m2"))]  # fmt: skip
+                                  ("fused_add_rmsnorm_quant", "float8_e5m2"),
+                                  ("layernorm_quant", "float8_e4m3fn"))]  # fmt: skip
         specs += [norm.norm_spec("rmsnorm", dtype, "float32", 1001)]  # scalar path
         specs += [activation.ActivationSpec(a, dtype, 16 // (2 if dtype != "float32" else 4))
                   for a in activation.ACTIVATIONS]  # fmt: skip

@@ -35,6 +35,7 @@ OPS = {
     "layernorm": NormOp.LAYER,
     "rmsnorm_quant": NormOp.RMS,
     "fused_add_rmsnorm_quant": NormOp.FUSED_ADD_RMS,
+    "layernorm_quant": NormOp.LAYER,
 }
 
 
@@ -95,7 +96,17 @@ def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
         raise ValueError(f"{names[1]}: expected shape ({hidden},), got {weight.shape}")
     if weight.dtype not in (dtype, "float32"):
         raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {weight.dtype}")
+    if not weight.contiguous:  # the kernel reads it densely
+        raise ValueError(f"{names[1]}: expected contiguous elements, got strides {weight.strides}")
     return hidden, dtype
+
+
+def _check_beta(x, gemma, beta) -> None:
+    """LayerNorm's beta: as gemma is checked, and of gemma's dtype (the kernel reads both as
+    one type)."""
+    _check(x, beta, ("input", "beta"))
+    if beta.dtype != gemma.dtype:
+        raise TypeError(f"beta: dtype must be gemma's ({gemma.dtype}), got {beta.dtype}")
 
 
 def _check_out(out, shape: tuple, dtype: str, name: str = "out") -> None:
@@ -149,9 +160,10 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
             arrays, names = [x, residual, x, residual], ["input", "residual", "out", "out"]
     else:
         x, weight, bias, out = infos
-        hidden, dtype = _check(x, weight)
+        hidden, dtype = _check(x, weight, ("input", "gemma") if op == "layernorm" else
+                               ("input", "weight"))  # fmt: skip
         if bias is not None:
-            _check(x, bias, ("input", "beta"))
+            _check_beta(x, weight, bias)
         _check_out(out, x.shape, dtype)
         outs = (OutSlot(x.shape, dtype, 3 if out is not None else None),)
         y = out if out is not None else x._replace(strides=dense_strides(x.shape))
@@ -209,15 +221,19 @@ def _out_dtype(out, named: str | None) -> str:
 
 
 def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
-    """Slots (input, residual, weight, out, scale): out = fp8(rmsnorm(x) / scale), x = input
-    (rmsnorm_quant; residual None) or residual + input, which fused_add_rmsnorm_quant first
-    stores to residual. Outputs: out and the residual updated in place, or (static ending with
-    True: JAX) new arrays. Scalars: (eps, scale) where the scale slot is None. Pointers: the
-    slots', then the outputs'."""
+    """Slots (input, residual, weight, out, scale, beta): out = fp8(norm(x) / scale), the norm
+    rmsnorm(x, weight) (rmsnorm_quant, fused_add_rmsnorm_quant) or layernorm(x, weight, beta)
+    (layernorm_quant), x = input, or residual + input, which fused_add_rmsnorm_quant first
+    stores to residual (the others: residual None). Outputs: out and the residual updated in
+    place, or (static ending with True: JAX) new arrays. Scalars: (eps, scale) where the scale
+    slot is None. Pointers: the slots', then the outputs'."""
     op, named, new_arrays = static[0], static[1], static[2:] == (True,)
-    fused = op == "fused_add_rmsnorm_quant"
-    x, residual, weight, out, scale = infos
-    hidden, dtype = _check(x, weight)
+    fused, layer = op == "fused_add_rmsnorm_quant", op == "layernorm_quant"
+    x, residual, weight, out, scale, beta = infos
+    names = ("input", "gemma") if layer else ("input", "weight")
+    hidden, dtype = _check(x, weight, names)
+    if layer:
+        _check_beta(x, weight, beta)
     out_dtype = _out_dtype(out, named)
     if out.shape != x.shape:
         raise ValueError(f"out: expected shape {x.shape}, got {out.shape}")
@@ -243,14 +259,14 @@ def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
     spec = norm_spec(op, dtype, weight.dtype, hidden, out_dtype=out_dtype)
     launch = _launch(spec, align, [x, r, y, r_out if fused else x],
                      ["input", "residual", "out", "residual"])  # fmt: skip
-    residual, residual_out = (1, 6) if fused else (0, 0)
-    pointers = (("x", 0), ("weight", 2), ("bias", 2), ("scale", 4), ("out", 5),
+    residual, residual_out = (1, 7) if fused else (0, 0)
+    pointers = (("x", 0), ("weight", 2), ("bias", 5 if layer else 2), ("scale", 4), ("out", 6),
                 ("residual", residual), ("residual_out", residual_out))  # fmt: skip
     return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))),
                       rows=_rows(x))  # fmt: skip
 
 
-_QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale"), _prepare_quant,
+_QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale", "beta"), _prepare_quant,
             jax_static=_new_arrays, rows=("input", "residual", "out"))  # fmt: skip
 
 
@@ -290,7 +306,8 @@ def gemma_rmsnorm(input, weight, eps: float = 1e-6, out=None, enable_pdl=None):
 def layernorm(input, gemma, beta, eps: float = 1e-6, *, out=None):
     """LayerNorm: out = (input - mean) * rsqrt(var + eps) * gemma + beta (biased variance).
 
-    gemma (the scale, FlashInfer's name for gamma), beta: [hidden], the input's dtype or fp32.
+    gemma (the scale, FlashInfer's name for gamma), beta: [hidden], contiguous, both the
+    input's dtype or both float32.
     """
     return call(_PLAIN, (input, gemma, beta, out), ("layernorm",), (float(eps),))
 
@@ -318,7 +335,8 @@ def _quant_shortcut(slots: tuple, name: str) -> Shortcut:
     return Shortcut(_QUANT, slots, f"({name!r}, out_dtype)", "(float(eps), 1.0)")
 
 
-@compilable("input", _quant_shortcut(("input", None, "weight", "out", "scale"), "rmsnorm_quant"))
+@compilable("input", _quant_shortcut(("input", None, "weight", "out", "scale", None),
+                                     "rmsnorm_quant"))  # fmt: skip
 def rmsnorm_quant(out, input, weight, scale, eps: float = 1e-6, enable_pdl=None, *,
                   out_dtype=None):  # fmt: skip
     """RMSNorm with an fp8 output: out = fp8(rmsnorm(input, weight, eps) / scale).
@@ -331,11 +349,11 @@ def rmsnorm_quant(out, input, weight, scale, eps: float = 1e-6, enable_pdl=None,
     (FlashInfer's returns None; for JAX arrays, immutable, out is the new array).
     """
     scale_arr, value = _scale(scale)
-    return call(_QUANT, (input, None, weight, out, scale_arr), ("rmsnorm_quant", out_dtype),
-                (float(eps), value))  # fmt: skip
+    return call(_QUANT, (input, None, weight, out, scale_arr, None),
+                ("rmsnorm_quant", out_dtype), (float(eps), value))  # fmt: skip
 
 
-@compilable("input", _quant_shortcut(("input", "residual", "weight", "out", "scale"),
+@compilable("input", _quant_shortcut(("input", "residual", "weight", "out", "scale", None),
                                      "fused_add_rmsnorm_quant"))  # fmt: skip
 def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps: float = 1e-6,
                             enable_pdl=None, *, out_dtype=None):  # fmt: skip
@@ -346,8 +364,23 @@ def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps: float = 1e
     residual); for JAX arrays these are the new values.
     """
     scale_arr, value = _scale(scale)
-    return call(_QUANT, (input, residual, weight, out, scale_arr),
+    return call(_QUANT, (input, residual, weight, out, scale_arr, None),
                 ("fused_add_rmsnorm_quant", out_dtype), (float(eps), value))  # fmt: skip
+
+
+@compilable("input", _quant_shortcut(("input", None, "gemma", "out", "scale", "beta"),
+                                     "layernorm_quant"))  # fmt: skip
+def layernorm_quant(out, input, gemma, beta, scale, eps: float = 1e-6, *, out_dtype=None):
+    """LayerNorm with an fp8 output: out = fp8(layernorm(input, gemma, beta, eps) / scale).
+
+    The norm in fp32 as layernorm's (biased variance; gemma and beta [hidden], contiguous,
+    both the input's dtype or both float32), then divided by scale and rounded to out's fp8
+    type, saturated; out, scale and out_dtype as rmsnorm_quant's. Returns out (FlashInfer's
+    returns None; for JAX arrays, immutable, out is the new array).
+    """
+    scale_arr, value = _scale(scale)
+    return call(_QUANT, (input, None, gemma, out, scale_arr, beta),
+                ("layernorm_quant", out_dtype), (float(eps), value))  # fmt: skip
 
 
 def specs_for(hidden: int, dtypes=("bfloat16", "float16")) -> list[NormSpec]:
@@ -362,6 +395,7 @@ __all__ = [
     "gemma_fused_add_rmsnorm",
     "gemma_rmsnorm",
     "layernorm",
+    "layernorm_quant",
     "norm_spec",
     "rmsnorm",
     "rmsnorm_quant",

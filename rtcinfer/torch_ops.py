@@ -121,38 +121,41 @@ _register(cascade.merge_states, "merge_states", outputs=("v", "s"),
                              s.new_empty((s.shape[0], *s.shape[2:]))))  # fmt: skip
 
 
-def _register_quant(public, residual: bool) -> None:
-    """A norm with an fp8 output (rmsnorm_quant, fused_add_rmsnorm_quant) as the custom op of
-    its name: its arguments in order, out (and the residual) written, the scale split into an
-    array and a number as the samplers' parameters (call_public routes it: _ROUTES)."""
+def _register_quant(public, tensors: tuple[str, ...], mutated: tuple[str, ...] = ()) -> None:
+    """A norm with an fp8 output (rmsnorm_quant, fused_add_rmsnorm_quant, layernorm_quant) as
+    the custom op of its name: its arguments in order (`tensors`: those between input and
+    scale, `mutated` among them written as out is), the scale split into an array and a
+    number as the samplers' parameters (call_public routes it: _ROUTES)."""
     name = public.__name__
-    res = "Tensor(b!) residual, " if residual else ""
-    schema = (f"(Tensor(a!) out, Tensor input, {res}Tensor weight, Tensor? scale_arr, "
-              "float scale, float eps, str? out_dtype) -> ()")  # fmt: skip
+    marks = iter("bcd")
+    args = "".join(f"Tensor({next(marks)}!) {t}, " if t in mutated else f"Tensor {t}, "
+                   for t in tensors)  # fmt: skip
+    schema = (f"(Tensor(a!) out, Tensor input, {args}Tensor? scale_arr, float scale, float eps, "
+              "str? out_dtype) -> ()")  # fmt: skip
 
     def run(out, input, *rest) -> None:
         *front, scale_arr, scale, eps, out_dtype = rest
         public(out, input, *front, _pick(scale_arr, scale), eps, out_dtype=out_dtype)
 
-    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run,
-                                 mutates_args=("out", "residual") if residual else ("out",),
+    op = torch.library.custom_op(f"{_NAMESPACE}::{name}", run, mutates_args=("out", *mutated),
                                  schema=schema)  # fmt: skip
     op.register_fake(lambda *a: None)
 
-    def route(out, input, weight, scale, eps, out_dtype=None, **fused):
-        front = (fused["residual"], weight) if residual else (weight,)
+    def route(out, input, scale, eps, out_dtype=None, **given):
+        front = tuple(given[t] for t in tensors)
         scale_arr, value = _split(scale)
         op = getattr(getattr(torch.ops, _NAMESPACE), name)
         op(out, input, *front, scale_arr, 1.0 if value is None else float(value), float(eps),
            out_dtype)  # fmt: skip
-        return (out, front[0]) if residual else out
+        return (out, given["residual"]) if "residual" in mutated else out
 
     _ROUTES[name] = route
 
 
 _ROUTES: dict = {}  # public name -> its call under torch.compile, the bound arguments by name
-_register_quant(norm.rmsnorm_quant, residual=False)
-_register_quant(norm.fused_add_rmsnorm_quant, residual=True)
+_register_quant(norm.rmsnorm_quant, ("weight",))
+_register_quant(norm.fused_add_rmsnorm_quant, ("residual", "weight"), mutated=("residual",))
+_register_quant(norm.layernorm_quant, ("gemma", "beta"))
 
 
 def _append_pair(append_key, append_value, batch_indices, positions, k_cache, v_cache,

@@ -56,6 +56,26 @@ def test_fused_add_rmsnorm_quant(rng, shape, dtype, out_dtype):
     assert_fp8(out, ref.fp8_quant_ref(normed, np.float32(0.05), out_dtype), out_dtype)
 
 
+@pytest.mark.parametrize("out_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (7, 1001), (129, 8192), (5, 6, 2048)])
+def test_layernorm_quant(rng, shape, dtype, out_dtype):
+    """gemma and beta float32 (FlashInfer's) or the input's dtype; a scale that saturates
+    many values, from device memory and as a number."""
+    x = randn(rng, shape, dtype, 3.0)
+    for wdtype in ("float32", dtype):
+        g, b = randn(rng, shape[-1:], wdtype), randn(rng, shape[-1:], wdtype)
+        exact = ref.layernorm_ref(x, g, b, 1e-6)
+        for scale in (0.5, 0.004):
+            for given in (upload(np.array([scale], np.float32)), scale):
+                out = _nan_bytes(shape)
+                got = rtcinfer.layernorm_quant(out, upload(x), upload(g), upload(b), given,
+                                               out_dtype=out_dtype)  # fmt: skip
+                assert got is out
+                assert_fp8(out, ref.fp8_quant_ref(exact, np.float32(scale), out_dtype),
+                           out_dtype)  # fmt: skip
+
+
 def test_strided_rows_and_a_strided_out(rng):
     """Rows strided in two levels, an out that is a column slice of a wider buffer (its other
     bytes untouched), an unaligned row length (narrow vectors)."""
@@ -109,6 +129,20 @@ def test_pytorch_fp8_tensors_eager_and_compiled(rng):
     normed, residual = ref.fused_add_rmsnorm_ref(x, r, w, 1e-6, "bfloat16")
     np.testing.assert_array_equal(to_host(rt), residual)
     assert_fp8(out, ref.fp8_quant_ref(normed, np.float32(0.03), "float8_e4m3fn"), "float8_e4m3fn")
+
+    def layer(out, x, g, b):  # layernorm_quant, FlashInfer's float32 gemma and beta, a number
+        rtcinfer.layernorm_quant(out, x, g, b, 0.03)
+        return out
+
+    g, b = randn(rng, (4096,), "float32"), randn(rng, (4096,), "float32")
+    gt, bt = (torch.from_numpy(a).to("cuda") for a in (g, b))
+    want = layer(torch.empty_like(out), xt, gt, bt)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.empty_like(out), xt,
+                                                                    gt, bt)  # fmt: skip
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    exact = ref.fp8_quant_ref(ref.layernorm_ref(to_host(xt), g, b), np.float32(0.03),
+                              "float8_e4m3fn")  # fmt: skip
+    assert_fp8(got, exact, "float8_e4m3fn")
 
 
 def test_jax_new_arrays_eager_and_jitted(jax_gpu, rng):

@@ -97,16 +97,58 @@ def test_on_jax_arrays_xla_launches_the_norm_into_new_arrays():
     """JAX: out (an input here, never read) and the residual come back as new arrays, so the
     call reads only its own buffers and is launched by XLA, with nothing aliased."""
     static = norm._QUANT.jax_static(("fused_add_rmsnorm_quant", None))
-    prep = norm._QUANT.prepare([X, X, W, OUT, SCALE], 16, static)
+    present = [True] * 5 + [False]  # no beta
+    prep = norm._QUANT.prepare([X, X, W, OUT, SCALE, None], 16, static)
     outs = [(o.dtype, o.source) for o in prep.outs]
     assert outs == [("float8_e4m3fn", None), ("bfloat16", None)]
-    steps = xla_launch.record(prep, [True] * 5, (1e-6, 1.0), 0)
-    (n,) = xla_launch.plan(prep, [True] * 5, steps)
+    steps = xla_launch.record(prep, present, (1e-6, 1.0), 0)
+    (n,) = xla_launch.plan(prep, present, steps)
     assert n.kernel.name == "norm_kernel" and n.aliases() == {}
-    assert n.operands == (0, 1, 2, 4) and n.results == (5, 6)  # input, residual, weight, scale
+    assert n.operands == (0, 1, 2, 4) and n.results == (6, 7)  # input, residual, weight, scale
     assert n.bound["out"] == 4 and n.bound["residual_out"] == 5 and n.bound["scale"] == 3
-    plain = norm._QUANT.prepare([X, None, W, OUT, None], 16,
+    present = [True, False, True, True, False, False]
+    plain = norm._QUANT.prepare([X, None, W, OUT, None, None], 16,
                                 norm._QUANT.jax_static(("rmsnorm_quant", None)))  # fmt: skip
-    steps = xla_launch.record(plain, [True, False, True, True, False], (1e-6, 0.5), 0)
-    (n,) = xla_launch.plan(plain, [True, False, True, True, False], steps)
-    assert n.operands == (0, 2) and n.results == (5,) and n.bound["out"] == 2
+    steps = xla_launch.record(plain, present, (1e-6, 0.5), 0)
+    (n,) = xla_launch.plan(plain, present, steps)
+    assert n.operands == (0, 2) and n.results == (6,) and n.bound["out"] == 2
+    present = [True, False, True, True, False, True]  # layernorm_quant: gemma and beta
+    layer = norm._QUANT.prepare([X, None, W, OUT, None, W], 16,
+                                norm._QUANT.jax_static(("layernorm_quant", None)))  # fmt: skip
+    steps = xla_launch.record(layer, present, (1e-6, 0.5), 0)
+    (n,) = xla_launch.plan(layer, present, steps)
+    assert n.operands == (0, 2, 5) and n.results == (6,)
+    assert n.bound["weight"] == 1 and n.bound["bias"] == 2 and n.bound["out"] == 3
+
+
+def test_layernorm_quant_reads_gemma_and_beta(empty):
+    x, g, b = empty((4, 256), np.float16), empty((256,), np.float32), empty((256,), np.float32)
+    out = empty((4, 256), np.uint8)
+    with launch.recording() as steps:
+        assert rtcinfer.layernorm_quant(out, x, g, b, 0.5, 1e-5, out_dtype="e5m2") is out
+    (step,) = steps
+    p = _params(step)
+    assert step.kernel.spec.op == "layernorm_quant" and step.kernel.spec.weight_dtype == "float32"
+    assert step.kernel.spec.out_dtype == "float8_e5m2" and step.grid == (4, 1, 1)
+    assert p.x == p.residual == p.residual_out == x.data.ptr and p.out == out.data.ptr
+    assert p.weight == g.data.ptr and p.bias == b.data.ptr
+    assert p.scale is None and p.scale_value == 0.5 and p.eps == pytest.approx(1e-5)
+
+
+def test_a_strided_weight_and_a_beta_of_another_dtype_are_refused(empty):
+    """The kernel reads the weight (gemma, beta) densely and beta as gemma's type."""
+    x, out = empty((2, 256), np.float16), empty((2, 256), np.uint8)
+    g16, g32, b32 = empty((256,), np.float16), empty((256,), np.float32), empty((256,), np.float32)
+    with launch.recording() as steps:
+        with pytest.raises(ValueError, match="weight: expected contiguous elements"):
+            rtcinfer.rmsnorm(x, empty((512,), np.float16)[::2])
+        with pytest.raises(ValueError, match="gemma: expected contiguous elements"):
+            rtcinfer.layernorm(x, empty((512,), np.float32)[::2], b32)
+        with pytest.raises(ValueError, match="beta: expected contiguous elements"):
+            rtcinfer.layernorm_quant(out, x, g32, empty((512,), np.float32)[::2], 1.0,
+                                     out_dtype="e4m3")  # fmt: skip
+        with pytest.raises(TypeError, match=r"beta: dtype must be gemma's \(float16\)"):
+            rtcinfer.layernorm(x, g16, b32)
+        with pytest.raises(TypeError, match=r"beta: dtype must be gemma's \(float32\)"):
+            rtcinfer.layernorm_quant(out, x, g32, g16, 1.0, out_dtype="e4m3")
+    assert steps == []

@@ -79,6 +79,8 @@ def _calls(empty):
                                                                      res[:rows], w),
         "rmsnorm_quant": lambda rows: rtcinfer.rmsnorm_quant(
             empty((rows, 256), u8), big[:rows, :256], w, scale, out_dtype="float8_e4m3fn"),
+        "layernorm_quant": lambda rows: rtcinfer.layernorm_quant(
+            empty((rows, 256), u8), big[:rows, :256], w, w, 0.5, out_dtype="float8_e5m2"),
         "silu_and_mul": lambda rows: rtcinfer.silu_and_mul(big[:rows]),
         "apply_rope_pos_ids_inplace": lambda rows: rtcinfer.apply_rope_pos_ids_inplace(
             empty((rows, 4, 64), f16), empty((rows, 2, 64), f16), empty((rows,), i32)),
@@ -126,6 +128,7 @@ NAMES = [
     "rmsnorm, 3-d",
     "fused_add_rmsnorm",
     "rmsnorm_quant",
+    "layernorm_quant",
     "silu_and_mul",
     "apply_rope_pos_ids_inplace",
     "apply_rope (ragged, new arrays)",
