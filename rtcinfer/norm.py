@@ -96,9 +96,13 @@ def _check(x, weight, names=("input", "weight")) -> tuple[int, str]:
         raise ValueError(f"{names[1]}: expected shape ({hidden},), got {weight.shape}")
     if weight.dtype not in (dtype, "float32"):
         raise TypeError(f"{names[1]}: dtype must be {dtype} or float32, got {weight.dtype}")
-    if not weight.contiguous:  # the kernel reads it densely
-        raise ValueError(f"{names[1]}: expected contiguous elements, got strides {weight.strides}")
     return hidden, dtype
+
+
+def _dense(infos, slots: tuple[int, ...]) -> tuple[int, ...]:
+    """The weight slots (weight, beta) whose arrays are strided: the kernel reads them densely,
+    so call() copies them first (Prepared.dense)."""
+    return tuple(i for i in slots if infos[i] is not None and not infos[i].contiguous)
 
 
 def _check_beta(x, gemma, beta) -> None:
@@ -178,7 +182,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     else:
         pointers = (("x", 0), ("residual", 0), ("residual_out", 0), ("out", 4), ("weight", 1),
                     ("bias", 2 if op == "layernorm" else 1))  # fmt: skip
-    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)), rows=_rows(x))
+    dense = _dense(infos, (2,) if fused else (1, 2))
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)), rows=_rows(x), dense=dense)
 
 
 def _rows(x) -> int:
@@ -263,7 +268,7 @@ def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
     pointers = (("x", 0), ("weight", 2), ("bias", 5 if layer else 2), ("scale", 4), ("out", 6),
                 ("residual", residual), ("residual_out", residual_out))  # fmt: skip
     return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))),
-                      rows=_rows(x))  # fmt: skip
+                      rows=_rows(x), dense=_dense(infos, (2, 5)))  # fmt: skip
 
 
 _QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale", "beta"), _prepare_quant,

@@ -36,6 +36,24 @@ def test_rmsnorm_fp32_weight_and_strided_rows(rng, dtype):
     assert_close(y, ref.rmsnorm_ref(big[:, :, 4096:], w, 1e-5), dtype)
 
 
+def test_strided_weights_are_read_as_their_elements(rng):
+    """A weight, gemma or beta that is a strided view (every other element of a buffer) gives
+    the result of its elements (copied dense before the launch), for every norm family."""
+    x, r = randn(rng, (5, 1024), "bfloat16"), randn(rng, (5, 1024), "bfloat16")
+    wide = randn(rng, (2, 2048), "float32")
+    w, b = wide[0, ::2], wide[1, ::2]
+    wd = upload(wide)
+    sw, sb = wd[0, ::2], wd[1, ::2]
+    assert_close(rtcinfer.rmsnorm(upload(x), sw), ref.rmsnorm_ref(x, w, 1e-6), "bfloat16")
+    assert_close(rtcinfer.layernorm(upload(x), sw, sb), ref.layernorm_ref(x, w, b, 1e-6),
+                 "bfloat16")  # fmt: skip
+    xd, rd = upload(x), upload(r)
+    rtcinfer.fused_add_rmsnorm(xd, rd, sw)
+    normed, residual = ref.fused_add_rmsnorm_ref(x, r, w, 1e-6, "bfloat16")
+    assert_close(xd, normed, "bfloat16")
+    np.testing.assert_array_equal(to_host(rd), residual)
+
+
 def test_inputs_and_outputs_that_fold_differently(rng):
     """x = big[:, :3] folds into two levels, its dense out into one; the kernel takes one row
     split for both (a dense out once got rows at the input's offsets). The fused op with a

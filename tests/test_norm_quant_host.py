@@ -135,20 +135,23 @@ def test_layernorm_quant_reads_gemma_and_beta(empty):
     assert p.scale is None and p.scale_value == 0.5 and p.eps == pytest.approx(1e-5)
 
 
-def test_a_strided_weight_and_a_beta_of_another_dtype_are_refused(empty):
-    """The kernel reads the weight (gemma, beta) densely and beta as gemma's type."""
+def test_a_strided_weight_is_made_dense_and_a_beta_of_another_dtype_refused(empty):
+    """The kernel reads the weight (gemma, beta) densely, and beta as gemma's type: strided
+    weights are copied dense before the launch (Prepared.dense), a beta of another dtype is
+    refused."""
+    strided = ArrayInfo((4096,), (2,), "bfloat16", 0)
+    plain, fused = ("rmsnorm",), ("fused_add_rmsnorm",)
+    assert norm._PLAIN.prepare([X, strided, None, None], 16, plain).dense == (1,)
+    assert norm._PLAIN.prepare([X, W, None, None], 16, plain).dense == ()
+    assert norm._PLAIN.prepare([X, W, strided, None], 16, ("layernorm",)).dense == (2,)
+    assert norm._FUSED.prepare([X, X, strided], 16, fused).dense == (2,)
+    layer = ("layernorm_quant", None)
+    assert norm._QUANT.prepare([X, None, strided, OUT, None, strided], 16, layer).dense == (2, 5)
     x, out = empty((2, 256), np.float16), empty((2, 256), np.uint8)
-    g16, g32, b32 = empty((256,), np.float16), empty((256,), np.float32), empty((256,), np.float32)
+    g16, g32 = empty((256,), np.float16), empty((256,), np.float32)
     with launch.recording() as steps:
-        with pytest.raises(ValueError, match="weight: expected contiguous elements"):
-            rtcinfer.rmsnorm(x, empty((512,), np.float16)[::2])
-        with pytest.raises(ValueError, match="gemma: expected contiguous elements"):
-            rtcinfer.layernorm(x, empty((512,), np.float32)[::2], b32)
-        with pytest.raises(ValueError, match="beta: expected contiguous elements"):
-            rtcinfer.layernorm_quant(out, x, g32, empty((512,), np.float32)[::2], 1.0,
-                                     out_dtype="e4m3")  # fmt: skip
         with pytest.raises(TypeError, match=r"beta: dtype must be gemma's \(float16\)"):
-            rtcinfer.layernorm(x, g16, b32)
+            rtcinfer.layernorm(x, g16, g32)
         with pytest.raises(TypeError, match=r"beta: dtype must be gemma's \(float32\)"):
             rtcinfer.layernorm_quant(out, x, g32, g16, 1.0, out_dtype="e4m3")
     assert steps == []
