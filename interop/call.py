@@ -26,7 +26,6 @@ import functools
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
 
 from .. import gpu
 from .arrays import CUPY_NDARRAY, TORCH_TENSOR, as_cupy, framework
@@ -207,7 +206,7 @@ def _with_like(slot: OutSlot, infos) -> OutSlot:
     for i, info in enumerate(infos):
         if info is not None and info.shape == slot.shape and info.dtype == slot.dtype:
             if info.contiguous and info.size:
-                return replace(slot, like=i)
+                return OutSlot(slot.shape, slot.dtype, slot.source, slot.alias, i)
     return slot
 
 
@@ -239,8 +238,8 @@ def _torch_info(x, name: str) -> ArrayInfo | None:
         return None
     if not x.is_cuda:
         raise TypeError(f"{name}: expected a CUDA tensor, got a torch.Tensor on {x.device}")
-    info = ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), x.get_device())
-    return info._replace(offset=x.data_ptr() & 15)
+    return ArrayInfo(tuple(x.shape), tuple(x.stride()), normalize(x.dtype), x.get_device(),
+                     x.data_ptr() & 15)  # fmt: skip
 
 
 def torch_call_key(op: Op, arrays, static) -> tuple:

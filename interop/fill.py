@@ -38,11 +38,18 @@ class Fill:
         """fill(ptrs, scalars): the statements, writing into `block`, as a function (for a run
         that does more than fill and launch); without a block, fill(block, ptrs, scalars) (a
         launch that changes from call to call: a wrapper's latest plan's)."""
-        head = "def fill(ptrs, scalars):" if block is not None else "def fill(_p, ptrs, scalars):"
-        names = self.names("_p", block)
         if block is None:
-            del names["_p"]
-        return define([head, *self.lines("_p", "    ")], names, "<fill>")
+            return _blockless(self)
+        names = self.names("_p", block)
+        return define(["def fill(ptrs, scalars):", *self.lines("_p", "    ")], names, "<fill>")
+
+
+@functools.lru_cache(maxsize=4096)
+def _blockless(fill: Fill) -> Callable:
+    """Fill.function() without a block: one function per form (a wrapper's new signatures
+    repeat their run's few forms)."""
+    names = {"_then": fill.then}
+    return define(["def fill(_p, ptrs, scalars):", *fill.lines("_p", "    ")], names, "<fill>")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -34,6 +34,7 @@ nothing; its first run on the workspace sends the latest plan, and later plans u
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
@@ -165,6 +166,7 @@ def run_outputs(out, lse, o_shape: tuple, o_dtype: str, with_lse: bool) -> list:
     return outs
 
 
+@functools.lru_cache(maxsize=1024)
 def run_fill(v_offset: int | None, with_lse: bool) -> Fill:
     """What an attention run() writes into its launch's parameter block a call: the pointers
     of its slots (q, k, v, out, lse, then the outputs o, lse; V is K + v_offset bytes for a 5-D
