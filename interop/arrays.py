@@ -12,6 +12,7 @@ import inspect
 import sys
 
 from .dtypes import FP8_DTYPES, normalize
+from .generated import compiled
 
 
 def framework(x) -> str:
@@ -105,7 +106,7 @@ def _routed(fn, tensor_arg: str | None, shortcut=None):
     source = (  # the shortcut's branch first: it tests for torch.compile itself, cheaply
         f"def {fn.__name__}({', '.join(params)}):\n{branch}{route}    return _fn({args}{kwargs})\n"
     )
-    exec(compile(source, f"<compilable {fn.__qualname__}>", "exec"), names)
+    exec(compiled(source, f"<compilable {fn.__qualname__}>"), names)  # noqa: S102
     return names[fn.__name__]
 
 

@@ -171,11 +171,15 @@ def clear_cache(args) -> int:
         path.unlink(missing_ok=True)
     for path in (root / "toolchain").glob("*.json"):
         path.unlink(missing_ok=True)
+    for path in root.glob("python-*/*"):  # generated Python code (interop/generated.py)
+        if re.fullmatch(r"[0-9a-f]{32}\.code(\.\d+\.tmp)?", path.name):
+            path.unlink(missing_ok=True)
     for folder in (
-        [*root.glob("sm_*"), *root.glob("compute_*"), root / "failed", root / "toolchain"]
+        [*root.glob("sm_*"), *root.glob("compute_*"), *root.glob("python-*"), root / "failed",
+         root / "toolchain"]
         if root.is_dir()
         else []
-    ):
+    ):  # fmt: skip
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
     print(f"removed {n} modules from {root}")
