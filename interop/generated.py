@@ -20,6 +20,7 @@ from pathlib import Path
 from types import CodeType
 
 _CODE: dict[str, CodeType] = {}  # source text -> its compiled module code
+_MAGIC = sys.version.encode()  # this interpreter's build, part of an entry's key
 
 
 def compiled(source: str, label: str) -> CodeType:
@@ -53,7 +54,7 @@ def _from_disk(source: str, label: str) -> CodeType:
     folder = _folder()
     if folder is None:
         return compile(source, label, "exec")
-    key = hashlib.sha256(f"{label}\n{source}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(_MAGIC + f"{label}\n{source}".encode()).hexdigest()[:32]
     path = folder / f"{key}.code"
     try:
         kept_source, kept_label, code = marshal.loads(path.read_bytes())
