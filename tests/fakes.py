@@ -439,3 +439,11 @@ def pointed(issue, arrays, address) -> tuple:
 def noted(op) -> int:
     """How many signatures op.cache notes as seen once (call.seen_before: keyed by a hash)."""
     return sum(type(k) is int for k in op.cache)
+
+
+def shortcut_entries(ops, tag) -> dict:
+    """The shortcuts learnt in the caches of `ops` (an Op or several) for the framework of
+    `tag` (shortcut.TAG: PyTorch, shortcut.CUPY_TAG: CuPy): key -> launcher (False: learnt as
+    none)."""
+    ops = ops if isinstance(ops, (list, tuple)) else (ops,)
+    return {k: v for op in ops for k, v in op.cache.items() if type(k) is tuple and k[0] is tag}

@@ -14,7 +14,14 @@ import pytest
 import rtcinfer
 from rtcinfer.interop import shortcut
 
-from .fakes import attention_without_a_gpu, cupy_without_a_gpu, issued_launches, noted, pointed
+from .fakes import (
+    attention_without_a_gpu,
+    cupy_without_a_gpu,
+    issued_launches,
+    noted,
+    pointed,
+    shortcut_entries,
+)
 
 STREAM = {"torch": 7, "cupy": 0}  # the current stream each framework's fake reports
 
@@ -105,7 +112,7 @@ def _issue_record(issue, args, kwargs, result, address):
 
 def _learnt(wrapper, framework) -> list:
     tag = shortcut.TAG if framework == "torch" else shortcut.CUPY_TAG
-    return [v for k, v in wrapper._op.cache.items() if type(k) is tuple and k[0] is tag]
+    return list(shortcut_entries(wrapper._op, tag).values())
 
 
 @pytest.mark.parametrize("case", range(10))

@@ -15,7 +15,7 @@ from rtcinfer.errors import BadIndex
 from rtcinfer.interop import shortcut
 from rtcinfer.sampling import samplers
 
-from .fakes import FakeRecords, issued_launches, pointed, torch_as_cuda
+from .fakes import FakeRecords, issued_launches, pointed, shortcut_entries, torch_as_cuda
 
 torch = pytest.importorskip("torch")
 
@@ -62,7 +62,7 @@ def test_a_repeated_sampler_call_issues_what_the_function_issues(issued, batch, 
     assert len(issued) == 5, name
     assert records[1] == records[2] == records[3] == records[4] == records[0], name
     assert records[0][3]["seed_val"] == 7 and records[0][3]["offset_val"] == 3, name
-    made = [v for k, v in samplers._OP.cache.items() if type(k) is tuple and k[0] is shortcut.TAG]
+    made = list(shortcut_entries(samplers._OP, shortcut.TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
 
@@ -72,7 +72,7 @@ def test_the_generator_advances_once_a_shortcut_call(issued):
         rtcinfer.top_p_sampling_from_probs(probs, 0.5, generator=gen)
     assert gen.offset == 5
     assert [r[3]["offset_val"] for r in issued] == [0, 1, 2, 3, 4]
-    assert len([k for k in samplers._OP.cache if type(k) is tuple and k[0] is shortcut.TAG]) == 1
+    assert len(shortcut_entries(samplers._OP, shortcut.TAG)) == 1
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -90,7 +90,7 @@ def test_other_calls_take_the_function(issued, kwargs):
             rtcinfer.top_k_sampling_from_probs(probs, **kwargs)
         except (TypeError, ValueError):
             pass
-    assert not [k for k in samplers._OP.cache if type(k) is tuple and k[0] is shortcut.TAG]
+    assert not shortcut_entries(samplers._OP, shortcut.TAG)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -104,7 +104,7 @@ def test_a_learnt_signature_is_not_taken_by_calls_the_function_handles_otherwise
     probs = torch.rand(2, 1000)
     for _ in range(3):
         rtcinfer.top_k_sampling_from_probs(probs, 5, generator=rtcinfer.Generator(seed=1))
-    assert [k for k in samplers._OP.cache if type(k) is tuple and k[0] is shortcut.TAG]
+    assert shortcut_entries(samplers._OP, shortcut.TAG)
     for public in (rtcinfer.top_k_sampling_from_probs,
                    rtcinfer.top_k_sampling_from_probs.__wrapped__):  # fmt: skip
         extra = {} if "seed" in kwargs else {"generator": rtcinfer.Generator(seed=2)}
@@ -132,9 +132,7 @@ def test_a_repeated_cupy_sampler_call_issues_what_the_function_issues(issued, mo
             assert result is out and type(result) is cupy.ndarray
             records.append(pointed(issued[n], (probs, out), lambda a: a.data.ptr))
     assert records[1] == records[2] == records[3] == records[4] == records[0]
-    made = [
-        v for k, v in samplers._OP.cache.items() if type(k) is tuple and k[0] is shortcut.CUPY_TAG
-    ]
+    made = list(shortcut_entries(samplers._OP, shortcut.CUPY_TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
 
@@ -163,9 +161,7 @@ def test_softmax_and_the_renorms_issue_what_the_function_issues(issued, monkeypa
         records.append(pointed(issued[n], (args[0], result), torch.Tensor.data_ptr))
         assert result.shape == args[0].shape, name
     assert records[1] == records[2] == records[3] == records[4] == records[0], name
-    made = [
-        v for op in ops for k, v in op.cache.items() if type(k) is tuple and k[0] is shortcut.TAG
-    ]
+    made = list(shortcut_entries(ops, shortcut.TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
 
@@ -198,7 +194,7 @@ def test_append_issues_the_functions_block_and_raises_what_was_reported(issued, 
     assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
     assert blocks[0][3]["v_cache"] == 16 * 2 * 64 * 2  # one page's K, fp16
     assert blocks[0][3]["bad"] == records.buffers[0][0].ctypes.data
-    made = [v for k, v in page._APPEND.cache.items() if type(k) is tuple and k[0] is shortcut.TAG]
+    made = list(shortcut_entries(page._APPEND, shortcut.TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
     records.report(0, BadIndex.KV_INDICES, 1, 9, 4)
     with pytest.raises(rtcinfer.BadIndexError, match="kv_indices"):
@@ -217,7 +213,7 @@ def test_speculative_sampling_with_counters_takes_the_function(issued, monkeypat
     ids = torch.randint(0, 1000, (2, 4), dtype=torch.int32)
     for _ in range(3):
         rtcinfer.chain_speculative_sampling(draft, ids, target, generator=rtcinfer.Generator())
-    assert [k for k in spec._OP.cache if type(k) is tuple and k[0] is shortcut.TAG]
+    assert shortcut_entries(spec._OP, shortcut.TAG)
     accepted, emitted = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     _, got_accepted, got_emitted = rtcinfer.chain_speculative_sampling(
         draft, ids, target, accepted, emitted, generator=rtcinfer.Generator()

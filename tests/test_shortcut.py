@@ -16,7 +16,7 @@ import rtcinfer
 from rtcinfer import launch
 from rtcinfer.interop import shortcut
 
-from .fakes import issued_launches, noted, pointed, torch_as_cuda
+from .fakes import issued_launches, noted, pointed, shortcut_entries, torch_as_cuda
 
 torch = pytest.importorskip("torch")
 path = importlib.import_module("rtcinfer.interop.call")
@@ -122,7 +122,7 @@ def test_the_shortcut_is_learnt_once_and_not_taken_for_other_calls(cuda_like):
     w = torch.randn(256).to(torch.bfloat16)
 
     def shortcuts():
-        return {k: v for k, v in op.cache.items() if type(k) is tuple and k[0] is shortcut.TAG}
+        return shortcut_entries(op, shortcut.TAG)
 
     with launch.recording() as steps:
         rtcinfer.rmsnorm(x, w)

@@ -17,7 +17,15 @@ import rtcinfer
 from rtcinfer import launch
 from rtcinfer.interop import shortcut
 
-from .fakes import FakeRecords, cupy_without_a_gpu, fake_gpu, issued_launches, noted, pointed
+from .fakes import (
+    FakeRecords,
+    cupy_without_a_gpu,
+    fake_gpu,
+    issued_launches,
+    noted,
+    pointed,
+    shortcut_entries,
+)
 
 cupy = pytest.importorskip("cupy")
 
@@ -104,9 +112,7 @@ def test_a_repeated_cupy_call_launches_what_the_function_launches(empty, case):
     with launch.recording() as steps:
         public(*args, **kwargs)  # the function's path: the signature noted
         first = _as_tuple(public(*args, **kwargs))  # the function's path, then learnt
-        learnt = [
-            k for op in _OPS for k in op.cache if type(k) is tuple and k[0] is shortcut.CUPY_TAG
-        ]
+        learnt = list(_shortcuts())
         second = _as_tuple(public(*args, **kwargs))  # the shortcut
         third = _as_tuple(public.__wrapped__(*args, **kwargs))  # the function itself
     assert op_caches == [{}] * len(_OPS)
@@ -146,12 +152,7 @@ def test_a_repeated_cupy_call_issues_what_the_function_issues(empty, monkeypatch
 
 
 def _shortcuts() -> dict:
-    return {
-        k: v
-        for op in _OPS
-        for k, v in op.cache.items()
-        if type(k) is tuple and k[0] is shortcut.CUPY_TAG
-    }
+    return shortcut_entries(_OPS, shortcut.CUPY_TAG)
 
 
 def test_the_cupy_shortcut_is_learnt_once_and_not_taken_for_other_calls(empty):
@@ -223,9 +224,7 @@ def test_a_repeated_cupy_append_issues_what_the_function_issues(empty, monkeypat
         fields["v_cache"] -= args[4].data.ptr  # V's byte offset in the 5-D cache
         blocks.append((kernel, grid, block, fields))
     assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
-    made = [
-        v for k, v in page._APPEND.cache.items() if type(k) is tuple and k[0] is shortcut.CUPY_TAG
-    ]
+    made = list(shortcut_entries(page._APPEND, shortcut.CUPY_TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
 
@@ -263,7 +262,7 @@ def test_a_repeated_cupy_single_decode_issues_what_the_function_issues(empty, mo
     assert blocks[1] == blocks[2] == blocks[3] == blocks[4] == blocks[0]
     assert blocks[0][3]["qk_scale"] == pytest.approx(0.05, rel=1e-6)  # sm_scale x k_scale
     assert blocks[0][3]["lse"] == ("array 3" if return_lse else None)  # (None: a NULL pointer)
-    made = [v for k, v in sd._OP.cache.items() if type(k) is tuple and k[0] is shortcut.CUPY_TAG]
+    made = list(shortcut_entries(sd._OP, shortcut.CUPY_TAG).values())
     assert len(made) == 1 and "snapshot_issuer" in made[0].__globals__["_issue"].__qualname__
 
 
