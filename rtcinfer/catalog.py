@@ -301,6 +301,10 @@ def sampling_specs() -> list:
               ("top_k_renorm", "top_p_renorm", "top_k_mask")]  # fmt: skip
     specs += [RenormSpec("top_k_mask", "bfloat16", 8, 256)]
     specs += [RenormSpec("top_p_renorm", "float16", 1, 32)]
+    specs += [
+        RenormSpec("top_k_select", "bfloat16", 8, 1024),
+        RenormSpec("top_k_select", "float32", 1, 64),
+    ]
     specs += [softmax_spec("float32", 128256), softmax_spec("bfloat16", 111)]
     specs += [cluster_softmax_spec("float32", 32000, 8),
               cluster_softmax_spec("bfloat16", 151936, 2),

@@ -21,7 +21,7 @@ import torch
 
 from . import activation, norm, rope, rope_quantize
 from .attention import cascade, page
-from .sampling import renorm, samplers, speculative
+from .sampling import renorm, samplers, speculative, topk
 from .sampling.softmax import softmax as sampling_softmax
 
 _NAMESPACE = "rtcinfer"
@@ -153,6 +153,23 @@ def _register_quant(public, tensors: tuple[str, ...], mutated: tuple[str, ...] =
 
 
 _ROUTES: dict = {}  # public name -> its call under torch.compile, the bound arguments by name
+
+
+def _top_k(input, k, sorted, deterministic, tie_break, dsa_graph_safe):
+    return tuple(topk.top_k(input, k, sorted, deterministic, tie_break, dsa_graph_safe))
+
+
+_TOP_K = torch.library.custom_op(
+    f"{_NAMESPACE}::top_k", _top_k, mutates_args=(),
+    schema="(Tensor input, SymInt k, bool sorted, bool deterministic, SymInt tie_break, "
+           "bool dsa_graph_safe) -> (Tensor, Tensor)",
+)  # fmt: skip
+_TOP_K.register_fake(lambda input, k, *flags: (input.new_empty((input.shape[0], k)),
+                                               input.new_empty((input.shape[0], k),
+                                                               dtype=torch.int64)))  # fmt: skip
+_ROUTES["top_k"] = lambda input, k, sorted, deterministic, tie_break, dsa_graph_safe: (
+    getattr(torch.ops, _NAMESPACE).top_k(input, k, sorted, deterministic, tie_break,
+                                         dsa_graph_safe))  # fmt: skip
 _register_quant(norm.rmsnorm_quant, ("weight",))
 _register_quant(norm.fused_add_rmsnorm_quant, ("residual", "weight"), mutated=("residual",))
 _register_quant(norm.layernorm_quant, ("gemma", "beta"))

@@ -114,6 +114,23 @@ def top_k_mask_logits_ref(logits, top_k):
     return np.where(keep, x, -np.inf)
 
 
+def top_k_ref(x, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, indices) [rows, k] of top_k: v = the k-th largest of row b (NaN as -inf); every
+    element > v, then the elements == v of the smallest indices, k in all, each group in index
+    order. values keep the input's elements (NaN included)."""
+    x = np.atleast_2d(np.asarray(x))
+    clean = np.where(np.isnan(f64(x)), -np.inf, f64(x))
+    values, indices = [], []
+    for row, c in zip(x, clean, strict=True):
+        v = np.sort(c)[::-1][k - 1]
+        greater = np.flatnonzero(c > v)
+        ties = np.flatnonzero(c == v)[: k - len(greater)]
+        take = np.concatenate([greater, ties])
+        values.append(row[take])
+        indices.append(take)
+    return np.stack(values), np.stack(indices).astype(np.int64)
+
+
 def inverse_transform_ref(dist, u):
     """The first token whose inclusive cumulative mass exceeds u * total (per row)."""
     dist = np.atleast_2d(f64(dist))

@@ -233,6 +233,26 @@ def test_samplers_renorms_and_softmax_are_one_node_each():
                       fullgraph=True, backend="eager")(f32(4, 100))  # fmt: skip
 
 
+def test_top_k_is_one_node():
+    """top_k (values and indices), sorted or not, traced as one custom op a call."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(logits):
+        v, i = rtcinfer.top_k(logits, 16)
+        w, j = rtcinfer.top_k(logits, 8, sorted=True)
+        return v, i, w, j
+
+    logits = torch.empty(4, 1000, device="meta", dtype=torch.bfloat16)
+    v, i, w, j = torch.compile(step, fullgraph=True, backend=backend)(logits)
+    assert (v.shape, v.dtype, i.shape, i.dtype) == ((4, 16), torch.bfloat16, (4, 16), torch.int64)
+    assert (w.shape, j.dtype) == ((4, 8), torch.int64)
+    assert [s for s in seen if s.startswith("rtcinfer.")] == ["rtcinfer.top_k", "rtcinfer.top_k"]
+
+
 def test_speculative_sampling_is_one_node():
     """chain_speculative_sampling: with new counters (three new arrays) or the caller's
     (updated in place: a second op that writes them)."""

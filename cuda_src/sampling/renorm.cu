@@ -3,6 +3,9 @@
 //   top_p_renorm  out = p >= v ? p / sum(p >= v) : 0,  v = min{p_j : sum(p > p_j) < top_p sum(p)}
 //                 (the maximum is always kept)
 //   top_k_mask    out = x >= v ? x : -inf,             v = the k-th largest logit (NaN -> -inf)
+//   top_k_select  the k largest values of the row and their indices (FlashInfer's top_k): every
+//                 x > v, then the ties x == v of the smallest indices, k in all, each group in
+//                 index order (NaN counts as -inf); values_out, indices_out [rows, k]
 // Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below the threshold
 // comes from the block maxima, the values >= floor go to the candidate list (row_scan.cuh), the
 // exact threshold is a radix select (row_select.cuh) over the list (over the row when the list
@@ -12,8 +15,10 @@
 // Prelude: OP (RenormOp), T, VEC, THREADS, CAP.
 #include "row_select.cuh"
 
-using Policy = Conditional<OP == RenormOp::TOP_K_MASK, LogitPolicy, ProbPolicy>;
-constexpr bool BY_MASS = OP == RenormOp::TOP_P_RENORM, NEED_MASS = OP != RenormOp::TOP_K_MASK;
+constexpr bool SELECT = OP == RenormOp::TOP_K_SELECT;
+using Policy = Conditional<OP == RenormOp::TOP_K_MASK || SELECT, LogitPolicy, ProbPolicy>;
+constexpr bool BY_MASS = OP == RenormOp::TOP_P_RENORM;
+constexpr bool NEED_MASS = OP == RenormOp::TOP_K_RENORM || OP == RenormOp::TOP_P_RENORM;
 static_assert(VEC * sizeof(T) <= 16, "one 16-byte load per vector");
 
 // A per-row parameter is its array when given (null otherwise), else its scalar.
@@ -23,10 +28,90 @@ struct RenormParams {
   const int32_t* top_k_arr;    // [rows] or null
   const int64_t* top_k_arr64;  // [rows] or null
   const float* top_p_arr;      // [rows] or null
+  T* values_out;               // top_k_select: [rows, top_k_val]; else unused
+  int64_t* indices_out;        // top_k_select: [rows, top_k_val]; else unused
   int64_t in_stride, out_stride;
   int vocab, top_k_val;
   float top_p_val;
 };
+
+// Exclusive block scan of one u64 a thread: (this thread's prefix, the block's total). Ends
+// with a barrier, so the next call may reuse `warps`.
+RTC_DEVICE void block_scan(unsigned long long mine, unsigned long long (&warps)[WARPS],
+                           unsigned long long& excl, unsigned long long& total) {
+  const int lane = lane_id(), w = warp_id();
+  unsigned long long incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned long long up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31) warps[w] = incl;
+  __syncthreads();
+  unsigned long long before = 0;
+  total = 0;
+#pragma unroll 1
+  for (int i = 0; i < WARPS; ++i) {
+    if (i < w) before += warps[i];
+    total += warps[i];
+  }
+  excl = before + incl - mine;
+  __syncthreads();
+}
+
+// top_k_select's output: the k largest values of x_row (v: the k-th largest, NaN as -inf), the
+// G values > v then the k - G ties of the smallest indices, each in index order. Pass 1 counts
+// G; pass 2 takes the row a block at a time, a scan placing each thread's (greater, tie)
+// values, and stops once both groups are full.
+RTC_DEVICE void select_top_k(const T* x_row, int vocab, int k, float v, T* values,
+                             int64_t* indices) {
+  __shared__ unsigned long long warps[WARPS];
+  unsigned int mine = 0;
+  for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
+    Vec<T, VEC> x;
+    x.load(x_row + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) mine += LogitPolicy::clean(to_float(x[j])) > v;
+  }
+  unsigned long long excl, total;
+  block_scan(mine, warps, excl, total);
+  const unsigned int greater = unsigned(total), ties = unsigned(k) - greater;
+  unsigned int g_base = 0, t_base = 0;  // placed so far (the same in every thread)
+  for (int c = 0; c < vocab && (g_base < greater || t_base < ties); c += THREADS * VEC) {
+    const int i = c + int(threadIdx.x) * VEC;
+    Vec<T, VEC> x;
+    unsigned int gt = 0, eq = 0;
+    if (i < vocab) {
+      x.load(x_row + i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float a = LogitPolicy::clean(to_float(x[j]));
+        gt += a > v;
+        eq += a == v;
+      }
+    }
+    block_scan((static_cast<unsigned long long>(gt) << 32) | eq, warps, excl, total);
+    unsigned int g_at = g_base + unsigned(excl >> 32), t_at = t_base + unsigned(excl);
+    if (i < vocab) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float a = LogitPolicy::clean(to_float(x[j]));
+        if (a > v) {
+          values[g_at] = x[j];
+          indices[g_at++] = i + j;
+        } else if (a == v) {
+          if (t_at < ties) {
+            values[greater + t_at] = x[j];
+            indices[greater + t_at] = i + j;
+          }
+          ++t_at;
+        }
+      }
+    }
+    g_base += unsigned(total >> 32);
+    t_base += unsigned(total);
+  }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
     renorm_kernel(const __grid_constant__ RenormParams p) {
@@ -110,6 +195,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
   }
 
   const T* x_row = in + r * in_stride;
+  if constexpr (SELECT) {
+    select_top_k(x_row, vocab, k, v, p.values_out + int64_t(r) * k, p.indices_out + int64_t(r) * k);
+    return;
+  }
   T* y_row = out + r * out_stride;
   for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
     Vec<T, VEC> x, y;

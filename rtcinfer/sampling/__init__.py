@@ -23,6 +23,7 @@ from .samplers import (
 )
 from .softmax import softmax
 from .speculative import chain_speculative_sampling
+from .topk import top_k
 
 __all__ = [
     "Generator",
@@ -34,6 +35,7 @@ __all__ = [
     "sampling_from_logits",
     "sampling_from_probs",
     "softmax",
+    "top_k",
     "top_k_mask_logits",
     "top_k_renorm_prob",
     "top_k_renorm_probs",

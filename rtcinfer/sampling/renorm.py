@@ -32,14 +32,17 @@ class RenormOp(enum.IntEnum):
     TOP_K_RENORM = 0
     TOP_P_RENORM = 1
     TOP_K_MASK = 2
+    TOP_K_SELECT = 3
 
 
 RENORM_OPS = {
     "top_k_renorm": RenormOp.TOP_K_RENORM,
     "top_p_renorm": RenormOp.TOP_P_RENORM,
     "top_k_mask": RenormOp.TOP_K_MASK,
+    "top_k_select": RenormOp.TOP_K_SELECT,  # top_k (sampling/topk.py)
 }
-BY_RANK = frozenset({"top_k_renorm", "top_k_mask"})  # top-k's cut (layout.row_threads)
+# top-k's cut (layout.row_threads)
+BY_RANK = frozenset({"top_k_renorm", "top_k_mask", "top_k_select"})
 
 
 @dataclass(frozen=True)

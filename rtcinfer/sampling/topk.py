@@ -1,0 +1,99 @@
+"""FlashInfer's top_k: the k largest values of each row and their indices.
+
+The k-th largest value v is found exactly as top_k_mask_logits finds it (a radix select,
+cuda_src/sampling/renorm.cu); the kernel then writes every value > v and the ties == v of the
+smallest indices, k in all, each group in index order: deterministic, whatever the flags. NaN
+counts as -inf (selected only where fewer than k other values exist).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import jit
+from ..interop import Fill, Op, OutSlot, Prepared, call, one_launch
+from ..interop.arrays import compilable, framework
+from ..interop.dtypes import FLOAT_DTYPES
+from ..launch import Kernel, Launch
+from ..layout import fit_vec, leading_rows, row_smem_bytes
+from .renorm import renorm_spec
+
+TIE_BREAKS = (0, 1)  # none (here: the smallest indices, as 1) and the smallest indices
+
+
+def _prepare(infos, _align: int, static: tuple) -> Prepared:
+    """Slot (input,) -> (values [rows, k] in the input's dtype, indices [rows, k] int64).
+    Scalars: (k,)."""
+    (k,) = static
+    (x,) = infos
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"input: expected shape (batch, d) with d > 0, got {x.shape}")
+    rows, vocab = x.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: expected 1 <= k <= {vocab} (the row's length), got {k}")
+    _, _, xs, _ = leading_rows(x, "input")
+    spec = renorm_spec("top_k_select", x.dtype, vocab, rows, jit.device_limits(x.device)[0])
+    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, x.align, [xs]))
+    kernel = Kernel(spec, "renorm_kernel", "RenormParams", row_smem_bytes(spec.threads))
+    launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
+    p = launch.params
+    p.in_stride, p.out_stride, p.vocab = xs, 0, vocab
+    outs = (OutSlot((rows, k), x.dtype), OutSlot((rows, k), "int64"))
+    fill = Fill((("input", 0), ("values_out", 1), ("indices_out", 2)), (("top_k_val", 0),))
+    return one_launch(outs, launch, fill)
+
+
+_OP = Op("top_k", ("input",), _prepare)
+
+
+@compilable("input")
+def top_k(input, k: int, sorted: bool = False, deterministic: bool = False,
+          tie_break: int = 0, dsa_graph_safe: bool = False):  # fmt: skip
+    """(values, indices): the k largest values of each row of input [batch, d] (float32,
+    float16, bfloat16) and their indices (int64), [batch, k] each.
+
+    Selection: v = the k-th largest of row b; every x > v, then the ties x == v of the smallest
+    indices, k in all (NaN counts as -inf). Unsorted (sorted=False), the values > v come first,
+    each group in index order; sorted=True orders each row by value, descending (ties by
+    index), through the caller's framework. Deterministic whatever `deterministic`;
+    tie_break 0 and 1 both take the smallest indices (2, the largest, is refused);
+    dsa_graph_safe is accepted (the call allocates only its outputs, on the caller's stream).
+    """
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break={tie_break!r}: 0 or 1 (the smallest indices) is supported")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k: expected an int, got {type(k).__name__}")
+    values, indices = call(_OP, (input,), (int(k),), (int(k),))
+    if not sorted:
+        return values, indices
+    return _sorted(values, indices)
+
+
+def _sorted(values, indices):
+    """Each row by value, descending (NaN as -inf, last), ties by their order (index order
+    here), in the arrays' own framework."""
+    fw = framework(values)
+    if fw == "torch":
+        import torch
+
+        keys = torch.nan_to_num(values.float(), nan=float("-inf"))  # NaN as -inf, last
+        order = torch.argsort(keys, dim=1, descending=True, stable=True)
+        return torch.gather(values, 1, order), torch.gather(indices, 1, order)
+    if fw == "jax":
+        import jax.numpy as jnp
+
+        order = jnp.argsort(-values.astype(jnp.float32), axis=1, stable=True)
+        return jnp.take_along_axis(values, order, 1), jnp.take_along_axis(indices, order, 1)
+    import cupy
+
+    if values.dtype.name == "bfloat16":  # its 16 bits are a float32's top half
+        keys = (values.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    else:
+        keys = values.astype(cupy.float32)
+    order = cupy.argsort(-keys, axis=1, kind="stable")
+    return cupy.take_along_axis(values, order, 1), cupy.take_along_axis(indices, order, 1)
+
+
+__all__ = ["top_k"]
