@@ -114,17 +114,19 @@ def top_k_mask_logits_ref(logits, top_k):
     return np.where(keep, x, -np.inf)
 
 
-def top_k_ref(x, k: int) -> tuple[np.ndarray, np.ndarray]:
+def top_k_ref(x, k: int, ties_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, indices) [rows, k] of top_k: v = the k-th largest of row b (NaN as -inf); every
-    element > v, then the elements == v of the smallest indices, k in all, each group in index
-    order. values keep the input's elements (NaN included)."""
+    element > v, then the elements == v of the smallest indices (ties_last: the largest), k in
+    all, each group in index order. values keep the input's elements (NaN included)."""
     x = np.atleast_2d(np.asarray(x))
     clean = np.where(np.isnan(f64(x)), -np.inf, f64(x))
     values, indices = [], []
     for row, c in zip(x, clean, strict=True):
         v = np.sort(c)[::-1][k - 1]
         greater = np.flatnonzero(c > v)
-        ties = np.flatnonzero(c == v)[: k - len(greater)]
+        equal = np.flatnonzero(c == v)
+        need = k - len(greater)
+        ties = equal[len(equal) - need :] if ties_last else equal[:need]
         take = np.concatenate([greater, ties])
         values.append(row[take])
         indices.append(take)

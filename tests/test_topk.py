@@ -36,10 +36,11 @@ def test_top_k_against_the_reference(rng, shape, dtype):
     rows, d = shape
     x = _logits(rng, shape, dtype)
     for k in sorted({1, min(10, d), min(256, d), d}):
-        values, indices = rtcinfer.top_k(cp.asarray(x), k)
-        want_v, want_i = sref.top_k_ref(x, k)
-        np.testing.assert_array_equal(to_host(indices), want_i, err_msg=f"k={k}")
-        _same(values, want_v)
+        for tie_break in (0, 2):
+            values, indices = rtcinfer.top_k(cp.asarray(x), k, tie_break=tie_break)
+            want_v, want_i = sref.top_k_ref(x, k, ties_last=tie_break == 2)
+            np.testing.assert_array_equal(to_host(indices), want_i, err_msg=f"k={k}")
+            _same(values, want_v)
 
 
 def test_sorted_in_each_framework(rng):
@@ -70,3 +71,18 @@ def test_strided_rows_and_bfloat16_sorted(rng):
     v, i = rtcinfer.top_k(view, 100, sorted=True)
     assert (np.diff(np.nan_to_num(to_host(v), nan=-np.inf), axis=1) <= 0).all()
     np.testing.assert_array_equal(np.sort(to_host(i), axis=1), np.sort(want_i, axis=1))
+
+
+def test_jax_eager_and_inside_jit(jax_gpu, rng):
+    """On JAX arrays, eager and inside jax.jit (k static), sorted or not."""
+    jax = jax_gpu
+    x = _logits(rng, (5, 3000), "float32")
+    want_v, want_i = sref.top_k_ref(x, 40)
+    xj = jax.numpy.asarray(x)
+    for fn in (rtcinfer.top_k, jax.jit(rtcinfer.top_k, static_argnums=(1,))):
+        values, indices = fn(xj, 40)
+        _same(np.asarray(values), want_v)
+        np.testing.assert_array_equal(np.asarray(indices), want_i)
+    values, indices = jax.jit(lambda a: rtcinfer.top_k(a, 40, sorted=True))(xj)
+    assert (np.diff(np.nan_to_num(np.asarray(values), nan=-np.inf), axis=1) <= 0).all()
+    np.testing.assert_array_equal(np.sort(np.asarray(indices), 1), np.sort(want_i, 1))

@@ -10,14 +10,15 @@ import pytest
 from tests import reference_sampling as sref
 
 
-def select_model(row, k: int, v: float, threads: int, vec: int):
+def select_model(row, k: int, v: float, threads: int, vec: int, ties_last: bool = False):
     """The kernel's pass over one row (its threads in lockstep): (values, indices, chunks)."""
     clean = np.where(np.isnan(row), -np.inf, row)
     greater = int((clean > v).sum())  # pass 1
     ties = k - greater
+    skip = int((clean == v).sum()) - ties if ties_last else 0
     values, indices = np.full(k, np.nan), np.full(k, -1)
     g_base = t_base = c = chunks = 0
-    while c < len(row) and (g_base < greater or t_base < ties):
+    while c < len(row) and (g_base < greater or t_base < skip + ties):
         segs = [clean[c + t * vec : c + (t + 1) * vec] for t in range(threads)]
         gts = np.array([(s > v).sum() for s in segs])
         eqs = np.array([(s == v).sum() for s in segs])
@@ -30,16 +31,18 @@ def select_model(row, k: int, v: float, threads: int, vec: int):
                     values[g_at[t]], indices[g_at[t]] = row[i], i
                     g_at[t] += 1
                 elif a == v:
-                    if t_at[t] < ties:
-                        values[greater + t_at[t]], indices[greater + t_at[t]] = row[i], i
+                    if skip <= t_at[t] < skip + ties:
+                        slot = greater + t_at[t] - skip
+                        values[slot], indices[slot] = row[i], i
                     t_at[t] += 1
         g_base, t_base = g_base + gts.sum(), t_base + eqs.sum()
         c, chunks = c + threads * vec, chunks + 1
     return values, indices, chunks
 
 
+@pytest.mark.parametrize("ties_last", [False, True])
 @pytest.mark.parametrize("threads, vec", [(32, 1), (8, 4), (64, 8)])
-def test_the_select_pass_gives_the_reference(threads, vec):
+def test_the_select_pass_gives_the_reference(threads, vec, ties_last):
     rng = np.random.default_rng(threads * vec)
     for _ in range(200):
         d = int(rng.integers(1, 60)) * vec
@@ -49,8 +52,8 @@ def test_the_select_pass_gives_the_reference(threads, vec):
         k = int(rng.integers(1, d + 1))
         clean = np.where(np.isnan(x), -np.inf, x)
         v = np.sort(clean)[::-1][k - 1]  # the radix select's threshold
-        values, indices, _ = select_model(x, k, v, threads, vec)
-        want_v, want_i = sref.top_k_ref(x, k)
+        values, indices, _ = select_model(x, k, v, threads, vec, ties_last)
+        want_v, want_i = sref.top_k_ref(x, k, ties_last)
         np.testing.assert_array_equal(indices, want_i[0])
         np.testing.assert_array_equal(values, want_v[0])
 

@@ -4,8 +4,9 @@
 //                 (the maximum is always kept)
 //   top_k_mask    out = x >= v ? x : -inf,             v = the k-th largest logit (NaN -> -inf)
 //   top_k_select  the k largest values of the row and their indices (FlashInfer's top_k): every
-//                 x > v, then the ties x == v of the smallest indices, k in all, each group in
-//                 index order (NaN counts as -inf); values_out, indices_out [rows, k]
+//                 x > v, then the ties x == v of the smallest indices (ties_last: the largest),
+//                 k in all, each group in index order (NaN counts as -inf); values_out,
+//                 indices_out [rows, k]
 // Pass 0 streams the row once (sum, maximum, block maxima); a floor at or below the threshold
 // comes from the block maxima, the values >= floor go to the candidate list (row_scan.cuh), the
 // exact threshold is a radix select (row_select.cuh) over the list (over the row when the list
@@ -29,9 +30,11 @@ struct RenormParams {
   const int64_t* top_k_arr64;  // [rows] or null
   const float* top_p_arr;      // [rows] or null
   T* values_out;               // top_k_select: [rows, top_k_val]; else unused
-  int64_t* indices_out;        // top_k_select: [rows, top_k_val]; else unused
+  int64_t* indices_out;        // top_k_select: [rows, top_k_val] (or indices32_out); else unused
+  int32_t* indices32_out;      // top_k_select: int32 indices instead (JAX without x64)
   int64_t in_stride, out_stride;
   int vocab, top_k_val;
+  int ties_last;               // top_k_select: take the ties of the largest indices
   float top_p_val;
 };
 
@@ -59,25 +62,39 @@ RTC_DEVICE void block_scan(unsigned long long mine, unsigned long long (&warps)[
   __syncthreads();
 }
 
+// Index `value` at `slot` of whichever index output is given.
+RTC_DEVICE void put_index(int64_t* indices, int32_t* indices32, unsigned int slot, int value) {
+  if (indices32 != nullptr) {
+    indices32[slot] = value;
+  } else {
+    indices[slot] = value;
+  }
+}
+
 // top_k_select's output: the k largest values of x_row (v: the k-th largest, NaN as -inf), the
-// G values > v then the k - G ties of the smallest indices, each in index order. Pass 1 counts
-// G; pass 2 takes the row a block at a time, a scan placing each thread's (greater, tie)
-// values, and stops once both groups are full.
-RTC_DEVICE void select_top_k(const T* x_row, int vocab, int k, float v, T* values,
-                             int64_t* indices) {
+// G values > v then k - G of the E ties, those of the smallest indices (ties_last: the
+// largest), each group in index order. Pass 1 counts G and E; pass 2 takes the row a block at
+// a time, a scan placing each thread's (greater, tie) values, and stops once both groups are
+// full.
+RTC_DEVICE void select_top_k(const T* x_row, int vocab, int k, float v, bool ties_last,
+                             T* values, int64_t* indices, int32_t* indices32) {
   __shared__ unsigned long long warps[WARPS];
-  unsigned int mine = 0;
+  unsigned long long mine = 0;  // (greater << 32) | ties
   for (int i = int(threadIdx.x) * VEC; i < vocab; i += THREADS * VEC) {
     Vec<T, VEC> x;
     x.load(x_row + i);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) mine += LogitPolicy::clean(to_float(x[j])) > v;
+    for (int j = 0; j < VEC; ++j) {
+      const float a = LogitPolicy::clean(to_float(x[j]));
+      mine += (static_cast<unsigned long long>(a > v) << 32) | (a == v);
+    }
   }
   unsigned long long excl, total;
   block_scan(mine, warps, excl, total);
-  const unsigned int greater = unsigned(total), ties = unsigned(k) - greater;
-  unsigned int g_base = 0, t_base = 0;  // placed so far (the same in every thread)
-  for (int c = 0; c < vocab && (g_base < greater || t_base < ties); c += THREADS * VEC) {
+  const unsigned int greater = unsigned(total >> 32), ties = unsigned(k) - greater;
+  const unsigned int skip = ties_last ? unsigned(total) - ties : 0;  // ties passed over first
+  unsigned int g_base = 0, t_base = 0;  // seen so far (the same in every thread)
+  for (int c = 0; c < vocab && (g_base < greater || t_base < skip + ties); c += THREADS * VEC) {
     const int i = c + int(threadIdx.x) * VEC;
     Vec<T, VEC> x;
     unsigned int gt = 0, eq = 0;
@@ -98,11 +115,11 @@ RTC_DEVICE void select_top_k(const T* x_row, int vocab, int k, float v, T* value
         const float a = LogitPolicy::clean(to_float(x[j]));
         if (a > v) {
           values[g_at] = x[j];
-          indices[g_at++] = i + j;
+          put_index(indices, indices32, g_at++, i + j);
         } else if (a == v) {
-          if (t_at < ties) {
-            values[greater + t_at] = x[j];
-            indices[greater + t_at] = i + j;
+          if (t_at >= skip && t_at < skip + ties) {
+            values[greater + t_at - skip] = x[j];
+            put_index(indices, indices32, greater + t_at - skip, i + j);
           }
           ++t_at;
         }
@@ -196,7 +213,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
 
   const T* x_row = in + r * in_stride;
   if constexpr (SELECT) {
-    select_top_k(x_row, vocab, k, v, p.values_out + int64_t(r) * k, p.indices_out + int64_t(r) * k);
+    const int64_t at = int64_t(r) * k;
+    select_top_k(x_row, vocab, k, v, p.ties_last != 0, p.values_out + at,
+                 p.indices32_out ? nullptr : p.indices_out + at,
+                 p.indices32_out ? p.indices32_out + at : nullptr);
     return;
   }
   T* y_row = out + r * out_stride;

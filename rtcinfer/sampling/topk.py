@@ -2,8 +2,9 @@
 
 The k-th largest value v is found exactly as top_k_mask_logits finds it (a radix select,
 cuda_src/sampling/renorm.cu); the kernel then writes every value > v and the ties == v of the
-smallest indices, k in all, each group in index order: deterministic, whatever the flags. NaN
-counts as -inf (selected only where fewer than k other values exist).
+smallest indices (tie_break 2: the largest), k in all, each group in index order:
+deterministic, whatever the flags. NaN counts as -inf (selected only where fewer than k other
+values exist).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from ..launch import Kernel, Launch
 from ..layout import fit_vec, leading_rows, row_smem_bytes
 from .renorm import renorm_spec
 
-TIE_BREAKS = (0, 1)  # none (here: the smallest indices, as 1) and the smallest indices
+TIE_BREAKS = (0, 1, 2)  # none (here: the smallest indices, as 1), smallest, largest indices
 
 
 def _prepare(infos, _align: int, static: tuple) -> Prepared:
-    """Slot (input,) -> (values [rows, k] in the input's dtype, indices [rows, k] int64).
-    Scalars: (k,)."""
-    (k,) = static
+    """Slot (input,) -> (values [rows, k] in the input's dtype, indices [rows, k] int64, or
+    int32 for JAX without 64-bit types). Static: (k, tie_break[, "jax"]). Scalars: (k,)."""
+    k, tie_break = static[:2]
+    index = "int32" if static[2:] == ("jax",) and not _jax_x64() else "int64"
     (x,) = infos
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"input: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
@@ -40,32 +42,42 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
     p = launch.params
     p.in_stride, p.out_stride, p.vocab = xs, 0, vocab
-    outs = (OutSlot((rows, k), x.dtype), OutSlot((rows, k), "int64"))
-    fill = Fill((("input", 0), ("values_out", 1), ("indices_out", 2)), (("top_k_val", 0),))
+    p.ties_last = int(tie_break == 2)
+    outs = (OutSlot((rows, k), x.dtype), OutSlot((rows, k), index))
+    indices = "indices_out" if index == "int64" else "indices32_out"
+    fill = Fill((("input", 0), ("values_out", 1), (indices, 2)), (("top_k_val", 0),))
     return one_launch(outs, launch, fill)
 
 
-_OP = Op("top_k", ("input",), _prepare)
+def _jax_x64() -> bool:
+    """Whether JAX has 64-bit types (jax_enable_x64): int64 indices, else int32 ones."""
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+_OP = Op("top_k", ("input",), _prepare, jax_static=lambda static: (*static, "jax"))
 
 
 @compilable("input")
 def top_k(input, k: int, sorted: bool = False, deterministic: bool = False,
           tie_break: int = 0, dsa_graph_safe: bool = False):  # fmt: skip
     """(values, indices): the k largest values of each row of input [batch, d] (float32,
-    float16, bfloat16) and their indices (int64), [batch, k] each.
+    float16, bfloat16) and their indices (int64; int32 for JAX arrays without
+    jax_enable_x64), [batch, k] each.
 
     Selection: v = the k-th largest of row b; every x > v, then the ties x == v of the smallest
-    indices, k in all (NaN counts as -inf). Unsorted (sorted=False), the values > v come first,
-    each group in index order; sorted=True orders each row by value, descending (ties by
-    index), through the caller's framework. Deterministic whatever `deterministic`;
-    tie_break 0 and 1 both take the smallest indices (2, the largest, is refused);
-    dsa_graph_safe is accepted (the call allocates only its outputs, on the caller's stream).
+    indices (tie_break 0 or 1; 2: the largest indices), k in all (NaN counts as -inf).
+    Unsorted (sorted=False), the values > v come first, each group in index order;
+    sorted=True orders each row by value, descending (ties by index), through the caller's
+    framework. Deterministic whatever `deterministic`; dsa_graph_safe is accepted (the call
+    allocates only its outputs, on the caller's stream).
     """
     if tie_break not in TIE_BREAKS:
-        raise ValueError(f"tie_break={tie_break!r}: 0 or 1 (the smallest indices) is supported")
+        raise ValueError(f"tie_break={tie_break!r}: expected 0, 1 or 2")
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k: expected an int, got {type(k).__name__}")
-    values, indices = call(_OP, (input,), (int(k),), (int(k),))
+    values, indices = call(_OP, (input,), (int(k), int(tie_break)), (int(k),))
     if not sorted:
         return values, indices
     return _sorted(values, indices)
