@@ -13,6 +13,7 @@ from .prepared import (
     dense_strides,
     no_launch,
     one_launch,
+    row_count,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "no_launch",
     "one_launch",
     "release",
+    "row_count",
 ]

@@ -160,15 +160,13 @@ def seen_before(op: Op, key: tuple) -> bool:
     h = hash(key)
     if h in op.cache:
         return True
-    with op._lock:
-        if len(op.cache) >= MAX_SIGNATURES:
-            op.cache.clear()
-        op.cache[h] = ()
+    _kept(op, h, ())
     return False
 
 
-def _kept(op: Op, key: tuple, prep: Prepared) -> Prepared:
-    """op.cache's entry for `key`, `prep` unless another thread kept one first."""
+def _kept(op: Op, key, prep):
+    """op.cache's entry for `key`, `prep` unless another thread kept one first (a prepared
+    call, or a note of seen_before)."""
     with op._lock:
         if len(op.cache) >= MAX_SIGNATURES:  # a server's ever-new token counts: start over
             op.cache.clear()

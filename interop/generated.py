@@ -46,8 +46,9 @@ def _folder() -> Path | None:
     tag = sys.implementation.cache_tag
     if tag is None:
         return None
-    root = os.environ.get("RTCINFER_CACHE_DIR") or "~/.cache/rtcinfer"  # as toolchain's
-    return Path(root).expanduser().absolute() / f"python-{tag}"
+    from ..toolchain import cache_dir  # (here: rtcinfer imports this package first)
+
+    return cache_dir() / f"python-{tag}"
 
 
 def _from_disk(source: str, label: str) -> CodeType:

@@ -139,8 +139,9 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
     for its launch and raises what it reported. `rows`: the leading dim of the op's row
     slots (Op.rows) the call was made for, where nothing but the grid's x (a multiple of it)
     and the outputs' first dims depend on it, so that with_rows makes the call of another
-    (0: not so); `remake(n, outs)`: that call, where more depends on the rows (the op's own
-    launch geometry, from the validated signature). `fields`: Prepared's others."""
+    (0, or one row, whose strides read differently: not so); `remake(n, outs)`: that call,
+    where more depends on the rows (the op's own launch geometry, from the validated
+    signature). `fields`: Prepared's others."""
     lines = ["def run(stream, device, ptrs, scalars):"]
     lines += ["    found = _before(_record, device, stream)"] if record is not None else []
     lines += ["    _lock.acquire()", "    try:", *fill.lines("_p", "        ")]
@@ -155,7 +156,8 @@ def one_launch(outs: tuple[OutSlot, ...], launch, fill: Fill, record=None, check
         names.update(_before=errors.before_launch, _record=record, _check=errors.check_launch)
     run = define(lines, names, "<run of a one-launch call>")
     return Prepared(outs, run, preload=launch.preload, launch=launch, fill=fill,
-                    record=record, check=record is not None and check, rows=rows,
+                    record=record, check=record is not None and check,
+                    rows=rows if rows >= 2 else 0,
                     remake=remake, **fields)  # fmt: skip
 
 
@@ -179,6 +181,12 @@ def with_rows(prep: Prepared, n: int, row_slots: tuple[int, ...]) -> Prepared:
                           dense=prep.dense)  # fmt: skip
     made.one_device = prep.one_device
     return made
+
+
+def row_count(x) -> int:
+    """one_launch's `rows` for an op whose row slot is `x` (ArrayInfo): its leading dim where it
+    has two or more dims (a 1-D array's only dim is not a row count)."""
+    return x.shape[0] if x.ndim >= 2 else 0
 
 
 def no_launch(stream, device, ptrs, scalars) -> None:
@@ -228,5 +236,6 @@ __all__ = [
     "dense_strides",
     "no_launch",
     "one_launch",
+    "row_count",
     "with_rows",
 ]

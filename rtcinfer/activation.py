@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from . import jit
-from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
+from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch, row_count
 from .interop.arrays import compilable
 from .interop.dtypes import FLOAT_DTYPES, itemsize
 from .interop.shortcut import Shortcut
@@ -73,8 +73,7 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
     p.xs0, p.xs1, p.os0, p.os1, p.n1, p.d = xs0, xs1, ys0, ys1, n1, d
 
     outs = (OutSlot(shape, x.dtype, 1 if out is not None else None),)
-    rows = x.shape[0] if x.ndim >= 2 and x.shape[0] >= 2 else 0  # prepared.with_rows's
-    return one_launch(outs, launch, Fill((("x", 0), ("out", 2))), rows=rows)
+    return one_launch(outs, launch, Fill((("x", 0), ("out", 2))), rows=row_count(x))
 
 
 _OP = Op("act_and_mul", ("input", "out"), _prepare, given=("out",), rows=("input", "out"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from . import jit
-from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch
+from .interop import Fill, Op, OutSlot, Prepared, call, dense_strides, one_launch, row_count
 from .interop.arrays import cast, compilable
 from .interop.dtypes import FLOAT_DTYPES, FP8_DTYPES, itemsize, normalize
 from .interop.shortcut import Shortcut
@@ -183,14 +183,8 @@ def _prepare(infos, align: int, static: tuple) -> Prepared:
         pointers = (("x", 0), ("residual", 0), ("residual_out", 0), ("out", 4), ("weight", 1),
                     ("bias", 2 if op == "layernorm" else 1))  # fmt: skip
     dense = _dense(infos, (2,) if fused else (1, 2))
-    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)), rows=_rows(x), dense=dense)
-
-
-def _rows(x) -> int:
-    """A call's row count as its key sees it (its first dim), where the launch depends on it
-    only through its grid and outputs (prepared.with_rows): two or more rows of an array of
-    two or more dims."""
-    return x.shape[0] if x.ndim >= 2 and x.shape[0] >= 2 else 0
+    return one_launch(outs, launch, Fill(pointers, (("eps", 0),)), rows=row_count(x),
+                      dense=dense)  # fmt: skip
 
 
 _PLAIN = Op("norm", ("input", "weight", "beta", "out"), _prepare, given=("out",),
@@ -268,7 +262,7 @@ def _prepare_quant(infos, align: int, static: tuple) -> Prepared:
     pointers = (("x", 0), ("weight", 2), ("bias", 5 if layer else 2), ("scale", 4), ("out", 6),
                 ("residual", residual), ("residual_out", residual_out))  # fmt: skip
     return one_launch(outs, launch, Fill(pointers, (("eps", 0), ("scale_value", 1))),
-                      rows=_rows(x), dense=_dense(infos, (2, 5)))  # fmt: skip
+                      rows=row_count(x), dense=_dense(infos, (2, 5)))  # fmt: skip
 
 
 _QUANT = Op("norm_quant", ("input", "residual", "weight", "out", "scale", "beta"), _prepare_quant,

@@ -242,7 +242,7 @@ def _prepare(positions: tuple[str, ...], infos, _align: int, static: tuple) -> P
         launch = _launch(spec, q.device, n, hq, hk, batch, strides)
         if rec is not None:  # positions index the table: checked on the device
             launch.params.max_pos = max_pos
-        return _prepared(outs, launch, rec, check, dense, n if n >= 2 else 0, remake)
+        return _prepared(outs, launch, rec, check, dense, n, remake)
 
     return remake(nnz, outs) if nnz else _prepared(outs, _launch(spec, *geometry), rec, check,
                                                    dense)  # fmt: skip

@@ -219,7 +219,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                 (("scale_q", 0), ("scale_kv", 1)))  # fmt: skip
     dense = tuple(i for i in (4, 5) if not infos[i].contiguous)
     return one_launch(outs, launch, fill, record=errors.record(q_rope.device),
-                      check=errors.checking(), rows=nnz if nnz >= 2 else 0,
+                      check=errors.checking(), rows=nnz,
                       dense=dense)  # fmt: skip
 
 
@@ -388,7 +388,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
                 (("scale_q", 0), ("scale_kv", 1)))  # fmt: skip
     dense = tuple(i for i in (5, 6, 9, 10, 11, 12) if not infos[i].contiguous)
     return one_launch(outs, launch, fill, record=errors.record(q_rope.device),
-                      check=errors.checking(), rows=nnz if nnz >= 2 else 0,
+                      check=errors.checking(), rows=nnz,
                       dense=dense)  # fmt: skip
 
 

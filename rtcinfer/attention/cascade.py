@@ -145,7 +145,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
         p.num_a = a_v.shape[1] if a_v.ndim == 4 else 1
         if sink:
             (p.sinks_h,) = sinks.strides
-        return one_launch(outs, launch, fill, dense=dense, rows=n if n >= 2 else 0,
+        return one_launch(outs, launch, fill, dense=dense, rows=n,
                           remake=remake)  # fmt: skip
 
     o = len(infos)

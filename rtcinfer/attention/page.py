@@ -183,7 +183,7 @@ def _prepare_append(infos, _align: int, static: tuple) -> Prepared:
         p.batch_size, p.num_indices = infos[table + 2].shape[0], infos[table].shape[0]
         p.num_pages = caches[0].shape[0]
         return one_launch(outs, launch, fill, record=rec, check=check, dense=dense,
-                          rows=n if n >= 2 else 0, remake=remake)  # fmt: skip
+                          rows=n, remake=remake)  # fmt: skip
 
     return remake(key.shape[0], outs, first)
 
