@@ -83,6 +83,6 @@ def test_refusals(empty):
             rtcinfer.top_k(x, 5, tie_break=3)
         with pytest.raises(TypeError, match="input: dtype must be one of"):
             rtcinfer.top_k(empty((2, 100), np.int32), 5)
-        with pytest.raises(ValueError, match=r"input: expected shape \(batch, d\)"):
+        with pytest.raises(ValueError, match=r"input: expected shape \(batch, vocab\)"):
             rtcinfer.top_k(empty((2, 3, 100), np.float32), 5)
     assert steps == []

@@ -113,12 +113,7 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
     Scalars: (top_k, top_p)."""
     (op,) = static
     x, param = infos
-    arg = "logits" if op == "top_k_mask" else "probs"
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{arg}: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
-    if x.ndim != 2 or x.shape[1] == 0:
-        raise ValueError(f"{arg}: expected shape (batch, vocab) with vocab > 0, got {x.shape}")
-    rows, vocab = x.shape
+    rows, vocab, xs = checked_rows(x, "logits" if op == "top_k_mask" else "probs")
     if param is not None:
         name, dtypes = _PARAMS[op]
         if param.dtype not in dtypes or param.shape != (rows,):
@@ -127,19 +122,35 @@ def _prepare(infos, _align: int, static: tuple) -> Prepared:
                 f"({rows},), got a rank-{len(param.shape)} {param.dtype} array of shape "
                 f"{param.shape}"
             )
-    _, _, xs, _ = leading_rows(x, arg)
-    ys = vocab  # the output is allocated dense
-    spec = renorm_spec(op, x.dtype, vocab, rows, jit.device_limits(x.device)[0])
-    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, x.align, [xs, ys]))  # out: new
-    kernel = Kernel(spec, "renorm_kernel", "RenormParams", row_smem_bytes(spec.threads))
-    launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
-    p = launch.params
-    p.in_stride, p.out_stride, p.vocab = xs, ys, vocab
+    launch = row_launch(op, x, xs, vocab)  # the output: allocated dense
     pointers = (("input", 0), ("out", 2))
     pointers += () if param is None else ((_ARRAY_FIELDS[param.dtype], 1),)
     fill = Fill(pointers, (("top_k_val", 0), ("top_p_val", 1)))
     dense = () if param is None else (1,)
     return one_launch((OutSlot(x.shape, x.dtype),), launch, fill, dense=dense)
+
+
+def checked_rows(x, arg: str) -> tuple[int, int, int]:
+    """(rows, vocab, row stride) of x [rows, vocab] (ArrayInfo, `arg` its name in messages),
+    checked: a float dtype, two dims, a nonempty row."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{arg}: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"{arg}: expected shape (batch, vocab) with vocab > 0, got {x.shape}")
+    return x.shape[0], x.shape[1], leading_rows(x, arg)[2]
+
+
+def row_launch(op: str, x, xs: int, out_stride: int) -> Launch:
+    """The launch of `op` (a key of RENORM_OPS) over the rows of x (checked_rows', `xs` its row
+    stride), a CTA a row: in_stride, out_stride and vocab written."""
+    rows, vocab = x.shape
+    spec = renorm_spec(op, x.dtype, vocab, rows, jit.device_limits(x.device)[0])
+    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, x.align, [xs, out_stride]))
+    kernel = Kernel(spec, "renorm_kernel", "RenormParams", row_smem_bytes(spec.threads))
+    launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
+    p = launch.params
+    p.in_stride, p.out_stride, p.vocab = xs, out_stride, vocab
+    return launch
 
 
 _OPS = {

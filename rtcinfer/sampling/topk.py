@@ -9,40 +9,24 @@ values exist).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from .. import jit
 from ..interop import Fill, Op, OutSlot, Prepared, call, one_launch
 from ..interop.arrays import compilable, framework
-from ..interop.dtypes import FLOAT_DTYPES
-from ..launch import Kernel, Launch
-from ..layout import fit_vec, leading_rows, row_smem_bytes
-from .renorm import renorm_spec
+from .renorm import checked_rows, row_launch
 
 TIE_BREAKS = (0, 1, 2)  # none (here: the smallest indices, as 1), smallest, largest indices
 
 
 def _prepare(infos, _align: int, static: tuple) -> Prepared:
     """Slot (input,) -> (values [rows, k] in the input's dtype, indices [rows, k] int64, or
-    int32 for JAX without 64-bit types). Static: (k, tie_break[, "jax"]). Scalars: (k,)."""
-    k, tie_break = static[:2]
+    int32 for JAX without 64-bit types). Static: (k, ties_last[, "jax"]). Scalars: (k,)."""
+    k, ties_last = static[:2]
     index = "int32" if static[2:] == ("jax",) and not _jax_x64() else "int64"
     (x,) = infos
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"input: dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
-    if x.ndim != 2 or x.shape[1] == 0:
-        raise ValueError(f"input: expected shape (batch, d) with d > 0, got {x.shape}")
-    rows, vocab = x.shape
+    rows, vocab, xs = checked_rows(x, "input")
     if not 1 <= k <= vocab:
         raise ValueError(f"k: expected 1 <= k <= {vocab} (the row's length), got {k}")
-    _, _, xs, _ = leading_rows(x, "input")
-    spec = renorm_spec("top_k_select", x.dtype, vocab, rows, jit.device_limits(x.device)[0])
-    spec = replace(spec, vec=fit_vec(spec.vec, x.itemsize, x.align, [xs]))
-    kernel = Kernel(spec, "renorm_kernel", "RenormParams", row_smem_bytes(spec.threads))
-    launch = Launch(kernel, (rows, 1, 1), (spec.threads, 1, 1))
-    p = launch.params
-    p.in_stride, p.out_stride, p.vocab = xs, 0, vocab
-    p.ties_last = int(tie_break == 2)
+    launch = row_launch("top_k_select", x, xs, 0)  # (no row output)
+    launch.params.ties_last = int(ties_last)
     outs = (OutSlot((rows, k), x.dtype), OutSlot((rows, k), index))
     indices = "indices_out" if index == "int64" else "indices32_out"
     fill = Fill((("input", 0), ("values_out", 1), (indices, 2)), (("top_k_val", 0),))
@@ -77,7 +61,7 @@ def top_k(input, k: int, sorted: bool = False, deterministic: bool = False,
         raise ValueError(f"tie_break={tie_break!r}: expected 0, 1 or 2")
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k: expected an int, got {type(k).__name__}")
-    values, indices = call(_OP, (input,), (int(k), int(tie_break)), (int(k),))
+    values, indices = call(_OP, (input,), (int(k), tie_break == 2), (int(k),))
     if not sorted:
         return values, indices
     return _sorted(values, indices)
